@@ -1,0 +1,17 @@
+// The CPU backend: every op's reference kernel as the fallback dialect "reference", plus the
+// fast paths (dialects "cpu" and "openblas") registered by the files beside this one.
+#include "backends/cpu/cpu_kernels.h"
+
+namespace kiln {
+
+void register_cpu_kernels(KernelRegistry& registry) {
+  for (int i = 0; i < kNumOps; ++i) {
+    Op op = static_cast<Op>(i);
+    if (!has_op_def(op)) continue;  // a half-added op; tests/op_table_test.cc reports it
+    registry.add(op, KernelImpl{"reference", Device::kCpu, kReferencePriority, {},
+                                op_def(op).reference});
+  }
+  cpu::register_fast_kernels(registry);
+}
+
+}  // namespace kiln

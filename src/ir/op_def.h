@@ -1,0 +1,60 @@
+// What each op is, beyond its op-table line: its attribute schema, its shape/dtype inference
+// (which is also its verifier: it throws kiln::Error on anything it cannot accept) and its CPU
+// reference kernel. Definitions live in src/ops/, one file per family of ops, and are collected
+// by ops/registry.cc. The IR uses the schema and inference; backends use the reference kernel.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ir/attribute.h"
+#include "ir/op.h"
+#include "ir/shape.h"
+
+namespace kiln {
+
+class Tensor;
+
+struct AttrSpec {
+  std::string name;
+  AttrKind kind;
+  // Value used when the attribute is absent. No default and not optional: required.
+  std::optional<AttrValue> default_value = std::nullopt;
+  bool optional = false;  // may be absent, with no default (e.g. attention's scale)
+};
+
+// Arguments of a kernel call: the node's attributes, its input tensors, and its output tensors,
+// already allocated with the inferred types.
+struct KernelArgs {
+  const Attributes& attrs;
+  std::span<const Tensor> inputs;
+  std::span<Tensor> outputs;
+};
+
+using InferFn = std::function<std::vector<TensorType>(std::span<const TensorType> inputs,
+                                                      const Attributes& attrs)>;
+using KernelFn = std::function<void(const KernelArgs& args)>;
+
+struct OpDef {
+  std::vector<AttrSpec> attrs;
+  InferFn infer;
+  KernelFn reference;  // simple, correct, computes in f64: the oracle for every fast kernel
+};
+
+// The definition of `op`. Throws kiln::Error if the op has none (a half-added op).
+const OpDef& op_def(Op op);
+// True when every op of the table has a definition with inference and a reference kernel.
+bool has_op_def(Op op);
+
+// Checks `attrs` against the op's schema: unknown names, wrong kinds and missing required
+// attributes throw kiln::Error; absent defaults are filled in; an int given for a float (and
+// an empty list for either list kind) is converted.
+Attributes normalize_attributes(Op op, Attributes attrs);
+// Checks the input count, then runs the op's inference. Error messages name the op.
+std::vector<TensorType> infer_types(Op op, std::span<const TensorType> inputs,
+                                    const Attributes& attrs);
+
+}  // namespace kiln

@@ -1,0 +1,65 @@
+#include "ir/verifier.h"
+
+#include <set>
+
+#include "ir/op_def.h"
+#include "support/error.h"
+
+namespace kiln {
+namespace {
+std::string value_label(const Graph& g, ValueId id) {
+  if (g.is_valid(id) && !g.value(id).name.empty()) return "%" + g.value(id).name;
+  return fmt::format("value #{}", id);
+}
+}  // namespace
+
+void verify(const Graph& graph) {
+  std::vector<bool> defined(graph.values.size(), false);
+  auto define = [&](ValueId id, const std::string& where) {
+    KILN_CHECK(graph.is_valid(id), "{}: value id {} is out of range ({} values)", where, id,
+               graph.values.size());
+    KILN_CHECK(!defined[id], "{}: {} is defined twice", where, value_label(graph, id));
+    defined[id] = true;
+  };
+  for (const GraphInput& input : graph.inputs) define(input.value, "graph input");
+
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    std::string where = fmt::format("node {} ({})", n, op_name(node.op));
+    std::vector<TensorType> input_types;
+    for (ValueId id : node.inputs) {
+      KILN_CHECK(graph.is_valid(id), "{}: input value id {} is out of range", where, id);
+      KILN_CHECK(defined[id], "{}: input {} is used before it is defined", where,
+                 value_label(graph, id));
+      input_types.push_back(graph.type(id));
+    }
+    std::vector<TensorType> expected;
+    try {
+      Attributes normalized = normalize_attributes(node.op, node.attrs);
+      KILN_CHECK(normalized == node.attrs, "attributes are not normalized (defaults missing)");
+      expected = infer_types(node.op, input_types, node.attrs);
+    } catch (const Error& e) {
+      fail("{}: {}", where, e.what());
+    }
+    KILN_CHECK(expected.size() == node.outputs.size(), "{}: has {} outputs, expected {}", where,
+               node.outputs.size(), expected.size());
+    for (size_t i = 0; i < node.outputs.size(); ++i) {
+      define(node.outputs[i], where);
+      const TensorType& actual = graph.type(node.outputs[i]);
+      KILN_CHECK(actual == expected[i], "{}: output {} has type {}, inference gives {}", where,
+                 value_label(graph, node.outputs[i]), to_string(actual), to_string(expected[i]));
+    }
+  }
+  for (ValueId id : graph.outputs) {
+    KILN_CHECK(graph.is_valid(id) && defined[id], "graph output {} is not defined",
+               value_label(graph, id));
+  }
+  std::set<std::string> names;
+  for (size_t i = 0; i < graph.values.size(); ++i) {
+    const std::string& name = graph.values[i].name;
+    if (name.empty()) continue;
+    KILN_CHECK(names.insert(name).second, "value name '%{}' is used twice", name);
+  }
+}
+
+}  // namespace kiln

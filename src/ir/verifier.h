@@ -1,0 +1,17 @@
+// The graph verifier: checks the structural invariants every pass and backend relies on.
+// Run on every finished graph (the builder, the parser) and after every pass.
+#pragma once
+
+#include "ir/graph.h"
+
+namespace kiln {
+
+// Throws kiln::Error naming the first broken invariant:
+// - every value id in range; every value defined exactly once (graph input or node output),
+//   and defined before use (topological order);
+// - every node's attributes match its op's schema and its output types equal what inference
+//   gives for its input types;
+// - value names, where given, are unique; graph outputs exist.
+void verify(const Graph& graph);
+
+}  // namespace kiln

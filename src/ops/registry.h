@@ -1,0 +1,29 @@
+// Internal to src/ops/: how op families hand their definitions to the one registry.
+// To add an op: its line in ir/ops.def, its OpDef in the family file here, its tests.
+#pragma once
+
+#include <array>
+#include <optional>
+
+#include "ir/op_def.h"
+
+namespace kiln::ops {
+
+class OpRegistry {
+ public:
+  // Throws if `op` is defined twice.
+  void define(Op op, OpDef def);
+  const OpDef* find(Op op) const;
+
+ private:
+  std::array<std::optional<OpDef>, kNumOps> defs_;
+};
+
+// One function per family file.
+void define_source_ops(OpRegistry& registry);       // ops/source.cc: constant, full, iota
+void define_elementwise_ops(OpRegistry& registry);  // ops/elementwise.cc: unary, binary, cast, where, dropout
+void define_reduction_ops(OpRegistry& registry);    // ops/reduction.cc: sum, mean, max, argmax
+void define_shape_ops(OpRegistry& registry);        // ops/shape.cc: reshape, transpose, slice, ...
+void define_nn_ops(OpRegistry& registry);           // ops/nn.cc: matmul, softmax, norms, losses, attention
+
+}  // namespace kiln::ops

@@ -1,0 +1,113 @@
+#include "tensor/tensor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+namespace kiln {
+
+Tensor::Tensor(TensorType type) : type_(std::move(type)) {
+  size_t n = std::max<size_t>(type_.bytes(), 1);
+  size_t rounded = (n + 63) / 64 * 64;
+  std::byte* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
+  if (!p) fail("out of host memory allocating {} bytes for {}", rounded, to_string(type_));
+  std::memset(p, 0, rounded);
+  storage_ = std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
+}
+
+Tensor::Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset)
+    : type_(std::move(type)), storage_(std::move(storage)), offset_(offset) {}
+
+void Tensor::check_storage_type(size_t size, bool matches) const {
+  KILN_CHECK(matches && size == dtype_size(type_.dtype),
+             "tensor of {} accessed with an element type of {} bytes", to_string(type_), size);
+}
+
+double Tensor::get(int64_t index) const {
+  return visit_dtype(type_.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return to_double(reinterpret_cast<const T*>(raw())[index]);
+  });
+}
+
+void Tensor::set(int64_t index, double value) {
+  visit_dtype(type_.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    reinterpret_cast<T*>(raw())[index] = from_double<T>(value);
+  });
+}
+
+std::vector<double> Tensor::to_f64() const {
+  std::vector<double> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) out[i] = get(i);
+  return out;
+}
+
+Tensor Tensor::from_f64(TensorType type, std::span<const double> values) {
+  Tensor t(std::move(type));
+  KILN_CHECK(static_cast<int64_t>(values.size()) == t.numel(),
+             "{} values given for a tensor of {}", values.size(), to_string(t.type()));
+  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, values[i]);
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  Tensor t(type_);
+  std::memcpy(t.raw(), raw(), bytes());
+  return t;
+}
+
+Tensor Tensor::reshaped(Shape shape) const {
+  KILN_CHECK(kiln::numel(shape) == numel(), "cannot view {} as shape {}", to_string(type_),
+             to_string(shape));
+  return Tensor(TensorType{type_.dtype, std::move(shape)}, storage_, offset_);
+}
+
+Tensor random_tensor(const TensorType& type, uint64_t seed, double low, double high) {
+  Tensor t(type);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(low, high);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    double u = uniform(rng);
+    if (type.dtype == DType::kBool) u = (rng() & 1) ? 1.0 : 0.0;
+    else if (is_integer(type.dtype)) u = std::floor(u);
+    t.set(i, u);
+  }
+  return t;
+}
+
+double max_scaled_error(const Tensor& a, const Tensor& b, double atol, double rtol) {
+  KILN_CHECK(a.shape() == b.shape(), "comparing tensors of shapes {} and {}",
+             to_string(a.shape()), to_string(b.shape()));
+  double worst = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x = a.get(i), y = b.get(i);
+    if (std::isnan(x) || std::isnan(y)) {
+      if (std::isnan(x) != std::isnan(y)) return INFINITY;
+      continue;
+    }
+    if (x == y) continue;  // equal infinities too
+    worst = std::max(worst, std::abs(x - y) / (atol + rtol * std::abs(y)));
+  }
+  return worst;
+}
+
+std::string summarize(const Tensor& t) {
+  std::vector<double> v = t.to_f64();
+  double lo = INFINITY, hi = -INFINITY, sum = 0.0;
+  for (double x : v) {
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    sum += x;
+  }
+  std::string head;
+  for (size_t i = 0; i < std::min<size_t>(v.size(), 6); ++i)
+    head += fmt::format("{}{:.6g}", i ? ", " : "", v[i]);
+  if (v.size() > 6) head += ", ...";
+  if (v.empty()) return fmt::format("{} (empty)", to_string(t.type()));
+  return fmt::format("{}  min {:.6g}  max {:.6g}  mean {:.6g}  [{}]", to_string(t.type()), lo, hi,
+                     sum / static_cast<double>(v.size()), head);
+}
+
+}  // namespace kiln

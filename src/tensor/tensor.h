@@ -1,0 +1,67 @@
+// Host tensors: a TensorType plus shared storage. Kernels read and write them; the executor
+// owns their memory. Copying a Tensor shares the storage (use clone() for a deep copy).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "ir/shape.h"
+#include "support/error.h"
+
+namespace kiln {
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // Allocates zero-filled, 64-byte-aligned storage.
+  explicit Tensor(TensorType type);
+  // A view of `storage` at byte `offset` (e.g. a slot of the executor's arena).
+  Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset);
+
+  const TensorType& type() const { return type_; }
+  DType dtype() const { return type_.dtype; }
+  const Shape& shape() const { return type_.shape; }
+  int rank() const { return type_.rank(); }
+  int64_t numel() const { return type_.numel(); }
+  size_t bytes() const { return type_.bytes(); }
+  bool defined() const { return storage_ != nullptr; }
+
+  std::byte* raw() const { return storage_.get() + offset_; }
+  // Typed pointer; throws kiln::Error if T is not the storage type of dtype().
+  template <typename T>
+  T* data() const {
+    check_storage_type(sizeof(T), visit_dtype(type_.dtype, [](auto v) {
+      return std::is_same_v<decltype(v), T>;
+    }));
+    return reinterpret_cast<T*>(raw());
+  }
+
+  // Element access through double, for any dtype (the reference kernels' path).
+  double get(int64_t index) const;
+  void set(int64_t index, double value);
+  std::vector<double> to_f64() const;
+  static Tensor from_f64(TensorType type, std::span<const double> values);
+
+  Tensor clone() const;
+  // Same storage, another shape with the same element count (and dtype).
+  Tensor reshaped(Shape shape) const;
+
+ private:
+  void check_storage_type(size_t size, bool matches) const;
+
+  TensorType type_;
+  std::shared_ptr<std::byte[]> storage_;
+  size_t offset_ = 0;
+};
+
+// Uniform random values in [low, high) for float dtypes; integers in [low, high) (truncated);
+// bools half true. Deterministic in `seed`.
+Tensor random_tensor(const TensorType& type, uint64_t seed, double low = -1.0, double high = 1.0);
+// Largest |a - b| / (atol + rtol * |b|) over all elements: <= 1 means "close".
+double max_scaled_error(const Tensor& a, const Tensor& b, double atol, double rtol);
+// One-line summary: type, min, max, mean, first values.
+std::string summarize(const Tensor& t);
+
+}  // namespace kiln
