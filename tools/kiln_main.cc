@@ -1,2 +1,143 @@
-#include <cstdio>
-int main() { std::puts("kiln"); return 0; }
+// The `kiln` command-line tool. Each subcommand is a thin layer over the library; errors are
+// kiln::Error, printed as one line, with a non-zero exit.
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "ir/text.h"
+#include "ir/verifier.h"
+#include "models/models.h"
+#include "runtime/executor.h"
+#include "support/error.h"
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  KILN_CHECK(in.good(), "cannot open '{}'", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+kiln::Graph parse_file(const std::string& path) {
+  try {
+    return kiln::parse(read_file(path));
+  } catch (const kiln::ParseError& e) {
+    throw kiln::Error(path + ":" + e.what());
+  }
+}
+
+std::vector<kiln::Tensor> random_inputs(const kiln::Graph& graph, uint64_t seed, double int_high) {
+  std::vector<kiln::Tensor> inputs;
+  for (size_t i = 0; i < graph.inputs.size(); ++i) {
+    const kiln::TensorType& type = graph.type(graph.inputs[i].value);
+    bool integer = kiln::is_integer(type.dtype);
+    inputs.push_back(kiln::random_tensor(type, seed + i, integer ? 0.0 : -1.0, integer ? int_high : 1.0));
+  }
+  return inputs;
+}
+
+void print_outputs(const kiln::Graph& graph, const std::vector<kiln::Tensor>& outputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const std::string& name = graph.value(graph.outputs[i]).name;
+    fmt::print("  output {} {:<10} {}\n", i, name.empty() ? "" : "%" + name, kiln::summarize(outputs[i]));
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The built-in default job: build the model zoo's forward graphs, run them on the CPU, print
+// what they computed. (Becomes "train on Fashion-MNIST" once training lands.)
+void demo(uint64_t seed) {
+  struct Case {
+    std::string title;
+    kiln::Graph graph;
+    int64_t int_high;
+    int64_t layers;
+  };
+  kiln::models::GptConfig gpt = kiln::models::gpt_config("gpt2-tiny");
+  std::vector<Case> cases;
+  cases.push_back({"mlp 784-128-10, batch 32", kiln::models::mlp({}), 10, 1});
+  cases.push_back({"gpt2-tiny (2 layers, d=64, T=64, vocab 256), batch 4", kiln::models::gpt(gpt),
+                   gpt.vocab, gpt.layers});
+  for (Case& c : cases) {
+    auto start = std::chrono::steady_clock::now();
+    fmt::print("{}\n  graph: {} nodes, {} inputs\n", c.title, c.graph.nodes.size(), c.graph.inputs.size());
+    std::vector<kiln::Tensor> inputs = kiln::models::init_params(c.graph, seed, c.layers);
+    size_t params = inputs.size();
+    int64_t count = 0;
+    for (const kiln::Tensor& t : inputs) count += t.numel();
+    for (size_t i = params; i < c.graph.inputs.size(); ++i)
+      inputs.push_back(kiln::random_tensor(c.graph.type(c.graph.inputs[i].value), seed + i,
+                                           0.0, static_cast<double>(c.int_high)));
+    kiln::Executor executor(c.graph);
+    std::vector<kiln::Tensor> outputs = executor.run(inputs);
+    fmt::print("  {} parameters; forward pass on the CPU in {:.3f} s\n", count, seconds_since(start));
+    print_outputs(c.graph, outputs);
+    fmt::print("  (an untrained model's loss is about ln(classes) = {:.3f})\n\n",
+               std::log(static_cast<double>(c.int_high)));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kiln: a deep-learning training compiler", "kiln"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("kiln ") + KILN_VERSION);
+
+  app.add_subcommand("version", "Print the version");
+
+  auto* check = app.add_subcommand("check", "Parse and verify an IR file; print its normalized text");
+  std::string check_file;
+  check->add_option("FILE", check_file, "IR text file")->required();
+
+  auto* run = app.add_subcommand("run", "Run an IR file on random inputs on the CPU; print output summaries");
+  std::string run_file;
+  uint64_t seed = 0;
+  double int_high = 2;
+  std::vector<std::string> dialects;
+  run->add_option("FILE", run_file, "IR text file")->required();
+  run->add_option("--seed", seed, "Seed for the random inputs")->default_val(0);
+  run->add_option("--int-high", int_high, "Integer inputs are drawn from [0, N)")->default_val(2);
+  run->add_option("--dialects", dialects, "Allowed kernel dialects (default: all)")->delimiter(',');
+
+  auto* demo_cmd = app.add_subcommand("demo", "The built-in default job: build the model zoo and run it on the CPU");
+  demo_cmd->add_option("--seed", seed, "Seed for parameters and data")->default_val(0);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (app.got_subcommand("version")) {
+      fmt::print("kiln {}\n", KILN_VERSION);
+    } else if (app.got_subcommand(check)) {
+      fmt::print("{}", kiln::print(parse_file(check_file)));
+    } else if (app.got_subcommand(run)) {
+      kiln::Graph graph = parse_file(run_file);
+      kiln::Executor executor(graph, kiln::ExecutorOptions{kiln::Device::kCpu, dialects});
+      auto start = std::chrono::steady_clock::now();
+      std::vector<kiln::Tensor> outputs = executor.run(random_inputs(graph, seed, int_high));
+      fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
+      print_outputs(graph, outputs);
+    } else if (app.got_subcommand(demo_cmd)) {
+      demo(seed);
+    }
+  } catch (const kiln::Error& e) {
+    std::cerr << "kiln: error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "kiln: internal error: " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}

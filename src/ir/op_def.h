@@ -17,6 +17,8 @@
 namespace kiln {
 
 class Tensor;
+class Expr;
+struct GradContext;  // passes/autodiff.h
 
 struct AttrSpec {
   std::string name;
@@ -37,11 +39,18 @@ struct KernelArgs {
 using InferFn = std::function<std::vector<TensorType>(std::span<const TensorType> inputs,
                                                       const Attributes& attrs)>;
 using KernelFn = std::function<void(const KernelArgs& args)>;
+// Builds the gradient of a node: one Expr per input (an empty Expr where that input gets no
+// gradient). Rules are written with the builder API; see passes/autodiff.h.
+using GradFn = std::function<std::vector<Expr>(const GradContext& context)>;
 
 struct OpDef {
   std::vector<AttrSpec> attrs;
   InferFn infer;
   KernelFn reference;  // simple, correct, computes in f64: the oracle for every fast kernel
+  // The gradient rule. An op without one must say so with differentiable = false (integer
+  // outputs, comparisons, argmax, ...); autodiff then refuses to differentiate through it.
+  GradFn gradient = nullptr;
+  bool differentiable = true;
 };
 
 // The definition of `op`. Throws kiln::Error if the op has none (a half-added op).

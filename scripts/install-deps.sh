@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what kiln needs on Debian 12 / Ubuntu, skipping what is already present.
+# Debian packages by name through apt-get; Python test helpers by name through pip.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ pkg-config
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev
+  libopenblas-dev zlib1g-dev
+  dataset-fashion-mnist
+  python3 python3-pip
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  echo "install-deps: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Python packages used only by tests that compare against other implementations.
+python_packages=(safetensors numpy)
+need_pip=()
+for p in "${python_packages[@]}"; do
+  python3 -c "import $p" 2>/dev/null || need_pip+=("$p")
+done
+if ((${#need_pip[@]})); then
+  echo "install-deps: pip installing ${need_pip[*]}"
+  python3 -m pip install -q "${need_pip[@]}" 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages "${need_pip[@]}" ||
+    echo "install-deps: warning: could not pip install ${need_pip[*]}; the interop tests will skip"
+fi
+echo "install-deps: ok"

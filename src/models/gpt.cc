@@ -1,0 +1,88 @@
+#include <cmath>
+#include <random>
+
+#include "models/models.h"
+#include "support/error.h"
+
+namespace kiln::models {
+
+GptConfig gpt_config(const std::string& name) {
+  if (name == "gpt2-tiny") return GptConfig{4, 64, 256, 2, 4, 64, 0.0};
+  if (name == "gpt2") return GptConfig{8, 1024, 50304, 12, 12, 768, 0.0};
+  if (name == "gpt2-medium") return GptConfig{8, 1024, 50304, 24, 16, 1024, 0.0};
+  fail("unknown GPT config '{}' (expected gpt2-tiny, gpt2 or gpt2-medium)", name);
+}
+
+Graph gpt(const GptConfig& c) {
+  KILN_CHECK(c.d_model % c.heads == 0, "gpt: d_model {} is not divisible by heads {}", c.d_model,
+             c.heads);
+  const int64_t B = c.batch, T = c.seq, C = c.d_model, H = c.heads, D = C / H;
+  Builder b("gpt");
+  Expr wte = b.param("wte", {c.vocab, C});
+  Expr wpe = b.param("wpe", {T, C});
+  struct Block {
+    Expr ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc, b_fc, w_fc2, b_fc2;
+  };
+  std::vector<Block> blocks;
+  for (int64_t l = 0; l < c.layers; ++l) {
+    auto p = [&](const char* name, Shape shape) { return b.param(fmt::format("h{}.{}", l, name), shape); };
+    blocks.push_back(Block{p("ln1.weight", {C}), p("ln1.bias", {C}), p("attn.weight", {C, 3 * C}),
+                           p("attn.bias", {3 * C}), p("proj.weight", {C, C}), p("proj.bias", {C}),
+                           p("ln2.weight", {C}), p("ln2.bias", {C}), p("fc.weight", {C, 4 * C}),
+                           p("fc.bias", {4 * C}), p("fc2.weight", {4 * C, C}), p("fc2.bias", {C})});
+  }
+  Expr lnf_g = b.param("lnf.weight", {C});
+  Expr lnf_b = b.param("lnf.bias", {C});
+  Expr idx = b.data("idx", {B, T}, DType::kI64);
+  Expr targets = b.data("targets", {B, T}, DType::kI64);
+
+  auto maybe_dropout = [&](Expr x, int64_t seed) {
+    return c.dropout > 0 ? dropout(x, c.dropout, seed) : x;
+  };
+  // (B, T, C) + (T, C): token plus position embeddings.
+  Expr x = gather(wte, idx) + gather(wpe, b.iota({T}));
+  x = maybe_dropout(x, 0);
+  auto heads_first = [&](Expr t) { return transpose(reshape(t, {B, T, H, D}), {0, 2, 1, 3}); };
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const Block& k = blocks[l];
+    Expr h = layer_norm(x, k.ln1_g, k.ln1_b);
+    std::vector<Expr> qkv = split(matmul(h, k.w_qkv) + k.b_qkv, {C, C, C}, 2);
+    Expr y = attention(heads_first(qkv[0]), heads_first(qkv[1]), heads_first(qkv[2]), true);
+    y = reshape(transpose(y, {0, 2, 1, 3}), {B, T, C});  // (B, H, T, D) -> (B, T, C)
+    x = x + maybe_dropout(matmul(y, k.w_proj) + k.b_proj, 2 * l + 1);
+    h = layer_norm(x, k.ln2_g, k.ln2_b);
+    Expr m = matmul(gelu(matmul(h, k.w_fc) + k.b_fc, "tanh"), k.w_fc2) + k.b_fc2;
+    x = x + maybe_dropout(m, 2 * l + 2);
+  }
+  x = layer_norm(x, lnf_g, lnf_b);
+  Expr logits = matmul(x, wte, false, true).named("logits");  // tied LM head: (B, T, V)
+  Expr loss = cross_entropy(logits, targets).named("loss");
+  return b.finish({loss, logits});
+}
+
+std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<Tensor> out;
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
+  for (const GraphInput& in : graph.inputs) {
+    if (in.role != Role::kParam) continue;
+    const Value& v = graph.value(in.value);
+    Tensor t(v.type);
+    auto ends_with = [&](const char* suffix) {
+      std::string s(suffix);
+      return v.name.size() >= s.size() && v.name.compare(v.name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (v.type.rank() == 1) {
+      double fill = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ? 1.0 : 0.0;
+      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, fill);
+    } else {
+      double std = ends_with("proj.weight") || ends_with("fc2.weight") ? residual_std : 0.02;
+      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, std * normal(rng));
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace kiln::models

@@ -1,0 +1,43 @@
+// The model zoo: forward graphs built with the builder API, from a config. Each returns a graph
+// whose outputs are (loss, logits) and whose inputs are the params followed by the data.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "frontend/builder.h"
+#include "tensor/tensor.h"
+
+namespace kiln::models {
+
+struct MlpConfig {
+  int64_t batch = 32;
+  int64_t inputs = 784;
+  std::vector<int64_t> hidden = {128};
+  int64_t classes = 10;
+};
+// x (B, inputs) f32 data, labels (B,) i64 data; layers: matmul + bias, gelu; last layer logits.
+Graph mlp(const MlpConfig& config);
+
+struct GptConfig {
+  int64_t batch = 2;
+  int64_t seq = 16;        // T, also the number of learned positions
+  int64_t vocab = 64;
+  int64_t layers = 2;
+  int64_t heads = 2;
+  int64_t d_model = 32;
+  double dropout = 0.0;    // 0 = no dropout nodes
+};
+// GPT-2: pre-LayerNorm blocks, learned positions, tied embedding / LM head, tanh-GELU, causal
+// attention. idx (B, T) i64 and targets (B, T) i64 data.
+Graph gpt(const GptConfig& config);
+// Named configs: gpt2-tiny (CPU tests), gpt2 (124M), gpt2-medium (350M).
+GptConfig gpt_config(const std::string& name);
+
+// Initial parameter values in graph-input order (params only), deterministic in seed:
+// weights normal(0, 0.02) (GPT-2: residual projections scaled by 1/sqrt(2 * layers)), biases 0,
+// norm gains 1. Parameters are recognized by name.
+std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers = 1);
+
+}  // namespace kiln::models
