@@ -1,0 +1,99 @@
+// Dialect "cpu", reductions in f32: sum, mean and max{axes, keepdims} when the reduced axes are
+// a suffix of the dims (the last axis, the last few, or all of them: axes=[] means all). The
+// input is then `outer` contiguous rows of `inner` elements and the output is one value per
+// row, whatever keepdims says. Reductions over leading or scattered axes are refused by
+// supports() and served by the reference kernel.
+//
+// Many rows: rows are split across threads. Few long rows (e.g. a sum over everything): each
+// row is split across threads and the per-chunk partial results are combined in chunk order.
+#include <optional>
+#include <vector>
+
+#include "backends/cpu/cpu_kernels.h"
+#include "backends/cpu/row_ops.h"
+#include "support/parallel.h"
+#include "tensor/tensor.h"
+
+namespace kiln::cpu {
+namespace {
+
+struct RowShape {
+  int64_t outer = 0, inner = 0;
+};
+
+// Rows for a reduction over `axes` of `shape`; nullopt when the axes are not a suffix (or are
+// out of range, which inference reports).
+std::optional<RowShape> suffix_rows(const Shape& shape, const std::vector<int64_t>& axes) {
+  const int rank = static_cast<int>(shape.size());
+  std::vector<bool> reduced(rank, axes.empty());
+  for (int64_t axis : axes) {
+    if (axis < -rank || axis >= rank) return std::nullopt;
+    reduced[axis < 0 ? axis + rank : axis] = true;
+  }
+  int first = rank;
+  while (first > 0 && reduced[first - 1]) --first;
+  for (int d = 0; d < first; ++d)
+    if (reduced[d]) return std::nullopt;
+  RowShape rows{1, 1};
+  for (int d = 0; d < rank; ++d) (d < first ? rows.outer : rows.inner) *= shape[d];
+  return rows;
+}
+
+enum class Reduce { kSum, kMean, kMax };
+
+// Reduction of part of a row: the sum (kSum, kMean) or the max (kMax), as a double.
+double reduce_part(Reduce kind, const float* x, int64_t n) {
+  return kind == Reduce::kMax ? static_cast<double>(max_row(x, n)) : sum_row(x, n);
+}
+
+void reduce_kernel(Reduce kind, const KernelArgs& args) {
+  const Tensor& in = args.inputs[0];
+  const RowShape rows = *suffix_rows(in.shape(), args.attrs.ints("axes"));
+  const float* x = in.data<float>();
+  float* out = args.outputs[0].data<float>();
+  const double scale = kind == Reduce::kMean ? 1.0 / static_cast<double>(rows.inner) : 1.0;
+  const int64_t threads = max_threads();
+  if (rows.outer >= threads || rows.inner < 2 * kGrainCheap) {
+    parallel_for(0, rows.outer, std::max<int64_t>(1, kGrainCheap / rows.inner),
+                 [&](int64_t lo, int64_t hi) {
+                   for (int64_t r = lo; r < hi; ++r)
+                     out[r] = static_cast<float>(
+                         reduce_part(kind, x + r * rows.inner, rows.inner) * scale);
+                 });
+    return;
+  }
+  for (int64_t r = 0; r < rows.outer; ++r) {
+    const float* row = x + r * rows.inner;
+    const int64_t chunks = num_chunks(rows.inner, kGrainCheap);
+    std::vector<double> partial(static_cast<size_t>(chunks));
+    parallel_chunks(0, rows.inner, chunks, [&](int64_t c, int64_t lo, int64_t hi) {
+      partial[static_cast<size_t>(c)] = reduce_part(kind, row + lo, hi - lo);
+    });
+    double result = partial[0];
+    for (size_t c = 1; c < partial.size(); ++c)
+      result = kind == Reduce::kMax ? std::max(result, partial[c]) : result + partial[c];
+    out[r] = static_cast<float>(result * scale);
+  }
+}
+
+bool reduce_supported(const NodeView& node) {
+  if (!all_dtype(node, DType::kF32) || node.input_types.size() != 1) return false;
+  const Shape& shape = node.input_types[0].shape;
+  // Empty inputs (mean of nothing, max of nothing) are the reference's to define.
+  return numel(shape) > 0 && suffix_rows(shape, node.node.attrs.ints("axes")).has_value();
+}
+
+void add_reduction(KernelRegistry& registry, Op op, Reduce kind) {
+  registry.add(op, KernelImpl{"cpu", Device::kCpu, kFastPriority, reduce_supported,
+                              [kind](const KernelArgs& args) { reduce_kernel(kind, args); }});
+}
+
+}  // namespace
+
+void register_reduction_kernels(KernelRegistry& registry) {
+  add_reduction(registry, Op::kSum, Reduce::kSum);
+  add_reduction(registry, Op::kMean, Reduce::kMean);
+  add_reduction(registry, Op::kMax, Reduce::kMax);
+}
+
+}  // namespace kiln::cpu
