@@ -1,5 +1,296 @@
+// Elementwise ops: output element i depends only on input elements i (after broadcasting).
+//   unary, no attributes: abs exp log neg reciprocal relu rsqrt sigmoid silu sqrt square tanh
+//     (output type = input type; abs, neg, relu, square also take integers, the rest need floats)
+//   gelu {approximate: "none" (erf form) | "tanh"}
+//   cast {dtype}: any dtype to any dtype
+//   binary add sub mul div pow maximum minimum: same dtype, numpy broadcasting (pow: floats only)
+//   comparisons eq ne lt le gt ge: same dtype, numpy broadcasting, bool output
+//   where(cond: bool, a, b): three-way broadcasting, output dtype of a
+//   dropout(x [, offset: i64 scalar]) {p, seed}: Philox-based mask (support/philox.h)
+//
+// Integer semantics (the reference kernels are the oracle, so they are spelled out here):
+// integer results wrap modulo 2^bits; integer div truncates toward zero and throws on a zero
+// divisor; cast float->int truncates toward zero and saturates at the type's range, NaN -> 0
+// (what CUDA's cvt.rzi does by default), int->int wraps, anything->bool is x != 0.
+// Bool is not an arithmetic type here: arithmetic ops reject it (cast it first); comparisons,
+// where and cast accept it. maximum and minimum propagate NaN, like numpy and torch.
+#include <cmath>
+#include <limits>
+#include <numbers>
+
 #include "ops/common.h"
+#include "support/philox.h"
 
 namespace kiln::ops {
-void define_elementwise_ops(OpRegistry&) {}
+namespace {
+
+// Dtype checks; messages read "<op>: needs a float tensor, got i64[3]" once infer_types
+// prefixes the op name.
+void check_float(const TensorType& t, std::string_view what = "tensor") {
+  KILN_CHECK(is_float(t.dtype), "needs a float {}, got {}", what, to_string(t));
+}
+void check_arithmetic(const TensorType& t) {
+  KILN_CHECK(is_float(t.dtype) || is_integer(t.dtype),
+             "needs a float or integer tensor, got {} (cast bool tensors first)", to_string(t));
+}
+void check_same_dtype(const TensorType& a, const TensorType& b) {
+  if (a.dtype == b.dtype) return;
+  fail(
+      "inputs have different dtypes: {} and {}; insert an explicit cast (e.g. cast the {} input "
+      "to {{dtype={}}})",
+      to_string(a), to_string(b), dtype_name(b.dtype), dtype_name(a.dtype));
+}
+
+// Float -> integer conversion for cast: truncate toward zero, saturate, NaN -> 0. Written
+// through the typed pointer because the i64 limits are not all representable as doubles.
+void set_saturated(Tensor& t, int64_t index, double value) {
+  visit_dtype(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      T* data = t.data<T>();
+      constexpr T kLow = std::numeric_limits<T>::min(), kHigh = std::numeric_limits<T>::max();
+      if (std::isnan(value)) {
+        data[index] = 0;
+      } else if (value <= static_cast<double>(kLow)) {
+        data[index] = kLow;
+      } else if (value >= static_cast<double>(kHigh)) {
+        data[index] = kHigh;
+      } else {
+        data[index] = static_cast<T>(std::trunc(value));
+      }
+    } else {
+      t.set(index, value);
+    }
+  });
+}
+
+// ---- unary ----
+
+using UnaryFn = double (*)(double);
+
+void define_unary(OpRegistry& registry, Op op, bool takes_integers, UnaryFn fn) {
+  InferFn infer = [takes_integers](std::span<const TensorType> in, const Attributes&) {
+    if (takes_integers) {
+      check_arithmetic(in[0]);
+    } else {
+      check_float(in[0]);
+    }
+    return std::vector<TensorType>{in[0]};
+  };
+  KernelFn kernel = [fn](const KernelArgs& k) {
+    for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
+      set_wrapped(k.outputs[0], i, fn(k.inputs[0].get(i)));
+  };
+  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel)});
+}
+
+std::vector<TensorType> infer_cast(std::span<const TensorType> in, const Attributes& a) {
+  return {{a.dtype("dtype"), in[0].shape}};
+}
+
+void cast_reference(const KernelArgs& k) {
+  const Tensor& x = k.inputs[0];
+  Tensor& out = k.outputs[0];
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    double v = x.get(i);
+    if (out.dtype() == DType::kBool || is_float(out.dtype())) {
+      out.set(i, v);  // bool: v != 0; floats: round to nearest even
+    } else if (is_float(x.dtype())) {
+      set_saturated(out, i, v);
+    } else {
+      set_wrapped(out, i, v);
+    }
+  }
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+void define_unary_ops(OpRegistry& registry) {
+  define_unary(registry, Op::kAbs, true, [](double x) { return std::abs(x); });
+  define_unary(registry, Op::kExp, false, [](double x) { return std::exp(x); });
+  define_unary(registry, Op::kLog, false, [](double x) { return std::log(x); });
+  define_unary(registry, Op::kNeg, true, [](double x) { return -x; });
+  define_unary(registry, Op::kReciprocal, false, [](double x) { return 1.0 / x; });
+  // x < 0 rather than max(x, 0) so that NaN propagates.
+  define_unary(registry, Op::kRelu, true, [](double x) { return x < 0 ? 0.0 : x; });
+  define_unary(registry, Op::kRsqrt, false, [](double x) { return 1.0 / std::sqrt(x); });
+  define_unary(registry, Op::kSigmoid, false, sigmoid);
+  define_unary(registry, Op::kSilu, false, [](double x) { return x * sigmoid(x); });
+  define_unary(registry, Op::kSqrt, false, [](double x) { return std::sqrt(x); });
+  define_unary(registry, Op::kSquare, true, [](double x) { return x * x; });
+  define_unary(registry, Op::kTanh, false, [](double x) { return std::tanh(x); });
+
+  registry.define(
+      Op::kGelu,
+      OpDef{{with_default("approximate", std::string("none"))},
+            [](std::span<const TensorType> in, const Attributes& a) {
+              check_float(in[0]);
+              const std::string& approximate = a.s("approximate");
+              KILN_CHECK(approximate == "none" || approximate == "tanh",
+                         "attribute 'approximate' is \"{}\", expected \"none\" or \"tanh\"",
+                         approximate);
+              return std::vector<TensorType>{in[0]};
+            },
+            [](const KernelArgs& k) {
+              bool tanh_form = k.attrs.s("approximate") == "tanh";
+              const double kSqrt2OverPi = std::sqrt(2.0 / std::numbers::pi);
+              for (int64_t i = 0; i < k.outputs[0].numel(); ++i) {
+                double x = k.inputs[0].get(i);
+                double y =
+                    tanh_form
+                        ? 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + 0.044715 * x * x * x)))
+                        : 0.5 * x * (1.0 + std::erf(x / std::numbers::sqrt2));
+                k.outputs[0].set(i, y);
+              }
+            }});
+
+  registry.define(Op::kCast,
+                  OpDef{{required("dtype", AttrKind::kDType)}, infer_cast, cast_reference});
+}
+
+// ---- binary ----
+
+enum class Operands { kFloat, kArithmetic, kAny };
+
+// Checks two inputs of a binary op and returns their broadcast shape.
+Shape binary_shape(std::span<const TensorType> in, Operands operands) {
+  check_same_dtype(in[0], in[1]);
+  if (operands == Operands::kFloat) check_float(in[0]);
+  if (operands == Operands::kArithmetic) check_arithmetic(in[0]);
+  return broadcast_shapes(in[0].shape, in[1].shape);
+}
+
+// Runs fn over the broadcast inputs; `fn(a, b)` returns the output element as a double.
+template <typename Fn>
+void binary_loop(const KernelArgs& k, Fn&& fn) {
+  const Tensor &a = k.inputs[0], &b = k.inputs[1];
+  Tensor& out = k.outputs[0];
+  for_each_broadcast(out.shape(), {a.shape(), b.shape()},
+                     [&](int64_t i, std::span<const int64_t> at) {
+                       set_wrapped(out, i, fn(a.get(at[0]), b.get(at[1])));
+                     });
+}
+
+// Integer division truncating toward zero, in int64 so it is exact; the one overflowing case
+// (min / -1) wraps like the other integer results.
+double integer_divide(double a, double b) {
+  auto x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
+  if (y == 0) fail("div: integer division by zero ({} / 0)", x);
+  if (y == -1) return -a;  // avoids INT64_MIN / -1; set_wrapped wraps the i32 case
+  return static_cast<double>(x / y);
+}
+
+using BinaryFn = double (*)(double, double);
+
+// `integer_fn`, when given, replaces `fn` for integer inputs (div, whose integer form differs).
+void define_binary(OpRegistry& registry, Op op, Operands operands, BinaryFn fn,
+                   BinaryFn integer_fn = nullptr) {
+  InferFn infer = [operands](std::span<const TensorType> in, const Attributes&) {
+    return std::vector<TensorType>{{in[0].dtype, binary_shape(in, operands)}};
+  };
+  KernelFn kernel = [fn, integer_fn](const KernelArgs& k) {
+    bool integer = integer_fn != nullptr && is_integer(k.outputs[0].dtype());
+    binary_loop(k, integer ? integer_fn : fn);
+  };
+  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel)});
+}
+
+void define_comparison(OpRegistry& registry, Op op, bool (*fn)(double, double)) {
+  InferFn infer = [](std::span<const TensorType> in, const Attributes&) {
+    return std::vector<TensorType>{{DType::kBool, binary_shape(in, Operands::kAny)}};
+  };
+  KernelFn kernel = [fn](const KernelArgs& k) {
+    binary_loop(k, [fn](double a, double b) { return fn(a, b) ? 1.0 : 0.0; });
+  };
+  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel)});
+}
+
+void define_binary_ops(OpRegistry& registry) {
+  define_binary(registry, Op::kAdd, Operands::kArithmetic,
+                [](double a, double b) { return a + b; });
+  define_binary(registry, Op::kSub, Operands::kArithmetic,
+                [](double a, double b) { return a - b; });
+  define_binary(registry, Op::kMul, Operands::kArithmetic,
+                [](double a, double b) { return a * b; });
+  define_binary(registry, Op::kPow, Operands::kFloat,
+                [](double a, double b) { return std::pow(a, b); });
+  define_binary(registry, Op::kMaximum, Operands::kArithmetic, [](double a, double b) {
+    return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
+  });
+  define_binary(registry, Op::kMinimum, Operands::kArithmetic, [](double a, double b) {
+    return std::isnan(a) || std::isnan(b) ? NAN : std::min(a, b);
+  });
+  define_binary(
+      registry, Op::kDiv, Operands::kArithmetic, [](double a, double b) { return a / b; },
+      integer_divide);
+
+  define_comparison(registry, Op::kEq, [](double a, double b) { return a == b; });
+  define_comparison(registry, Op::kNe, [](double a, double b) { return a != b; });
+  define_comparison(registry, Op::kLt, [](double a, double b) { return a < b; });
+  define_comparison(registry, Op::kLe, [](double a, double b) { return a <= b; });
+  define_comparison(registry, Op::kGt, [](double a, double b) { return a > b; });
+  define_comparison(registry, Op::kGe, [](double a, double b) { return a >= b; });
+
+  registry.define(
+      Op::kWhere,
+      OpDef{{},
+            [](std::span<const TensorType> in, const Attributes&) {
+              KILN_CHECK(in[0].dtype == DType::kBool, "condition must be a bool tensor, got {}",
+                         to_string(in[0]));
+              check_same_dtype(in[1], in[2]);
+              Shape shape =
+                  broadcast_shapes(broadcast_shapes(in[0].shape, in[1].shape), in[2].shape);
+              return std::vector<TensorType>{{in[1].dtype, shape}};
+            },
+            [](const KernelArgs& k) {
+              const Tensor &cond = k.inputs[0], &a = k.inputs[1], &b = k.inputs[2];
+              Tensor& out = k.outputs[0];
+              for_each_broadcast(out.shape(), {cond.shape(), a.shape(), b.shape()},
+                                 [&](int64_t i, std::span<const int64_t> at) {
+                                   out.set(i, cond.get(at[0]) != 0 ? a.get(at[1]) : b.get(at[2]));
+                                 });
+            }});
+}
+
+// ---- dropout ----
+
+void define_dropout(OpRegistry& registry) {
+  registry.define(
+      Op::kDropout,
+      OpDef{{with_default("p", 0.1), with_default("seed", int64_t{0})},
+            [](std::span<const TensorType> in, const Attributes& a) {
+              check_float(in[0]);
+              double p = a.f("p");
+              KILN_CHECK(p >= 0.0 && p < 1.0,
+                         "attribute 'p' is {}, expected a probability in [0, 1)", p);
+              if (in.size() > 1) {
+                KILN_CHECK(in[1].dtype == DType::kI64 && in[1].rank() == 0,
+                           "offset must be an i64 scalar of shape (), got {}", to_string(in[1]));
+              }
+              return std::vector<TensorType>{in[0]};
+            },
+            [](const KernelArgs& k) {
+              double p = k.attrs.f("p");
+              auto seed = static_cast<uint64_t>(k.attrs.i("seed"));
+              uint64_t offset =
+                  k.inputs.size() > 1 ? static_cast<uint64_t>(k.inputs[1].data<int64_t>()[0]) : 0;
+              uint32_t threshold = dropout_threshold(p);
+              const Tensor& x = k.inputs[0];
+              Tensor& out = k.outputs[0];
+              for (int64_t i = 0; i < out.numel(); ++i) {
+                bool dropped =
+                    dropout_drops(philox_word(seed, offset, static_cast<uint64_t>(i)), threshold);
+                out.set(i, dropped ? 0.0 : x.get(i) / (1.0 - p));
+              }
+            }});
+}
+
+}  // namespace
+
+void define_elementwise_ops(OpRegistry& registry) {
+  define_unary_ops(registry);
+  define_binary_ops(registry);
+  define_dropout(registry);
+}
+
 }  // namespace kiln::ops

@@ -1,5 +1,149 @@
+// Reduction ops.
+//   sum, mean, max {axes: ints ([] = all axes), keepdims: bool}: axes may be negative, must be
+//     distinct and in range. sum and max take integers and floats, mean floats only; the output
+//     has the input's dtype. Over an empty axis sum gives 0; mean and max are errors.
+//   argmax {axis: int (default -1), keepdims: bool}: i64 output, the first index of the maximum;
+//     NaN counts as the maximum (like numpy), so max and argmax agree on NaN.
+#include <cmath>
+#include <vector>
+
 #include "ops/common.h"
 
 namespace kiln::ops {
-void define_reduction_ops(OpRegistry&) {}
+namespace {
+
+// The reduced axes of `in` as a mask over its dimensions: all of them when `axes` is empty.
+std::vector<bool> reduced_axes(const TensorType& in, const std::vector<int64_t>& axes) {
+  std::vector<bool> reduced(in.rank(), axes.empty());
+  for (int64_t axis : axes) {
+    KILN_CHECK(in.rank() > 0, "axis {} given for a scalar input {}, which has no axes", axis,
+               to_string(in));
+    int d = normalize_axis(axis, in.rank());
+    KILN_CHECK(!reduced[d], "axes {} name axis {} twice (input {})", fmt::join(axes, ", "), d,
+               to_string(in));
+    reduced[d] = true;
+  }
+  return reduced;
+}
+
+// The output shape: reduced dimensions become 1 (keepdims) or disappear.
+Shape reduced_shape(const Shape& in, const std::vector<bool>& reduced, bool keepdims) {
+  Shape out;
+  for (size_t d = 0; d < in.size(); ++d) {
+    if (!reduced[d]) {
+      out.push_back(in[d]);
+    } else if (keepdims) {
+      out.push_back(1);
+    }
+  }
+  return out;
+}
+
+void check_not_empty(const TensorType& in, const std::vector<bool>& reduced,
+                     std::string_view what) {
+  for (size_t d = 0; d < reduced.size(); ++d)
+    KILN_CHECK(!reduced[d] || in.shape[d] != 0, "cannot take {} over an empty axis: axis {} of {}",
+               what, d, to_string(in));
+}
+
+// Calls fn(in_index, out_index) for every input element in row-major order. The output is
+// addressed through the keepdims shape broadcast back to the input shape, which gives stride 0
+// along the reduced axes.
+template <typename Fn>
+void for_each_reduced(const Shape& in, const std::vector<bool>& reduced, Fn&& fn) {
+  Shape kept = reduced_shape(in, reduced, /*keepdims=*/true);
+  for_each_broadcast(in, {in, kept},
+                     [&](int64_t, std::span<const int64_t> at) { fn(at[0], at[1]); });
+}
+
+enum class Reduce { kSum, kMean, kMax };
+
+std::vector<TensorType> infer_reduce(Reduce kind, const TensorType& x, const Attributes& a) {
+  if (kind == Reduce::kMean) {
+    KILN_CHECK(is_float(x.dtype), "needs a float tensor, got {}", to_string(x));
+  } else {
+    KILN_CHECK(is_float(x.dtype) || is_integer(x.dtype),
+               "needs a float or integer tensor, got {} (cast bool tensors first)", to_string(x));
+  }
+  std::vector<bool> reduced = reduced_axes(x, a.ints("axes"));
+  if (kind == Reduce::kMean) check_not_empty(x, reduced, "mean");
+  if (kind == Reduce::kMax) check_not_empty(x, reduced, "max");
+  return {{x.dtype, reduced_shape(x.shape, reduced, a.b("keepdims"))}};
+}
+
+void reduce_reference(Reduce kind, const KernelArgs& k) {
+  const Tensor& x = k.inputs[0];
+  Tensor& out = k.outputs[0];
+  std::vector<bool> reduced = reduced_axes(x.type(), k.attrs.ints("axes"));
+  std::vector<double> acc(out.numel(), kind == Reduce::kMax ? -INFINITY : 0.0);
+  for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
+    double v = x.get(i);
+    if (kind != Reduce::kMax) {
+      acc[o] += v;
+    } else if (!std::isnan(acc[o]) && (std::isnan(v) || v > acc[o])) {
+      acc[o] = v;  // once NaN, stays NaN
+    }
+  });
+  double count = out.numel() == 0 ? 0.0 : static_cast<double>(x.numel() / out.numel());
+  for (int64_t o = 0; o < out.numel(); ++o)
+    set_wrapped(out, o, kind == Reduce::kMean ? acc[o] / count : acc[o]);
+}
+
+void define_reduce(OpRegistry& registry, Op op, Reduce kind) {
+  InferFn infer = [kind](std::span<const TensorType> in, const Attributes& a) {
+    return infer_reduce(kind, in[0], a);
+  };
+  KernelFn kernel = [kind](const KernelArgs& k) { reduce_reference(kind, k); };
+  registry.define(
+      op, OpDef{{with_default("axes", std::vector<int64_t>{}), with_default("keepdims", false)},
+                std::move(infer),
+                std::move(kernel)});
+}
+
+std::vector<TensorType> infer_argmax(std::span<const TensorType> in, const Attributes& a) {
+  const TensorType& x = in[0];
+  KILN_CHECK(x.rank() > 0, "needs a tensor of rank >= 1, got {}", to_string(x));
+  std::vector<bool> reduced = reduced_axes(x, {a.i("axis")});
+  check_not_empty(x, reduced, "argmax");
+  return {{DType::kI64, reduced_shape(x.shape, reduced, a.b("keepdims"))}};
+}
+
+void argmax_reference(const KernelArgs& k) {
+  const Tensor& x = k.inputs[0];
+  Tensor& out = k.outputs[0];
+  int axis = normalize_axis(k.attrs.i("axis"), x.rank());
+  std::vector<bool> reduced(x.rank(), false);
+  reduced[axis] = true;
+  int64_t stride = strides_of(x.shape())[axis];
+  // Elements along the axis arrive in increasing index order, so a strict > keeps the first
+  // maximum; once the best is NaN nothing replaces it.
+  std::vector<double> best(out.numel(), -INFINITY);
+  std::vector<int64_t> best_index(out.numel(), -1);
+  for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
+    double v = x.get(i);
+    bool better = best_index[o] < 0 || (!std::isnan(best[o]) && (std::isnan(v) || v > best[o]));
+    if (better) {
+      best[o] = v;
+      best_index[o] = (i / stride) % x.shape()[axis];
+    }
+  });
+  for (int64_t o = 0; o < out.numel(); ++o) out.set(o, static_cast<double>(best_index[o]));
+}
+
+void define_argmax(OpRegistry& registry) {
+  registry.define(Op::kArgmax,
+                  OpDef{{with_default("axis", int64_t{-1}), with_default("keepdims", false)},
+                        infer_argmax,
+                        argmax_reference});
+}
+
+}  // namespace
+
+void define_reduction_ops(OpRegistry& registry) {
+  define_reduce(registry, Op::kSum, Reduce::kSum);
+  define_reduce(registry, Op::kMean, Reduce::kMean);
+  define_reduce(registry, Op::kMax, Reduce::kMax);
+  define_argmax(registry);
+}
+
 }  // namespace kiln::ops
