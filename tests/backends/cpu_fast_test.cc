@@ -207,11 +207,18 @@ TEST(CpuFastReduction, LongSumStaysCloseToTheF64Reference) {
   expect_matches_reference("cpu", Op::kMean, {x}, {}, {0, 2e-7});
 }
 
-TEST(CpuFastReduction, MaxPropagatesNan) {
-  Tensor x = make(DType::kF32, {2, 3}, {1.0, NAN, 3.0, 4.0, 5.0, 6.0});
+TEST(CpuFastReduction, MaxPropagatesNanAndKeepsInfinities) {
+  Tensor x = make(DType::kF32, {4, 3},
+                  {1.0, NAN, 3.0, 4.0, 5.0, 6.0, -INFINITY, INFINITY, 2.0, -INFINITY, -7.0, -8.0});
   Tensor out = run_dialect("cpu", Op::kMax, {x}, {{"axes", std::vector<int64_t>{-1}}})[0];
   EXPECT_TRUE(std::isnan(out.get(0)));
   EXPECT_EQ(out.get(1), 6.0);
+  EXPECT_EQ(out.get(2), INFINITY);
+  EXPECT_EQ(out.get(3), -7.0);
+  // A NaN among 40 values, past the vectorized part's first 16 and 32.
+  std::vector<double> values(40, 1.5);
+  values[37] = NAN;
+  EXPECT_TRUE(std::isnan(run_dialect("cpu", Op::kMax, {make(DType::kF32, {40}, values)})[0].get(0)));
 }
 
 TEST(CpuFastReduction, RefusesLeadingAxesAndOtherDtypes) {

@@ -36,14 +36,14 @@ void exp_shifted(const float* __restrict__ x, float shift, float* __restrict__ y
 }
 
 void softmax_row(const float* __restrict__ x, float* __restrict__ y, int64_t n) {
-  const float max = max_row(x, n);
+  const float max = max_row_ignoring_nan(x, n);
   exp_shifted(x, max, y, n);
   const float inv_sum = static_cast<float>(1.0 / sum_row(y, n));
   for (int64_t i = 0; i < n; ++i) y[i] *= inv_sum;
 }
 
 void log_softmax_row(const float* __restrict__ x, float* __restrict__ y, int64_t n) {
-  const float max = max_row(x, n);
+  const float max = max_row_ignoring_nan(x, n);
   exp_shifted(x, max, y, n);  // y as scratch for the exps
   const float log_sum = static_cast<float>(std::log(sum_row(y, n)));
   // (x - max) first: exact for nearby values, so log_sum's rounding is the only error.
@@ -112,7 +112,7 @@ bool layer_norm_supported(const NodeView& node) {
 
 // logsumexp(row) - row[label], in f64.
 double cross_entropy_row(const float* __restrict__ x, int64_t n, int64_t label) {
-  const float max = max_row(x, n);
+  const float max = max_row_ignoring_nan(x, n);
   const double sum = blocked_sum(n, [&](int64_t i) { return exp_f32(x[i] - max); });
   return static_cast<double>(max) + std::log(sum) - static_cast<double>(x[label]);
 }

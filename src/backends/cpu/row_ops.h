@@ -33,17 +33,39 @@ inline double sum_row(const float* __restrict__ x, int64_t n) {
   return blocked_sum(n, [x](int64_t i) { return x[i]; });
 }
 
-// Largest element; NaN if any element is NaN (like the reference); -inf for an empty row.
-// The NaN test is a separate count because a vector max drops NaNs.
-inline float max_row(const float* __restrict__ x, int64_t n) {
+// Largest element, NaNs ignored; -inf for an empty row. Sixteen running maxima written as
+// `x > m ? x : m`, which is exactly what the SSE/AVX max instruction computes, so g++
+// vectorizes it without -ffast-math. (std::max in an `omp simd reduction(max)` compiles to
+// compare-and-blend on one dependency chain: 3.6x slower, measured.) For softmax-like uses,
+// where a NaN reaches the output through exp anyway.
+inline float max_row_ignoring_nan(const float* __restrict__ x, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = -std::numeric_limits<float>::infinity();
+  const int64_t full = n - n % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
   float m = -std::numeric_limits<float>::infinity();
-  int nans = 0;
-#pragma omp simd reduction(max : m) reduction(+ : nans)
-  for (int64_t i = 0; i < n; ++i) {
-    m = std::max(m, x[i]);
-    nans += x[i] != x[i];
-  }
-  return nans != 0 ? std::numeric_limits<float>::quiet_NaN() : m;
+  for (int64_t i = full; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (int j = 0; j < kLanes; ++j) m = acc[j] > m ? acc[j] : m;
+  return m;
+}
+
+// True when some element is NaN. x - x is 0 for finite x and NaN for NaN or +-inf: a
+// vectorized sum finds candidates, a scalar scan confirms (rare: only with NaN or inf).
+inline bool has_nan(const float* __restrict__ x, int64_t n) {
+  float poison = 0.0f;
+#pragma omp simd reduction(+ : poison)
+  for (int64_t i = 0; i < n; ++i) poison += x[i] - x[i];
+  if (poison == poison) return false;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] != x[i]) return true;
+  return false;
+}
+
+// Largest element; NaN if any element is NaN (like the reference's max); -inf if empty.
+inline float max_row(const float* __restrict__ x, int64_t n) {
+  return has_nan(x, n) ? std::numeric_limits<float>::quiet_NaN() : max_row_ignoring_nan(x, n);
 }
 
 }  // namespace kiln::cpu
