@@ -14,6 +14,16 @@ TEST(OpTable, EveryOpHasDefinitionInferenceAndReference) {
   }
 }
 
+TEST(OpTable, EveryOpHasAGradientRuleOrSaysItHasNone) {
+  for (int i = 0; i < kNumOps; ++i) {
+    Op op = static_cast<Op>(i);
+    if (!has_op_def(op)) continue;  // reported above
+    const OpDef& def = op_def(op);
+    EXPECT_TRUE(!def.differentiable || def.gradient != nullptr)
+        << "op '" << op_name(op) << "' is differentiable but has no gradient rule";
+  }
+}
+
 TEST(OpTable, NamesRoundTrip) {
   for (int i = 0; i < kNumOps; ++i) {
     Op op = static_cast<Op>(i);

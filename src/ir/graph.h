@@ -36,6 +36,13 @@ struct GraphInput {
   Role role;
 };
 
+// After a step, `value` replaces the contents of graph input `target` (a param or state): how the
+// optimizer's in-place updates are explicit in the IR.
+struct Update {
+  ValueId target;
+  ValueId value;
+};
+
 class Graph {
  public:
   std::string name = "main";
@@ -43,6 +50,7 @@ class Graph {
   std::vector<Node> nodes;  // topological order
   std::vector<GraphInput> inputs;
   std::vector<ValueId> outputs;
+  std::vector<Update> updates;
 
   // Adds a graph input. Throws kiln::Error if the name is empty or already used.
   ValueId add_input(const std::string& name, TensorType type, Role role);

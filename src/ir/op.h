@@ -14,6 +14,7 @@ enum OpFlag : uint32_t {
   kShape = 1u << 2,        // moves data without arithmetic (reshape, transpose, slice, ...)
   kSource = 1u << 3,       // no inputs; output determined by attributes
   kRandom = 1u << 4,       // uses the counter-based RNG (deterministic given seed and offset)
+  kOptimizer = 1u << 5,    // a parameter/state update (outputs replace inputs via Graph::updates)
 };
 
 enum class Op : uint16_t {

@@ -36,7 +36,9 @@ void verify(const Graph& graph) {
     std::vector<TensorType> expected;
     try {
       Attributes normalized = normalize_attributes(node.op, node.attrs);
-      KILN_CHECK(normalized == node.attrs, "attributes are not normalized (defaults missing)");
+      // same_values, not ==: a NaN attribute is unchanged by normalization but != itself.
+      KILN_CHECK(same_values(normalized, node.attrs),
+                 "attributes are not normalized (a default is missing or a kind is unconverted)");
       expected = infer_types(node.op, input_types, node.attrs);
     } catch (const Error& e) {
       fail("{}: {}", where, e.what());
@@ -53,6 +55,17 @@ void verify(const Graph& graph) {
   for (ValueId id : graph.outputs) {
     KILN_CHECK(graph.is_valid(id) && defined[id], "graph output {} is not defined",
                value_label(graph, id));
+  }
+  std::set<ValueId> updated;
+  for (const Update& u : graph.updates) {
+    int index = graph.input_index(u.target);
+    KILN_CHECK(index >= 0 && graph.inputs[index].role != Role::kData,
+               "update target {} is not a param or state input", value_label(graph, u.target));
+    KILN_CHECK(updated.insert(u.target).second, "{} is updated twice", value_label(graph, u.target));
+    KILN_CHECK(graph.is_valid(u.value) && defined[u.value], "update of {}: value is not defined",
+               value_label(graph, u.target));
+    KILN_CHECK(graph.type(u.value) == graph.type(u.target), "update of {}: value has type {}, expected {}",
+               value_label(graph, u.target), to_string(graph.type(u.value)), to_string(graph.type(u.target)));
   }
   std::set<std::string> names;
   for (size_t i = 0; i < graph.values.size(); ++i) {

@@ -11,7 +11,8 @@ namespace kiln {
 //   and defined before use (topological order);
 // - every node's attributes match its op's schema and its output types equal what inference
 //   gives for its input types;
-// - value names, where given, are unique; graph outputs exist.
+// - value names, where given, are unique; graph outputs exist;
+// - each update targets a distinct param/state input with a defined value of the same type.
 void verify(const Graph& graph);
 
 }  // namespace kiln

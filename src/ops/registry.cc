@@ -26,6 +26,8 @@ const OpRegistry& registry() {
     define_reduction_ops(r);
     define_shape_ops(r);
     define_nn_ops(r);
+    define_conv_ops(r);
+    define_optimizer_ops(r);
     return r;
   }();
   return instance;

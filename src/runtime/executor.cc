@@ -1,5 +1,7 @@
 #include "runtime/executor.h"
 
+#include <cstring>
+
 #include "ir/verifier.h"
 #include "support/error.h"
 
@@ -25,6 +27,7 @@ Executor::Executor(Graph graph, ExecutorOptions options)
   for (size_t n = 0; n < graph_.nodes.size(); ++n)
     for (ValueId id : graph_.nodes[n].inputs) last_use_[id] = static_cast<int>(n);
   for (ValueId id : graph_.outputs) last_use_[id] = static_cast<int>(graph_.nodes.size());
+  for (const Update& u : graph_.updates) last_use_[u.value] = static_cast<int>(graph_.nodes.size());
 }
 
 std::vector<std::string> Executor::node_dialects() const {
@@ -61,6 +64,15 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
   }
   std::vector<Tensor> outputs;
   for (ValueId id : graph_.outputs) outputs.push_back(values[id]);
+  // Outputs that alias an updated input must show the value from before the update.
+  for (size_t i = 0; i < outputs.size(); ++i)
+    for (const Update& u : graph_.updates)
+      if (graph_.outputs[i] == u.target) outputs[i] = outputs[i].clone();
+  // In-place updates: new param/state values overwrite the caller's input tensors.
+  for (const Update& u : graph_.updates) {
+    const Tensor& target = inputs[graph_.input_index(u.target)];
+    std::memcpy(target.raw(), values[u.value].raw(), target.bytes());
+  }
   return outputs;
 }
 

@@ -24,6 +24,7 @@ class Executor {
   explicit Executor(Graph graph, ExecutorOptions options = {});
 
   // Runs the graph. `inputs` are in the order of graph.inputs and must match their types.
+  // Graph updates are written into the storage of the corresponding input tensors.
   std::vector<Tensor> run(std::span<const Tensor> inputs) const;
 
   const Graph& graph() const { return graph_; }
