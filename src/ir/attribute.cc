@@ -3,6 +3,7 @@
 #include <array>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 
 #include "support/error.h"
 
@@ -57,6 +58,30 @@ std::string to_string(const AttrValue& value) {
           return std::string(dtype_name(v));
       },
       value);
+}
+
+namespace {
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+}  // namespace
+
+bool same_value(const AttrValue& a, const AttrValue& b) {
+  if (a.index() != b.index()) return false;
+  if (const double* x = std::get_if<double>(&a)) return same_bits(*x, std::get<double>(b));
+  if (const auto* x = std::get_if<std::vector<double>>(&a)) {
+    const auto& y = std::get<std::vector<double>>(b);
+    if (x->size() != y.size()) return false;
+    for (size_t i = 0; i < x->size(); ++i)
+      if (!same_bits((*x)[i], y[i])) return false;
+    return true;
+  }
+  return a == b;
+}
+
+bool same_values(const Attributes& a, const Attributes& b) {
+  if (a.items().size() != b.items().size()) return false;
+  for (auto ia = a.items().begin(), ib = b.items().begin(); ia != a.items().end(); ++ia, ++ib)
+    if (ia->first != ib->first || !same_value(ia->second, ib->second)) return false;
+  return true;
 }
 
 const AttrValue& Attributes::get(const std::string& name) const {

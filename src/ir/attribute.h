@@ -20,6 +20,9 @@ using AttrValue = std::variant<int64_t, double, bool, std::string, std::vector<i
 std::string_view attr_kind_name(AttrKind kind);  // "int", "float", ...
 inline AttrKind attr_kind(const AttrValue& v) { return static_cast<AttrKind>(v.index()); }
 std::string to_string(const AttrValue& value);   // the IR text form of the value
+// Exact equality: floats compare by bits, so NaN equals NaN and -0.0 differs from 0.0 (operator==
+// would say the opposite, which breaks "is this attribute unchanged / its default" checks).
+bool same_value(const AttrValue& a, const AttrValue& b);
 
 class Attributes {
  public:
@@ -47,5 +50,8 @@ class Attributes {
  private:
   std::map<std::string, AttrValue> items_;
 };
+
+// Same names, and same_value for each.
+bool same_values(const Attributes& a, const Attributes& b);
 
 }  // namespace kiln
