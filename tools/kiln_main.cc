@@ -12,6 +12,7 @@
 #include "models/models.h"
 #include "runtime/executor.h"
 #include "support/error.h"
+#include "train/job.h"
 
 namespace {
 
@@ -111,6 +112,32 @@ int main(int argc, char** argv) {
   auto* demo_cmd = app.add_subcommand("demo", "The built-in default job: build the model zoo and run it on the CPU");
   demo_cmd->add_option("--seed", seed, "Seed for parameters and data")->default_val(0);
 
+  auto* train = app.add_subcommand("train", "Train a model on the CPU, printing progress");
+  kiln::train::JobOptions job;
+  train->add_option("--model", job.model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
+      ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))->default_val("mlp");
+  train->add_option("--data", job.data, "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*; default: a GPL text)")
+      ->default_val("fashion-mnist");
+  train->add_option("--data-dir", job.data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
+  train->add_option("--steps", job.steps, "Total training steps")->default_val(2000);
+  train->add_option("--batch", job.batch, "Batch size")->default_val(64);
+  train->add_option("--seq", job.seq, "Sequence length for gpt2* (default: the config's)");
+  train->add_option("--lr", job.optimizer.lr, "Peak learning rate")->default_val(1e-3);
+  train->add_option("--optimizer", job.optimizer.name, "adamw | sgd")->check(CLI::IsMember({"adamw", "sgd"}))->default_val("adamw");
+  train->add_option("--weight-decay", job.optimizer.weight_decay, "Decoupled (adamw) or L2 (sgd) weight decay")->default_val(0.0);
+  train->add_option("--momentum", job.optimizer.momentum, "SGD momentum")->default_val(0.9);
+  train->add_flag("--nesterov", job.optimizer.nesterov, "SGD with Nesterov momentum");
+  train->add_option("--grad-clip", job.optimizer.grad_clip, "Clip the global gradient norm to this (0 = off)")->default_val(0.0);
+  train->add_option("--warmup", job.optimizer.warmup_steps, "Linear warmup steps")->default_val(0);
+  train->add_option("--decay-steps", job.optimizer.decay_steps, "Cosine decay to 0.1 x lr by this step (0 = constant lr)")->default_val(0);
+  train->add_option("--seed", job.seed, "Seed for init and data order")->default_val(0);
+  train->add_option("--device", job.device, "cpu (cuda comes with the CUDA backend)")->default_val("cpu");
+  train->add_option("--checkpoint-dir", job.checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
+  train->add_flag("--resume", job.resume, "Continue from --checkpoint-dir's last checkpoint");
+  train->add_option("--eval-every", job.eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")->default_val(500);
+  train->add_option("--log-every", job.log_every, "Log line interval when not on a terminal")->default_val(100);
+  train->add_option("--metrics", job.metrics_path, "Append metrics as JSON lines to FILE");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -129,6 +156,8 @@ int main(int argc, char** argv) {
       std::vector<kiln::Tensor> outputs = executor.run(random_inputs(graph, seed, int_high));
       fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
       print_outputs(graph, outputs);
+    } else if (app.got_subcommand(train)) {
+      kiln::train::run_training_job(job);
     } else if (app.got_subcommand(demo_cmd)) {
       demo(seed);
     }

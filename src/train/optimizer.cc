@@ -1,0 +1,110 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include "frontend/builder.h"
+#include "ir/verifier.h"
+#include "passes/autodiff.h"
+#include "support/error.h"
+
+namespace kiln::train {
+
+void validate(const OptimizerConfig& c) {
+  KILN_CHECK(c.name == "adamw" || c.name == "sgd", "unknown optimizer '{}' (expected adamw or sgd)", c.name);
+  KILN_CHECK(c.lr > 0 && std::isfinite(c.lr), "learning rate must be > 0, got {}", c.lr);
+  KILN_CHECK(c.weight_decay >= 0, "weight decay must be >= 0, got {}", c.weight_decay);
+  KILN_CHECK(c.grad_clip >= 0, "gradient clip must be >= 0 (0 = off), got {}", c.grad_clip);
+  KILN_CHECK(c.warmup_steps >= 0 && c.decay_steps >= 0, "warmup and decay steps must be >= 0");
+  KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
+}
+
+double learning_rate(const OptimizerConfig& c, int64_t step) {
+  if (step < c.warmup_steps) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  if (c.decay_steps <= c.warmup_steps) return c.lr;
+  if (step >= c.decay_steps) return c.lr * c.min_lr_ratio;
+  double progress = static_cast<double>(step - c.warmup_steps) / static_cast<double>(c.decay_steps - c.warmup_steps);
+  double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+}
+
+TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& config) {
+  validate(config);
+  KILN_CHECK(!forward.outputs.empty(), "graph '{}' has no outputs (the loss must be the first)", forward.name);
+  TrainingGraph out;
+  std::vector<ValueId> params;
+  for (size_t i = 0; i < forward.inputs.size(); ++i) {
+    if (forward.inputs[i].role == Role::kParam) {
+      out.param_inputs.push_back(static_cast<int>(i));
+      params.push_back(forward.inputs[i].value);
+    } else if (forward.inputs[i].role == Role::kData) {
+      out.data_inputs.push_back(static_cast<int>(i));
+    }
+  }
+  KILN_CHECK(!params.empty(), "graph '{}' has no param inputs to train", forward.name);
+  AutodiffResult joint = autodiff(forward, forward.outputs[0], params);
+
+  Builder b(std::move(joint.graph));
+  std::vector<Expr> grads;
+  for (ValueId g : joint.gradients) grads.push_back(b.wrap(g));
+
+  if (config.grad_clip > 0) {
+    // Global-norm clipping, all on device: scale = min(1, max_norm / (norm + 1e-6)).
+    Expr total;
+    for (const Expr& g : grads) {
+      Expr s = sum(square(cast(g, DType::kF32)));
+      total = total.id() < 0 ? s : total + s;
+    }
+    Expr norm = sqrt(total).named("grad_norm");
+    Expr scale = minimum(b.scalar(1.0), b.scalar(config.grad_clip) / (norm + 1e-6));
+    for (Expr& g : grads) g = g * cast(scale, g.dtype());
+  }
+
+  auto add_state = [&](const std::string& name, const TensorType& type) {
+    Expr e = b.state(name, type.shape, type.dtype);
+    out.state_inputs.push_back(static_cast<int>(b.graph().inputs.size() - 1));
+    return e;
+  };
+  std::vector<Expr> moments;  // per param: sgd buf, or adamw m and v
+  for (ValueId p : params) {
+    const Value& v = b.graph().value(p);
+    TensorType type = v.type;
+    if (config.name == "sgd") {
+      moments.push_back(add_state("opt.buf." + v.name, type));
+    } else {
+      moments.push_back(add_state("opt.m." + v.name, type));
+      moments.push_back(add_state("opt.v." + v.name, type));
+    }
+  }
+  Expr step = add_state("opt.step", TensorType{DType::kF32, {}});
+  Expr lr = b.data("lr", {}, DType::kF32);
+  out.lr_input = static_cast<int>(b.graph().inputs.size() - 1);
+  Expr next_step = step + 1.0;
+  b.graph().updates.push_back(Update{step.id(), next_step.id()});
+
+  for (size_t i = 0; i < params.size(); ++i) {
+    Expr p = b.wrap(params[i]);
+    Expr g = grads[i].dtype() == p.dtype() ? grads[i] : cast(grads[i], p.dtype());
+    Expr lr_p = cast(lr, p.dtype());
+    if (config.name == "sgd") {
+      std::vector<Expr> r = b.apply(Op::kSgdUpdate, {p, g, moments[i], lr_p},
+                                    {{"momentum", config.momentum}, {"nesterov", config.nesterov},
+                                     {"weight_decay", config.weight_decay}});
+      b.graph().updates.push_back(Update{p.id(), r[0].id()});
+      b.graph().updates.push_back(Update{moments[i].id(), r[1].id()});
+    } else {
+      Expr m = moments[2 * i], v = moments[2 * i + 1];
+      std::vector<Expr> r = b.apply(Op::kAdamwUpdate, {p, g, m, v, lr_p, cast(next_step, p.dtype())},
+                                    {{"beta1", config.beta1}, {"beta2", config.beta2},
+                                     {"epsilon", config.epsilon}, {"weight_decay", config.weight_decay}});
+      b.graph().updates.push_back(Update{p.id(), r[0].id()});
+      b.graph().updates.push_back(Update{m.id(), r[1].id()});
+      b.graph().updates.push_back(Update{v.id(), r[2].id()});
+    }
+  }
+  out.graph = b.take();
+  out.graph.name = forward.name + ".train";
+  verify(out.graph);
+  return out;
+}
+
+}  // namespace kiln::train

@@ -1,0 +1,49 @@
+// The training program: the forward graph, its backward pass (autodiff), optional global-norm
+// gradient clipping and the optimizer update, as ONE graph whose Graph::updates write the new
+// params and optimizer state over the old ones.
+//
+// Learning rate: a scalar data input ("lr"), computed each step on the host by
+// learning_rate(). Why not in the graph: the host issues every step and already knows the step
+// number, so the schedule costs nothing there, needs no device read, and needs no schedule ops
+// (cos, min, ...) in the graph; changing the schedule never recompiles. The step counter that
+// AdamW's bias correction needs IS graph state ("opt.step"), incremented in the graph, so a
+// resumed run continues from its checkpointed value.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace kiln::train {
+
+struct OptimizerConfig {
+  std::string name = "adamw";  // "adamw" or "sgd"
+  double lr = 1e-3;            // peak learning rate
+  double weight_decay = 0.0;
+  double momentum = 0.9;       // sgd
+  bool nesterov = false;       // sgd
+  double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8;  // adamw
+  double grad_clip = 0.0;      // max global gradient norm; 0 = no clipping
+  int64_t warmup_steps = 0;    // linear warmup from lr/warmup to lr
+  int64_t decay_steps = 0;     // cosine decay to min_lr_ratio * lr by this step; 0 = constant
+  double min_lr_ratio = 0.1;
+};
+
+// Throws kiln::Error naming the bad field.
+void validate(const OptimizerConfig& config);
+// The learning rate of 0-based step `step`: linear warmup, then cosine decay, then constant.
+double learning_rate(const OptimizerConfig& config, int64_t step);
+
+struct TrainingGraph {
+  Graph graph;  // outputs: the forward's outputs (loss first)
+  std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
+  std::vector<int> state_inputs;  // optimizer state: per-param moments/buffers, then opt.step
+  std::vector<int> data_inputs;   // the forward's data inputs, in order
+  int lr_input = -1;              // the scalar learning-rate input
+};
+
+// `forward` must have a scalar float loss as outputs[0] and at least one param.
+TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& config);
+
+}  // namespace kiln::train
