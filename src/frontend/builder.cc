@@ -207,4 +207,28 @@ Expr attention(Expr q, Expr k, Expr v, bool causal, double scale) {
   return q.builder().apply1(Op::kAttention, {q, k, v}, std::move(attrs));
 }
 
+// Backward ops
+Expr softmax_grad(Expr y, Expr dy, int64_t axis) {
+  return y.builder().apply1(Op::kSoftmaxGrad, {y, dy}, {{"axis", axis}});
+}
+Expr log_softmax_grad(Expr y, Expr dy, int64_t axis) {
+  return y.builder().apply1(Op::kLogSoftmaxGrad, {y, dy}, {{"axis", axis}});
+}
+std::vector<Expr> layer_norm_grad(Expr x, Expr gamma, Expr dy, double epsilon) {
+  return x.builder().apply(Op::kLayerNormGrad, {x, gamma, dy}, {{"epsilon", epsilon}});
+}
+std::vector<Expr> rms_norm_grad(Expr x, Expr gamma, Expr dy, double epsilon) {
+  return x.builder().apply(Op::kRmsNormGrad, {x, gamma, dy}, {{"epsilon", epsilon}});
+}
+Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_index,
+                        const std::string& reduction) {
+  return logits.builder().apply1(Op::kCrossEntropyGrad, {logits, labels, dloss},
+                                 {{"ignore_index", ignore_index}, {"reduction", reduction}});
+}
+std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal, double scale) {
+  Attributes attrs{{"causal", causal}};
+  if (scale > 0) attrs.set("scale", scale);
+  return q.builder().apply(Op::kAttentionGrad, {q, k, v, dout}, std::move(attrs));
+}
+
 }  // namespace kiln

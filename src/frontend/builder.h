@@ -152,4 +152,20 @@ Expr cross_entropy(Expr logits, Expr labels, int64_t ignore_index = -100,
 // q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv). scale <= 0 means 1/sqrt(D).
 Expr attention(Expr q, Expr k, Expr v, bool causal = false, double scale = 0.0);
 
+// Backward ops: what the gradient rules of softmax, the norms, cross_entropy and attention emit
+// (kernel libraries serve them whole). Each takes the forward op's attributes.
+// y = softmax(x) or log_softmax(x); returns dx.
+Expr softmax_grad(Expr y, Expr dy, int64_t axis = -1);
+Expr log_softmax_grad(Expr y, Expr dy, int64_t axis = -1);
+// Returns {dx, dgamma, dbeta}; dgamma and dbeta are (C,), summed over the leading dims.
+std::vector<Expr> layer_norm_grad(Expr x, Expr gamma, Expr dy, double epsilon = 1e-5);
+// Returns {dx, dgamma}.
+std::vector<Expr> rms_norm_grad(Expr x, Expr gamma, Expr dy, double epsilon = 1e-6);
+// dloss: a scalar for "mean" and "sum", labels' shape for "none". Returns dlogits.
+Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_index = -100,
+                        const std::string& reduction = "mean");
+// Returns {dq, dk, dv}. scale <= 0 means 1/sqrt(D), as for attention.
+std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal = false,
+                                 double scale = 0.0);
+
 }  // namespace kiln

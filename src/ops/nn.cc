@@ -11,11 +11,25 @@
 //   attention(q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv)) {causal = false, scale (optional,
 //     absent = 1/sqrt(D))}: softmax(q k^T * scale + mask) v; causal masks key j > query i
 //     (top-left aligned, like PyTorch's is_causal).
+// Backward ops: first-class ops (not compositions) because kernel libraries serve them as such
+// (cuDNN, FlashAttention, Liger, llm.c). None is differentiable itself (no second derivatives).
+//   softmax_grad(y, dy) {axis = -1}: y * (dy - sum(dy * y, axis)), y = softmax(x).
+//   log_softmax_grad(y, dy) {axis = -1}: dy - exp(y) * sum(dy, axis), y = log_softmax(x).
+//   layer_norm_grad(x, gamma, dy) {epsilon = 1e-5} -> (dx, dgamma, dbeta); dgamma and dbeta
+//     are summed over every leading dim: shape (C,).
+//   rms_norm_grad(x, gamma, dy) {epsilon = 1e-6} -> (dx, dgamma).
+//   cross_entropy_grad(logits, labels, dloss) {ignore_index, reduction} -> dlogits:
+//     (softmax(logits) - one_hot(label)) times dloss / counted rows ("mean"), dloss ("sum") or
+//     dloss[row] ("none": dloss has labels' shape); ignored rows get 0.
+//   attention_grad(q, k, v, dout) {causal, scale} -> (dq, dk, dv), recomputing the weights.
+// Gradient rules (OpDef::gradient) of the forward ops emit these ops (matmul's emits matmuls).
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
 #include <cmath>
 #include <limits>
 
+#include "frontend/builder.h"
 #include "ops/common.h"
+#include "passes/autodiff.h"
 
 namespace kiln::ops {
 namespace {
@@ -161,6 +175,193 @@ AttentionDims attention_dims(const Shape& q, const Shape& k, const Shape& v) {
   return dims;
 }
 
+// Attention's inputs checked; returns the output type (q's shape with Dv as the last dim).
+TensorType infer_attention(const TensorType& q, const TensorType& k, const TensorType& v) {
+  check_float(q, "q");
+  check_same_dtype(k, "k", q, "q");
+  check_same_dtype(v, "v", q, "q");
+  KILN_CHECK(q.rank() >= 2, "q has shape {}, expected rank >= 2 (..., Tq, D)",
+             to_string(q.shape));
+  KILN_CHECK(k.rank() == q.rank() && v.rank() == q.rank(),
+             "q, k, v have shapes {}, {}, {}, expected one rank", to_string(q.shape),
+             to_string(k.shape), to_string(v.shape));
+  const int r = q.rank();
+  const Shape lead(q.shape.begin(), q.shape.end() - 2);
+  KILN_CHECK(Shape(k.shape.begin(), k.shape.end() - 2) == lead &&
+                 Shape(v.shape.begin(), v.shape.end() - 2) == lead,
+             "leading dims differ: q is {}, k is {}, v is {} (they must be equal, no "
+             "broadcasting)",
+             to_string(q.shape), to_string(k.shape), to_string(v.shape));
+  KILN_CHECK(k.shape[r - 1] == q.shape[r - 1],
+             "head dims differ: q is {}, k is {} (expected the same D)", to_string(q.shape),
+             to_string(k.shape));
+  KILN_CHECK(v.shape[r - 2] == k.shape[r - 2],
+             "key lengths differ: k is {}, v is {} (expected the same Tk)", to_string(k.shape),
+             to_string(v.shape));
+  Shape out = q.shape;
+  out[r - 1] = v.shape[r - 1];
+  return {q.dtype, out};
+}
+
+// Softmax weights of query i of batch b over the keys: weights[j] = P[i, j]. Masked keys
+// (causal, j > i) get exactly 0; key 0 is never masked.
+void attention_weights(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
+                       int64_t i, bool causal, double scale, std::vector<double>& weights) {
+  const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d;
+  double max = kNegativeInfinity;
+  for (int64_t j = 0; j < d.tk; ++j) {
+    double s = kNegativeInfinity;
+    if (!causal || j <= i) {
+      s = 0.0;
+      for (int64_t c = 0; c < d.d; ++c) s += q.get(q0 + i * d.d + c) * k.get(k0 + j * d.d + c);
+      s *= scale;
+    }
+    weights[j] = s;
+    max = std::max(max, s);
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j < d.tk; ++j) {
+    weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - max);
+    sum += weights[j];
+  }
+  for (int64_t j = 0; j < d.tk; ++j) weights[j] /= sum;
+}
+
+double attention_scale(const Attributes& attrs, int64_t head_dim) {
+  if (attrs.has("scale")) return attrs.f("scale");
+  return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
+}
+
+// Cross-entropy's logits and labels checked; returns the shape of the per-row losses (labels').
+Shape check_cross_entropy_inputs(const TensorType& logits, const TensorType& labels) {
+  check_float(logits, "logits");
+  KILN_CHECK(logits.rank() >= 1 && logits.shape.back() >= 1,
+             "logits have shape {}, expected (..., V) with V >= 1", to_string(logits.shape));
+  KILN_CHECK(labels.dtype == DType::kI32 || labels.dtype == DType::kI64,
+             "labels are {}, expected i32 or i64", dtype_name(labels.dtype));
+  const Shape expected(logits.shape.begin(), logits.shape.end() - 1);
+  KILN_CHECK(labels.shape == expected,
+             "labels have shape {}, expected {} (logits {} without the last dim)",
+             to_string(labels.shape), to_string(expected), to_string(logits.shape));
+  return expected;
+}
+
+// Label of row r, checked against the vocabulary unless it is ignore_index (kernel-time error).
+int64_t checked_label(const char* op, const Tensor& labels, int64_t r, int64_t vocab,
+                      int64_t ignore_index) {
+  const int64_t label = static_cast<int64_t>(labels.get(r));
+  if (label != ignore_index && (label < 0 || label >= vocab))
+    fail("{}: label {} (row {}) is out of range [0, {}) and is not ignore_index {}", op, label, r,
+         vocab, ignore_index);
+  return label;
+}
+
+// ---- backward ops ----
+
+// A gradient input `dy` must match the forward tensor it is the gradient of.
+void check_grad_input(const TensorType& dy, const char* name, const TensorType& like,
+                      const char* like_name) {
+  check_same_dtype(dy, name, like, like_name);
+  KILN_CHECK(dy.shape == like.shape, "{} has shape {}, expected {} like {}", name,
+             to_string(dy.shape), to_string(like.shape), like_name);
+}
+
+std::vector<TensorType> infer_softmax_grad(std::span<const TensorType> in,
+                                           const Attributes& attrs) {
+  const TensorType &y = in[0], &dy = in[1];
+  check_float(y, "y");
+  KILN_CHECK(y.rank() >= 1, "y has shape (), expected rank >= 1");
+  check_grad_input(dy, "dy", y, "y");
+  normalize_axis(attrs.i("axis"), y.rank());
+  return {y};
+}
+
+// Calls fn(at, dim) once per line along `axis` of `shape`; at(j) is the flat index of element j.
+template <typename Fn>
+void for_each_line(const Shape& shape, int axis, Fn&& fn) {
+  int64_t outer = 1, inner = 1;
+  const int64_t dim = shape[axis];
+  for (int d = 0; d < axis; ++d) outer *= shape[d];
+  for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i)
+      fn([&](int64_t j) { return (o * dim + j) * inner + i; }, dim);
+}
+
+// dx = y * (dy - sum(dy * y)) (softmax) or dy - exp(y) * sum(dy) (log_softmax), per line.
+void softmax_grad_kernel(const KernelArgs& args, bool log) {
+  const Tensor &y = args.inputs[0], &dy = args.inputs[1];
+  Tensor& dx = args.outputs[0];
+  const int axis = normalize_axis(args.attrs.i("axis"), y.rank());
+  for_each_line(y.shape(), axis, [&](auto at, int64_t dim) {
+    double total = 0.0;
+    for (int64_t j = 0; j < dim; ++j) total += log ? dy.get(at(j)) : dy.get(at(j)) * y.get(at(j));
+    for (int64_t j = 0; j < dim; ++j) {
+      const double yj = y.get(at(j)), dyj = dy.get(at(j));
+      dx.set(at(j), log ? dyj - std::exp(yj) * total : yj * (dyj - total));
+    }
+  });
+}
+
+// x (..., C), gamma (C,), dy like x: the inputs of layer_norm_grad and rms_norm_grad.
+void check_norm_grad_inputs(std::span<const TensorType> in) {
+  check_norm_input(in[0]);
+  check_norm_param(in[1], "gamma", in[0]);
+  check_grad_input(in[2], "dy", in[0], "x");
+}
+
+// ---- gradient rules ----
+
+std::vector<Expr> matmul_gradient(const GradContext& c) {
+  const Expr &a = c.x(0), &b = c.x(1), &dc = c.dy();
+  const bool ta = c.attrs().b("transpose_a"), tb = c.attrs().b("transpose_b");
+  // C = op(A) op(B). dop(A) = dC op(B)^T and dop(B) = op(A)^T dC; a transposed operand's stored
+  // gradient is the transpose of that, which the flags express without transpose nodes.
+  Expr da = !ta ? matmul(dc, b, false, !tb) : matmul(b, dc, tb, true);
+  Expr db;
+  if (b.rank() == 2 && a.rank() > 2 && !ta) {
+    // A weight shared over the batch (x (B, T, C) @ w (C, D)): one (B*T)-row matmul instead of
+    // B matmuls whose (B, C, D) result is then summed.
+    const int64_t k = a.dim(-1), n = dc.dim(-1);
+    Expr a_rows = reshape(a, {-1, k}), dc_rows = reshape(dc, {-1, n});
+    db = !tb ? matmul(a_rows, dc_rows, true, false) : matmul(dc_rows, a_rows, true, false);
+  } else {
+    db = !tb ? matmul(a, dc, !ta, false) : matmul(dc, a, true, ta);
+  }
+  // Batch dims that broadcast in the forward pass are summed back.
+  return {reduce_to_shape(da, a.shape()), reduce_to_shape(db, b.shape())};
+}
+
+std::vector<Expr> softmax_gradient(const GradContext& c) {
+  return {c.builder.apply1(Op::kSoftmaxGrad, {c.y(), c.dy()}, {{"axis", c.attrs().i("axis")}})};
+}
+
+std::vector<Expr> log_softmax_gradient(const GradContext& c) {
+  return {
+      c.builder.apply1(Op::kLogSoftmaxGrad, {c.y(), c.dy()}, {{"axis", c.attrs().i("axis")}})};
+}
+
+std::vector<Expr> layer_norm_gradient(const GradContext& c) {
+  // (dx, dgamma, dbeta): one per input, in order.
+  return c.builder.apply(Op::kLayerNormGrad, {c.x(0), c.x(1), c.dy()},
+                         {{"epsilon", c.attrs().f("epsilon")}});
+}
+
+std::vector<Expr> rms_norm_gradient(const GradContext& c) {
+  return c.builder.apply(Op::kRmsNormGrad, {c.x(0), c.x(1), c.dy()},
+                         {{"epsilon", c.attrs().f("epsilon")}});
+}
+
+std::vector<Expr> cross_entropy_gradient(const GradContext& c) {
+  Expr dlogits = c.builder.apply1(Op::kCrossEntropyGrad, {c.x(0), c.x(1), c.dy()}, c.attrs());
+  return {dlogits, Expr()};  // labels are integers: no gradient
+}
+
+std::vector<Expr> attention_gradient(const GradContext& c) {
+  // Same attributes (causal, and scale when given): (dq, dk, dv).
+  return c.builder.apply(Op::kAttentionGrad, {c.x(0), c.x(1), c.x(2), c.dy()}, c.attrs());
+}
+
 }  // namespace
 
 void define_nn_ops(OpRegistry& registry) {
@@ -194,15 +395,17 @@ void define_nn_ops(OpRegistry& registry) {
               c.set(c0 + i * n + j, sum);
             }
         });
-      }});
+      },
+      matmul_gradient});
 
   registry.define(Op::kSoftmax, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax,
-      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/false); }});
+      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/false); }, softmax_gradient});
 
   registry.define(Op::kLogSoftmax, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax,
-      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/true); }});
+      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/true); },
+      log_softmax_gradient});
 
   registry.define(Op::kLayerNorm, OpDef{
       {with_default("epsilon", 1e-5)},
@@ -231,7 +434,8 @@ void define_nn_ops(OpRegistry& registry) {
           for (int64_t c = 0; c < cols; ++c)
             y.set(r * cols + c, (x.get(r * cols + c) - mean) * inv_std * gamma.get(c) + beta.get(c));
         }
-      }});
+      },
+      layer_norm_gradient});
 
   registry.define(Op::kRmsNorm, OpDef{
       {with_default("epsilon", 1e-6)},
@@ -253,23 +457,16 @@ void define_nn_ops(OpRegistry& registry) {
           for (int64_t c = 0; c < cols; ++c)
             y.set(r * cols + c, x.get(r * cols + c) * inv_rms * gamma.get(c));
         }
-      }});
+      },
+      rms_norm_gradient});
 
   registry.define(Op::kCrossEntropy, OpDef{
       {with_default("ignore_index", int64_t{-100}), with_default("reduction", std::string("mean"))},
       [](std::span<const TensorType> in, const Attributes& attrs) {
         const TensorType &logits = in[0], &labels = in[1];
-        check_float(logits, "logits");
-        KILN_CHECK(logits.rank() >= 1 && logits.shape.back() >= 1,
-                   "logits have shape {}, expected (..., V) with V >= 1", to_string(logits.shape));
-        KILN_CHECK(labels.dtype == DType::kI32 || labels.dtype == DType::kI64,
-                   "labels are {}, expected i32 or i64", dtype_name(labels.dtype));
-        const Shape expected(logits.shape.begin(), logits.shape.end() - 1);
-        KILN_CHECK(labels.shape == expected,
-                   "labels have shape {}, expected {} (logits {} without the last dim)",
-                   to_string(labels.shape), to_string(expected), to_string(logits.shape));
+        Shape rows = check_cross_entropy_inputs(logits, labels);
         if (reduction_of(attrs) == Reduction::kNone)
-          return std::vector<TensorType>{{logits.dtype, labels.shape}};
+          return std::vector<TensorType>{{logits.dtype, rows}};
         return std::vector<TensorType>{{logits.dtype, Shape{}}};
       },
       [](const KernelArgs& args) {
@@ -281,13 +478,9 @@ void define_nn_ops(OpRegistry& registry) {
         double total = 0.0;
         int64_t counted = 0;
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t label = static_cast<int64_t>(labels.get(r));
+          const int64_t label = checked_label("cross_entropy", labels, r, vocab, ignore_index);
           double loss = 0.0;
           if (label != ignore_index) {
-            if (label < 0 || label >= vocab)
-              fail("cross_entropy: label {} (row {}) is out of range [0, {}) and is not "
-                   "ignore_index {}",
-                   label, r, vocab, ignore_index);
             double max = kNegativeInfinity;
             for (int64_t c = 0; c < vocab; ++c) max = std::max(max, logits.get(r * vocab + c));
             double sum = 0.0;
@@ -302,78 +495,227 @@ void define_nn_ops(OpRegistry& registry) {
         if (reduction == Reduction::kSum) out.set(0, total);
         if (reduction == Reduction::kMean)
           out.set(0, counted == 0 ? 0.0 : total / static_cast<double>(counted));
-      }});
+      },
+      cross_entropy_gradient});
 
   registry.define(Op::kAttention, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
-        const TensorType &q = in[0], &k = in[1], &v = in[2];
-        check_float(q, "q");
-        check_same_dtype(k, "k", q, "q");
-        check_same_dtype(v, "v", q, "q");
-        KILN_CHECK(q.rank() >= 2, "q has shape {}, expected rank >= 2 (..., Tq, D)",
-                   to_string(q.shape));
-        KILN_CHECK(k.rank() == q.rank() && v.rank() == q.rank(),
-                   "q, k, v have shapes {}, {}, {}, expected one rank", to_string(q.shape),
-                   to_string(k.shape), to_string(v.shape));
-        const int r = q.rank();
-        const Shape lead(q.shape.begin(), q.shape.end() - 2);
-        KILN_CHECK(Shape(k.shape.begin(), k.shape.end() - 2) == lead &&
-                       Shape(v.shape.begin(), v.shape.end() - 2) == lead,
-                   "leading dims differ: q is {}, k is {}, v is {} (they must be equal, no "
-                   "broadcasting)",
-                   to_string(q.shape), to_string(k.shape), to_string(v.shape));
-        KILN_CHECK(k.shape[r - 1] == q.shape[r - 1],
-                   "head dims differ: q is {}, k is {} (expected the same D)", to_string(q.shape),
-                   to_string(k.shape));
-        KILN_CHECK(v.shape[r - 2] == k.shape[r - 2],
-                   "key lengths differ: k is {}, v is {} (expected the same Tk)",
-                   to_string(k.shape), to_string(v.shape));
-        Shape out = q.shape;
-        out[r - 1] = v.shape[r - 1];
-        return std::vector<TensorType>{{q.dtype, out}};
+        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2])};
       },
       [](const KernelArgs& args) {
         const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
         Tensor& out = args.outputs[0];
         const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
         const bool causal = args.attrs.b("causal");
-        const double scale = args.attrs.has("scale") ? args.attrs.f("scale")
-                             : d.d > 0               ? 1.0 / std::sqrt(static_cast<double>(d.d))
-                                                     : 1.0;
-        std::vector<double> scores(static_cast<size_t>(d.tk));
+        const double scale = attention_scale(args.attrs, d.d);
+        std::vector<double> weights(static_cast<size_t>(d.tk));
         for (int64_t b = 0; b < d.batch; ++b) {
-          const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d, v0 = b * d.tk * d.dv,
-                        o0 = b * d.tq * d.dv;
+          const int64_t v0 = b * d.tk * d.dv, o0 = b * d.tq * d.dv;
           for (int64_t i = 0; i < d.tq; ++i) {
-            // Scores for query i; masked keys get -inf (weight 0). Key 0 is never masked.
-            double max = kNegativeInfinity;
-            for (int64_t j = 0; j < d.tk; ++j) {
-              double s = kNegativeInfinity;
-              if (!causal || j <= i) {
-                s = 0.0;
-                for (int64_t c = 0; c < d.d; ++c)
-                  s += q.get(q0 + i * d.d + c) * k.get(k0 + j * d.d + c);
-                s *= scale;
-              }
-              scores[j] = s;
-              max = std::max(max, s);
-            }
-            // Softmax over the keys.
-            double sum = 0.0;
-            for (int64_t j = 0; j < d.tk; ++j) {
-              scores[j] = scores[j] == kNegativeInfinity ? 0.0 : std::exp(scores[j] - max);
-              sum += scores[j];
-            }
+            attention_weights(q, k, d, b, i, causal, scale, weights);
             // Weighted sum of the values.
             for (int64_t c = 0; c < d.dv; ++c) {
               double acc = 0.0;
-              for (int64_t j = 0; j < d.tk; ++j) acc += scores[j] / sum * v.get(v0 + j * d.dv + c);
+              for (int64_t j = 0; j < d.tk; ++j) acc += weights[j] * v.get(v0 + j * d.dv + c);
               out.set(o0 + i * d.dv + c, acc);
             }
           }
         }
-      }});
+      },
+      attention_gradient});
+
+  // ---- backward ops (not differentiable themselves) ----
+
+  registry.define(Op::kSoftmaxGrad, OpDef{
+      {with_default("axis", int64_t{-1})}, infer_softmax_grad,
+      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/false); }, nullptr, false});
+
+  registry.define(Op::kLogSoftmaxGrad, OpDef{
+      {with_default("axis", int64_t{-1})}, infer_softmax_grad,
+      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/true); }, nullptr, false});
+
+  registry.define(Op::kLayerNormGrad, OpDef{
+      {with_default("epsilon", 1e-5)},
+      [](std::span<const TensorType> in, const Attributes& attrs) {
+        check_norm_grad_inputs(in);
+        return std::vector<TensorType>{in[0], in[1], in[1]};  // dx, dgamma, dbeta
+      },
+      [](const KernelArgs& args) {
+        const Tensor &x = args.inputs[0], &gamma = args.inputs[1], &dy = args.inputs[2];
+        Tensor &dx = args.outputs[0], &dgamma = args.outputs[1], &dbeta = args.outputs[2];
+        const double epsilon = args.attrs.f("epsilon");
+        auto [rows, cols] = rows_of(x.shape());
+        const double n = static_cast<double>(cols);
+        std::vector<double> dgamma_sum(cols, 0.0), dbeta_sum(cols, 0.0), x_hat(cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          auto at = [&](int64_t c) { return r * cols + c; };
+          double mean = 0.0;
+          for (int64_t c = 0; c < cols; ++c) mean += x.get(at(c));
+          mean /= n;
+          double variance = 0.0;
+          for (int64_t c = 0; c < cols; ++c) {
+            const double centered = x.get(at(c)) - mean;
+            variance += centered * centered;
+          }
+          variance /= n;
+          const double inv_std = 1.0 / std::sqrt(variance + epsilon);
+          // With x_hat = (x - mean) * inv_std and g = dy * gamma (the gradient w.r.t. x_hat):
+          // dx = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
+          double mean_g = 0.0, mean_g_x_hat = 0.0;
+          for (int64_t c = 0; c < cols; ++c) {
+            x_hat[c] = (x.get(at(c)) - mean) * inv_std;
+            const double g = dy.get(at(c)) * gamma.get(c);
+            mean_g += g;
+            mean_g_x_hat += g * x_hat[c];
+            dgamma_sum[c] += dy.get(at(c)) * x_hat[c];
+            dbeta_sum[c] += dy.get(at(c));
+          }
+          mean_g /= n;
+          mean_g_x_hat /= n;
+          for (int64_t c = 0; c < cols; ++c) {
+            const double g = dy.get(at(c)) * gamma.get(c);
+            dx.set(at(c), inv_std * (g - mean_g - x_hat[c] * mean_g_x_hat));
+          }
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          dgamma.set(c, dgamma_sum[c]);
+          dbeta.set(c, dbeta_sum[c]);
+        }
+      },
+      nullptr, false});
+
+  registry.define(Op::kRmsNormGrad, OpDef{
+      {with_default("epsilon", 1e-6)},
+      [](std::span<const TensorType> in, const Attributes& attrs) {
+        check_norm_grad_inputs(in);
+        return std::vector<TensorType>{in[0], in[1]};  // dx, dgamma
+      },
+      [](const KernelArgs& args) {
+        const Tensor &x = args.inputs[0], &gamma = args.inputs[1], &dy = args.inputs[2];
+        Tensor &dx = args.outputs[0], &dgamma = args.outputs[1];
+        const double epsilon = args.attrs.f("epsilon");
+        auto [rows, cols] = rows_of(x.shape());
+        const double n = static_cast<double>(cols);
+        std::vector<double> dgamma_sum(cols, 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+          auto at = [&](int64_t c) { return r * cols + c; };
+          double mean_square = 0.0;
+          for (int64_t c = 0; c < cols; ++c) mean_square += x.get(at(c)) * x.get(at(c));
+          mean_square /= n;
+          const double inv_rms = 1.0 / std::sqrt(mean_square + epsilon);
+          // y = x * inv_rms * gamma and d inv_rms / d x_c = -inv_rms^3 * x_c / C, so with
+          // g = dy * gamma: dx = inv_rms * g - inv_rms^3 * x * sum(g * x) / C.
+          double sum_g_x = 0.0;
+          for (int64_t c = 0; c < cols; ++c) {
+            sum_g_x += dy.get(at(c)) * gamma.get(c) * x.get(at(c));
+            dgamma_sum[c] += dy.get(at(c)) * x.get(at(c)) * inv_rms;
+          }
+          const double correction = inv_rms * inv_rms * inv_rms * sum_g_x / n;
+          for (int64_t c = 0; c < cols; ++c)
+            dx.set(at(c), inv_rms * dy.get(at(c)) * gamma.get(c) - correction * x.get(at(c)));
+        }
+        for (int64_t c = 0; c < cols; ++c) dgamma.set(c, dgamma_sum[c]);
+      },
+      nullptr, false});
+
+  registry.define(Op::kCrossEntropyGrad, OpDef{
+      {with_default("ignore_index", int64_t{-100}), with_default("reduction", std::string("mean"))},
+      [](std::span<const TensorType> in, const Attributes& attrs) {
+        const TensorType &logits = in[0], &labels = in[1], &dloss = in[2];
+        Shape rows = check_cross_entropy_inputs(logits, labels);
+        check_same_dtype(dloss, "dloss", logits, "logits");
+        const Reduction reduction = reduction_of(attrs);
+        // dloss is the gradient of cross_entropy's output: per row for "none", else a scalar.
+        const Shape expected = reduction == Reduction::kNone ? rows : Shape{};
+        KILN_CHECK(dloss.shape == expected,
+                   "dloss has shape {}, expected {} (the loss's shape for reduction \"{}\")",
+                   to_string(dloss.shape), to_string(expected), attrs.s("reduction"));
+        return std::vector<TensorType>{logits};
+      },
+      [](const KernelArgs& args) {
+        const Tensor &logits = args.inputs[0], &labels = args.inputs[1], &dloss = args.inputs[2];
+        Tensor& dlogits = args.outputs[0];
+        const int64_t ignore_index = args.attrs.i("ignore_index");
+        const Reduction reduction = reduction_of(args.attrs);
+        auto [rows, vocab] = rows_of(logits.shape());
+        int64_t counted = 0;
+        for (int64_t r = 0; r < rows; ++r)
+          if (checked_label("cross_entropy_grad", labels, r, vocab, ignore_index) != ignore_index)
+            ++counted;
+        for (int64_t r = 0; r < rows; ++r) {
+          auto at = [&](int64_t c) { return r * vocab + c; };
+          const int64_t label = static_cast<int64_t>(labels.get(r));
+          if (label == ignore_index) {  // contributes nothing to the loss
+            for (int64_t c = 0; c < vocab; ++c) dlogits.set(at(c), 0.0);
+            continue;
+          }
+          // counted > 0 here: this row is counted.
+          const double row_scale = reduction == Reduction::kNone ? dloss.get(r)
+                                   : reduction == Reduction::kSum
+                                       ? dloss.get(0)
+                                       : dloss.get(0) / static_cast<double>(counted);
+          double max = kNegativeInfinity;
+          for (int64_t c = 0; c < vocab; ++c) max = std::max(max, logits.get(at(c)));
+          double sum = 0.0;
+          for (int64_t c = 0; c < vocab; ++c) sum += std::exp(logits.get(at(c)) - max);
+          for (int64_t c = 0; c < vocab; ++c) {
+            const double p = std::exp(logits.get(at(c)) - max) / sum;
+            dlogits.set(at(c), (p - (c == label ? 1.0 : 0.0)) * row_scale);
+          }
+        }
+      },
+      nullptr, false});
+
+  registry.define(Op::kAttentionGrad, OpDef{
+      {with_default("causal", false), optional("scale", AttrKind::kFloat)},
+      [](std::span<const TensorType> in, const Attributes& attrs) {
+        const TensorType out = infer_attention(in[0], in[1], in[2]);
+        check_grad_input(in[3], "dout", out, "attention's output");
+        return std::vector<TensorType>{in[0], in[1], in[2]};  // dq, dk, dv
+      },
+      [](const KernelArgs& args) {
+        const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
+                     &dout = args.inputs[3];
+        Tensor &dq = args.outputs[0], &dk = args.outputs[1], &dv = args.outputs[2];
+        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
+        const bool causal = args.attrs.b("causal");
+        const double scale = attention_scale(args.attrs, d.d);
+        // Accumulated in double: dk and dv sum over the queries.
+        std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
+        std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
+        for (int64_t b = 0; b < d.batch; ++b) {
+          const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d, v0 = b * d.tk * d.dv,
+                        o0 = b * d.tq * d.dv;
+          for (int64_t i = 0; i < d.tq; ++i) {
+            // out_i = sum_j P_ij v_j with P_i = softmax(s_i), s_ij = scale * q_i . k_j.
+            attention_weights(q, k, d, b, i, causal, scale, weights);
+            double weighted = 0.0;  // sum_j P_ij dP_ij
+            for (int64_t j = 0; j < d.tk; ++j) {
+              double dp = 0.0;  // dP_ij = dout_i . v_j
+              for (int64_t c = 0; c < d.dv; ++c) {
+                const double g = dout.get(o0 + i * d.dv + c);
+                dp += g * v.get(v0 + j * d.dv + c);
+                dv_sum[v0 + j * d.dv + c] += weights[j] * g;
+              }
+              dweights[j] = dp;
+              weighted += weights[j] * dp;
+            }
+            for (int64_t j = 0; j < d.tk; ++j) {
+              // Softmax backward; masked keys have P_ij = 0 and get nothing.
+              const double ds = weights[j] * (dweights[j] - weighted) * scale;
+              for (int64_t c = 0; c < d.d; ++c) {
+                dq_sum[q0 + i * d.d + c] += ds * k.get(k0 + j * d.d + c);
+                dk_sum[k0 + j * d.d + c] += ds * q.get(q0 + i * d.d + c);
+              }
+            }
+          }
+        }
+        for (int64_t i = 0; i < q.numel(); ++i) dq.set(i, dq_sum[i]);
+        for (int64_t i = 0; i < k.numel(); ++i) dk.set(i, dk_sum[i]);
+        for (int64_t i = 0; i < v.numel(); ++i) dv.set(i, dv_sum[i]);
+      },
+      nullptr, false});
 }
 
 }  // namespace kiln::ops

@@ -11,9 +11,14 @@
 //     indices name (gather's transpose: the embedding gradient).
 //   one_hot(indices) {depth, dtype = f32}: indices.shape + [depth].
 // Reference kernels go element by element through Tensor::get/set; they are the test oracle.
+// Gradient rules are each op's adjoint: reshape/transpose undo themselves, broadcast_to sums,
+// slice scatters into zeros, concat and split swap, gather and scatter_add swap. one_hot has an
+// integer input and no gradient.
 #include <algorithm>
 
+#include "frontend/builder.h"
 #include "ops/common.h"
+#include "passes/autodiff.h"
 
 namespace kiln::ops {
 namespace {
@@ -167,6 +172,81 @@ SliceBounds slice_bounds(const Shape& in, const Attributes& attrs) {
   return b;
 }
 
+// ---- gradient rules ----
+
+std::vector<Expr> reshape_gradient(const GradContext& c) {
+  return {reshape(c.dy(), c.x().shape())};
+}
+
+std::vector<Expr> transpose_gradient(const GradContext& c) {
+  // Output axis d is input axis perm[d], so input axis perm[d] comes back from output axis d.
+  Ints perm = transpose_perm(c.attrs(), c.x().rank());
+  Ints inverse(perm.size());
+  for (size_t d = 0; d < perm.size(); ++d) inverse[perm[d]] = static_cast<int64_t>(d);
+  return {transpose(c.dy(), inverse)};
+}
+
+std::vector<Expr> broadcast_to_gradient(const GradContext& c) {
+  return {reduce_to_shape(c.dy(), c.x().shape())};
+}
+
+std::vector<Expr> slice_gradient(const GradContext& c) {
+  // dy goes back to the positions it was read from; the rest of x gets 0. One axis at a time:
+  // a step-1 axis is padded with zeros (concat), a strided one scattered (scatter_add).
+  const Expr& x = c.x();
+  Builder& b = c.builder;
+  const SliceBounds bounds = slice_bounds(x.shape(), c.attrs());
+  if (numel(bounds.out) == 0) return {b.full(x.shape(), 0.0, x.dtype())};
+  Expr g = c.dy();
+  for (int d = 0; d < x.rank(); ++d) {
+    const int64_t dim = x.shape()[d], count = bounds.out[d];
+    const int64_t start = bounds.starts[d], step = bounds.steps[d];
+    if (count == dim) continue;  // the whole axis was read (so start 0, step 1)
+    auto zeros = [&](int64_t size) {
+      Shape shape = g.shape();
+      shape[d] = size;
+      return b.full(shape, 0.0, g.dtype());
+    };
+    if (step == 1 || count == 1) {
+      std::vector<Expr> pieces;
+      if (start > 0) pieces.push_back(zeros(start));
+      pieces.push_back(g);
+      if (dim - start - count > 0) pieces.push_back(zeros(dim - start - count));
+      g = concat(pieces, d);
+    } else {
+      std::vector<double> positions;
+      for (int64_t i = 0; i < count; ++i)
+        positions.push_back(static_cast<double>(start + i * step));
+      g = scatter_add(zeros(dim), b.constant({count}, positions, DType::kI64), g, d);
+    }
+  }
+  return {g};
+}
+
+std::vector<Expr> concat_gradient(const GradContext& c) {
+  const int axis = normalize_axis(c.attrs().i("axis"), c.x().rank());
+  Ints sizes;
+  for (const Expr& x : c.inputs) sizes.push_back(x.shape()[axis]);
+  return split(c.dy(), sizes, axis);
+}
+
+std::vector<Expr> split_gradient(const GradContext& c) {
+  // Outputs that got no gradient arrive as zeros, so every piece is there.
+  return {concat(c.output_grads, c.attrs().i("axis"))};
+}
+
+std::vector<Expr> gather_gradient(const GradContext& c) {
+  // Each gathered row's gradient is summed into the row it came from (repeats add up).
+  const Expr& table = c.x(0);
+  Expr zeros = c.builder.full(table.shape(), 0.0, table.dtype());
+  return {scatter_add(zeros, c.x(1), c.dy(), c.attrs().i("axis")), Expr()};
+}
+
+std::vector<Expr> scatter_add_gradient(const GradContext& c) {
+  // y = base + (updates summed into rows): base passes dy through; each update reads its row.
+  return {c.dy(), Expr(), gather(c.dy(), c.x(1), c.attrs().i("axis"))};
+}
+
 }  // namespace
 
 void define_shape_ops(OpRegistry& registry) {
@@ -178,7 +258,8 @@ void define_shape_ops(OpRegistry& registry) {
       [](const KernelArgs& k) {
         // Row-major order is the same before and after: a flat copy.
         for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].set(i, k.inputs[0].get(i));
-      }});
+      },
+      reshape_gradient});
 
   registry.define(Op::kTranspose, OpDef{
       {with_default("perm", Ints{})},
@@ -199,7 +280,8 @@ void define_shape_ops(OpRegistry& registry) {
           for (size_t d = 0; d < perm.size(); ++d) offset += index[d] * x_strides[perm[d]];
           y.set(i, x.get(offset));
         }
-      }});
+      },
+      transpose_gradient});
 
   registry.define(Op::kBroadcastTo, OpDef{
       {required("shape", AttrKind::kInts)},
@@ -219,7 +301,8 @@ void define_shape_ops(OpRegistry& registry) {
                            [&](int64_t i, std::span<const int64_t> offsets) {
                              k.outputs[0].set(i, k.inputs[0].get(offsets[0]));
                            });
-      }});
+      },
+      broadcast_to_gradient});
 
   registry.define(Op::kSlice, OpDef{
       {required("starts", AttrKind::kInts), required("ends", AttrKind::kInts),
@@ -239,7 +322,8 @@ void define_shape_ops(OpRegistry& registry) {
             offset += (b.starts[d] + index[d] * b.steps[d]) * x_strides[d];
           y.set(i, x.get(offset));
         }
-      }});
+      },
+      slice_gradient});
 
   registry.define(Op::kConcat, OpDef{
       {with_default("axis", int64_t{0})},
@@ -277,7 +361,8 @@ void define_shape_ops(OpRegistry& registry) {
                       x.get((o * v.dim + a) * v.inner + i));
           axis_offset += v.dim;
         }
-      }});
+      },
+      concat_gradient});
 
   registry.define(Op::kSplit, OpDef{
       {with_default("axis", int64_t{0}), required("sizes", AttrKind::kInts)},
@@ -315,7 +400,8 @@ void define_shape_ops(OpRegistry& registry) {
                       x.get((o * in.dim + axis_offset + a) * in.inner + i));
           axis_offset += v.dim;
         }
-      }});
+      },
+      split_gradient});
 
   registry.define(Op::kGather, OpDef{
       {with_default("axis", int64_t{0})},
@@ -338,7 +424,8 @@ void define_shape_ops(OpRegistry& registry) {
             for (int64_t i = 0; i < t.inner; ++i)
               y.set((o * n + p) * t.inner + i, table.get((o * t.dim + row) * t.inner + i));
         }
-      }});
+      },
+      gather_gradient});
 
   registry.define(Op::kScatterAdd, OpDef{
       {with_default("axis", int64_t{0})},
@@ -371,7 +458,8 @@ void define_shape_ops(OpRegistry& registry) {
               y.set(dst, y.get(dst) + updates.get((o * n + p) * b.inner + i));
             }
         }
-      }});
+      },
+      scatter_add_gradient});
 
   registry.define(Op::kOneHot, OpDef{
       {required("depth", AttrKind::kInt), with_default("dtype", DType::kF32)},
@@ -394,7 +482,8 @@ void define_shape_ops(OpRegistry& registry) {
           int64_t index = static_cast<int64_t>(indices.get(p));
           for (int64_t c = 0; c < depth; ++c) y.set(p * depth + c, c == index ? 1.0 : 0.0);
         }
-      }});
+      },
+      nullptr, /*differentiable=*/false});  // integer input: nothing to differentiate
 }
 
 }  // namespace kiln::ops

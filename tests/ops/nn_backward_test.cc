@@ -1,0 +1,426 @@
+// The NN backward ops (softmax_grad, log_softmax_grad, layer_norm_grad, rms_norm_grad,
+// cross_entropy_grad, attention_grad): reference kernels on hand-worked cases, the same kernels
+// against central differences of their forward op's reference kernel (no autodiff involved), and
+// every inference error with its message.
+#include <cmath>
+#include <functional>
+
+#include "test_util.h"
+
+namespace kiln {
+namespace {
+
+using testing::all_close;
+using testing::infer;
+using testing::make;
+using testing::run_reference;
+using Ints = std::vector<int64_t>;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no kiln::Error thrown>";
+}
+
+// Expects `statement` to throw kiln::Error whose message contains every listed fragment.
+#define EXPECT_KILN_ERROR(statement, ...)                                     \
+  do {                                                                        \
+    EXPECT_THROW(statement, ::kiln::Error);                                   \
+    const std::string message = error_of([&] { statement; });                 \
+    for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
+      EXPECT_NE(message.find(fragment), std::string::npos)                    \
+          << "message \"" << message << "\" lacks \"" << fragment << "\"";    \
+  } while (0)
+
+Tensor f64(Shape shape, std::vector<double> values) {
+  return make(DType::kF64, std::move(shape), std::move(values));
+}
+Tensor rand64(Shape shape, uint64_t seed, double low = -1.0, double high = 1.0) {
+  return testing::rand(DType::kF64, std::move(shape), seed, low, high);
+}
+TensorType f32(Shape shape) { return {DType::kF32, std::move(shape)}; }
+TensorType of(DType dtype, Shape shape) { return {dtype, std::move(shape)}; }
+
+// d/d inputs[wrt] of sum_k sum(forward_k(inputs) * weights[k]) by central differences of the
+// forward op's reference kernel: the vector-Jacobian product a backward op must compute.
+Tensor numeric_vjp(Op forward, const std::vector<Tensor>& inputs, const Attributes& attrs,
+                   size_t wrt, const std::vector<Tensor>& weights, double epsilon = 1e-6) {
+  std::vector<Tensor> perturbed = inputs;
+  Tensor& x = perturbed[wrt];
+  x = x.clone();
+  auto loss = [&] {
+    std::vector<Tensor> outs = run_reference(forward, perturbed, attrs);
+    double total = 0.0;
+    for (size_t k = 0; k < weights.size(); ++k)
+      for (int64_t i = 0; i < outs[k].numel(); ++i) total += outs[k].get(i) * weights[k].get(i);
+    return total;
+  };
+  Tensor grad(x.type());
+  for (int64_t j = 0; j < x.numel(); ++j) {
+    const double original = x.get(j);
+    x.set(j, original + epsilon);
+    const double plus = loss();
+    x.set(j, original - epsilon);
+    const double minus = loss();
+    x.set(j, original);
+    grad.set(j, (plus - minus) / (2 * epsilon));
+  }
+  return grad;
+}
+
+constexpr double kAtol = 1e-8, kRtol = 1e-6;  // finite differences in f64 with step 1e-6
+
+// ---------------------------------------------------------------- softmax_grad
+
+TEST(NnBackwardSoftmax, HandWorked) {
+  // y = (1/4, 3/4), dy = (1, 3): sum(dy * y) = 5/2, dx = y * (dy - 5/2) = (-3/8, 3/8).
+  EXPECT_TRUE(
+      all_close(run_reference(Op::kSoftmaxGrad, {f64({2}, {0.25, 0.75}), f64({2}, {1, 3})})[0],
+                f64({2}, {-0.375, 0.375}), 1e-15, 0));
+  // Along axis 0: column 0 as above; column 1 has y = (1/2, 1/2), dy = (2, -2), sum 0.
+  EXPECT_TRUE(
+      all_close(run_reference(Op::kSoftmaxGrad,
+                              {f64({2, 2}, {0.25, 0.5, 0.75, 0.5}), f64({2, 2}, {1, 2, 3, -2})},
+                              {{"axis", int64_t{0}}})[0],
+                f64({2, 2}, {-0.375, 1, 0.375, -1}), 1e-15, 0));
+}
+
+TEST(NnBackwardSoftmax, MatchesForwardDifferences) {
+  for (int64_t axis : {-1, 0, 1}) {
+    SCOPED_TRACE(axis);
+    Attributes attrs{{"axis", axis}};
+    Tensor x = rand64({2, 3, 4}, 1, -2, 2), dy = rand64({2, 3, 4}, 2);
+    Tensor y = run_reference(Op::kSoftmax, {x}, attrs)[0];
+    Tensor dx = run_reference(Op::kSoftmaxGrad, {y, dy}, attrs)[0];
+    EXPECT_TRUE(all_close(dx, numeric_vjp(Op::kSoftmax, {x}, attrs, 0, {dy}), kAtol, kRtol));
+  }
+}
+
+TEST(NnBackwardSoftmax, KeepsDtype) {
+  Tensor y = run_reference(Op::kSoftmax, {testing::rand(DType::kF32, {3, 4}, 3)})[0];
+  Tensor dx = run_reference(Op::kSoftmaxGrad, {y, testing::rand(DType::kF32, {3, 4}, 4)})[0];
+  EXPECT_EQ(dx.type(), f32({3, 4}));
+  EXPECT_EQ(infer(Op::kSoftmaxGrad, {of(DType::kBF16, {2, 5}), of(DType::kBF16, {2, 5})})[0],
+            of(DType::kBF16, {2, 5}));
+}
+
+TEST(NnBackwardSoftmax, Errors) {
+  for (Op op : {Op::kSoftmaxGrad, Op::kLogSoftmaxGrad}) {
+    SCOPED_TRACE(op_name(op));
+    const std::string name(op_name(op));
+    EXPECT_KILN_ERROR(infer(op, {of(DType::kI32, {2, 3}), of(DType::kI32, {2, 3})}),
+                      name + ": y is i32", "float");
+    EXPECT_KILN_ERROR(infer(op, {f32({2, 3}), of(DType::kF64, {2, 3})}), "dy is f64",
+                      "expected f32 like y");
+    EXPECT_KILN_ERROR(infer(op, {f32({2, 3}), f32({3, 2})}),
+                      "dy has shape (3, 2), expected (2, 3) like y");
+    EXPECT_KILN_ERROR(infer(op, {f32({}), f32({})}), "y has shape ()", "rank >= 1");
+    EXPECT_KILN_ERROR(infer(op, {f32({2, 3}), f32({2, 3})}, {{"axis", int64_t{2}}}),
+                      "axis 2 is out of range for rank 2");
+    EXPECT_KILN_ERROR(infer(op, {f32({2, 3})}), "got 1 inputs, expected 2");
+  }
+}
+
+// ---------------------------------------------------------------- log_softmax_grad
+
+TEST(NnBackwardLogSoftmax, HandWorked) {
+  // dx = dy - exp(y) * sum(dy). Row 0: p = (1/4, 3/4), dy = (2, -1), sum 1: (7/4, -7/4).
+  // Row 1: p = (1/10, 9/10), dy = (3, 0), sum 3: (3 - 3/10, -27/10).
+  Tensor y = f64({2, 2}, {std::log(0.25), std::log(0.75), std::log(0.1), std::log(0.9)});
+  EXPECT_TRUE(all_close(run_reference(Op::kLogSoftmaxGrad, {y, f64({2, 2}, {2, -1, 3, 0})})[0],
+                        f64({2, 2}, {1.75, -1.75, 2.7, -2.7}), 1e-14, 0));
+}
+
+TEST(NnBackwardLogSoftmax, MatchesForwardDifferences) {
+  for (int64_t axis : {-1, 0, -2}) {
+    SCOPED_TRACE(axis);
+    Attributes attrs{{"axis", axis}};
+    Tensor x = rand64({3, 2, 4}, 5, -2, 2), dy = rand64({3, 2, 4}, 6);
+    Tensor y = run_reference(Op::kLogSoftmax, {x}, attrs)[0];
+    Tensor dx = run_reference(Op::kLogSoftmaxGrad, {y, dy}, attrs)[0];
+    EXPECT_TRUE(all_close(dx, numeric_vjp(Op::kLogSoftmax, {x}, attrs, 0, {dy}), kAtol, kRtol));
+  }
+}
+
+// ---------------------------------------------------------------- layer_norm_grad
+
+TEST(NnBackwardLayerNorm, HandWorked) {
+  // epsilon 0, C = 4, two rows with mean m and variance 1 so x_hat = x - m.
+  // Row 0: x = (-1, -1, 1, 1), dy = (1, 0, 0, 0); g = dy * gamma = (1, 0, 0, 0),
+  //   mean(g) = 1/4, mean(g * x_hat) = -1/4: dx = g - 1/4 + x_hat / 4 = (1/2, -1/2, 0, 0).
+  // Row 1: x = (2, 0, 0, 2) (x_hat = (1, -1, -1, 1)), dy = (0, 0, 1, 1); g = (0, 0, 3, 4),
+  //   mean(g) = 7/4, mean(g * x_hat) = 1/4: dx = g - 7/4 - x_hat / 4 = (-2, -3/2, 3/2, 2).
+  // dgamma = sum dy * x_hat = (-1, 0, 0, 0) + (0, 0, -1, 1); dbeta = sum dy.
+  Tensor x = f64({2, 4}, {-1, -1, 1, 1, 2, 0, 0, 2});
+  Tensor gamma = f64({4}, {1, 2, 3, 4});
+  Tensor dy = f64({2, 4}, {1, 0, 0, 0, 0, 0, 1, 1});
+  std::vector<Tensor> out = run_reference(Op::kLayerNormGrad, {x, gamma, dy}, {{"epsilon", 0.0}});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_TRUE(all_close(out[0], f64({2, 4}, {0.5, -0.5, 0, 0, -2, -1.5, 1.5, 2}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({4}, {-1, 0, -1, 1}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({4}, {1, 0, 1, 1}), 1e-14, 0));
+}
+
+TEST(NnBackwardLayerNorm, MatchesForwardDifferences) {
+  for (Shape shape : {Shape{6}, Shape{3, 5}, Shape{2, 3, 4}}) {
+    SCOPED_TRACE(to_string(shape));
+    const int64_t c = shape.back();
+    Attributes attrs{{"epsilon", 1e-5}};
+    std::vector<Tensor> in{rand64(shape, 10), rand64({c}, 11), rand64({c}, 12)};
+    Tensor dy = rand64(shape, 13);
+    std::vector<Tensor> out = run_reference(Op::kLayerNormGrad, {in[0], in[1], dy}, attrs);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_TRUE(all_close(out[i], numeric_vjp(Op::kLayerNorm, in, attrs, i, {dy}), kAtol, kRtol))
+          << "input " << i;
+  }
+}
+
+TEST(NnBackwardLayerNorm, Errors) {
+  EXPECT_EQ(infer(Op::kLayerNormGrad, {f32({2, 3, 4}), f32({4}), f32({2, 3, 4})}),
+            (std::vector<TensorType>{f32({2, 3, 4}), f32({4}), f32({4})}));
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad, {f32({2, 4}), f32({3}), f32({2, 4})}),
+                    "layer_norm_grad: gamma has shape (3,), expected (4,)", "(2, 4)");
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad, {f32({2, 4}), f32({4}), f32({4, 2})}),
+                    "dy has shape (4, 2), expected (2, 4) like x");
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad, {f32({2, 4}), f32({4}), of(DType::kBF16, {2, 4})}),
+                    "dy is bf16, expected f32 like x");
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad,
+                          {of(DType::kI64, {2, 4}), of(DType::kI64, {4}), of(DType::kI64, {2, 4})}),
+                    "x is i64", "float");
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad, {f32({}), f32({}), f32({})}), "x has shape ()");
+  EXPECT_KILN_ERROR(infer(Op::kLayerNormGrad, {f32({2, 4}), f32({4})}), "got 2 inputs, expected 3");
+}
+
+// ---------------------------------------------------------------- rms_norm_grad
+
+TEST(NnBackwardRmsNorm, HandWorked) {
+  // epsilon 0, r = 1 / rms(x), dx = r * g - r^3 * x * sum(g * x) / C with g = dy * gamma.
+  // Row 0: x = (1, 1, 1, 1), r = 1, dy = (1, 0, 0, 0): g = (1, 0, 0, 0), sum(g x) = 1:
+  //   dx = g - x / 4 = (3/4, -1/4, -1/4, -1/4); dgamma += dy * x * r = (1, 0, 0, 0).
+  // Row 1: x = (2, -2, 2, -2), r = 1/2, dy = (0, 1, 0, 1): g = (0, 2, 0, 4), sum(g x) = -12:
+  //   dx = g / 2 + (1/8) * x * 12 / 4 = g / 2 + 3x/8 = (3/4, 1/4, 3/4, 5/4);
+  //   dgamma += (0, -1, 0, -1).
+  Tensor x = f64({2, 4}, {1, 1, 1, 1, 2, -2, 2, -2});
+  Tensor gamma = f64({4}, {1, 2, 3, 4});
+  Tensor dy = f64({2, 4}, {1, 0, 0, 0, 0, 1, 0, 1});
+  std::vector<Tensor> out = run_reference(Op::kRmsNormGrad, {x, gamma, dy}, {{"epsilon", 0.0}});
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(all_close(out[0], f64({2, 4}, {0.75, -0.25, -0.25, -0.25, 0.75, 0.25, 0.75, 1.25}),
+                        1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({4}, {1, -1, 0, -1}), 1e-14, 0));
+}
+
+TEST(NnBackwardRmsNorm, MatchesForwardDifferences) {
+  for (Shape shape : {Shape{5}, Shape{3, 4}, Shape{2, 2, 3}}) {
+    SCOPED_TRACE(to_string(shape));
+    Attributes attrs{{"epsilon", 1e-6}};
+    std::vector<Tensor> in{rand64(shape, 20), rand64({shape.back()}, 21)};
+    Tensor dy = rand64(shape, 22);
+    std::vector<Tensor> out = run_reference(Op::kRmsNormGrad, {in[0], in[1], dy}, attrs);
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_TRUE(all_close(out[i], numeric_vjp(Op::kRmsNorm, in, attrs, i, {dy}), kAtol, kRtol))
+          << "input " << i;
+  }
+}
+
+TEST(NnBackwardRmsNorm, Errors) {
+  EXPECT_EQ(infer(Op::kRmsNormGrad, {f32({3, 4}), f32({4}), f32({3, 4})}),
+            (std::vector<TensorType>{f32({3, 4}), f32({4})}));
+  EXPECT_KILN_ERROR(infer(Op::kRmsNormGrad, {f32({3, 4}), of(DType::kF64, {4}), f32({3, 4})}),
+                    "rms_norm_grad: gamma is f64, expected f32 like x");
+  EXPECT_KILN_ERROR(infer(Op::kRmsNormGrad, {f32({3, 4}), f32({4, 1}), f32({3, 4})}),
+                    "gamma has shape (4, 1), expected (4,)");
+  EXPECT_KILN_ERROR(infer(Op::kRmsNormGrad, {f32({3, 4}), f32({4}), f32({3, 5})}),
+                    "dy has shape (3, 5), expected (3, 4) like x");
+}
+
+// ---------------------------------------------------------------- cross_entropy_grad
+
+TEST(NnBackwardCrossEntropy, HandWorked) {
+  // Row 0: logits (0, 0) -> p = (1/2, 1/2), label 1: p - onehot = (1/2, -1/2).
+  // Row 1: logits (ln 3, 0) -> p = (3/4, 1/4), label 0: (-1/4, 1/4).
+  Tensor logits = f64({2, 2}, {0, 0, std::log(3.0), 0});
+  Tensor labels = make(DType::kI64, {2}, {1, 0});
+  auto grad = [&](const Tensor& l, const Tensor& dloss, const std::string& reduction,
+                  int64_t ignore_index = -100) {
+    return run_reference(Op::kCrossEntropyGrad, {logits, l, dloss},
+                         {{"reduction", reduction}, {"ignore_index", ignore_index}})[0];
+  };
+  // mean over 2 rows, dloss 2: scale 1.
+  EXPECT_TRUE(all_close(grad(labels, f64({}, {2}), "mean"), f64({2, 2}, {0.5, -0.5, -0.25, 0.25}),
+                        1e-15, 0));
+  // sum, dloss 3.
+  EXPECT_TRUE(all_close(grad(labels, f64({}, {3}), "sum"), f64({2, 2}, {1.5, -1.5, -0.75, 0.75}),
+                        1e-15, 0));
+  // none, dloss per row (2, -1).
+  EXPECT_TRUE(all_close(grad(labels, f64({2}, {2, -1}), "none"), f64({2, 2}, {1, -1, 0.25, -0.25}),
+                        1e-15, 0));
+  // Row 1 ignored: mean over 1 row, dloss 2 -> row 0 doubled, row 1 zero.
+  Tensor one_ignored = make(DType::kI64, {2}, {1, -100});
+  EXPECT_TRUE(
+      all_close(grad(one_ignored, f64({}, {2}), "mean"), f64({2, 2}, {1, -1, 0, 0}), 1e-15, 0));
+  EXPECT_TRUE(
+      all_close(grad(one_ignored, f64({}, {2}), "sum"), f64({2, 2}, {1, -1, 0, 0}), 1e-15, 0));
+  EXPECT_TRUE(
+      all_close(grad(one_ignored, f64({2}, {2, 5}), "none"), f64({2, 2}, {1, -1, 0, 0}), 1e-15, 0));
+  // ignore_index 0 ignores row 1 the same way.
+  EXPECT_TRUE(
+      all_close(grad(labels, f64({}, {2}), "mean", 0), f64({2, 2}, {1, -1, 0, 0}), 1e-15, 0));
+  // Every row ignored: all zeros (no 0/0).
+  EXPECT_TRUE(all_close(grad(make(DType::kI64, {2}, {-100, -100}), f64({}, {2}), "mean"),
+                        f64({2, 2}, {0, 0, 0, 0}), 0, 0));
+}
+
+TEST(NnBackwardCrossEntropy, MatchesForwardDifferences) {
+  struct Case {
+    Shape logits;
+    std::vector<double> labels;
+    int64_t ignore_index;
+  };
+  const std::vector<Case> cases{
+      {{4, 5}, {0, 4, 2, 2}, -100},
+      {{4, 3}, {2, -100, 0, -100}, -100},
+      {{2, 3, 4}, {3, 0, 1, 1, 2, 3}, 1},
+      {{2, 3}, {-100, -100}, -100},
+  };
+  for (const Case& c : cases)
+    for (const char* reduction : {"mean", "sum", "none"}) {
+      SCOPED_TRACE(::testing::Message() << to_string(c.logits) << " " << reduction);
+      Attributes attrs{{"reduction", std::string(reduction)}, {"ignore_index", c.ignore_index}};
+      Shape rows(c.logits.begin(), c.logits.end() - 1);
+      std::vector<Tensor> in{rand64(c.logits, 30, -2, 2), make(DType::kI64, rows, c.labels)};
+      Tensor dloss = std::string(reduction) == "none" ? rand64(rows, 31) : f64({}, {0.7});
+      Tensor dlogits = run_reference(Op::kCrossEntropyGrad, {in[0], in[1], dloss}, attrs)[0];
+      EXPECT_TRUE(
+          all_close(dlogits, numeric_vjp(Op::kCrossEntropy, in, attrs, 0, {dloss}), kAtol, kRtol));
+    }
+}
+
+TEST(NnBackwardCrossEntropy, Errors) {
+  const TensorType logits = f32({4, 5}), labels = of(DType::kI64, {4});
+  EXPECT_EQ(infer(Op::kCrossEntropyGrad, {logits, labels, f32({})})[0], logits);
+  EXPECT_EQ(infer(Op::kCrossEntropyGrad, {logits, labels, f32({4})},
+                  {{"reduction", std::string("none")}})[0],
+            logits);
+  EXPECT_KILN_ERROR(infer(Op::kCrossEntropyGrad, {logits, labels, f32({4})}),
+                    "cross_entropy_grad: dloss has shape (4,), expected ()", "\"mean\"");
+  EXPECT_KILN_ERROR(
+      infer(Op::kCrossEntropyGrad, {logits, labels, f32({})}, {{"reduction", std::string("none")}}),
+      "dloss has shape (), expected (4,)", "\"none\"");
+  EXPECT_KILN_ERROR(infer(Op::kCrossEntropyGrad, {logits, labels, of(DType::kF64, {})}),
+                    "dloss is f64, expected f32 like logits");
+  EXPECT_KILN_ERROR(infer(Op::kCrossEntropyGrad, {logits, f32({4}), f32({})}), "labels are f32",
+                    "i32 or i64");
+  EXPECT_KILN_ERROR(infer(Op::kCrossEntropyGrad, {logits, of(DType::kI64, {5}), f32({})}),
+                    "labels have shape (5,), expected (4,)");
+  EXPECT_KILN_ERROR(infer(Op::kCrossEntropyGrad, {of(DType::kI32, {4, 5}), labels, f32({})}),
+                    "logits is i32", "float");
+  EXPECT_KILN_ERROR(
+      infer(Op::kCrossEntropyGrad, {logits, labels, f32({})}, {{"reduction", std::string("avg")}}),
+      "reduction is \"avg\"", "\"mean\", \"sum\", \"none\"");
+  // Kernel-time: a label outside [0, V) that is not ignore_index.
+  EXPECT_KILN_ERROR(
+      run_reference(Op::kCrossEntropyGrad,
+                    {rand64({2, 3}, 32), make(DType::kI64, {2}, {0, 3}), f64({}, {1})}),
+      "cross_entropy_grad: label 3 (row 1) is out of range [0, 3)", "not ignore_index -100");
+}
+
+// ---------------------------------------------------------------- attention_grad
+
+TEST(NnBackwardAttention, HandWorked) {
+  // One query, two keys, D = Dv = 1, scale 1 (= 1/sqrt(1)). q = 1, k = (0, ln 3): scores
+  // (0, ln 3), P = (1/4, 3/4). v = (1, 3), dout = 2.
+  //   dv_j = P_j * dout = (1/2, 3/2); dP_j = dout * v_j = (2, 6); sum_j P_j dP_j = 5;
+  //   dS = P * (dP - 5) = (-3/4, 3/4); dq = sum_j dS_j k_j = (3/4) ln 3; dk_j = dS_j q.
+  const double ln3 = std::log(3.0);
+  std::vector<Tensor> out = run_reference(
+      Op::kAttentionGrad,
+      {f64({1, 1}, {1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({1, 1}, {2})});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_TRUE(all_close(out[0], f64({1, 1}, {0.75 * ln3}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({2, 1}, {0.5, 1.5}), 1e-14, 0));
+}
+
+TEST(NnBackwardAttention, HandWorkedCausal) {
+  // Two queries, two keys, causal. Query 0 sees only key 0 (P = (1, 0)): its dS is 0, so it adds
+  // dout_0 = 5 to dv_0 and nothing to dq_0 or dk. Query 1 is the case above (q_1 = 1, dout_1 =
+  // 2), so dv = (5 + 1/2, 3/2), dq = (0, (3/4) ln 3), dk = (-3/4, 3/4) * q_1.
+  const double ln3 = std::log(3.0);
+  std::vector<Tensor> out = run_reference(
+      Op::kAttentionGrad,
+      {f64({2, 1}, {7, 1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({2, 1}, {5, 2})},
+      {{"causal", true}});
+  EXPECT_TRUE(all_close(out[0], f64({2, 1}, {0, 0.75 * ln3}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({2, 1}, {5.5, 1.5}), 1e-14, 0));
+}
+
+TEST(NnBackwardAttention, ScaleMultipliesTheScores) {
+  // scale 2 with q = 1/2 gives the scores of the first hand case: P = (1/4, 3/4), dS as there;
+  // dq = scale * sum_j dS_j k_j = 2 * (3/4) ln 3, dk_j = scale * dS_j * q = dS_j.
+  const double ln3 = std::log(3.0);
+  std::vector<Tensor> out = run_reference(
+      Op::kAttentionGrad,
+      {f64({1, 1}, {0.5}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({1, 1}, {2})},
+      {{"scale", 2.0}});
+  EXPECT_TRUE(all_close(out[0], f64({1, 1}, {1.5 * ln3}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({2, 1}, {0.5, 1.5}), 1e-14, 0));
+}
+
+TEST(NnBackwardAttention, MatchesForwardDifferences) {
+  struct Case {
+    Shape q, k, v;
+    Attributes attrs;
+  };
+  const std::vector<Case> cases{
+      {{3, 4}, {3, 4}, {3, 4}, {}},
+      {{2, 3, 2}, {2, 5, 2}, {2, 5, 3}, {{"scale", 0.8}}},
+      {{4, 3}, {4, 3}, {4, 2}, {{"causal", true}}},
+      {{2, 2, 3, 2}, {2, 2, 4, 2}, {2, 2, 4, 2}, {{"causal", true}, {"scale", 1.3}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << to_string(c.q) << " " << to_string(c.k) << " " << to_string(c.v));
+    std::vector<Tensor> in{rand64(c.q, 40), rand64(c.k, 41), rand64(c.v, 42)};
+    Shape out_shape = c.q;
+    out_shape.back() = c.v.back();
+    Tensor dout = rand64(out_shape, 43);
+    std::vector<Tensor> out =
+        run_reference(Op::kAttentionGrad, {in[0], in[1], in[2], dout}, c.attrs);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_TRUE(
+          all_close(out[i], numeric_vjp(Op::kAttention, in, c.attrs, i, {dout}), kAtol, kRtol))
+          << "input " << i;
+  }
+}
+
+TEST(NnBackwardAttention, Errors) {
+  EXPECT_EQ(
+      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6}), f32({2, 3, 6})}),
+      (std::vector<TensorType>{f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6})}));
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6}), f32({2, 3, 4})}),
+      "attention_grad: dout has shape (2, 3, 4), expected (2, 3, 6) like attention's output");
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({3, 4}), of(DType::kF16, {3, 4})}),
+      "dout is f16, expected f32");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 2}), f32({3, 4}), f32({3, 4})}),
+                    "head dims differ: q is (3, 4), k is (3, 2)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({5, 4}), f32({3, 4})}),
+                    "key lengths differ");
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({3, 3, 4}), f32({3, 3, 4}), f32({2, 3, 4})}),
+      "leading dims differ");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({4}), f32({4}), f32({4}), f32({4})}),
+                    "q has shape (4,)", "rank >= 2");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({3, 4})}),
+                    "got 3 inputs, expected 4");
+}
+
+}  // namespace
+}  // namespace kiln

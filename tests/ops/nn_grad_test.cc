@@ -1,0 +1,181 @@
+// Gradient rules of the NN ops (src/ops/nn.cc), each checked against float64 central
+// differences of the reference kernels on small random inputs: matmul with every transpose flag
+// and broadcast batch dims, softmax/log_softmax on several axes, the norms, cross_entropy with
+// ignored rows and every reduction, causal and non-causal attention.
+#include <map>
+
+#include "frontend/builder.h"
+#include "gradcheck.h"
+#include "passes/autodiff.h"
+
+namespace kiln {
+namespace {
+
+using testing::expect_op_gradients;
+using testing::GradCheckOptions;
+using testing::make;
+using Ints = std::vector<int64_t>;
+
+Tensor rand64(Shape shape, uint64_t seed, double low = -1.0, double high = 1.0) {
+  return testing::rand(DType::kF64, std::move(shape), seed, low, high);
+}
+
+// Runs the check for every combination of the transpose flags; shapes are given untransposed,
+// a (..., M, K) and b (..., K, N), and stored transposed where the flag asks.
+void check_matmul(Shape a_shape, Shape b_shape, uint64_t seed) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "transpose_a " << ta << ", transpose_b " << tb);
+      Shape a = a_shape, b = b_shape;
+      if (ta) std::swap(a[a.size() - 1], a[a.size() - 2]);
+      if (tb) std::swap(b[b.size() - 1], b[b.size() - 2]);
+      expect_op_gradients(Op::kMatmul, {rand64(a, seed), rand64(b, seed + 1)},
+                          {{"transpose_a", ta}, {"transpose_b", tb}});
+    }
+}
+
+TEST(NnGrad, Matmul2d) { check_matmul({3, 4}, {4, 2}, 1); }
+
+TEST(NnGrad, MatmulBatched) { check_matmul({2, 3, 4}, {2, 4, 5}, 3); }
+
+TEST(NnGrad, MatmulWeightSharedOverBatch) {
+  // (B, T, C) @ (C, D): the weight's gradient sums over B and T.
+  check_matmul({2, 3, 4}, {4, 2}, 5);
+  check_matmul({2, 2, 3, 4}, {4, 2}, 7);
+}
+
+TEST(NnGrad, SharedWeightGradientIsOneMatmul) {
+  // dw of x (B, T, C) @ w (C, D) is one (C, B*T) @ (B*T, D) matmul, not a batched matmul summed.
+  Builder b("linear");
+  Expr x = b.data("x", {2, 3, 4}, DType::kF64);
+  Expr w = b.data("w", {4, 5}, DType::kF64);
+  Graph g = b.finish({sum(matmul(x, w))});
+  AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[1].value});
+  const Node* producer = nullptr;
+  for (const Node& node : r.graph.nodes)
+    for (ValueId out : node.outputs)
+      if (out == r.gradients[0]) producer = &node;
+  ASSERT_NE(producer, nullptr);
+  EXPECT_EQ(producer->op, Op::kMatmul);
+  EXPECT_EQ(r.graph.type(producer->inputs[0]).shape, (Shape{6, 4}));
+}
+
+TEST(NnGrad, MatmulBroadcastBatchDims) {
+  check_matmul({3, 4}, {2, 4, 5}, 9);         // a broadcast over b's batch
+  check_matmul({3, 1, 2, 4}, {2, 4, 3}, 11);  // batch (3, 1) x (2,) -> (3, 2)
+  check_matmul({1, 2, 3}, {4, 3, 2}, 13);     // a's batch dim 1 stretched to 4
+}
+
+TEST(NnGrad, Softmax) {
+  expect_op_gradients(Op::kSoftmax, {rand64({3, 5}, 20, -2, 2)});
+  expect_op_gradients(Op::kSoftmax, {rand64({2, 4, 3}, 21, -2, 2)}, {{"axis", int64_t{1}}});
+  expect_op_gradients(Op::kSoftmax, {rand64({4, 2}, 22, -2, 2)}, {{"axis", int64_t{0}}});
+  expect_op_gradients(Op::kSoftmax, {rand64({6}, 23, -2, 2)});
+}
+
+TEST(NnGrad, LogSoftmax) {
+  expect_op_gradients(Op::kLogSoftmax, {rand64({3, 5}, 24, -2, 2)});
+  expect_op_gradients(Op::kLogSoftmax, {rand64({2, 4, 3}, 25, -2, 2)}, {{"axis", int64_t{-2}}});
+  expect_op_gradients(Op::kLogSoftmax, {rand64({4, 2}, 26, -2, 2)}, {{"axis", int64_t{0}}});
+}
+
+TEST(NnGrad, LayerNorm) {
+  expect_op_gradients(Op::kLayerNorm, {rand64({3, 5}, 30), rand64({5}, 31), rand64({5}, 32)});
+  expect_op_gradients(Op::kLayerNorm, {rand64({2, 3, 4}, 33), rand64({4}, 34), rand64({4}, 35)},
+                      {{"epsilon", 1e-3}});
+  expect_op_gradients(Op::kLayerNorm, {rand64({6}, 36), rand64({6}, 37), rand64({6}, 38)});
+}
+
+TEST(NnGrad, RmsNorm) {
+  expect_op_gradients(Op::kRmsNorm, {rand64({3, 5}, 40), rand64({5}, 41)});
+  expect_op_gradients(Op::kRmsNorm, {rand64({2, 3, 4}, 42), rand64({4}, 43)}, {{"epsilon", 1e-2}});
+  expect_op_gradients(Op::kRmsNorm, {rand64({7}, 44), rand64({7}, 45)});
+}
+
+TEST(NnGrad, CrossEntropyEveryReduction) {
+  for (const char* reduction : {"mean", "sum", "none"}) {
+    SCOPED_TRACE(reduction);
+    expect_op_gradients(Op::kCrossEntropy,
+                        {rand64({4, 5}, 50, -2, 2), make(DType::kI64, {4}, {0, 4, 2, 2})},
+                        {{"reduction", std::string(reduction)}});
+    expect_op_gradients(
+        Op::kCrossEntropy,
+        {rand64({2, 3, 4}, 51, -2, 2), make(DType::kI32, {2, 3}, {3, 0, 1, 1, 2, 3})},
+        {{"reduction", std::string(reduction)}});
+  }
+}
+
+TEST(NnGrad, CrossEntropyIgnoredRows) {
+  for (const char* reduction : {"mean", "sum", "none"}) {
+    SCOPED_TRACE(reduction);
+    // Rows 1 and 3 ignored (default -100), so the mean divides by 2.
+    expect_op_gradients(Op::kCrossEntropy,
+                        {rand64({4, 3}, 52, -2, 2), make(DType::kI64, {4}, {2, -100, 0, -100})},
+                        {{"reduction", std::string(reduction)}});
+    // A custom ignore_index that is also a valid class.
+    expect_op_gradients(Op::kCrossEntropy,
+                        {rand64({3, 4}, 53, -2, 2), make(DType::kI64, {3}, {1, 3, 1})},
+                        {{"reduction", std::string(reduction)}, {"ignore_index", int64_t{1}}});
+    // Every row ignored: loss 0 whatever the logits, gradient 0.
+    expect_op_gradients(Op::kCrossEntropy,
+                        {rand64({2, 3}, 54, -2, 2), make(DType::kI64, {2}, {-100, -100})},
+                        {{"reduction", std::string(reduction)}});
+  }
+}
+
+TEST(NnGrad, AttentionNonCausal) {
+  expect_op_gradients(Op::kAttention, {rand64({3, 4}, 60), rand64({3, 4}, 61), rand64({3, 4}, 62)});
+  // Tq != Tk, Dv != D, batch and head dims.
+  expect_op_gradients(Op::kAttention, {rand64({2, 2, 3, 4}, 63), rand64({2, 2, 5, 4}, 64),
+                                       rand64({2, 2, 5, 2}, 65)});
+  expect_op_gradients(Op::kAttention,
+                      {rand64({2, 3, 2}, 66), rand64({2, 4, 2}, 67), rand64({2, 4, 3}, 68)},
+                      {{"scale", 0.7}});
+}
+
+TEST(NnGrad, AttentionCausal) {
+  expect_op_gradients(Op::kAttention, {rand64({4, 3}, 70), rand64({4, 3}, 71), rand64({4, 3}, 72)},
+                      {{"causal", true}});
+  expect_op_gradients(
+      Op::kAttention,
+      {rand64({2, 2, 4, 3}, 73), rand64({2, 2, 4, 3}, 74), rand64({2, 2, 4, 5}, 75)},
+      {{"causal", true}, {"scale", 0.5}});
+  // Fewer queries than keys: query i still sees keys 0..i (top-left aligned).
+  expect_op_gradients(Op::kAttention, {rand64({2, 2}, 76), rand64({4, 2}, 77), rand64({4, 3}, 78)},
+                      {{"causal", true}});
+}
+
+TEST(NnGrad, RulesEmitTheBackwardOps) {
+  // The rules of softmax, the norms, cross_entropy and attention emit one backward op each,
+  // not a decomposition (fusion and kernel selection key on these ops).
+  Builder b("rules");
+  Expr x = b.data("x", {2, 4}, DType::kF64);
+  Expr gamma = b.data("gamma", {4}, DType::kF64), beta = b.data("beta", {4}, DType::kF64);
+  Expr labels = b.data("labels", {2}, DType::kI64);
+  Expr h = layer_norm(x, gamma, beta);
+  h = rms_norm(h, gamma);
+  h = softmax(h) + log_softmax(h);
+  Expr q = reshape(h, {2, 2, 2});
+  h = reshape(attention(q, q, q, true), {2, 4});
+  Graph g = b.finish({cross_entropy(h, labels)});
+  AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[0].value, g.inputs[1].value});
+  std::map<Op, int> counts;
+  for (const Node& node : r.graph.nodes) ++counts[node.op];
+  for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad, Op::kSoftmaxGrad, Op::kLogSoftmaxGrad,
+                Op::kAttentionGrad, Op::kCrossEntropyGrad})
+    EXPECT_EQ(counts[op], 1) << op_name(op);
+}
+
+TEST(NnGrad, BackwardOpsAreNotDifferentiable) {
+  for (Op op : {Op::kSoftmaxGrad, Op::kLogSoftmaxGrad, Op::kLayerNormGrad, Op::kRmsNormGrad,
+                Op::kCrossEntropyGrad, Op::kAttentionGrad})
+    EXPECT_FALSE(op_def(op).differentiable) << op_name(op);
+  for (Op op : {Op::kMatmul, Op::kSoftmax, Op::kLogSoftmax, Op::kLayerNorm, Op::kRmsNorm,
+                Op::kCrossEntropy, Op::kAttention}) {
+    EXPECT_TRUE(op_def(op).differentiable) << op_name(op);
+    EXPECT_TRUE(static_cast<bool>(op_def(op).gradient)) << op_name(op);
+  }
+}
+
+}  // namespace
+}  // namespace kiln
