@@ -230,5 +230,8 @@ std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal,
   if (scale > 0) attrs.set("scale", scale);
   return q.builder().apply(Op::kAttentionGrad, {q, k, v, dout}, std::move(attrs));
 }
+Expr gelu_grad(Expr x, Expr dy, const std::string& approximate) {
+  return x.builder().apply1(Op::kGeluGrad, {x, dy}, {{"approximate", approximate}});
+}
 
 }  // namespace kiln

@@ -167,5 +167,7 @@ Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_ind
 // Returns {dq, dk, dv}. scale <= 0 means 1/sqrt(D), as for attention.
 std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal = false,
                                  double scale = 0.0);
+// dy * d gelu(x) / dx; dy has x's type. approximate as for gelu.
+Expr gelu_grad(Expr x, Expr dy, const std::string& approximate = "none");
 
 }  // namespace kiln

@@ -4,10 +4,17 @@
 //     has the input's dtype. Over an empty axis sum gives 0; mean and max are errors.
 //   argmax {axis: int (default -1), keepdims: bool}: i64 output, the first index of the maximum;
 //     NaN counts as the maximum (like numpy), so max and argmax agree on NaN.
+//
+// Gradient rules: sum and mean broadcast dy back over the reduced axes (mean also divides by
+// the count); max sends dy to every position equal to the maximum, divided equally among ties
+// (two equal maxima get dy / 2 each, like maximum's tie rule). Where the maximum is NaN no
+// element equals it and the gradient is 0. argmax has an integer output: not differentiable.
 #include <cmath>
 #include <vector>
 
+#include "frontend/builder.h"
 #include "ops/common.h"
+#include "passes/autodiff.h"
 
 namespace kiln::ops {
 namespace {
@@ -89,6 +96,48 @@ void reduce_reference(Reduce kind, const KernelArgs& k) {
     set_wrapped(out, o, kind == Reduce::kMean ? acc[o] / count : acc[o]);
 }
 
+// ---- gradient rules ----
+
+// The input's shape with the reduced axes kept as 1: the shape at which an output-shaped tensor
+// (y, dy) broadcasts against the input.
+Shape kept_shape(const GradContext& c) {
+  const TensorType& x = c.x().type();
+  return reduced_shape(x.shape, reduced_axes(x, c.attrs().ints("axes")), /*keepdims=*/true);
+}
+Expr reshape_to(Expr e, const Shape& shape) { return e.shape() == shape ? e : reshape(e, shape); }
+Expr broadcast_back(Expr e, const Shape& shape) {
+  return e.shape() == shape ? e : broadcast_to(e, shape);
+}
+
+std::vector<Expr> sum_gradient(const GradContext& c) {
+  return {broadcast_back(reshape_to(c.dy(), kept_shape(c)), c.x().shape())};
+}
+
+std::vector<Expr> mean_gradient(const GradContext& c) {
+  Shape kept = kept_shape(c);
+  // Inference rejects empty reduced axes, so count >= 1.
+  double count = static_cast<double>(c.x().type().numel() / numel(kept));
+  return {broadcast_back(reshape_to(c.dy(), kept) * (1.0 / count), c.x().shape())};
+}
+
+std::vector<Expr> max_gradient(const GradContext& c) {
+  const Expr& x = c.x();
+  Shape kept = kept_shape(c);
+  Expr is_max = eq(x, reshape_to(c.y(), kept));
+  Expr ties = sum(cast(is_max, x.dtype()), c.attrs().ints("axes"), /*keepdims=*/true);
+  Expr share = reshape_to(c.dy(), kept) / ties;
+  return {where(is_max, share, c.builder.scalar(0.0, x.dtype()))};
+}
+
+GradFn reduce_gradient(Reduce kind) {
+  switch (kind) {
+    case Reduce::kSum: return sum_gradient;
+    case Reduce::kMean: return mean_gradient;
+    case Reduce::kMax: return max_gradient;
+  }
+  return nullptr;
+}
+
 void define_reduce(OpRegistry& registry, Op op, Reduce kind) {
   InferFn infer = [kind](std::span<const TensorType> in, const Attributes& a) {
     return infer_reduce(kind, in[0], a);
@@ -97,7 +146,8 @@ void define_reduce(OpRegistry& registry, Op op, Reduce kind) {
   registry.define(
       op, OpDef{{with_default("axes", std::vector<int64_t>{}), with_default("keepdims", false)},
                 std::move(infer),
-                std::move(kernel)});
+                std::move(kernel),
+                reduce_gradient(kind)});
 }
 
 std::vector<TensorType> infer_argmax(std::span<const TensorType> in, const Attributes& a) {
@@ -134,7 +184,9 @@ void define_argmax(OpRegistry& registry) {
   registry.define(Op::kArgmax,
                   OpDef{{with_default("axis", int64_t{-1}), with_default("keepdims", false)},
                         infer_argmax,
-                        argmax_reference});
+                        argmax_reference,
+                        /*gradient=*/nullptr,
+                        /*differentiable=*/false});
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 //   constant {dtype, shape, values}: the listed values, row-major.
 //   full {dtype, shape, value}: every element = value.
 //   iota {dtype, shape, axis}: element = its index along `axis`.
+// Sources have no inputs, so there is nothing to differentiate: each says so explicitly.
 #include "ops/common.h"
 
 namespace kiln::ops {
@@ -20,7 +21,8 @@ void define_source_ops(OpRegistry& registry) {
       [](const KernelArgs& k) {
         const std::vector<double>& values = k.attrs.floats("values");
         for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].set(i, values[i]);
-      }});
+      },
+      /*gradient=*/nullptr, /*differentiable=*/false});
 
   registry.define(Op::kFull, OpDef{
       {required("dtype", AttrKind::kDType), required("shape", AttrKind::kInts),
@@ -31,7 +33,8 @@ void define_source_ops(OpRegistry& registry) {
       [](const KernelArgs& k) {
         double value = k.attrs.f("value");
         for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].set(i, value);
-      }});
+      },
+      /*gradient=*/nullptr, /*differentiable=*/false});
 
   registry.define(Op::kIota, OpDef{
       {required("dtype", AttrKind::kDType), required("shape", AttrKind::kInts),
@@ -47,7 +50,8 @@ void define_source_ops(OpRegistry& registry) {
         int axis = normalize_axis(k.attrs.i("axis"), out.rank());
         int64_t inner = strides_of(out.shape())[axis];
         for (int64_t i = 0; i < out.numel(); ++i) out.set(i, static_cast<double>((i / inner) % out.shape()[axis]));
-      }});
+      },
+      /*gradient=*/nullptr, /*differentiable=*/false});
 }
 
 }  // namespace kiln::ops
