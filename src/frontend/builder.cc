@@ -234,4 +234,42 @@ Expr gelu_grad(Expr x, Expr dy, const std::string& approximate) {
   return x.builder().apply1(Op::kGeluGrad, {x, dy}, {{"approximate", approximate}});
 }
 
+// Convolution and pooling
+Expr conv2d(Expr x, Expr w, std::vector<int64_t> stride, std::vector<int64_t> padding) {
+  return x.builder().apply1(Op::kConv2d, {x, w}, {{"stride", stride}, {"padding", padding}});
+}
+Expr max_pool2d(Expr x, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                std::vector<int64_t> padding) {
+  return x.builder().apply1(Op::kMaxPool2d, {x},
+                            {{"kernel", kernel}, {"stride", stride}, {"padding", padding}});
+}
+Expr avg_pool2d(Expr x, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                std::vector<int64_t> padding) {
+  return x.builder().apply1(Op::kAvgPool2d, {x},
+                            {{"kernel", kernel}, {"stride", stride}, {"padding", padding}});
+}
+Expr conv2d_grad_input(Expr dy, Expr w, Shape input_shape, std::vector<int64_t> stride,
+                       std::vector<int64_t> padding) {
+  return dy.builder().apply1(
+      Op::kConv2dGradInput, {dy, w},
+      {{"input_shape", input_shape}, {"stride", stride}, {"padding", padding}});
+}
+Expr conv2d_grad_weight(Expr x, Expr dy, Shape weight_shape, std::vector<int64_t> stride,
+                        std::vector<int64_t> padding) {
+  return x.builder().apply1(
+      Op::kConv2dGradWeight, {x, dy},
+      {{"weight_shape", weight_shape}, {"stride", stride}, {"padding", padding}});
+}
+Expr max_pool2d_grad(Expr x, Expr dy, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                     std::vector<int64_t> padding) {
+  return x.builder().apply1(Op::kMaxPool2dGrad, {x, dy},
+                            {{"kernel", kernel}, {"stride", stride}, {"padding", padding}});
+}
+Expr avg_pool2d_grad(Expr dy, Shape input_shape, std::vector<int64_t> kernel,
+                     std::vector<int64_t> stride, std::vector<int64_t> padding) {
+  return dy.builder().apply1(Op::kAvgPool2dGrad, {dy},
+                             {{"input_shape", input_shape}, {"kernel", kernel}, {"stride", stride},
+                              {"padding", padding}});
+}
+
 }  // namespace kiln

@@ -170,4 +170,22 @@ std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal 
 // dy * d gelu(x) / dx; dy has x's type. approximate as for gelu.
 Expr gelu_grad(Expr x, Expr dy, const std::string& approximate = "none");
 
+// Convolution and pooling (NCHW; spatial pairs are (height, width)). x (N, C, H, W), w (O, C,
+// KH, KW). Pools: an empty stride means stride = kernel. See src/ops/conv.cc.
+Expr conv2d(Expr x, Expr w, std::vector<int64_t> stride = {1, 1},
+            std::vector<int64_t> padding = {0, 0});
+Expr max_pool2d(Expr x, std::vector<int64_t> kernel, std::vector<int64_t> stride = {},
+                std::vector<int64_t> padding = {0, 0});
+Expr avg_pool2d(Expr x, std::vector<int64_t> kernel, std::vector<int64_t> stride = {},
+                std::vector<int64_t> padding = {0, 0});
+// Their backward ops; each takes the forward op's attributes (and the shape it cannot infer).
+Expr conv2d_grad_input(Expr dy, Expr w, Shape input_shape, std::vector<int64_t> stride = {1, 1},
+                       std::vector<int64_t> padding = {0, 0});
+Expr conv2d_grad_weight(Expr x, Expr dy, Shape weight_shape, std::vector<int64_t> stride = {1, 1},
+                        std::vector<int64_t> padding = {0, 0});
+Expr max_pool2d_grad(Expr x, Expr dy, std::vector<int64_t> kernel, std::vector<int64_t> stride = {},
+                     std::vector<int64_t> padding = {0, 0});
+Expr avg_pool2d_grad(Expr dy, Shape input_shape, std::vector<int64_t> kernel,
+                     std::vector<int64_t> stride = {}, std::vector<int64_t> padding = {0, 0});
+
 }  // namespace kiln

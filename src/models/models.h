@@ -40,4 +40,26 @@ GptConfig gpt_config(const std::string& name);
 // norm gains 1. Parameters are recognized by name.
 std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers = 1);
 
+struct CnnConfig {
+  int64_t batch = 32;
+  int64_t channels = 1;  // input image channels
+  int64_t height = 28;
+  int64_t width = 28;
+  std::vector<int64_t> conv_channels = {16, 32};
+  int64_t classes = 10;
+  DType dtype = DType::kF32;  // of params, x and logits (f64 for gradient checks)
+};
+// A small convnet: per conv_channels entry, conv2d 3x3 padding 1 + bias, relu, max_pool2d 2x2;
+// then flatten and one linear layer to the classes. Params conv{i}.weight (O, C, 3, 3),
+// conv{i}.bias (O,), fc.weight (features, classes), fc.bias (classes,); data x (B, C, H, W) and
+// labels (B,) i64.
+Graph cnn(const CnnConfig& config);
+
+// Initial parameter values in graph-input order (params only), deterministic in seed, scaled by
+// fan-in (PyTorch's default for Linear and Conv2d): rank >= 2 weights uniform(-1/sqrt(fan_in),
+// 1/sqrt(fan_in)), where fan_in is the first dim of a matmul weight (in, out) and the product
+// of all dims but the first for a conv weight (O, C, KH, KW) (any rank >= 3); rank <= 1 params
+// (biases) 0. Keeps relu activations O(1) through depth, unlike init_params' fixed 0.02.
+std::vector<Tensor> init_params_fan_in(const Graph& graph, uint64_t seed);
+
 }  // namespace kiln::models

@@ -1,8 +1,9 @@
 // Internal to the CPU backend: registration of its fast kernels, and small helpers their
 // supports() predicates share.
-//   dialect "openblas" (gemm.cc): matmul in f32/f64 through cblas_sgemm/dgemm.
-//   dialect "cpu" (elementwise.cc, reduction.cc, nn.cc): f32 loops written to vectorize,
-//     multi-threaded with support/parallel.h.
+//   dialect "openblas" (gemm.cc): matmul in f32/f64 through cblas_sgemm/dgemm; (conv.cc) conv2d
+//     and its gradients in f32 as im2col + cblas_sgemm.
+//   dialect "cpu" (elementwise.cc, reduction.cc, nn.cc, conv.cc's pools): f32 loops written to
+//     vectorize, multi-threaded with support/parallel.h.
 // Each fast kernel accepts only the layouts it handles (supports()); the reference kernel
 // serves the rest.
 #pragma once
@@ -19,6 +20,7 @@ void register_gemm_kernels(KernelRegistry& registry);         // gemm.cc
 void register_elementwise_kernels(KernelRegistry& registry);  // elementwise.cc
 void register_reduction_kernels(KernelRegistry& registry);    // reduction.cc
 void register_nn_kernels(KernelRegistry& registry);           // nn.cc
+void register_conv_kernels(KernelRegistry& registry);         // conv.cc
 
 // True when every input and output of the node has dtype `dtype`.
 inline bool all_dtype(const NodeView& node, DType dtype) {
