@@ -7,9 +7,9 @@
 #include <iostream>
 #include <sstream>
 
+#include "backends/cuda/device.h"
 #include "ir/text.h"
 #include "ir/verifier.h"
-#include "models/models.h"
 #include "runtime/executor.h"
 #include "support/error.h"
 #include "train/job.h"
@@ -53,39 +53,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The built-in default job: build the model zoo's forward graphs, run them on the CPU, print
-// what they computed. (Becomes "train on Fashion-MNIST" once training lands.)
-void demo(uint64_t seed) {
-  struct Case {
-    std::string title;
-    kiln::Graph graph;
-    int64_t int_high;
-    int64_t layers;
-  };
-  kiln::models::GptConfig gpt = kiln::models::gpt_config("gpt2-tiny");
-  std::vector<Case> cases;
-  cases.push_back({"mlp 784-128-10, batch 32", kiln::models::mlp({}), 10, 1});
-  cases.push_back({"gpt2-tiny (2 layers, d=64, T=64, vocab 256), batch 4", kiln::models::gpt(gpt),
-                   gpt.vocab, gpt.layers});
-  for (Case& c : cases) {
-    auto start = std::chrono::steady_clock::now();
-    fmt::print("{}\n  graph: {} nodes, {} inputs\n", c.title, c.graph.nodes.size(), c.graph.inputs.size());
-    std::vector<kiln::Tensor> inputs = kiln::models::init_params(c.graph, seed, c.layers);
-    size_t params = inputs.size();
-    int64_t count = 0;
-    for (const kiln::Tensor& t : inputs) count += t.numel();
-    for (size_t i = params; i < c.graph.inputs.size(); ++i)
-      inputs.push_back(kiln::random_tensor(c.graph.type(c.graph.inputs[i].value), seed + i,
-                                           0.0, static_cast<double>(c.int_high)));
-    kiln::Executor executor(c.graph);
-    std::vector<kiln::Tensor> outputs = executor.run(inputs);
-    fmt::print("  {} parameters; forward pass on the CPU in {:.3f} s\n", count, seconds_since(start));
-    print_outputs(c.graph, outputs);
-    fmt::print("  (an untrained model's loss is about ln(classes) = {:.3f})\n\n",
-               std::log(static_cast<double>(c.int_high)));
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,8 +76,6 @@ int main(int argc, char** argv) {
   run->add_option("--int-high", int_high, "Integer inputs are drawn from [0, N)")->default_val(2);
   run->add_option("--dialects", dialects, "Allowed kernel dialects (default: all)")->delimiter(',');
 
-  auto* demo_cmd = app.add_subcommand("demo", "The built-in default job: build the model zoo and run it on the CPU");
-  demo_cmd->add_option("--seed", seed, "Seed for parameters and data")->default_val(0);
 
   auto* train = app.add_subcommand("train", "Train a model on the CPU, printing progress");
   kiln::train::JobOptions job;
@@ -119,7 +84,7 @@ int main(int argc, char** argv) {
   train->add_option("--data", job.data, "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*; default: a GPL text)")
       ->default_val("fashion-mnist");
   train->add_option("--data-dir", job.data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
-  train->add_option("--steps", job.steps, "Total training steps")->default_val(2000);
+  train->add_option("--steps", job.steps, "Total training steps")->default_val(3000);
   train->add_option("--batch", job.batch, "Batch size")->default_val(64);
   train->add_option("--seq", job.seq, "Sequence length for gpt2* (default: the config's)");
   train->add_option("--lr", job.optimizer.lr, "Peak learning rate")->default_val(1e-3);
@@ -129,7 +94,8 @@ int main(int argc, char** argv) {
   train->add_flag("--nesterov", job.optimizer.nesterov, "SGD with Nesterov momentum");
   train->add_option("--grad-clip", job.optimizer.grad_clip, "Clip the global gradient norm to this (0 = off)")->default_val(0.0);
   train->add_option("--warmup", job.optimizer.warmup_steps, "Linear warmup steps")->default_val(0);
-  train->add_option("--decay-steps", job.optimizer.decay_steps, "Cosine decay to 0.1 x lr by this step (0 = constant lr)")->default_val(0);
+  train->add_option("--decay-steps", job.optimizer.decay_steps,
+                    "Cosine decay to 0.1 x lr by this step (0 = constant lr; -1 = --steps)")->default_val(-1);
   train->add_option("--seed", job.seed, "Seed for init and data order")->default_val(0);
   train->add_option("--device", job.device, "cpu (cuda comes with the CUDA backend)")->default_val("cpu");
   train->add_option("--checkpoint-dir", job.checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
@@ -147,6 +113,9 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("version")) {
       fmt::print("kiln {}\n", KILN_VERSION);
+      fmt::print("cuda backend: {}\n", kiln::cuda::built_with_cuda()
+                                          ? fmt::format("built; {} device(s); {}", kiln::cuda::device_count(), kiln::cuda::describe_device(0))
+                                          : std::string("not built"));
     } else if (app.got_subcommand(check)) {
       fmt::print("{}", kiln::print(parse_file(check_file)));
     } else if (app.got_subcommand(run)) {
@@ -157,9 +126,8 @@ int main(int argc, char** argv) {
       fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(train)) {
+      if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       kiln::train::run_training_job(job);
-    } else if (app.got_subcommand(demo_cmd)) {
-      demo(seed);
     }
   } catch (const kiln::Error& e) {
     std::cerr << "kiln: error: " << e.what() << "\n";

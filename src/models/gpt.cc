@@ -18,26 +18,28 @@ Graph gpt(const GptConfig& c) {
              c.heads);
   const int64_t B = c.batch, T = c.seq, C = c.d_model, H = c.heads, D = C / H;
   Builder b("gpt");
-  Expr wte = b.param("wte", {c.vocab, C});
-  Expr wpe = b.param("wpe", {T, C});
+  auto param = [&](const std::string& name, Shape shape) { return b.param(name, std::move(shape), c.dtype); };
+  Expr wte = param("wte", {c.vocab, C});
+  Expr wpe = param("wpe", {T, C});
   struct Block {
     Expr ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc, b_fc, w_fc2, b_fc2;
   };
   std::vector<Block> blocks;
   for (int64_t l = 0; l < c.layers; ++l) {
-    auto p = [&](const char* name, Shape shape) { return b.param(fmt::format("h{}.{}", l, name), shape); };
+    auto p = [&](const char* name, Shape shape) { return param(fmt::format("h{}.{}", l, name), shape); };
     blocks.push_back(Block{p("ln1.weight", {C}), p("ln1.bias", {C}), p("attn.weight", {C, 3 * C}),
                            p("attn.bias", {3 * C}), p("proj.weight", {C, C}), p("proj.bias", {C}),
                            p("ln2.weight", {C}), p("ln2.bias", {C}), p("fc.weight", {C, 4 * C}),
                            p("fc.bias", {4 * C}), p("fc2.weight", {4 * C, C}), p("fc2.bias", {C})});
   }
-  Expr lnf_g = b.param("lnf.weight", {C});
-  Expr lnf_b = b.param("lnf.bias", {C});
+  Expr lnf_g = param("lnf.weight", {C});
+  Expr lnf_b = param("lnf.bias", {C});
   Expr idx = b.data("idx", {B, T}, DType::kI64);
   Expr targets = b.data("targets", {B, T}, DType::kI64);
 
+  Expr rng_offset = c.dropout > 0 ? b.state("rng.offset", {}, DType::kI64) : Expr();
   auto maybe_dropout = [&](Expr x, int64_t seed) {
-    return c.dropout > 0 ? dropout(x, c.dropout, seed) : x;
+    return c.dropout > 0 ? dropout(x, c.dropout, seed, rng_offset) : x;
   };
   // (B, T, C) + (T, C): token plus position embeddings.
   Expr x = gather(wte, idx) + gather(wpe, b.iota({T}));

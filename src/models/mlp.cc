@@ -9,12 +9,12 @@ Graph mlp(const MlpConfig& config) {
   std::vector<int64_t> sizes = config.hidden;
   sizes.push_back(config.classes);
   for (size_t i = 0; i < sizes.size(); ++i) {
-    Expr w = b.param(fmt::format("fc{}.weight", i), {width, sizes[i]});
-    Expr bias = b.param(fmt::format("fc{}.bias", i), {sizes[i]});
+    Expr w = b.param(fmt::format("fc{}.weight", i), {width, sizes[i]}, config.dtype);
+    Expr bias = b.param(fmt::format("fc{}.bias", i), {sizes[i]}, config.dtype);
     layers.emplace_back(w, bias);
     width = sizes[i];
   }
-  Expr x = b.data("x", {config.batch, config.inputs});
+  Expr x = b.data("x", {config.batch, config.inputs}, config.dtype);
   Expr labels = b.data("labels", {config.batch}, DType::kI64);
   Expr h = x;
   for (size_t i = 0; i < layers.size(); ++i) {

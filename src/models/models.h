@@ -16,8 +16,9 @@ struct MlpConfig {
   int64_t inputs = 784;
   std::vector<int64_t> hidden = {128};
   int64_t classes = 10;
+  DType dtype = DType::kF32;  // of params, x and logits (f64 for gradient checks)
 };
-// x (B, inputs) f32 data, labels (B,) i64 data; layers: matmul + bias, gelu; last layer logits.
+// x (B, inputs) data, labels (B,) i64 data; layers: matmul + bias, gelu; last layer logits.
 Graph mlp(const MlpConfig& config);
 
 struct GptConfig {
@@ -28,9 +29,12 @@ struct GptConfig {
   int64_t heads = 2;
   int64_t d_model = 32;
   double dropout = 0.0;    // 0 = no dropout nodes
+  DType dtype = DType::kF32;  // of params and activations (f64 for gradient checks)
 };
 // GPT-2: pre-LayerNorm blocks, learned positions, tied embedding / LM head, tanh-GELU, causal
-// attention. idx (B, T) i64 and targets (B, T) i64 data.
+// attention. idx (B, T) i64 and targets (B, T) i64 data. With dropout, a state input
+// "rng.offset" (i64 scalar) keys the dropout masks; the training step advances it (see
+// train/optimizer.h), so every step draws new masks and a resumed run draws the same ones.
 Graph gpt(const GptConfig& config);
 // Named configs: gpt2-tiny (CPU tests), gpt2 (124M), gpt2-medium (350M).
 GptConfig gpt_config(const std::string& name);

@@ -167,7 +167,8 @@ SliceBounds slice_bounds(const Shape& in, const Attributes& attrs) {
     KILN_CHECK(start <= end, "axis {}: start {} is after end {} (dim {})", d, given_start,
                given_end, dim);
     KILN_CHECK(b.steps[d] >= 1, "axis {}: step {} must be >= 1", d, b.steps[d]);
-    b.out.push_back((end - start + b.steps[d] - 1) / b.steps[d]);
+    // ceil((end - start) / step) without overflowing for steps near INT64_MAX.
+    b.out.push_back(end == start ? 0 : (end - start - 1) / b.steps[d] + 1);
   }
   return b;
 }
@@ -371,8 +372,11 @@ void define_shape_ops(OpRegistry& registry) {
         const Ints& sizes = a.ints("sizes");
         KILN_CHECK(!sizes.empty(), "sizes is [], expected at least one entry (one per output)");
         int64_t total = 0;
-        for (int64_t s : sizes) {
+        for (int64_t s : sizes)
           KILN_CHECK(s >= 0, "sizes {} has a negative entry {}", ints_text(sizes), s);
+        for (int64_t s : sizes) {
+          KILN_CHECK(s <= in[0].shape[axis] - total, "sizes {} sum to more than {} (dim {} of input {})",
+                     ints_text(sizes), in[0].shape[axis], axis, to_string(in[0].shape));
           total += s;
         }
         KILN_CHECK(total == in[0].shape[axis],

@@ -38,6 +38,8 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
       params.push_back(forward.inputs[i].value);
     } else if (forward.inputs[i].role == Role::kData) {
       out.data_inputs.push_back(static_cast<int>(i));
+    } else {
+      out.state_inputs.push_back(static_cast<int>(i));
     }
   }
   KILN_CHECK(!params.empty(), "graph '{}' has no param inputs to train", forward.name);
@@ -80,6 +82,14 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
   out.lr_input = static_cast<int>(b.graph().inputs.size() - 1);
   Expr next_step = step + 1.0;
   b.graph().updates.push_back(Update{step.id(), next_step.id()});
+  for (const GraphInput& in : forward.inputs) {
+    const Value& v = forward.value(in.value);
+    if (in.role == Role::kState && v.name == "rng.offset") {
+      KILN_CHECK(v.type == (TensorType{DType::kI64, {}}), "rng.offset must be i64[], got {}", to_string(v.type));
+      Expr offset = b.wrap(in.value);
+      b.graph().updates.push_back(Update{in.value, (offset + b.scalar(1, DType::kI64)).id()});
+    }
+  }
 
   for (size_t i = 0; i < params.size(); ++i) {
     Expr p = b.wrap(params[i]);

@@ -8,6 +8,9 @@
 // (cos, min, ...) in the graph; changing the schedule never recompiles. The step counter that
 // AdamW's bias correction needs IS graph state ("opt.step"), incremented in the graph, so a
 // resumed run continues from its checkpointed value.
+//
+// The forward graph's own state inputs (zero-initialized) are carried along as state; one named
+// "rng.offset" (i64 scalar, the dropout counter of models::gpt) is advanced by one every step.
 #pragma once
 
 #include <string>
@@ -38,7 +41,7 @@ double learning_rate(const OptimizerConfig& config, int64_t step);
 struct TrainingGraph {
   Graph graph;  // outputs: the forward's outputs (loss first)
   std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
-  std::vector<int> state_inputs;  // optimizer state: per-param moments/buffers, then opt.step
+  std::vector<int> state_inputs;  // the forward's state, then per-param moments/buffers, opt.step
   std::vector<int> data_inputs;   // the forward's data inputs, in order
   int lr_input = -1;              // the scalar learning-rate input
 };

@@ -1,0 +1,19 @@
+// What the CUDA backend knows about the machine. Declared without CUDA headers so the CLI and
+// tests can ask in any build; in a build without CUDA these report "no CUDA".
+#pragma once
+
+#include <string>
+
+namespace kiln::cuda {
+
+// Whether this build has the CUDA backend compiled in.
+bool built_with_cuda();
+// Number of usable CUDA devices (0 without a driver or GPU, or in a build without CUDA).
+int device_count();
+// "NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB" for device 0, or why there is none.
+std::string describe_device(int device = 0);
+// Runs a tiny kernel (y = a*x + y on n floats) on device 0 and returns max |error| against the
+// host result: a smoke test that compiling, loading and launching work. Throws kiln::Error.
+double smoke_test_saxpy(int n);
+
+}  // namespace kiln::cuda

@@ -1,0 +1,12 @@
+// The CUDA device queries in a build without the CUDA backend (-DKILN_CUDA=OFF or no nvcc).
+#ifndef KILN_HAVE_CUDA
+#include "backends/cuda/device.h"
+#include "support/error.h"
+
+namespace kiln::cuda {
+bool built_with_cuda() { return false; }
+int device_count() { return 0; }
+std::string describe_device(int) { return "this build has no CUDA backend"; }
+double smoke_test_saxpy(int) { fail("this build has no CUDA backend (configure with -DKILN_CUDA=ON)"); }
+}  // namespace kiln::cuda
+#endif
