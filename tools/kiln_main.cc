@@ -81,8 +81,8 @@ int main(int argc, char** argv) {
   kiln::train::JobOptions job;
   train->add_option("--model", job.model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
       ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))->default_val("mlp");
-  train->add_option("--data", job.data, "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*; default: a GPL text)")
-      ->default_val("fashion-mnist");
+  train->add_option("--data", job.data,
+                    "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*); default: fashion-mnist, or a GPL text for gpt2*");
   train->add_option("--data-dir", job.data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
   train->add_option("--steps", job.steps, "Total training steps")->default_val(3000);
   train->add_option("--batch", job.batch, "Batch size")->default_val(64);

@@ -14,7 +14,7 @@ namespace kiln::train {
 
 struct JobOptions {
   std::string model = "mlp";          // mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium
-  std::string data = "fashion-mnist"; // fashion-mnist (classifiers) | a text or .tok file (LMs); "" = default
+  std::string data = "";             // fashion-mnist (classifiers) | a text or .tok file (LMs); "" = the model's default
   std::string data_dir = "";          // Fashion-MNIST directory; "" = the Debian package's
   int64_t steps = 1000;
   int64_t batch = 64;

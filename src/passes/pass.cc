@@ -1,0 +1,59 @@
+#include "passes/pass.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "ir/text.h"
+#include "ir/verifier.h"
+#include "support/error.h"
+
+namespace kiln {
+
+PassManager& PassManager::add(std::unique_ptr<Pass> pass) {
+  passes_.push_back(std::move(pass));
+  return *this;
+}
+
+std::vector<std::string> PassManager::names() const {
+  std::vector<std::string> out;
+  for (const auto& p : passes_) out.push_back(p->name());
+  return out;
+}
+
+std::vector<PassRecord> PassManager::run(Graph& graph) const {
+  std::vector<std::string> known = names();
+  auto check_known = [&](const std::set<std::string>& wanted, const char* what) {
+    for (const std::string& n : wanted)
+      KILN_CHECK(n == "all" || std::find(known.begin(), known.end(), n) != known.end(),
+                 "{}: unknown pass '{}' (passes: {})", what, n, fmt::join(known, ", "));
+  };
+  check_known(options_.disabled, "--disable-pass");
+  check_known(options_.print_after, "--print-after");
+
+  std::vector<PassRecord> records;
+  for (const auto& pass : passes_) {
+    PassRecord r;
+    r.name = pass->name();
+    r.nodes_before = graph.nodes.size();
+    if (!options_.disabled.count(r.name)) {
+      auto start = std::chrono::steady_clock::now();
+      try {
+        r.changed = pass->run(graph);
+        verify(graph);
+      } catch (const Error& e) {
+        fail("pass {}: {}", r.name, e.what());
+      }
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      r.ran = true;
+    }
+    r.nodes_after = graph.nodes.size();
+    records.push_back(r);
+    if (options_.print_after.count("all") || options_.print_after.count(r.name)) {
+      if (options_.printer) options_.printer(r.name, graph);
+      else fmt::print("// after {}\n{}", r.name, print(graph));
+    }
+  }
+  return records;
+}
+
+}  // namespace kiln

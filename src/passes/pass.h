@@ -1,0 +1,56 @@
+// Graph passes and the pass manager.
+//
+// A pass rewrites a Graph and says whether it changed anything. The pass manager runs a plain
+// list of passes (the pipeline, passes/pipeline.cc), verifies the graph after each one (always:
+// verification is cheap next to compilation, and a broken invariant found late is expensive),
+// can print the IR after any pass, skips disabled passes, and times every pass.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace kiln {
+
+class Pass {
+ public:
+  virtual ~Pass() = default;
+  virtual std::string name() const = 0;  // kebab-case, e.g. "dead-code"
+  // Rewrites `graph`; returns true when it changed. Throws kiln::Error on input it cannot take.
+  virtual bool run(Graph& graph) = 0;
+};
+
+struct PassOptions {
+  std::set<std::string> disabled;   // pass names to skip
+  std::set<std::string> print_after;  // pass names, or "all"
+  std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
+};
+
+struct PassRecord {
+  std::string name;
+  bool ran = false;  // false when disabled
+  bool changed = false;
+  double seconds = 0;
+  size_t nodes_before = 0;
+  size_t nodes_after = 0;
+};
+
+class PassManager {
+ public:
+  explicit PassManager(PassOptions options = {}) : options_(std::move(options)) {}
+  PassManager& add(std::unique_ptr<Pass> pass);
+  // Runs every pass in order. Throws kiln::Error naming the pass when one fails or leaves an
+  // invalid graph; also when a disabled or printed pass name is unknown.
+  std::vector<PassRecord> run(Graph& graph) const;
+  std::vector<std::string> names() const;
+
+ private:
+  PassOptions options_;
+  std::vector<std::unique_ptr<Pass>> passes_;
+};
+
+}  // namespace kiln
