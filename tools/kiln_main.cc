@@ -10,9 +10,12 @@
 #include "backends/cuda/device.h"
 #include "ir/text.h"
 #include "ir/verifier.h"
+#include "models/models.h"
+#include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "support/error.h"
 #include "train/job.h"
+#include "train/optimizer.h"
 
 namespace {
 
@@ -49,6 +52,40 @@ void print_outputs(const kiln::Graph& graph, const std::vector<kiln::Tensor>& ou
   }
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start);
+
+// `kiln compile`: build the model's training graph, run the pipeline, report.
+void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
+             const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
+             bool report) {
+  auto start = std::chrono::steady_clock::now();
+  kiln::Graph forward = kiln::models::by_name(model, batch, seq);
+  double build_s = seconds_since(start);
+  kiln::train::OptimizerConfig config;
+  config.name = optimizer;
+  auto t0 = std::chrono::steady_clock::now();
+  kiln::train::TrainingGraph program = kiln::train::build_training_graph(forward, config);
+  double autodiff_s = seconds_since(t0);
+  kiln::PassOptions options;
+  options.print_after = {print_after.begin(), print_after.end()};
+  options.disabled = {disabled.begin(), disabled.end()};
+  kiln::Graph graph = program.graph;
+  size_t nodes_before = graph.nodes.size();
+  std::vector<kiln::PassRecord> records = kiln::default_pipeline(options).run(graph);
+  if (!report) return;
+  int64_t param_count = 0;
+  for (int i : program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
+  fmt::print("model {}: {} forward nodes, {} parameters; training graph {} nodes\n", model,
+             forward.nodes.size(), param_count, nodes_before);
+  fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
+  fmt::print("  {:<22} {:>9.2f} {:>8}\n", "build forward", 1e3 * build_s, forward.nodes.size());
+  fmt::print("  {:<22} {:>9.2f} {:>8}\n", "autodiff + optimizer", 1e3 * autodiff_s, nodes_before);
+  for (const kiln::PassRecord& r : records)
+    fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
+               r.nodes_after, r.changed ? "yes" : "no");
+  fmt::print("  total {:.3f} s\n", seconds_since(start));
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -76,6 +113,20 @@ int main(int argc, char** argv) {
   run->add_option("--int-high", int_high, "Integer inputs are drawn from [0, N)")->default_val(2);
   run->add_option("--dialects", dialects, "Allowed kernel dialects (default: all)")->delimiter(',');
 
+
+  auto* compile_cmd = app.add_subcommand("compile", "Build a model's training graph, run the pass pipeline, report");
+  std::string compile_model = "gpt2-tiny", compile_optimizer = "adamw";
+  int64_t compile_batch = 8, compile_seq = 0;
+  std::vector<std::string> print_after, disabled_passes;
+  bool compile_report = false;
+  compile_cmd->add_option("--model", compile_model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
+      ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))->default_val("gpt2-tiny");
+  compile_cmd->add_option("--batch", compile_batch, "Batch size")->default_val(8);
+  compile_cmd->add_option("--seq", compile_seq, "Sequence length for gpt2* (default: the config's)");
+  compile_cmd->add_option("--optimizer", compile_optimizer, "adamw | sgd")->check(CLI::IsMember({"adamw", "sgd"}))->default_val("adamw");
+  compile_cmd->add_option("--print-after", print_after, "Print the IR after these passes (or 'all')")->delimiter(',');
+  compile_cmd->add_option("--disable-pass", disabled_passes, "Skip these passes")->delimiter(',');
+  compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts");
 
   auto* train = app.add_subcommand("train", "Train a model on the CPU, printing progress");
   kiln::train::JobOptions job;
@@ -125,6 +176,8 @@ int main(int argc, char** argv) {
       std::vector<kiln::Tensor> outputs = executor.run(random_inputs(graph, seed, int_high));
       fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
       print_outputs(graph, outputs);
+    } else if (app.got_subcommand(compile_cmd)) {
+      compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       kiln::train::run_training_job(job);

@@ -66,4 +66,8 @@ Graph cnn(const CnnConfig& config);
 // (biases) 0. Keeps relu activations O(1) through depth, unlike init_params' fixed 0.02.
 std::vector<Tensor> init_params_fan_in(const Graph& graph, uint64_t seed);
 
+// The model zoo by name, as the CLI knows it: mlp (784-256-10), cnn, gpt2-tiny, gpt2,
+// gpt2-medium; seq > 0 overrides a GPT config's sequence length.
+Graph by_name(const std::string& name, int64_t batch, int64_t seq = 0);
+
 }  // namespace kiln::models

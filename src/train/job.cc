@@ -40,14 +40,9 @@ Task classification_task(const JobOptions& o) {
              "model {} trains on fashion-mnist, got --data '{}'", o.model, o.data);
   FashionMnist fm = load_fashion_mnist(o.data_dir.empty() ? kFashionMnistDir : o.data_dir);
   Task t;
-  if (o.model == "mlp") {
-    t.forward = models::mlp(models::MlpConfig{o.batch, kFashionMnistPixels, {256}, kFashionMnistClasses});
-    t.init = models::init_params_fan_in(t.forward, o.seed);
-  } else {
-    models::CnnConfig config;
-    config.batch = o.batch;
-    t.forward = models::cnn(config);
-    t.init = models::init_params_fan_in(t.forward, o.seed);
+  t.forward = models::by_name(o.model, o.batch);
+  t.init = models::init_params_fan_in(t.forward, o.seed);
+  if (o.model == "cnn") {
     fm.train = fm.train.with_sample_shape(kFashionMnistImageShape);
     fm.test = fm.test.with_sample_shape(kFashionMnistImageShape);
   }
