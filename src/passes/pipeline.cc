@@ -1,11 +1,27 @@
 #include "passes/pipeline.h"
 
+#include "passes/simplify/algebraic.h"
+#include "passes/simplify/constant_fold.h"
+#include "passes/simplify/cse.h"
+#include "passes/simplify/dead_code.h"
+#include "passes/simplify/training_rewrites.h"
+
 namespace kiln {
 
 PassManager default_pipeline(PassOptions options) {
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
+  // Decompose cross_entropy_grad / layer_norm_grad first, so the rules below see their parts.
+  pm.add(std::make_unique<TrainingRewrites>());
+  // Local exact rules (x*1, neg(neg), transpose/reshape/cast chains) to a fixed point.
+  pm.add(std::make_unique<AlgebraicSimplifier>());
+  // Evaluate small all-constant nodes (optimizer and loss-scale scalars) once, at compile time.
+  pm.add(std::make_unique<ConstantFolding>());
+  // Merge duplicates, including the splats and recomputations the passes above left equal.
+  pm.add(std::make_unique<CommonSubexpressionElimination>());
+  // Last: drop everything the passes above (and autodiff) left unused.
+  pm.add(std::make_unique<DeadCodeElimination>());
   return pm;
 }
 

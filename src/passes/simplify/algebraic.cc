@@ -1,0 +1,239 @@
+#include "passes/simplify/algebraic.h"
+
+#include <array>
+#include <cmath>
+#include <numeric>
+
+#include "support/error.h"
+
+namespace kiln {
+namespace {
+
+using Ints = std::vector<int64_t>;
+
+// `x` standing for `node`'s output: itself when the types agree; broadcast_to the output's
+// shape when x is smaller (x * 1 where the 1 is the bigger operand). Same dtype always: binary
+// ops take one dtype.
+Replacement keep(Rewriter& rw, const Node& node, ValueId x) {
+  const TensorType& out = rw.type(node.outputs[0]);
+  if (rw.type(x) == out) return {x};
+  if (rw.type(x).dtype != out.dtype) return {};
+  return {rw.emit(Op::kBroadcastTo, {x}, {{"shape", out.shape}})};
+}
+
+bool splat_is(const Rewriter& rw, ValueId id, double wanted) {
+  std::optional<double> v = splat_value(rw, id);
+  return v && *v == wanted;
+}
+
+// A zero splat whose sign is `negative` (integers: any zero).
+bool is_zero(const Rewriter& rw, ValueId id, bool negative) {
+  std::optional<double> v = splat_value(rw, id);
+  if (!v || *v != 0.0) return false;
+  return !is_float(rw.type(id).dtype) || std::signbit(*v) == negative;
+}
+
+// transpose's perm, with the default (empty = reverse the axes) spelled out.
+Ints perm_of(const Node& node, int rank) {
+  Ints perm = node.attrs.ints("perm");
+  if (perm.empty()) {
+    perm.resize(rank);
+    std::iota(perm.rbegin(), perm.rend(), 0);
+  }
+  for (int64_t& p : perm) p = normalize_axis(p, rank);
+  return perm;
+}
+
+bool is_identity(const Ints& perm) {
+  for (size_t i = 0; i < perm.size(); ++i)
+    if (perm[i] != static_cast<int64_t>(i)) return false;
+  return true;
+}
+
+const Node* producer_of(Rewriter& rw, ValueId id, Op op) {
+  const Node* p = rw.producer(id);
+  return p != nullptr && p->op == op ? p : nullptr;
+}
+
+// ---- the rules ----
+
+Replacement mul_by_one(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kMul) return {};
+  for (int i : {0, 1})
+    if (splat_is(rw, n.inputs[1 - i], 1.0)) return keep(rw, n, n.inputs[i]);
+  return {};
+}
+
+Replacement add_zero(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kAdd) return {};
+  for (int i : {0, 1})
+    if (is_zero(rw, n.inputs[1 - i], /*negative=*/true)) return keep(rw, n, n.inputs[i]);
+  return {};
+}
+
+Replacement sub_zero(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kSub || !is_zero(rw, n.inputs[1], /*negative=*/false)) return {};
+  return keep(rw, n, n.inputs[0]);
+}
+
+Replacement div_by_one(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kDiv || !splat_is(rw, n.inputs[1], 1.0)) return {};
+  return keep(rw, n, n.inputs[0]);
+}
+
+Replacement mul_by_zero(Rewriter& rw, const Node& n) {
+  const TensorType& out = rw.type(n.outputs[0]);
+  if (n.op != Op::kMul || !is_integer(out.dtype)) return {};
+  if (!is_zero(rw, n.inputs[0], false) && !is_zero(rw, n.inputs[1], false)) return {};
+  return {rw.full(out.shape, 0.0, out.dtype)};
+}
+
+Replacement neg_neg(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kNeg) return {};
+  const Node* inner = producer_of(rw, n.inputs[0], Op::kNeg);
+  if (inner == nullptr) return {};
+  return {inner->inputs[0]};
+}
+
+Replacement transpose_identity(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kTranspose || !is_identity(perm_of(n, rw.type(n.inputs[0]).rank()))) return {};
+  return {n.inputs[0]};
+}
+
+Replacement transpose_transpose(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kTranspose) return {};
+  const Node* inner = producer_of(rw, n.inputs[0], Op::kTranspose);
+  if (inner == nullptr) return {};
+  const ValueId x = inner->inputs[0];
+  const int rank = rw.type(x).rank();
+  const Ints outer_perm = perm_of(n, rank), inner_perm = perm_of(*inner, rank);
+  // Output axis i is the inner output's axis outer_perm[i], which is x's axis
+  // inner_perm[outer_perm[i]].
+  Ints combined(rank);
+  for (int i = 0; i < rank; ++i) combined[i] = inner_perm[outer_perm[i]];
+  if (is_identity(combined)) return {x};
+  return {rw.emit(Op::kTranspose, {x}, {{"perm", combined}})};
+}
+
+Replacement reshape_same_shape(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kReshape || rw.type(n.inputs[0]) != rw.type(n.outputs[0])) return {};
+  return {n.inputs[0]};
+}
+
+Replacement reshape_reshape(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kReshape) return {};
+  const Node* inner = producer_of(rw, n.inputs[0], Op::kReshape);
+  if (inner == nullptr) return {};
+  const ValueId x = inner->inputs[0];
+  const Shape& shape = rw.type(n.outputs[0]).shape;  // resolved: no -1 left
+  if (rw.type(x).shape == shape) return {x};
+  return {rw.emit(Op::kReshape, {x}, {{"shape", shape}})};
+}
+
+Replacement broadcast_same_shape(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kBroadcastTo || rw.type(n.inputs[0]) != rw.type(n.outputs[0])) return {};
+  return {n.inputs[0]};
+}
+
+Replacement cast_same_dtype(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kCast || rw.type(n.inputs[0]) != rw.type(n.outputs[0])) return {};
+  return {n.inputs[0]};
+}
+
+// True when every value of dtype `from` is exactly representable in `to`.
+bool cast_is_exact(DType from, DType to) {
+  if (from == to || from == DType::kBool) return true;
+  switch (from) {
+    case DType::kF16:
+    case DType::kBF16: return to == DType::kF32 || to == DType::kF64;
+    case DType::kF32: return to == DType::kF64;
+    case DType::kU8: return to != DType::kBool;  // 0..255 fits every other dtype, bf16 included
+    case DType::kI32: return to == DType::kI64 || to == DType::kF64;
+    default: return false;
+  }
+}
+
+// The class a cast's source belongs to decides how it converts (floats saturate into integers,
+// integers wrap): two sources of one class with equal values convert alike.
+bool same_cast_class(DType a, DType b) {
+  return a == DType::kBool || (is_float(a) && is_float(b)) || (is_integer(a) && is_integer(b));
+}
+
+Replacement cast_cast_exact(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kCast) return {};
+  const Node* inner = producer_of(rw, n.inputs[0], Op::kCast);
+  if (inner == nullptr) return {};
+  const ValueId x = inner->inputs[0];
+  const DType a = rw.type(x).dtype, b = rw.type(n.inputs[0]).dtype,
+              c = rw.type(n.outputs[0]).dtype;
+  if (!cast_is_exact(a, b)) return {};
+  if (c == a) return {x};
+  if (!same_cast_class(a, b)) return {};
+  return {rw.emit(Op::kCast, {x}, {{"dtype", c}})};
+}
+
+Replacement sum_one_hot_classes(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kSum) return {};
+  const Node* one_hot = producer_of(rw, n.inputs[0], Op::kOneHot);
+  if (one_hot == nullptr) return {};
+  const int rank = rw.type(n.inputs[0]).rank();
+  const Ints& axes = n.attrs.ints("axes");
+  const bool only_class_axis = axes.empty() ? rank == 1
+                                            : axes.size() == 1 &&
+                                                  normalize_axis(axes[0], rank) == rank - 1;
+  if (!only_class_axis) return {};
+  const int64_t depth = one_hot->attrs.i("depth");
+  std::optional<IntRange> range = integer_range(rw, one_hot->inputs[0]);
+  if (!range || range->low < 0 || range->high > static_cast<double>(depth - 1)) return {};
+  const TensorType& out = rw.type(n.outputs[0]);
+  return {rw.full(out.shape, 1.0, out.dtype)};
+}
+
+// THE table. Every rule is exact (see algebraic.h); its condition says why.
+const std::array kRules = {
+    // x * 1 -> x, either side; broadcast_to(x) when the 1 widens x. Exact for every dtype.
+    RewriteRule{"mul-by-one", mul_by_one},
+    // x + 0 -> x: integers; floats only for a -0.0 splat (-0.0 + +0.0 is +0.0, so adding +0.0
+    // is not the identity on -0.0 and is intentionally left alone).
+    RewriteRule{"add-zero", add_zero},
+    // x - 0 -> x: integers; floats only for +0.0 (x - +0.0 = x + -0.0, the exact identity).
+    RewriteRule{"sub-zero", sub_zero},
+    // x / 1 -> x: floats and integers (truncating division by 1 is exact).
+    RewriteRule{"div-by-one", div_by_one},
+    // x * 0 -> zeros: integers only. Intentionally absent for floats: inf * 0 and NaN * 0 are
+    // NaN, and -x * 0 is -0.0.
+    RewriteRule{"mul-by-zero", mul_by_zero},
+    // neg(neg(x)) -> x: exact (integers wrap both ways).
+    RewriteRule{"neg-neg", neg_neg},
+    // transpose with the identity permutation -> x.
+    RewriteRule{"transpose-identity", transpose_identity},
+    // transpose(transpose(x)) -> one transpose with the composed permutation (x if identity).
+    RewriteRule{"transpose-transpose", transpose_transpose},
+    // reshape to the input's own shape -> x.
+    RewriteRule{"reshape-same-shape", reshape_same_shape},
+    // reshape(reshape(x)) -> one reshape (x when the shapes agree): row-major order is kept.
+    RewriteRule{"reshape-reshape", reshape_reshape},
+    // broadcast_to the input's own shape -> x.
+    RewriteRule{"broadcast-same-shape", broadcast_same_shape},
+    // cast to the input's own dtype -> x.
+    RewriteRule{"cast-same-dtype", cast_same_dtype},
+    // cast(cast(x, B), C) where A -> B keeps every value exactly (f32 -> f64, bf16 -> f32,
+    // i32 -> i64, ...): x when C == A; else cast(x, C) when A and B convert alike (both float or
+    // both integer). Not for rounding casts: f32 -> bf16 -> f32 changes x.
+    RewriteRule{"cast-cast-exact", cast_cast_exact},
+    // sum(one_hot(i, V), class axis) -> ones, only when i is provably in [0, V) (from iota,
+    // argmax, constants, a where/clamp of those): one_hot gives an all-zero row for an
+    // out-of-range index (e.g. ignore_index), whose sum is 0.
+    RewriteRule{"sum-one-hot-classes", sum_one_hot_classes},
+};
+
+}  // namespace
+
+std::span<const RewriteRule> algebraic_rules() { return kRules; }
+
+bool AlgebraicSimplifier::run(Graph& graph) {
+  fired_ = apply_rules(graph, kRules);
+  return !fired_.empty();
+}
+
+}  // namespace kiln
