@@ -1,6 +1,7 @@
 #include "train/optimizer.h"
 
 #include <cmath>
+#include <set>
 
 #include "frontend/builder.h"
 #include "ir/verifier.h"
@@ -16,6 +17,9 @@ void validate(const OptimizerConfig& c) {
   KILN_CHECK(c.grad_clip >= 0, "gradient clip must be >= 0 (0 = off), got {}", c.grad_clip);
   KILN_CHECK(c.warmup_steps >= 0 && c.decay_steps >= 0, "warmup and decay steps must be >= 0");
   KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
+  KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16", "unknown amp mode '{}' (expected off, bf16 or f16)",
+             c.amp);
+  if (c.amp == "f16") validate(c.loss_scale);
 }
 
 double learning_rate(const OptimizerConfig& c, int64_t step) {
@@ -43,11 +47,42 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
     }
   }
   KILN_CHECK(!params.empty(), "graph '{}' has no param inputs to train", forward.name);
-  AutodiffResult joint = autodiff(forward, forward.outputs[0], params);
+
+  // The pass keeps the inputs in order (so the input indices above stay valid) and the outputs'
+  // types, but renumbers values: from here on ids refer to `amp_forward`.
+  Graph amp_forward = forward;
+  if (config.amp != "off") {
+    MixedPrecisionOptions options;
+    options.low = config.amp == "f16" ? DType::kF16 : DType::kBF16;
+    options.policy = config.amp_policy;
+    MixedPrecisionPass(options).run(amp_forward);
+    verify(amp_forward);
+    for (size_t i = 0; i < params.size(); ++i) params[i] = amp_forward.inputs[out.param_inputs[i]].value;
+  }
+  // f16: the loss scale is state of the graph and multiplies the loss before autodiff.
+  const bool scaled = config.amp == "f16";
+  Builder forward_builder(amp_forward);
+  LossScaleState loss_scale;
+  ValueId loss = amp_forward.outputs[0];
+  if (scaled) {
+    loss_scale = add_loss_scale_state(forward_builder);
+    const int inputs = static_cast<int>(forward_builder.graph().inputs.size());
+    out.state_inputs.push_back(inputs - 2);  // amp.scale
+    out.state_inputs.push_back(inputs - 1);  // amp.good_steps
+    out.state_initial_values[kLossScaleName] = config.loss_scale.initial_scale;
+    loss = scale_loss(forward_builder.wrap(forward_builder.graph().outputs[0]), loss_scale).id();
+  }
+  AutodiffResult joint = autodiff(forward_builder.take(), loss, params);
 
   Builder b(std::move(joint.graph));
   std::vector<Expr> grads;
   for (ValueId g : joint.gradients) grads.push_back(b.wrap(g));
+  Expr overflow;
+  if (scaled) {
+    loss_scale = LossScaleState{b.wrap(loss_scale.scale.id()), b.wrap(loss_scale.good_steps.id())};
+    overflow = gradients_overflow(grads);  // of the scaled gradients: unscaling keeps inf and NaN
+    grads = unscale_gradients(grads, loss_scale);
+  }
 
   if (config.grad_clip > 0) {
     // Global-norm clipping, all on device: scale = min(1, max_norm / (norm + 1e-6)).
@@ -82,8 +117,8 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
   out.lr_input = static_cast<int>(b.graph().inputs.size() - 1);
   Expr next_step = step + 1.0;
   b.graph().updates.push_back(Update{step.id(), next_step.id()});
-  for (const GraphInput& in : forward.inputs) {
-    const Value& v = forward.value(in.value);
+  for (const GraphInput& in : amp_forward.inputs) {
+    const Value& v = amp_forward.value(in.value);
     if (in.role == Role::kState && v.name == "rng.offset") {
       KILN_CHECK(v.type == (TensorType{DType::kI64, {}}), "rng.offset must be i64[], got {}", to_string(v.type));
       Expr offset = b.wrap(in.value);
@@ -110,6 +145,14 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
       b.graph().updates.push_back(Update{m.id(), r[1].id()});
       b.graph().updates.push_back(Update{v.id(), r[2].id()});
     }
+  }
+  if (scaled) {
+    // Every param and optimizer state update is skipped on overflow; rng.offset still advances.
+    std::set<ValueId> skipped(params.begin(), params.end());
+    for (const Expr& m : moments) skipped.insert(m.id());
+    skipped.insert(step.id());
+    skip_updates_on_overflow(b, overflow, skipped);
+    update_loss_scale(b, loss_scale, overflow, config.loss_scale);
   }
   out.graph = b.take();
   out.graph.name = forward.name + ".train";

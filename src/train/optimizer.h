@@ -11,12 +11,22 @@
 //
 // The forward graph's own state inputs (zero-initialized) are carried along as state; one named
 // "rng.offset" (i64 scalar, the dropout counter of models::gpt) is advanced by one every step.
+//
+// Mixed precision (amp = "bf16" or "f16"): the mixed-precision pass (passes/mixed_precision.h)
+// rewrites the FORWARD graph before autodiff, so matmuls and attention run in 16 bits while
+// params (master weights), gradients and optimizer state stay f32. "f16" adds dynamic loss
+// scaling (train/loss_scaling.h): the loss is scaled before autodiff, gradients are unscaled
+// before clipping and the update, and a step whose gradients overflow updates nothing but the
+// scale. "bf16" needs no scaling (f32's exponent range).
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
 #include "ir/graph.h"
+#include "passes/mixed_precision.h"
+#include "train/loss_scaling.h"
 
 namespace kiln::train {
 
@@ -31,6 +41,9 @@ struct OptimizerConfig {
   int64_t warmup_steps = 0;    // linear warmup from lr/warmup to lr
   int64_t decay_steps = 0;     // cosine decay to min_lr_ratio * lr by this step; 0 = constant
   double min_lr_ratio = 0.1;
+  std::string amp = "off";     // "off", "bf16" or "f16" (see above)
+  PrecisionPolicy amp_policy = default_precision_policy();  // per-op precision under amp
+  LossScaleOptions loss_scale;  // f16 only
 };
 
 // Throws kiln::Error naming the bad field.
@@ -41,9 +54,13 @@ double learning_rate(const OptimizerConfig& config, int64_t step);
 struct TrainingGraph {
   Graph graph;  // outputs: the forward's outputs (loss first)
   std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
-  std::vector<int> state_inputs;  // the forward's state, then per-param moments/buffers, opt.step
+  // The forward's state, then (f16) amp.scale and amp.good_steps, then per-param
+  // moments/buffers, opt.step.
+  std::vector<int> state_inputs;
   std::vector<int> data_inputs;   // the forward's data inputs, in order
   int lr_input = -1;              // the scalar learning-rate input
+  // State inputs (by name) that start at a value other than zero: amp.scale.
+  std::map<std::string, double> state_initial_values;
 };
 
 // `forward` must have a scalar float loss as outputs[0] and at least one param.

@@ -19,7 +19,13 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
                to_string(params[i].type()));
     inputs_[program_.param_inputs[i]] = params[i].clone();  // the trainer owns its params
   }
-  for (int i : program_.state_inputs) inputs_[i] = Tensor(g.type(g.inputs[i].value));  // zeros
+  for (int i : program_.state_inputs) {
+    const Value& v = g.value(g.inputs[i].value);
+    inputs_[i] = Tensor(v.type);  // zeros, unless the program says otherwise (amp.scale)
+    auto initial = program_.state_initial_values.find(v.name);
+    if (initial != program_.state_initial_values.end())
+      for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
+  }
   step_executor_ = std::make_unique<Executor>(g, executor_options);
   eval_executor_ = std::make_unique<Executor>(forward_, executor_options);
 }

@@ -22,7 +22,8 @@ class Trainer {
   // One training step on the forward's data inputs (in order); returns the forward's outputs
   // (loss first), computed before the update. Advances steps_done().
   std::vector<Tensor> step(const std::vector<Tensor>& data);
-  // The forward graph with the current params (no update).
+  // The forward graph with the current params (no update). Under amp it is still the f32 forward:
+  // the master weights are f32, and evaluation is not where the speed of 16 bits matters.
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
 
   int64_t steps_done() const { return steps_done_; }
