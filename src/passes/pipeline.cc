@@ -1,5 +1,6 @@
 #include "passes/pipeline.h"
 
+#include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/constant_fold.h"
 #include "passes/simplify/cse.h"
@@ -22,6 +23,9 @@ PassManager default_pipeline(PassOptions options) {
   pm.add(std::make_unique<CommonSubexpressionElimination>());
   // Last: drop everything the passes above (and autodiff) left unused.
   pm.add(std::make_unique<DeadCodeElimination>());
+  // After the node set is final: reorder for fewer live bytes (the executor's memory plan
+  // follows the node order).
+  pm.add(std::make_unique<SchedulePass>());
   return pm;
 }
 

@@ -1,5 +1,7 @@
 #include "runtime/executor.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "ir/verifier.h"
@@ -12,6 +14,15 @@ std::vector<TensorType> types_of(const Graph& g, const std::vector<ValueId>& ids
   for (ValueId id : ids) out.push_back(g.type(id));
   return out;
 }
+
+std::shared_ptr<std::byte[]> allocate_arena(size_t bytes, bool poison) {
+  // Never empty: a Tensor view of a null storage would read as undefined.
+  size_t rounded = aligned_bytes(std::max<size_t>(bytes, 1));
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(MemoryPlan::kAlignment, rounded));
+  if (!p) fail("out of host memory allocating a {}-byte arena", rounded);
+  std::memset(p, poison ? 0xFF : 0, rounded);
+  return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
+}
 }  // namespace
 
 Executor::Executor(Graph graph, ExecutorOptions options)
@@ -23,11 +34,13 @@ Executor::Executor(Graph graph, ExecutorOptions options)
     std::vector<TensorType> out = types_of(graph_, node.outputs);
     kernels_.push_back(&registry.select(NodeView{node, in, out}, options_.device, options_.dialects));
   }
-  last_use_.assign(graph_.values.size(), -1);
-  for (size_t n = 0; n < graph_.nodes.size(); ++n)
-    for (ValueId id : graph_.nodes[n].inputs) last_use_[id] = static_cast<int>(n);
-  for (ValueId id : graph_.outputs) last_use_[id] = static_cast<int>(graph_.nodes.size());
-  for (const Update& u : graph_.updates) last_use_[u.value] = static_cast<int>(graph_.nodes.size());
+  if (options_.plan_memory) {
+    plan_ = plan_memory(graph_, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
+    arena_ = allocate_arena(plan_.arena_bytes, options_.poison_arena);
+    last_use_ = plan_.liveness.last;
+  } else {
+    last_use_ = compute_liveness(graph_).last;
+  }
 }
 
 std::vector<std::string> Executor::node_dialects() const {
@@ -47,20 +60,29 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
                inputs[i].defined() ? to_string(inputs[i].type()) : "no tensor");
     values[graph_.inputs[i].value] = inputs[i];
   }
+  const bool planned = options_.plan_memory;
   std::vector<Tensor> args_in, args_out;
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
+    const int index = static_cast<int>(n);
     args_in.clear();
     args_out.clear();
     for (ValueId id : node.inputs) args_in.push_back(values[id]);
-    for (ValueId id : node.outputs) args_out.push_back(Tensor(graph_.type(id)));
+    for (ValueId id : node.outputs) {
+      if (planned && plan_.in_arena(id)) {
+        args_out.push_back(Tensor(graph_.type(id), arena_, static_cast<size_t>(plan_.offsets[id])));
+      } else {
+        args_out.push_back(Tensor(graph_.type(id)));
+      }
+    }
     kernels_[n]->kernel(KernelArgs{node.attrs, args_in, args_out});
     for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
-    // Release what no later node reads (graph inputs stay owned by the caller anyway).
+    // Release what no later node reads (graph inputs stay owned by the caller anyway; arena
+    // views only drop a reference).
     for (ValueId id : node.inputs)
-      if (last_use_[id] == static_cast<int>(n)) values[id] = Tensor();
+      if (last_use_[id] == index) values[id] = Tensor();
     for (ValueId id : node.outputs)
-      if (last_use_[id] < 0) values[id] = Tensor();
+      if (last_use_[id] == index) values[id] = Tensor();
   }
   std::vector<Tensor> outputs;
   for (ValueId id : graph_.outputs) outputs.push_back(values[id]);

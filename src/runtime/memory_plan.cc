@@ -1,0 +1,135 @@
+#include "runtime/memory_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace kiln {
+namespace {
+
+// A run of bytes that one value, or a chain of values each written in place over the one
+// before, occupies from node `start` to node `end` (inclusive).
+struct Buffer {
+  size_t size = 0;
+  int start = 0;
+  int end = 0;
+  size_t offset = 0;
+};
+
+bool overlap_in_time(const Buffer& a, const Buffer& b) {
+  return a.start <= b.end && b.start <= a.end;
+}
+
+}  // namespace
+
+Liveness compute_liveness(const Graph& graph) {
+  Liveness l;
+  l.def.assign(graph.values.size(), -1);
+  l.last.assign(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const int index = static_cast<int>(n);
+    for (ValueId id : graph.nodes[n].inputs) l.last[id] = index;
+    for (ValueId id : graph.nodes[n].outputs) l.def[id] = l.last[id] = index;
+  }
+  const int end = static_cast<int>(graph.nodes.size());
+  for (ValueId id : graph.outputs) l.last[id] = end;
+  for (const Update& u : graph.updates) l.last[u.value] = end;
+  return l;
+}
+
+MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok) {
+  MemoryPlan plan;
+  plan.liveness = compute_liveness(graph);
+  const Liveness& live = plan.liveness;
+  const size_t num_values = graph.values.size();
+  plan.offsets.assign(num_values, MemoryPlan::kNotInArena);
+  plan.reuses.assign(num_values, -1);
+
+  std::vector<bool> is_output(num_values, false);
+  for (ValueId id : graph.outputs) is_output[id] = true;
+
+  // Buffers in node order; chains of in-place values share one.
+  std::vector<Buffer> buffers;
+  std::vector<int> buffer_of(num_values, -1);
+  std::vector<int> taken;  // buffers claimed in place by the current node's outputs
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    const int index = static_cast<int>(n);
+    const bool may_reuse = in_place_ok && has_flag(node.op, kElementwise);
+    taken.clear();
+    for (ValueId out : node.outputs) {
+      if (is_output[out]) continue;
+      plan.naive_bytes += aligned_bytes(graph.type(out).bytes());
+      int chosen = -1;
+      for (size_t k = 0; may_reuse && k < node.inputs.size(); ++k) {
+        const ValueId in = node.inputs[k];
+        const int b = buffer_of[in];
+        // The input must die here (so nothing reads it after the output is written) and be the
+        // newest value of its buffer (so the buffer is free from here on).
+        if (b < 0 || live.last[in] != index || buffers[b].end != index) continue;
+        if (graph.type(in) != graph.type(out)) continue;
+        if (std::find(taken.begin(), taken.end(), b) != taken.end()) continue;
+        if (!in_place_ok(n, k)) continue;
+        chosen = b;
+        plan.reuses[out] = in;
+        ++plan.in_place_count;
+        break;
+      }
+      if (chosen < 0) {
+        chosen = static_cast<int>(buffers.size());
+        buffers.push_back(Buffer{aligned_bytes(graph.type(out).bytes()), index, live.last[out]});
+      } else {
+        buffers[chosen].end = std::max(buffers[chosen].end, live.last[out]);
+        taken.push_back(chosen);
+      }
+      buffer_of[out] = chosen;
+    }
+  }
+
+  // The live bytes at each node (difference array over [start, end]); ends reach nodes.size().
+  std::vector<int64_t> delta(graph.nodes.size() + 2, 0);
+  for (const Buffer& b : buffers) {
+    delta[b.start] += static_cast<int64_t>(b.size);
+    delta[b.end + 1] -= static_cast<int64_t>(b.size);
+  }
+  int64_t running = 0;
+  for (int64_t d : delta) {
+    running += d;
+    plan.live_peak_bytes = std::max(plan.live_peak_bytes, static_cast<size_t>(running));
+  }
+
+  // Largest first (ties: earlier start, then creation order, so the plan is deterministic);
+  // each at the lowest offset clear of every placed buffer that is live at the same time.
+  std::vector<size_t> order(buffers.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (buffers[a].size != buffers[b].size) return buffers[a].size > buffers[b].size;
+    if (buffers[a].start != buffers[b].start) return buffers[a].start < buffers[b].start;
+    return a < b;
+  });
+  std::vector<size_t> placed;
+  std::vector<size_t> conflicts;
+  for (size_t b : order) {
+    Buffer& buffer = buffers[b];
+    if (buffer.size == 0) continue;  // offset 0; overlaps nothing
+    conflicts.clear();
+    for (size_t p : placed)
+      if (overlap_in_time(buffers[p], buffer)) conflicts.push_back(p);
+    std::sort(conflicts.begin(), conflicts.end(), [&](size_t x, size_t y) {
+      return buffers[x].offset < buffers[y].offset;
+    });
+    size_t offset = 0;
+    for (size_t p : conflicts) {
+      if (offset + buffer.size <= buffers[p].offset) break;  // fits in the gap below p
+      offset = std::max(offset, buffers[p].offset + buffers[p].size);
+    }
+    buffer.offset = offset;
+    plan.arena_bytes = std::max(plan.arena_bytes, offset + buffer.size);
+    placed.push_back(b);
+  }
+
+  for (size_t v = 0; v < num_values; ++v)
+    if (buffer_of[v] >= 0) plan.offsets[v] = static_cast<int64_t>(buffers[buffer_of[v]].offset);
+  return plan;
+}
+
+}  // namespace kiln

@@ -1,0 +1,117 @@
+// Helpers for the memory-plan and executor tests: random graphs and a checker that no two values
+// live at the same node share arena bytes.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "ir/graph.h"
+#include "models/models.h"
+#include "runtime/memory_plan.h"
+#include "train/optimizer.h"
+
+namespace kiln::testing {
+
+// Every arena value is 64-byte aligned and inside the arena, and two values live at one node
+// (overlapping [def, last]) never share a byte, except a value and the input it overwrote in
+// place (the plan says so in `reuses`, and the input dies at that very node).
+inline ::testing::AssertionResult no_live_overlap(const Graph& g, const MemoryPlan& plan) {
+  const Liveness& l = plan.liveness;
+  std::vector<ValueId> arena;
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    if (!plan.in_arena(static_cast<ValueId>(v))) continue;
+    arena.push_back(static_cast<ValueId>(v));
+    const size_t offset = static_cast<size_t>(plan.offsets[v]);
+    if (offset % 64 != 0) return ::testing::AssertionFailure() << "value " << v << " at " << offset;
+    if (offset + g.type(static_cast<ValueId>(v)).bytes() > plan.arena_bytes)
+      return ::testing::AssertionFailure() << "value " << v << " ends past the arena";
+  }
+  for (size_t i = 0; i < arena.size(); ++i) {
+    for (size_t j = i + 1; j < arena.size(); ++j) {
+      const ValueId a = arena[i], b = arena[j];
+      if (l.def[a] > l.last[b] || l.def[b] > l.last[a]) continue;  // never live together
+      const size_t a0 = static_cast<size_t>(plan.offsets[a]), a1 = a0 + g.type(a).bytes();
+      const size_t b0 = static_cast<size_t>(plan.offsets[b]), b1 = b0 + g.type(b).bytes();
+      if (a1 <= b0 || b1 <= a0) continue;  // disjoint bytes
+      const bool in_place = (plan.reuses[b] == a && l.last[a] == l.def[b]) ||
+                            (plan.reuses[a] == b && l.last[b] == l.def[a]);
+      if (!in_place)
+        return ::testing::AssertionFailure()
+               << "values " << a << " [" << l.def[a] << ", " << l.last[a] << "] and " << b << " ["
+               << l.def[b] << ", " << l.last[b] << "] share bytes [" << std::max(a0, b0) << ", "
+               << std::min(a1, b1) << ")";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A random graph over f32 (k, 8) tensors: unary ops, binary ops (same shape or a (1, 8) row
+// broadcast), concat, two-way split, keepdims sums; a few outputs and one param update.
+inline Graph random_graph(uint64_t seed, int nodes) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  Graph g;
+  g.name = "random";
+  std::vector<ValueId> pool = {g.add_input("x0", {DType::kF32, {4, 8}}, Role::kData),
+                               g.add_input("x1", {DType::kF32, {6, 8}}, Role::kData)};
+  const ValueId p = g.add_input("p", {DType::kF32, {4, 8}}, Role::kParam);
+  pool.push_back(p);
+  auto rows = [&](ValueId v) { return g.type(v).shape[0]; };
+  const Op unary[] = {Op::kTanh, Op::kNeg, Op::kSigmoid, Op::kRelu};
+  const Op binary[] = {Op::kAdd, Op::kMul, Op::kSub, Op::kMaximum};
+  for (int n = 0; n < nodes; ++n) {
+    // Recent values are likelier operands, so chains form and values die at varied times.
+    auto operand = [&] {
+      size_t window = std::min<size_t>(pool.size(), 8);
+      return rng() % 3 == 0 ? pool[pick(pool.size())] : pool[pool.size() - 1 - pick(window)];
+    };
+    const ValueId a = operand();
+    switch (rng() % 6) {
+      case 0:
+      case 1:
+        pool.push_back(g.add(unary[pick(4)], {a}));
+        break;
+      case 2: {
+        std::vector<ValueId> partners;
+        for (ValueId v : pool)
+          if (rows(v) == rows(a) || rows(v) == 1) partners.push_back(v);
+        pool.push_back(g.add(binary[pick(4)], {a, partners[pick(partners.size())]}));
+        break;
+      }
+      case 3: {
+        const ValueId b = operand();
+        if (rows(a) + rows(b) <= 64) pool.push_back(g.add(Op::kConcat, {a, b}, {{"axis", int64_t{0}}}));
+        else pool.push_back(g.add(Op::kSum, {a}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}}));
+        break;
+      }
+      case 4:
+        if (rows(a) >= 2) {
+          const int64_t first = 1 + static_cast<int64_t>(pick(static_cast<size_t>(rows(a) - 1)));
+          for (ValueId v : g.add_node(Op::kSplit, {a}, {{"axis", int64_t{0}},
+                                                        {"sizes", std::vector<int64_t>{first, rows(a) - first}}}))
+            pool.push_back(v);
+        } else {
+          pool.push_back(g.add(unary[pick(4)], {a}));
+        }
+        break;
+      default:
+        pool.push_back(g.add(Op::kSum, {a}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}}));
+        break;
+    }
+  }
+  std::vector<ValueId> same_as_p;
+  for (ValueId v : pool)
+    if (g.type(v) == g.type(p) && v != p) same_as_p.push_back(v);
+  const ValueId next_p = g.add(Op::kAdd, {p, same_as_p[pick(same_as_p.size())]});
+  g.updates.push_back({p, next_p});
+  g.outputs = {pool.back(), pool[pool.size() / 2], next_p};
+  return g;
+}
+
+// The training graph of a zoo model (AdamW).
+inline train::TrainingGraph training_graph(const std::string& model, int64_t batch) {
+  return train::build_training_graph(models::by_name(model, batch), train::OptimizerConfig{});
+}
+
+}  // namespace kiln::testing
