@@ -147,6 +147,8 @@ int main(int argc, char** argv) {
   train->add_option("--warmup", job.optimizer.warmup_steps, "Linear warmup steps")->default_val(0);
   train->add_option("--decay-steps", job.optimizer.decay_steps,
                     "Cosine decay to 0.1 x lr by this step (0 = constant lr; -1 = --steps)")->default_val(-1);
+  train->add_option("--amp", job.optimizer.amp, "Mixed precision: off | bf16 | f16 (f16 with dynamic loss scaling)")
+      ->check(CLI::IsMember({"off", "bf16", "f16"}))->default_val("off");
   train->add_option("--seed", job.seed, "Seed for init and data order")->default_val(0);
   train->add_option("--device", job.device, "cpu (cuda comes with the CUDA backend)")->default_val("cpu");
   train->add_option("--checkpoint-dir", job.checkpoint_dir, "Write DIR/last.safetensors at each evaluation");

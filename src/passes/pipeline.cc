@@ -13,8 +13,10 @@ PassManager default_pipeline(PassOptions options) {
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
-  // Decompose cross_entropy_grad / layer_norm_grad first, so the rules below see their parts.
-  pm.add(std::make_unique<TrainingRewrites>());
+  // training-rewrites (decompose cross_entropy_grad / layer_norm_grad into elementwise work and
+  // column sums) is NOT in the default list yet: it only pays off once a fusion pass keeps those
+  // parts in registers; without fusion it adds logits-sized intermediates. It joins the list,
+  // first, together with fusion. (Tests run it directly.)
   // Local exact rules (x*1, neg(neg), transpose/reshape/cast chains) to a fixed point.
   pm.add(std::make_unique<AlgebraicSimplifier>());
   // Evaluate small all-constant nodes (optimizer and loss-scale scalars) once, at compile time.
