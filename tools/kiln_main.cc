@@ -12,6 +12,7 @@
 #include "ir/verifier.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
+#include "runtime/memory_plan.h"
 #include "runtime/executor.h"
 #include "support/error.h"
 #include "train/job.h"
@@ -83,6 +84,13 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   for (const kiln::PassRecord& r : records)
     fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
                r.nodes_after, r.changed ? "yes" : "no");
+  kiln::MemoryPlan plan = kiln::plan_memory(graph);
+  int64_t input_bytes = 0;
+  for (const kiln::GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
+  auto gib = [](double bytes) { return bytes / double(1 << 30); };
+  fmt::print("  memory: inputs (params, state, batch) {:.3f} GiB; intermediates planned {:.3f} GiB"
+             " (lower bound {:.3f}, one buffer each {:.3f})\n",
+             gib(input_bytes), gib(plan.arena_bytes), gib(plan.live_peak_bytes), gib(plan.naive_bytes));
   fmt::print("  total {:.3f} s\n", seconds_since(start));
 }
 

@@ -1,14 +1,17 @@
 #include "train/trainer.h"
 #include <cstring>
 
+#include "passes/pipeline.h"
 #include "support/error.h"
 #include "train/checkpoint/safetensors.h"
 
 namespace kiln::train {
 
 Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
-                 ExecutorOptions executor_options)
+                 ExecutorOptions executor_options, PassOptions pass_options)
     : config_(std::move(config)), program_(build_training_graph(forward, config_)), forward_(forward) {
+  // Passes keep graph inputs in place, so program_'s input indices stay valid.
+  pass_records_ = default_pipeline(std::move(pass_options)).run(program_.graph);
   const Graph& g = program_.graph;
   KILN_CHECK(params.size() == program_.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
              forward.name, program_.param_inputs.size(), params.size());

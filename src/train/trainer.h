@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "passes/pass.h"
 #include "runtime/executor.h"
 #include "train/optimizer.h"
 
@@ -16,8 +17,10 @@ namespace kiln::train {
 class Trainer {
  public:
   // `params` are the forward graph's param inputs, in order.
+  // The training graph goes through the default pass pipeline (passes/pipeline.h) with
+  // `pass_options` before it is bound to kernels.
   Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
-          ExecutorOptions executor_options = {});
+          ExecutorOptions executor_options = {}, PassOptions pass_options = {});
 
   // One training step on the forward's data inputs (in order); returns the forward's outputs
   // (loss first), computed before the update. Advances steps_done().
@@ -29,7 +32,8 @@ class Trainer {
   int64_t steps_done() const { return steps_done_; }
   double current_lr() const { return learning_rate(config_, steps_done_); }
   const OptimizerConfig& config() const { return config_; }
-  const TrainingGraph& program() const { return program_; }
+  const TrainingGraph& program() const { return program_; }  // after the pipeline
+  const std::vector<PassRecord>& pass_records() const { return pass_records_; }
   // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step").
   std::map<std::string, Tensor> named_tensors() const;
   std::vector<Tensor> params() const;
@@ -48,6 +52,7 @@ class Trainer {
   std::unique_ptr<Executor> eval_executor_;
   std::vector<Tensor> inputs_;  // training-graph inputs: params and state bound, data per step
   int64_t steps_done_ = 0;
+  std::vector<PassRecord> pass_records_;
 };
 
 }  // namespace kiln::train
