@@ -21,6 +21,7 @@ void register_elementwise_kernels(KernelRegistry& registry);  // elementwise.cc
 void register_reduction_kernels(KernelRegistry& registry);    // reduction.cc
 void register_nn_kernels(KernelRegistry& registry);           // nn.cc
 void register_conv_kernels(KernelRegistry& registry);         // conv.cc
+void register_train_kernels(KernelRegistry& registry);        // train_kernels.cc
 
 // True when every input and output of the node has dtype `dtype`.
 inline bool all_dtype(const NodeView& node, DType dtype) {

@@ -10,6 +10,7 @@ void register_fast_kernels(KernelRegistry& registry) {
   register_reduction_kernels(registry);
   register_nn_kernels(registry);
   register_conv_kernels(registry);
+  register_train_kernels(registry);
 }
 
 }  // namespace kiln::cpu

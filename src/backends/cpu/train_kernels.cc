@@ -1,0 +1,559 @@
+// Fast kernels for the ops a training step spends its time in once matmul is fast (profiled in
+// bench/NOTES.md, "CPU training step"):
+//   dialect "cpu":
+//     adamw_update, sgd_update  f32 param/grad/state (lr and step: any float scalar, read once):
+//                               one fused pass over the elements, bias corrections computed once.
+//     gelu_grad                 f32, both approximations, through fast_math.h like gelu.
+//     reshape                   any dtype: a flat copy (the executor gives every value its own
+//                               buffer; a view would need aliasing support there).
+//     transpose                 any dtype, any permutation. Size-1 axes are dropped and input
+//                               axes that stay adjacent are merged first, so (0, 2, 1, 3) of
+//                               (B, T, H, D) becomes "copy runs of D", and a last-two-axes swap
+//                               becomes a batch of 2-D transposes, done in cache tiles.
+//   dialect "openblas":
+//     attention, attention_grad  f32. Per (batch..., head) slice: S = scale Q K^T (sgemm), the
+//                               causal mask and a stable row softmax, O = P V (sgemm); the
+//                               backward recomputes P and does dV = P^T dO, dP = dO V^T,
+//                               dS = P * (dP - rowsum(dP * P)), dQ = scale dS K,
+//                               dK = scale dS^T Q as sgemms.
+//
+// Threading: the "cpu" kernels split their element range with support/parallel.h. The
+// attention kernels run their slices one after another on the calling thread and leave the
+// threading to OpenBLAS inside each sgemm: the project links the pthread OpenBLAS, and an OpenMP
+// region around (or between) its calls makes the two thread pools spin against each other.
+#include <cblas.h>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "backends/cpu/cpu_kernels.h"
+#include "backends/cpu/fast_math.h"
+#include "backends/cpu/row_ops.h"
+#include "support/parallel.h"
+#include "tensor/tensor.h"
+
+namespace kiln::cpu {
+namespace {
+
+using Ints = std::vector<int64_t>;
+
+// Row-major multi-index of flat position `index` in `shape`.
+Ints unravel(int64_t index, const Shape& shape) {
+  Ints out(shape.size(), 0);
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    if (shape[d] == 0) continue;
+    out[d] = index % shape[d];
+    index /= shape[d];
+  }
+  return out;
+}
+
+KernelImpl fast(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
+  return KernelImpl{"cpu", Device::kCpu, kFastPriority, std::move(supports), std::move(kernel)};
+}
+
+// Elements per thread chunk for the optimizer updates: they stream 5-7 arrays (memory bound)
+// with a divide and a square root per element.
+constexpr int64_t kGrainUpdate = 8192;
+
+// x[i] = sqrt(x[i]). g++ does not vectorize std::sqrt without -fno-math-errno (it keeps a
+// branch to the libm call that sets errno for negative inputs), which the project does not use;
+// so the SSE instruction directly where there is one. Callers pass non-negative values.
+void sqrt_in_place(float* __restrict__ x, int64_t n) {
+  int64_t i = 0;
+#if defined(__SSE__)
+  for (; i + 4 <= n; i += 4) _mm_storeu_ps(x + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = std::sqrt(x[i]);
+}
+
+// ---- adamw_update ---------------------------------------------------------------------------
+
+struct AdamwConstants {
+  float b1, one_minus_b1, b2, one_minus_b2, eps, wd, lr;
+  float inv_correction1, inv_correction2;  // 1 / (1 - b^t)
+};
+
+// Elements handled per block: the square roots go through a block-sized scratch array, so
+// the passes before and after them stay plain vectorizable loops.
+constexpr int64_t kUpdateBlock = 256;
+
+void adamw_block(const float* __restrict__ p, const float* __restrict__ g,
+                 const float* __restrict__ m, const float* __restrict__ v,
+                 float* __restrict__ p_out, float* __restrict__ m_out, float* __restrict__ v_out,
+                 int64_t n, const AdamwConstants& c) {
+  float scratch[kUpdateBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
+    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
+    m_out[i] = mi;
+    v_out[i] = vi;
+    scratch[i] = vi * c.inv_correction2;
+  }
+  sqrt_in_place(scratch, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float update = (m_out[i] * c.inv_correction1) / (scratch[i] + c.eps) + c.wd * p[i];
+    p_out[i] = p[i] - c.lr * update;
+  }
+}
+
+void adamw_kernel(const KernelArgs& args) {
+  const Attributes& a = args.attrs;
+  const double b1 = a.f("beta1"), b2 = a.f("beta2");
+  const double t = args.inputs[5].get(0);
+  AdamwConstants c;
+  c.b1 = static_cast<float>(b1);
+  c.one_minus_b1 = static_cast<float>(1.0 - b1);
+  c.b2 = static_cast<float>(b2);
+  c.one_minus_b2 = static_cast<float>(1.0 - b2);
+  c.eps = static_cast<float>(a.f("epsilon"));
+  c.wd = static_cast<float>(a.f("weight_decay"));
+  c.lr = static_cast<float>(args.inputs[4].get(0));
+  c.inv_correction1 = static_cast<float>(1.0 / (1.0 - std::pow(b1, t)));
+  c.inv_correction2 = static_cast<float>(1.0 / (1.0 - std::pow(b2, t)));
+  const float* p = args.inputs[0].data<float>();
+  const float* g = args.inputs[1].data<float>();
+  const float* m = args.inputs[2].data<float>();
+  const float* v = args.inputs[3].data<float>();
+  float* p_out = args.outputs[0].data<float>();
+  float* m_out = args.outputs[1].data<float>();
+  float* v_out = args.outputs[2].data<float>();
+  parallel_for(0, args.inputs[0].numel(), kGrainUpdate, [&](int64_t lo, int64_t hi) {
+    for (int64_t s = lo; s < hi; s += kUpdateBlock) {
+      const int64_t n = std::min(kUpdateBlock, hi - s);
+      adamw_block(p + s, g + s, m + s, v + s, p_out + s, m_out + s, v_out + s, n, c);
+    }
+  });
+}
+
+// param, grad, m, v and the three outputs f32; lr and step any float scalar (infer checked).
+bool adamw_supported(const NodeView& node) {
+  if (node.input_types.size() != 6 || node.output_types.size() != 3) return false;
+  for (int i = 0; i < 4; ++i)
+    if (node.input_types[i].dtype != DType::kF32) return false;
+  for (const TensorType& t : node.output_types)
+    if (t.dtype != DType::kF32) return false;
+  return true;
+}
+
+// ---- sgd_update -----------------------------------------------------------------------------
+
+enum class SgdStep { kPlain, kMomentum, kNesterov };
+
+template <SgdStep kStep>
+void sgd_loop(const float* __restrict__ p, const float* __restrict__ g,
+              const float* __restrict__ buf, float* __restrict__ p_out,
+              float* __restrict__ buf_out, int64_t n, float momentum, float wd, float lr) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] + wd * p[i];
+    const float bi = momentum * buf[i] + gi;
+    float step;
+    if constexpr (kStep == SgdStep::kPlain) step = gi;
+    else if constexpr (kStep == SgdStep::kMomentum) step = bi;
+    else step = gi + momentum * bi;
+    p_out[i] = p[i] - lr * step;
+    buf_out[i] = bi;
+  }
+}
+
+void sgd_kernel(const KernelArgs& args) {
+  const float momentum = static_cast<float>(args.attrs.f("momentum"));
+  const float wd = static_cast<float>(args.attrs.f("weight_decay"));
+  const float lr = static_cast<float>(args.inputs[3].get(0));
+  const SgdStep kind = args.attrs.b("nesterov")           ? SgdStep::kNesterov
+                       : args.attrs.f("momentum") > 0.0 ? SgdStep::kMomentum
+                                                          : SgdStep::kPlain;
+  const float* p = args.inputs[0].data<float>();
+  const float* g = args.inputs[1].data<float>();
+  const float* buf = args.inputs[2].data<float>();
+  float* p_out = args.outputs[0].data<float>();
+  float* buf_out = args.outputs[1].data<float>();
+  parallel_for(0, args.inputs[0].numel(), kGrainCheap, [&](int64_t lo, int64_t hi) {
+    const int64_t n = hi - lo;
+    switch (kind) {
+      case SgdStep::kPlain:
+        sgd_loop<SgdStep::kPlain>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
+                                  momentum, wd, lr);
+        break;
+      case SgdStep::kMomentum:
+        sgd_loop<SgdStep::kMomentum>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
+                                     momentum, wd, lr);
+        break;
+      case SgdStep::kNesterov:
+        sgd_loop<SgdStep::kNesterov>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
+                                     momentum, wd, lr);
+        break;
+    }
+  });
+}
+
+bool sgd_supported(const NodeView& node) {
+  if (node.input_types.size() != 4 || node.output_types.size() != 2) return false;
+  for (int i = 0; i < 3; ++i)
+    if (node.input_types[i].dtype != DType::kF32) return false;
+  for (const TensorType& t : node.output_types)
+    if (t.dtype != DType::kF32) return false;
+  return true;
+}
+
+// ---- gelu_grad ------------------------------------------------------------------------------
+
+// d gelu / dx, exact form: Phi(x) + x phi(x), Phi from erfc as in gelu_erf_f32 (no 1 - ~1 on
+// the negative side).
+inline float gelu_erf_derivative_f32(float x) {
+  constexpr float kInvSqrt2 = 0.70710678118654752f;
+  constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+  const float half_erfc = 0.5f * erfc_nonnegative_f32(std::abs(x) * kInvSqrt2);
+  const float cdf = select(x < 0.0f, half_erfc, 1.0f - half_erfc);
+  const float pdf = kInvSqrt2Pi * exp_f32(-0.5f * x * x);
+  return cdf + x * pdf;
+}
+
+// d gelu / dx, tanh form, with u = k (x + c x^3): 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k
+// (1 + 3 c x^2). Written with s = sigmoid(2u) = 0.5 (1 + tanh u) and 1 - tanh^2 u = 4 s (1 - s),
+// both from e = e^(-2|u|) <= 1: s(1 - s) = e / (1 + e)^2 never cancels or overflows, where
+// 1 + tanh u and 1 - tanh^2 u would lose every digit for large |u|.
+inline float gelu_tanh_derivative_f32(float x) {
+  constexpr float kSqrt2OverPi = 0.79788456080286536f;
+  constexpr float kCubic = 0.044715f;
+  const float u = kSqrt2OverPi * (x + kCubic * x * x * x);
+  const float e = exp_f32(-2.0f * std::abs(u));
+  const float inv = 1.0f / (1.0f + e);
+  const float s = select(u < 0.0f, e * inv, inv);
+  const float s_one_minus_s = e * inv * inv;
+  return s + 2.0f * x * s_one_minus_s * kSqrt2OverPi * (1.0f + 3.0f * kCubic * x * x);
+}
+
+template <float (*Derivative)(float)>
+void gelu_grad_loop(const float* __restrict__ x, const float* __restrict__ dy,
+                    float* __restrict__ dx, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * Derivative(x[i]);
+}
+
+void gelu_grad_kernel(const KernelArgs& args) {
+  const float* x = args.inputs[0].data<float>();
+  const float* dy = args.inputs[1].data<float>();
+  float* dx = args.outputs[0].data<float>();
+  const bool tanh_form = args.attrs.s("approximate") == "tanh";
+  parallel_for(0, args.outputs[0].numel(), kGrainExpensive, [&](int64_t lo, int64_t hi) {
+    if (tanh_form)
+      gelu_grad_loop<gelu_tanh_derivative_f32>(x + lo, dy + lo, dx + lo, hi - lo);
+    else
+      gelu_grad_loop<gelu_erf_derivative_f32>(x + lo, dy + lo, dx + lo, hi - lo);
+  });
+}
+
+// ---- reshape --------------------------------------------------------------------------------
+
+// Bytes per thread chunk for plain copies.
+constexpr int64_t kGrainCopyBytes = 1 << 20;
+
+void copy_bytes(const void* src, void* dst, int64_t bytes) {
+  if (src == dst || bytes == 0) return;
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  parallel_for(0, bytes, kGrainCopyBytes, [&](int64_t lo, int64_t hi) {
+    std::memcpy(d + lo, s + lo, static_cast<size_t>(hi - lo));
+  });
+}
+
+void reshape_kernel(const KernelArgs& args) {
+  copy_bytes(args.inputs[0].raw(), args.outputs[0].raw(),
+             static_cast<int64_t>(args.outputs[0].bytes()));
+}
+
+// ---- transpose ------------------------------------------------------------------------------
+
+// A transpose reduced to its essentials: input dims `in_shape` (row-major) and `perm` (output
+// axis d is input axis perm[d]), with size-1 axes dropped and input axes that stay adjacent and
+// in order in the output merged into one.
+struct TransposePlan {
+  Shape in_shape;
+  std::vector<int> perm;
+};
+
+TransposePlan simplify_transpose(const Shape& shape, const Ints& perm) {
+  const int rank = static_cast<int>(shape.size());
+  // Drop size-1 axes, renumbering the remaining input axes.
+  std::vector<int> new_index(rank, -1);
+  Shape kept_shape;
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] == 1) continue;
+    new_index[d] = static_cast<int>(kept_shape.size());
+    kept_shape.push_back(shape[d]);
+  }
+  std::vector<int> kept_perm;
+  for (int64_t p : perm)
+    if (new_index[p] >= 0) kept_perm.push_back(new_index[p]);
+  // Merge runs of output axes that read consecutive input axes (p, p + 1, ...).
+  const int n = static_cast<int>(kept_perm.size());
+  std::vector<int> group_of_input(n, -1);  // the merged output axis each input axis joins
+  std::vector<int64_t> group_size;
+  std::vector<int> group_first_input;
+  for (int d = 0; d < n; ++d) {
+    const int p = kept_perm[d];
+    if (d > 0 && kept_perm[d - 1] + 1 == p) {
+      group_size.back() *= kept_shape[p];
+    } else {
+      group_size.push_back(kept_shape[p]);
+      group_first_input.push_back(p);
+    }
+    group_of_input[p] = static_cast<int>(group_size.size()) - 1;
+  }
+  // The merged input's axes are the groups in input order.
+  std::vector<int> groups_in_input_order;
+  for (int p = 0; p < n; ++p) {
+    const int group = group_of_input[p];
+    if (group_first_input[group] == p) groups_in_input_order.push_back(group);
+  }
+  const int m = static_cast<int>(groups_in_input_order.size());
+  std::vector<int> input_axis_of_group(m);
+  TransposePlan plan;
+  for (int i = 0; i < m; ++i) {
+    input_axis_of_group[groups_in_input_order[i]] = i;
+    plan.in_shape.push_back(group_size[groups_in_input_order[i]]);
+  }
+  for (int g = 0; g < m; ++g) plan.perm.push_back(input_axis_of_group[g]);
+  return plan;
+}
+
+// Tile edge for 2-D transposes: a 32 x 32 tile of 4-byte elements is 4 KiB in and out.
+constexpr int64_t kTile = 32;
+
+// T is the dtype's storage type.
+template <typename T>
+void transpose_typed(const T* __restrict__ in, T* __restrict__ out, const TransposePlan& plan) {
+  const int rank = static_cast<int>(plan.perm.size());
+  const Ints in_strides = strides_of(plan.in_shape);
+  Shape out_shape(rank);
+  for (int d = 0; d < rank; ++d) out_shape[d] = plan.in_shape[plan.perm[d]];
+  const int64_t total = numel(plan.in_shape);
+
+  if (plan.perm[rank - 1] == rank - 1) {
+    // The last axis stays last: copy contiguous runs of `run` elements. Every output row (all
+    // output axes but the last) is one run; its input offset follows an odometer.
+    const int64_t run = plan.in_shape[rank - 1];
+    const int64_t rows = total / run;
+    parallel_for(0, rows, std::max<int64_t>(1, kGrainCheap / run), [&](int64_t lo, int64_t hi) {
+      Ints index = unravel(lo, Shape(out_shape.begin(), out_shape.end() - 1));
+      int64_t offset = 0;
+      for (int d = 0; d + 1 < rank; ++d) offset += index[d] * in_strides[plan.perm[d]];
+      for (int64_t r = lo; r < hi; ++r) {
+        const T* src = in + offset;
+        T* dst = out + r * run;
+        if (run >= 64) {
+          std::memcpy(dst, src, static_cast<size_t>(run) * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < run; ++i) dst[i] = src[i];
+        }
+        for (int d = rank - 2; d >= 0; --d) {  // odometer over the output row index
+          offset += in_strides[plan.perm[d]];
+          if (++index[d] < out_shape[d]) break;
+          offset -= in_strides[plan.perm[d]] * index[d];
+          index[d] = 0;
+        }
+      }
+    });
+    return;
+  }
+
+  // The last axis moves: a batch of 2-D transposes between input axis a = perm[rank - 1] (the
+  // output's contiguous axis) and the input's last axis (output axis j), done tile by tile.
+  // The other axes form the batch, walked in output order.
+  const int a = plan.perm[rank - 1];
+  int j = 0;
+  while (plan.perm[j] != rank - 1) ++j;
+  const Ints out_strides = strides_of(out_shape);
+  const int64_t rows_a = plan.in_shape[a];         // along a: stride in_strides[a] in, 1 out
+  const int64_t cols_c = plan.in_shape[rank - 1];  // along the last: stride 1 in, out_strides[j]
+  const int64_t in_stride_a = in_strides[a], out_stride_c = out_strides[j];
+  std::vector<int> batch_axes;  // output axes other than j and the last
+  for (int d = 0; d + 1 < rank; ++d)
+    if (d != j) batch_axes.push_back(d);
+  Shape batch_shape;
+  for (int d : batch_axes) batch_shape.push_back(out_shape[d]);
+  const int64_t batches = numel(batch_shape);
+  const int64_t tiles_a = (rows_a + kTile - 1) / kTile;
+  // Work items: (batch, tile row along a); each writes its own output elements.
+  parallel_for(0, batches * tiles_a, std::max<int64_t>(1, kGrainCheap / (kTile * cols_c)),
+               [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t batch = item / tiles_a, tile = item % tiles_a;
+      const Ints index = unravel(batch, batch_shape);
+      int64_t in_base = 0, out_base = 0;
+      for (size_t k = 0; k < batch_axes.size(); ++k) {
+        in_base += index[k] * in_strides[plan.perm[batch_axes[k]]];
+        out_base += index[k] * out_strides[batch_axes[k]];
+      }
+      const int64_t a0 = tile * kTile, a1 = std::min(rows_a, a0 + kTile);
+      for (int64_t c0 = 0; c0 < cols_c; c0 += kTile) {
+        const int64_t c1 = std::min(cols_c, c0 + kTile);
+        for (int64_t c = c0; c < c1; ++c) {
+          const T* src = in + in_base + c;
+          T* dst = out + out_base + c * out_stride_c;
+          for (int64_t r = a0; r < a1; ++r) dst[r] = src[r * in_stride_a];
+        }
+      }
+    }
+  });
+}
+
+void transpose_kernel(const KernelArgs& args) {
+  const Tensor& x = args.inputs[0];
+  Tensor& y = args.outputs[0];
+  if (y.numel() == 0) return;
+  Ints perm = args.attrs.ints("perm");
+  const int rank = x.rank();
+  if (perm.empty())
+    for (int d = rank - 1; d >= 0; --d) perm.push_back(d);
+  for (int64_t& p : perm) p = normalize_axis(p, rank);
+  const TransposePlan plan = simplify_transpose(x.shape(), perm);
+  if (plan.perm.size() <= 1) {  // nothing moves: the same bytes
+    copy_bytes(x.raw(), y.raw(), static_cast<int64_t>(y.bytes()));
+    return;
+  }
+  // Through the dtype's own storage type (Half, BFloat16 and bool included): plain copies.
+  visit_dtype(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    transpose_typed(x.data<T>(), y.data<T>(), plan);
+  });
+}
+
+// ---- attention, attention_grad --------------------------------------------------------------
+
+struct AttentionShape {
+  int64_t slices;  // product of the leading dims (batch, heads)
+  int64_t tq, tk, d, dv;
+};
+
+AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v) {
+  const size_t r = q.size();
+  AttentionShape s{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
+  for (size_t i = 0; i + 2 < r; ++i) s.slices *= q[i];
+  return s;
+}
+
+float attention_scale(const Attributes& attrs, int64_t head_dim) {
+  if (attrs.has("scale")) return static_cast<float>(attrs.f("scale"));
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+// C (m x n, row-major, ldc = n) = alpha * op(A) op(B), with op(A) m x k, op(B) k x n.
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+           const float* a, const float* b, float* c) {
+  const int64_t lda = trans_a ? m : k, ldb = trans_b ? k : n;
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+              static_cast<blasint>(n));
+}
+
+// P (tq x tk) = softmax over each row of S = scale Q K^T, with the causal mask (key j > query i
+// gets exactly 0; key 0 never masked). Written over the scores in place.
+void attention_probs(const float* q, const float* k, const AttentionShape& s, bool causal,
+                     float scale, float* p) {
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, k, p);
+  for (int64_t i = 0; i < s.tq; ++i) {
+    float* row = p + i * s.tk;
+    const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;  // unmasked keys: [0, live)
+    const float max = max_row_ignoring_nan(row, live);
+    for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - max);
+    const float inv_sum = static_cast<float>(1.0 / sum_row(row, live));
+    for (int64_t j = 0; j < live; ++j) row[j] *= inv_sum;
+    std::fill(row + live, row + s.tk, 0.0f);
+  }
+}
+
+void attention_kernel(const KernelArgs& args) {
+  const AttentionShape s =
+      attention_shape(args.inputs[0].shape(), args.inputs[1].shape(), args.inputs[2].shape());
+  const bool causal = args.attrs.b("causal");
+  const float scale = attention_scale(args.attrs, s.d);
+  const float* q = args.inputs[0].data<float>();
+  const float* k = args.inputs[1].data<float>();
+  const float* v = args.inputs[2].data<float>();
+  float* out = args.outputs[0].data<float>();
+  std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
+  for (int64_t b = 0; b < s.slices; ++b) {
+    attention_probs(q + b * s.tq * s.d, k + b * s.tk * s.d, s, causal, scale, p.data());
+    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), v + b * s.tk * s.dv,
+          out + b * s.tq * s.dv);
+  }
+}
+
+void attention_grad_kernel(const KernelArgs& args) {
+  const AttentionShape s =
+      attention_shape(args.inputs[0].shape(), args.inputs[1].shape(), args.inputs[2].shape());
+  const bool causal = args.attrs.b("causal");
+  const float scale = attention_scale(args.attrs, s.d);
+  const float* q = args.inputs[0].data<float>();
+  const float* k = args.inputs[1].data<float>();
+  const float* v = args.inputs[2].data<float>();
+  const float* dout = args.inputs[3].data<float>();
+  float* dq = args.outputs[0].data<float>();
+  float* dk = args.outputs[1].data<float>();
+  float* dv = args.outputs[2].data<float>();
+  std::vector<float> p(static_cast<size_t>(s.tq * s.tk)), dp(p.size());
+  for (int64_t b = 0; b < s.slices; ++b) {
+    const float* qb = q + b * s.tq * s.d;
+    const float* kb = k + b * s.tk * s.d;
+    const float* vb = v + b * s.tk * s.dv;
+    const float* dob = dout + b * s.tq * s.dv;
+    attention_probs(qb, kb, s, causal, scale, p.data());
+    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), dob, dv + b * s.tk * s.dv);  // P^T dO
+    sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, vb, dp.data());                   // dO V^T
+    // Softmax backward, row by row, into dp: dS = P (dP - sum_j P dP). Masked keys have P = 0.
+    for (int64_t i = 0; i < s.tq; ++i) {
+      const float* pr = p.data() + i * s.tk;
+      float* dr = dp.data() + i * s.tk;
+      const float weighted =
+          static_cast<float>(blocked_sum(s.tk, [&](int64_t j) { return pr[j] * dr[j]; }));
+      for (int64_t j = 0; j < s.tk; ++j) dr[j] = pr[j] * (dr[j] - weighted);
+    }
+    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), kb, dq + b * s.tq * s.d);  // dS K
+    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), qb, dk + b * s.tk * s.d);   // dS^T Q
+  }
+}
+
+// f32 throughout, every length at least 1 (an empty sum or softmax is left to the reference),
+// and every BLAS dimension within BLAS's int.
+bool attention_supported(const NodeView& node) {
+  if (!all_dtype(node, DType::kF32) || node.input_types.size() < 3) return false;
+  const TensorType& q = node.input_types[0];
+  if (q.rank() < 2) return false;
+  const AttentionShape s =
+      attention_shape(q.shape, node.input_types[1].shape, node.input_types[2].shape);
+  for (int64_t n : {s.tq, s.tk, s.d, s.dv})
+    if (n < 1 || n > INT_MAX) return false;
+  return s.tq * s.tk <= INT_MAX;
+}
+
+KernelImpl openblas(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
+  return KernelImpl{"openblas", Device::kCpu, kOpenBlasPriority, std::move(supports),
+                    std::move(kernel)};
+}
+
+}  // namespace
+
+void register_train_kernels(KernelRegistry& registry) {
+  registry.add(Op::kAdamwUpdate, fast(adamw_supported, adamw_kernel));
+  registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel));
+  registry.add(Op::kGeluGrad,
+               fast([](const NodeView& node) { return all_dtype(node, DType::kF32); },
+                    gelu_grad_kernel));
+  registry.add(Op::kReshape, fast({}, reshape_kernel));
+  registry.add(Op::kTranspose, fast({}, transpose_kernel));
+  registry.add(Op::kAttention, openblas(attention_supported, attention_kernel));
+  registry.add(Op::kAttentionGrad, openblas(attention_supported, attention_grad_kernel));
+}
+
+}  // namespace kiln::cpu
