@@ -2,7 +2,10 @@
 // kiln::Error, printed as one line, with a non-zero exit.
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -100,7 +103,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+// OpenMP threads spin after each parallel loop by default, taking the cores that the next
+// kernel's (pthread) OpenBLAS threads need: measured 2-10x slower steps on loaded or many-core
+// hosts (bench/NOTES.md). libgomp reads OMP_WAIT_POLICY when it loads, before main, so the CLI
+// sets it and re-executes itself once; an explicit user setting is left alone.
+void ensure_passive_openmp_waiting(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "passive", 0);
+  execv("/proc/self/exe", argv);  // only returns on failure: then run as we are
+}
+
 int main(int argc, char** argv) {
+  ensure_passive_openmp_waiting(argv);
   CLI::App app{"kiln: a deep-learning training compiler", "kiln"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("kiln ") + KILN_VERSION);
