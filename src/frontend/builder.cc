@@ -10,7 +10,7 @@ Builder& Expr::builder() const {
   return *builder_;
 }
 
-const TensorType& Expr::type() const { return builder().graph().type(id_); }
+TensorType Expr::type() const { return builder().graph().type(id_); }
 
 int64_t Expr::dim(int axis) const { return shape()[normalize_axis(axis, rank())]; }
 

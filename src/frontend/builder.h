@@ -28,8 +28,10 @@ class Expr {
 
   Builder& builder() const;
   ValueId id() const { return id_; }
-  const TensorType& type() const;
-  const Shape& shape() const { return type().shape; }
+  // By value: a reference into the graph's values would dangle as soon as another node is
+  // added (the values vector grows), a bug that is easy to write in gradient rules.
+  TensorType type() const;
+  Shape shape() const { return type().shape; }
   DType dtype() const { return type().dtype; }
   int rank() const { return type().rank(); }
   int64_t dim(int axis) const;  // negative axes count from the end

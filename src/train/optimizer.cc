@@ -103,13 +103,12 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
   };
   std::vector<Expr> moments;  // per param: sgd buf, or adamw m and v
   for (ValueId p : params) {
-    const Value& v = b.graph().value(p);
-    TensorType type = v.type;
+    const Value v = b.graph().value(p);  // a copy: add_state() grows the graph's values
     if (config.name == "sgd") {
-      moments.push_back(add_state("opt.buf." + v.name, type));
+      moments.push_back(add_state("opt.buf." + v.name, v.type));
     } else {
-      moments.push_back(add_state("opt.m." + v.name, type));
-      moments.push_back(add_state("opt.v." + v.name, type));
+      moments.push_back(add_state("opt.m." + v.name, v.type));
+      moments.push_back(add_state("opt.v." + v.name, v.type));
     }
   }
   Expr step = add_state("opt.step", TensorType{DType::kF32, {}});
