@@ -7,7 +7,6 @@
 
 namespace kiln {
 
-std::string_view device_name(Device device) { return device == Device::kCpu ? "cpu" : "cuda"; }
 
 void KernelRegistry::add(Op op, KernelImpl impl) {
   KILN_CHECK(impl.kernel != nullptr, "kernel for {} in dialect {} has no function", op_name(op),
@@ -51,6 +50,7 @@ const KernelRegistry& kernel_registry() {
   static const KernelRegistry instance = [] {
     KernelRegistry r;
     register_cpu_kernels(r);
+    register_cuda_kernels(r);
     return r;
   }();
   return instance;

@@ -12,11 +12,10 @@
 
 #include "ir/graph.h"
 #include "ir/op_def.h"
+#include "tensor/tensor.h"
 
 namespace kiln {
 
-enum class Device : uint8_t { kCpu, kCuda };
-std::string_view device_name(Device device);
 
 // A node as a kernel sees it at selection time.
 struct NodeView {
@@ -59,5 +58,7 @@ const KernelRegistry& kernel_registry();
 
 // Filled by each backend (backends/cpu/cpu_backend.cc, ...).
 void register_cpu_kernels(KernelRegistry& registry);
+// The CUDA kernels (backends/cuda/cuda_backend.cc); does nothing in a build without CUDA.
+void register_cuda_kernels(KernelRegistry& registry);
 
 }  // namespace kiln

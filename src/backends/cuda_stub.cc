@@ -1,5 +1,6 @@
 // The CUDA device queries in a build without the CUDA backend (-DKILN_CUDA=OFF or no nvcc).
 #ifndef KILN_HAVE_CUDA
+#include "backends/backend.h"
 #include "backends/cuda/device.h"
 #include "support/error.h"
 
@@ -9,4 +10,8 @@ int device_count() { return 0; }
 std::string describe_device(int) { return "this build has no CUDA backend"; }
 double smoke_test_saxpy(int) { fail("this build has no CUDA backend (configure with -DKILN_CUDA=ON)"); }
 }  // namespace kiln::cuda
+
+namespace kiln {
+void register_cuda_kernels(KernelRegistry&) {}
+}  // namespace kiln
 #endif

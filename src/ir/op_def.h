@@ -34,6 +34,9 @@ struct KernelArgs {
   const Attributes& attrs;
   std::span<const Tensor> inputs;
   std::span<Tensor> outputs;
+  // The cudaStream_t a CUDA kernel enqueues on (nullptr for CPU kernels). Kept as void* so
+  // this header needs no CUDA headers.
+  void* stream = nullptr;
 };
 
 using InferFn = std::function<std::vector<TensorType>(std::span<const TensorType> inputs,

@@ -16,8 +16,16 @@ Tensor::Tensor(TensorType type) : type_(std::move(type)) {
   storage_ = std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
 }
 
-Tensor::Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset)
-    : type_(std::move(type)), storage_(std::move(storage)), offset_(offset) {}
+Tensor::Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset,
+               Device device)
+    : type_(std::move(type)), storage_(std::move(storage)), offset_(offset), device_(device) {}
+
+std::string_view device_name(Device device) { return device == Device::kCpu ? "cpu" : "cuda"; }
+
+void Tensor::check_host() const {
+  KILN_CHECK(device_ == Device::kCpu, "tensor of {} is on {}: copy it to the host first",
+             to_string(type_), device_name(device_));
+}
 
 void Tensor::check_storage_type(size_t size, bool matches) const {
   KILN_CHECK(matches && size == dtype_size(type_.dtype),
@@ -25,6 +33,7 @@ void Tensor::check_storage_type(size_t size, bool matches) const {
 }
 
 double Tensor::get(int64_t index) const {
+  if (device_ != Device::kCpu) check_host();
   return visit_dtype(type_.dtype, [&](auto tag) {
     using T = decltype(tag);
     return to_double(reinterpret_cast<const T*>(raw())[index]);
@@ -32,6 +41,7 @@ double Tensor::get(int64_t index) const {
 }
 
 void Tensor::set(int64_t index, double value) {
+  if (device_ != Device::kCpu) check_host();
   visit_dtype(type_.dtype, [&](auto tag) {
     using T = decltype(tag);
     reinterpret_cast<T*>(raw())[index] = from_double<T>(value);
@@ -53,6 +63,7 @@ Tensor Tensor::from_f64(TensorType type, std::span<const double> values) {
 }
 
 Tensor Tensor::clone() const {
+  check_host();
   Tensor t(type_);
   std::memcpy(t.raw(), raw(), bytes());
   return t;
@@ -61,7 +72,7 @@ Tensor Tensor::clone() const {
 Tensor Tensor::reshaped(Shape shape) const {
   KILN_CHECK(kiln::numel(shape) == numel(), "cannot view {} as shape {}", to_string(type_),
              to_string(shape));
-  return Tensor(TensorType{type_.dtype, std::move(shape)}, storage_, offset_);
+  return Tensor(TensorType{type_.dtype, std::move(shape)}, storage_, offset_, device_);
 }
 
 Tensor random_tensor(const TensorType& type, uint64_t seed, double low, double high) {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "ir/shape.h"
@@ -12,13 +13,21 @@
 
 namespace kiln {
 
+// Where a tensor's bytes live. CUDA tensors hold a device pointer: kernels get it through raw()
+// or data<T>(); host-only accessors (get, set, to_f64, clone) refuse them.
+enum class Device : uint8_t { kCpu, kCuda };
+std::string_view device_name(Device device);
+
 class Tensor {
  public:
   Tensor() = default;
   // Allocates zero-filled, 64-byte-aligned storage.
   explicit Tensor(TensorType type);
   // A view of `storage` at byte `offset` (e.g. a slot of the executor's arena).
-  Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset);
+  // A view of `storage` at byte `offset` (e.g. a slot of the executor's arena). For kCuda,
+  // `storage` holds device memory (its deleter frees it on the device).
+  Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset,
+         Device device = Device::kCpu);
 
   const TensorType& type() const { return type_; }
   DType dtype() const { return type_.dtype; }
@@ -27,6 +36,7 @@ class Tensor {
   int64_t numel() const { return type_.numel(); }
   size_t bytes() const { return type_.bytes(); }
   bool defined() const { return storage_ != nullptr; }
+  Device device() const { return device_; }
 
   std::byte* raw() const { return storage_.get() + offset_; }
   // Typed pointer; throws kiln::Error if T is not the storage type of dtype().
@@ -50,10 +60,12 @@ class Tensor {
 
  private:
   void check_storage_type(size_t size, bool matches) const;
+  void check_host() const;
 
   TensorType type_;
   std::shared_ptr<std::byte[]> storage_;
   size_t offset_ = 0;
+  Device device_ = Device::kCpu;
 };
 
 // Uniform random values in [low, high) for float dtypes; integers in [low, high) (truncated);

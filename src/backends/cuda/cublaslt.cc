@@ -1,0 +1,8 @@
+// Placeholder: this family's kernels are not written yet.
+#include "backends/cuda/registration.h"
+
+namespace kiln::cuda {
+
+void register_cublaslt_kernels(KernelRegistry&) {}
+
+}  // namespace kiln::cuda

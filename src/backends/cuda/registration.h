@@ -1,0 +1,22 @@
+// The CUDA backend's kernel families. Each registers its implementations with the dialect
+// registry (backends/backend.h) at its own priority; cuda_backend.cc calls them all. One file
+// pair per family: <family>.cu holds the kernels and launchers (C++17, nvcc), <family>.cc the
+// KernelImpl registrations (C++20).
+#pragma once
+
+#include "backends/backend.h"
+
+namespace kiln::cuda {
+
+// Priorities among CUDA dialects: libraries and specialised kernels above the generic ones.
+inline constexpr int kGenericPriority = 10;     // "cuda": one simple kernel per op, every op
+inline constexpr int kHandWrittenPriority = 20; // "cuda-nn": layer norm, softmax, loss, adamw...
+inline constexpr int kLibraryPriority = 30;     // "cublaslt", "cuda-attention"
+inline constexpr int kGeneratedPriority = 40;   // "nvrtc": fused groups
+
+void register_generic_kernels(KernelRegistry& registry);    // generic.cc
+void register_nn_kernels(KernelRegistry& registry);         // nn.cc
+void register_cublaslt_kernels(KernelRegistry& registry);   // cublaslt.cc
+void register_attention_kernels(KernelRegistry& registry);  // attention.cc
+
+}  // namespace kiln::cuda
