@@ -1,0 +1,80 @@
+// Fusion partitioning as a problem on its own, apart from the IR: items (the graph's nodes, in
+// topological order) produce values that other items read; a partition assigns every item to a
+// group; a value is "kept out of memory" when its producer and every consumer share a group and
+// nothing outside the step needs it. The fusion pass (passes/fusion/fusion.cc) builds a Problem
+// from a graph, asks a partitioner for groups, and outlines each group of two or more items into
+// one `fused` node.
+//
+// Legality of a group (is_legal checks all of it):
+//   - every item in it has the same iteration space (Item::space);
+//   - at most one GEMM (the group's "nucleus"), and the GEMM reads nothing computed inside the
+//     group: the group is the GEMM plus its epilogue;
+//   - a column reduction (a reduction across tiles, e.g. a bias gradient) has no consumer inside
+//     its group: its result is only complete after the last tile;
+//   - an opaque item is alone in its group;
+//   - contracting the group into one node leaves the graph acyclic (no path leaves the group and
+//     comes back into it).
+//
+// Two partitioners: a fast greedy one, and an optimal one (exact search per connected component
+// of fusable items) that falls back to greedy on components too large for it or past its time
+// limit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln::fusion {
+
+enum class ItemKind : uint8_t {
+  kElementwise,      // one output element per input element (after broadcasting)
+  kRowOp,            // reduces or normalizes along the last axis, rows independent (softmax,
+                     // layer_norm, a last-axis sum): complete within a tile of whole rows
+  kGemm,             // a matrix product: may nucleate a group as its epilogue's producer
+  kColumnReduction,  // reduces across rows (tiles): may only be an output of its group
+  kOpaque,           // never fused (attention, gather, shape changes that move data, ...)
+};
+
+struct Item {
+  ItemKind kind = ItemKind::kOpaque;
+  int64_t space = -1;  // iteration-space key: items of one group have equal keys
+};
+
+struct ValueUse {
+  int producer = -1;            // item index
+  std::vector<int> consumers;   // item indices (may repeat when an item reads a value twice)
+  int64_t bytes = 0;            // size of the value in memory
+  bool external = false;        // a graph output or update: written to memory whatever happens
+};
+
+struct Problem {
+  std::vector<Item> items;       // topological order: a value's consumers come after its producer
+  std::vector<ValueUse> values;  // every value some item produces
+};
+
+struct Partition {
+  std::vector<int> group_of;  // per item: its group id, 0..groups-1
+  int64_t saved_bytes = 0;    // bytes of values kept out of memory (the objective)
+  // How the components of fusable items were solved (partition_optimal only).
+  int components_exact = 0;
+  int components_greedy = 0;  // too large or timed out: greedy's answer
+};
+
+// Whether `group_of` (one group id per item) is a legal partition; on false, `why` (if given)
+// names the first broken rule and the items involved.
+bool is_legal(const Problem& problem, const std::vector<int>& group_of, std::string* why = nullptr);
+// The objective: bytes of non-external values whose producer and consumers all share a group.
+int64_t saved_bytes(const Problem& problem, const std::vector<int>& group_of);
+
+// Greedy: visits values largest first and merges producer and consumer groups when the merged
+// group stays legal. Fast (near-linear in practice); not optimal.
+Partition partition_greedy(const Problem& problem);
+
+struct OptimalOptions {
+  int max_component_items = 24;  // larger components get greedy's answer
+  double time_limit_seconds = 0.5;  // per component; past it, greedy's answer
+};
+// Exact per component: never worse than greedy (greedy's answer seeds the search bound).
+Partition partition_optimal(const Problem& problem, const OptimalOptions& options = {});
+
+}  // namespace kiln::fusion
