@@ -1,8 +1,89 @@
-// Placeholder: this family's kernels are not written yet.
+// The "cuda-attention" dialect: flash-attention kernels (attention.cu) for attention and
+// attention_grad on f32, f16 and bf16, head dims up to kAttentionMaxHeadDim; tensor cores for
+// 16-bit types with d == dv in {32, 64, 128}.
+#include <cmath>
+#include <optional>
+
+#include "backends/cuda/attention.cuh"
 #include "backends/cuda/registration.h"
 
 namespace kiln::cuda {
+namespace {
 
-void register_attention_kernels(KernelRegistry&) {}
+std::optional<AttentionDType> attention_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return AttentionDType::kF32;
+    case DType::kF16: return AttentionDType::kF16;
+    case DType::kBF16: return AttentionDType::kBF16;
+    default: return std::nullopt;
+  }
+}
+
+// Leading dims flattened, as the reference kernel does (ops/nn.cc).
+AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
+                               const Attributes& attrs) {
+  const size_t r = q.size();
+  AttentionShape s;
+  s.batch = 1;
+  for (size_t i = 0; i + 2 < r; ++i) s.batch *= q[i];
+  s.tq = q[r - 2];
+  s.tk = k[r - 2];
+  s.d = q[r - 1];
+  s.dv = v[r - 1];
+  s.causal = attrs.b("causal");
+  s.scale = attrs.has("scale") ? attrs.f("scale")
+                               : (s.d > 0 ? 1.0 / std::sqrt(static_cast<double>(s.d)) : 1.0);
+  return s;
+}
+
+// Same dtype everywhere (the op's inference checks that), one we handle, sizes the launchers
+// index with 32-bit grids.
+bool supported(const NodeView& node, bool backward) {
+  const auto& in = node.input_types;
+  if (in.size() < 3 || in[0].rank() < 2) return false;
+  const auto dtype = attention_dtype(in[0].dtype);
+  if (!dtype) return false;
+  for (const TensorType& t : in)
+    if (t.dtype != in[0].dtype || t.rank() != in[0].rank()) return false;
+  const int r = in[0].rank();
+  const int64_t d = in[0].shape[r - 1], dv = in[2].shape[r - 1];
+  int64_t batch = 1;
+  for (int i = 0; i + 2 < r; ++i) batch *= in[0].shape[i];
+  if (batch > (int64_t{1} << 31) - 1) return false;
+  if ((in[0].shape[r - 2] + 63) / 64 > 65535 || (in[1].shape[r - 2] + 63) / 64 > 65535)
+    return false;
+  if (backward) return attention_backward_supported(*dtype, d, dv);
+  return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
+}
+
+void forward_kernel(const KernelArgs& args) {
+  const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
+  Tensor& out = args.outputs[0];
+  attention_forward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), out.raw(),
+                    attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
+                    static_cast<cudaStream_t>(args.stream));
+}
+
+void backward_kernel(const KernelArgs& args) {
+  const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
+               &dout = args.inputs[3];
+  attention_backward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), dout.raw(),
+                     args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
+                     attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
+                     static_cast<cudaStream_t>(args.stream));
+}
+
+}  // namespace
+
+void register_attention_kernels(KernelRegistry& registry) {
+  registry.add(Op::kAttention,
+               KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
+                          [](const NodeView& node) { return supported(node, false); },
+                          forward_kernel});
+  registry.add(Op::kAttentionGrad,
+               KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
+                          [](const NodeView& node) { return supported(node, true); },
+                          backward_kernel});
+}
 
 }  // namespace kiln::cuda

@@ -1,0 +1,833 @@
+// Flash attention on the GPU: forward and backward (FlashAttention-2's scheme), never
+// materializing the Tq x Tk scores in device memory.
+//
+// Tensor-core path (bf16/f16, d == dv in {32, 64, 128}): CTAs of 4 warps, 64 query (or key) rows
+// a CTA, 16 a warp; mma.sync m16n8k16 with f32 accumulators, operands through ldmatrix from
+// padded shared-memory tiles filled by cp.async (double-buffered). Scores live in registers in
+// the log2 domain (exp2f with scale * log2(e) folded in).
+//   forward: query blocks, online softmax over key blocks, O += P V.
+//   backward: (1) statistics pass over query blocks: the log-sum-exp and D_i = sum_j P_ij dP_ij
+//             (= dout_i . out_i) of each row, computed online like the forward (the op has no
+//             log-sum-exp output and attention_grad gets no `out` input); (2) dk/dv pass over key
+//             blocks, each warp owning 16 keys and looping over query blocks (no reductions
+//             across CTAs); (3) dq pass over query blocks, recomputing S and dP (a separate
+//             pass instead of f32 atomics: no workspace, deterministic).
+//   The two statistics per row are parked as f32 at the start of that row of dq between pass
+//   (1) and pass (3) (pass (3) reads a row's statistics before writing that row), so the op
+//   needs no workspace.
+// Simple path (f32, other head dims): the same three passes with one warp per query (key) row
+// and f32 CUDA-core math.
+#include "backends/cuda/attention.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr float kNegInf = -INFINITY;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlock = 64;  // rows of a query or key block (16 a warp)
+
+enum Mode { kForward = 0, kStats = 1, kDq = 2 };
+
+// ---- element conversions ----
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two floats as one 32-bit register of two 16-bit values (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// ---- PTX wrappers ----
+
+// c += a * b, m16n8k16, A row-major, B column-major, f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float c[4], const uint32_t a[4], uint32_t b0,
+                                                   uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float c[4], const uint32_t a[4], uint32_t b0,
+                                            uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// 16 bytes global -> shared; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+// 8 bytes global -> shared; zero-filled when !valid.
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- tiles ----
+
+// A kBlock x D tile in shared memory, rows padded by 16 bytes so that the 8 row addresses of
+// an ldmatrix fall in distinct bank groups.
+template <int D>
+struct Tile {
+  static constexpr int kStride = D + 8;  // elements
+  static constexpr int kElems = kBlock * kStride;
+};
+
+// Rows [row0, row0 + kBlock) of a (rows, D) matrix into a tile; rows past the end read as 0.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row0, int64_t rows) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks a row
+  for (int c = threadIdx.x; c < kBlock * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const bool valid = row0 + r < rows;
+    const T* s = valid ? src + (row0 + r) * D + col : src;
+    cp_async16(tile + r * Tile<D>::kStride + col, s, valid);
+  }
+}
+
+// A fragments (16 rows x D, row-major) of rows [row, row + 16) of a tile.
+template <typename T, int D>
+__device__ __forceinline__ void load_a_frags(uint32_t (&f)[D / 16][4], const T* tile, int row) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldmatrix_x4(f[kk], tile + (row + (lane & 15)) * Tile<D>::kStride + kk * 16 + (lane >> 4) * 8);
+}
+
+// acc[n] (16 x 64, n-tiles of 8) += A (16 x D, fragments) * B^T where B is a tile stored
+// [n][k] (64 rows of D): scores q k^T, or dP = dout v^T.
+template <typename T, int D>
+__device__ __forceinline__ void mma_abt(float (&acc)[8][4], const uint32_t (&a)[D / 16][4],
+                                        const T* tile) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tile<D>::kStride +
+                         kk * 16 + ((lane >> 3) & 1) * 8);
+      mma<T>(acc[2 * np], a[kk], b[0], b[1]);
+      mma<T>(acc[2 * np + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc[n] (16 x D) += P (16 x 64, the f32 accumulators of an mma_abt, rounded to T) * B where B
+// is a tile stored [k][n] (64 rows of D): O += P V, dq += dS K, dv += P^T dout, dk += dS^T q.
+template <typename T, int D>
+__device__ __forceinline__ void mma_pb(float (&acc)[D / 8][4], const float (&p)[8][4],
+                                       const T* tile) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t a[4];
+    a[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, tile + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) *
+                                      Tile<D>::kStride +
+                               dn * 16 + (lane >> 4) * 8);
+      mma<T>(acc[2 * dn], a, b[0], b[1]);
+      mma<T>(acc[2 * dn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// The two f32 statistics (log2-domain log-sum-exp, D) parked at the start of row r of dq.
+template <typename T, int D>
+__device__ __forceinline__ float2* stash(T* dq, int64_t row) {
+  return reinterpret_cast<float2*>(dq + row * D);
+}
+
+// ---- tensor-core kernels ----
+
+// One CTA = 64 query rows of one batch entry; loops over key blocks.
+//   kForward: out = softmax(s) v.   kStats: parks (lse, D) of each row in dq's rows.
+//   kDq: dq = scale * dS k, reading the parked statistics first.
+template <typename T, int D, int M>
+__global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restrict__ q,
+                                                              const T* __restrict__ k,
+                                                              const T* __restrict__ v,
+                                                              const T* __restrict__ dout, T* out,
+                                                              int64_t tq, int64_t tk, bool causal,
+                                                              float scale_log2, float scale) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* s_q = reinterpret_cast<T*>(smem_raw);
+  T* s_do = s_q + Tile<D>::kElems;  // only kStats/kDq
+  T* s_k = s_do + (M == kForward ? 0 : Tile<D>::kElems);
+  T* s_v = s_k + 2 * Tile<D>::kElems;
+
+  const int64_t b = blockIdx.x;
+  const int64_t q0 = (int64_t(gridDim.y) - 1 - blockIdx.y) * kBlock;  // heaviest blocks first
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  q += b * tq * D;
+  k += b * tk * D;
+  v += b * tk * D;
+  if (M != kForward) dout += b * tq * D;
+  out += b * tq * D;
+
+  int64_t n_kb = (tk + kBlock - 1) / kBlock;
+  if (causal) n_kb = min(n_kb, (q0 + kBlock - 1) / kBlock + 1);
+
+  load_tile<T, D>(s_q, q, q0, tq);
+  if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq);
+  cp_async_commit();
+  if (n_kb > 0) {
+    load_tile<T, D>(s_k, k, 0, tk);
+    load_tile<T, D>(s_v, v, 0, tk);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  uint32_t qf[D / 16][4], df[D / 16][4];
+  load_a_frags<T, D>(qf, s_q, warp * 16);
+  if (M != kForward) load_a_frags<T, D>(df, s_do, warp * 16);
+
+  const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, dsum[2] = {0.f, 0.f};
+  float lse[2] = {INFINITY, INFINITY};  // kDq: rows past tq get P = 0
+  if (M == kDq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (row[h] < tq) {
+        const float2 st = *stash<T, D>(out, row[h]);
+        lse[h] = st.x;
+        dsum[h] = st.y;
+      }
+  }
+  float acc[D / 8][4];  // kForward: O; kDq: dq
+  zero(acc);
+
+  for (int64_t kb = 0; kb < n_kb; ++kb) {
+    const int buf = kb & 1;
+    if (kb + 1 < n_kb) {
+      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk);
+      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* tk_tile = s_k + buf * Tile<D>::kElems;
+    const T* tv_tile = s_v + buf * Tile<D>::kElems;
+
+    float s[8][4];
+    zero(s);
+    mma_abt<T, D>(s, qf, tk_tile);
+    const int64_t k0 = kb * kBlock;
+    const bool edge = k0 + kBlock > tk || (causal && k0 + kBlock - 1 > q0);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] *= scale_log2;
+        if (edge) {
+          const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
+          if (col >= tk || (causal && col > row[e >> 1])) s[n][e] = kNegInf;
+        }
+      }
+
+    if (M == kDq) {
+      float dp[8][4];
+      zero(dp);
+      mma_abt<T, D>(dp, df, tv_tile);
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1;
+          s[n][e] = exp2f(s[n][e] - lse[h]) * (dp[n][e] - dsum[h]);  // dS
+        }
+      mma_pb<T, D>(acc, s, tk_tile);
+    } else {
+      float dp[8][4];
+      if (M == kStats) {
+        zero(dp);
+        mma_abt<T, D>(dp, df, tv_tile);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = kNegInf;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[h], mx);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = exp2f(m[h] - m_use);
+        m[h] = m_new;
+        float sum = 0.f, dsum_blk = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const float p = exp2f(s[n][e] - m_use);
+            s[n][e] = p;
+            sum += p;
+            if (M == kStats) dsum_blk += p * dp[n][e];
+          }
+        l[h] = l[h] * alpha + sum;  // a quad's partial sums; reduced at the end
+        if (M == kStats) dsum[h] = dsum[h] * alpha + dsum_blk;
+        if (M == kForward) {
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            acc[n][2 * h] *= alpha;
+            acc[n][2 * h + 1] *= alpha;
+          }
+        }
+      }
+      if (M == kForward) mma_pb<T, D>(acc, s, tv_tile);
+    }
+    __syncthreads();
+  }
+
+  if constexpr (M == kDq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] >= tq) continue;
+      T* dst = out + row[h] * D;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
+            pack2<T>(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+      if (M == kStats) {
+        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+        if (t == 0 && row[h] < tq) {
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+          *stash<T, D>(out, row[h]) =
+              make_float2(l[h] > 0.f ? m[h] + log2f(l[h]) : INFINITY, dsum[h] * inv);
+        }
+      } else if (row[h] < tq) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        T* dst = out + row[h] * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
+              pack2<T>(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+      }
+    }
+  }
+}
+
+// One CTA = 64 keys of one batch entry (16 a warp, no reductions across warps or CTAs); loops
+// over the query blocks that see them: dv = P^T dout, dk = scale * dS^T q.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restrict__ q,
+                                                              const T* __restrict__ k,
+                                                              const T* __restrict__ v,
+                                                              const T* __restrict__ dout,
+                                                              const T* __restrict__ stats,
+                                                              T* __restrict__ dk,
+                                                              T* __restrict__ dv, int64_t tq,
+                                                              int64_t tk, bool causal,
+                                                              float scale_log2, float scale) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* s_k = reinterpret_cast<T*>(smem_raw);
+  T* s_v = s_k + Tile<D>::kElems;
+  T* s_q = s_v + Tile<D>::kElems;       // 2 buffers
+  T* s_do = s_q + 2 * Tile<D>::kElems;  // 2 buffers
+  float2* s_st = reinterpret_cast<float2*>(s_do + 2 * Tile<D>::kElems);  // 2 x kBlock
+
+  const int64_t b = blockIdx.x;
+  const int64_t k0 = int64_t(blockIdx.y) * kBlock;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  q += b * tq * D;
+  k += b * tk * D;
+  v += b * tk * D;
+  dout += b * tq * D;
+  stats += b * tq * D;
+  dk += b * tk * D;
+  dv += b * tk * D;
+
+  const int64_t n_qb = (tq + kBlock - 1) / kBlock;
+  const int64_t qb0 = causal ? k0 / kBlock : 0;
+
+  auto load_q_block = [&](int64_t qb, int buf) {
+    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq);
+    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq);
+    if (threadIdx.x < kBlock) {
+      const int64_t r = qb * kBlock + threadIdx.x;
+      const bool valid = r < tq;
+      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r * D : stats, valid);
+    }
+  };
+
+  load_tile<T, D>(s_k, k, k0, tk);
+  load_tile<T, D>(s_v, v, k0, tk);
+  if (qb0 < n_qb) load_q_block(qb0, 0);
+  cp_async_commit();
+
+  // K and V fragments stay in registers for D <= 64; at D = 128 they are re-read from shared
+  // memory each query block (keeping them spills).
+  constexpr bool kResident = D <= 64;
+  uint32_t kf[kResident ? D / 16 : 1][4], vf[kResident ? D / 16 : 1][4];
+  const int64_t key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+
+  for (int64_t qb = qb0; qb < n_qb; ++qb) {
+    const int buf = (qb - qb0) & 1;
+    if (qb + 1 < n_qb) {
+      load_q_block(qb + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if constexpr (kResident) {
+      if (qb == qb0) {
+        load_a_frags<T, D>(kf, s_k, warp * 16);
+        load_a_frags<T, D>(vf, s_v, warp * 16);
+      }
+    }
+    const T* tq_tile = s_q + buf * Tile<D>::kElems;
+    const T* tdo_tile = s_do + buf * Tile<D>::kElems;
+    const float2* st = s_st + buf * kBlock;
+    const int64_t q0 = qb * kBlock;
+
+    float s[8][4], dp[8][4];  // transposed: rows = keys, columns = queries
+    zero(s);
+    zero(dp);
+    if constexpr (kResident) {
+      mma_abt<T, D>(s, kf, tq_tile);
+      mma_abt<T, D>(dp, vf, tdo_tile);
+    } else {
+      uint32_t f[D / 16][4];
+      load_a_frags<T, D>(f, s_k, warp * 16);
+      mma_abt<T, D>(s, f, tq_tile);
+      load_a_frags<T, D>(f, s_v, warp * 16);
+      mma_abt<T, D>(dp, f, tdo_tile);
+    }
+    const bool edge = q0 + kBlock > tq || (causal && q0 < k0 + kBlock - 1);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = n * 8 + 2 * t + c;
+        const float2 stc = st[col];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float p = exp2f(s[n][2 * h + c] * scale_log2 - stc.x);
+          if (edge && (q0 + col >= tq || (causal && key[h] > q0 + col))) p = 0.f;
+          s[n][2 * h + c] = p;
+          dp[n][2 * h + c] = p * (dp[n][2 * h + c] - stc.y);  // dS^T
+        }
+      }
+    mma_pb<T, D>(dv_acc, s, tdo_tile);
+    mma_pb<T, D>(dk_acc, dp, tq_tile);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (key[h] >= tk) continue;
+    T* dst_k = dk + key[h] * D;
+    T* dst_v = dv + key[h] * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(dst_k + n * 8 + 2 * t) =
+          pack2<T>(dk_acc[n][2 * h] * scale, dk_acc[n][2 * h + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dst_v + n * 8 + 2 * t) =
+          pack2<T>(dv_acc[n][2 * h], dv_acc[n][2 * h + 1]);
+    }
+  }
+}
+
+template <typename T, int D>
+size_t rows_smem(int mode) {
+  return sizeof(T) * Tile<D>::kElems * (mode == kForward ? 5 : 6);
+}
+template <typename T, int D>
+size_t dkdv_smem() {
+  return sizeof(T) * Tile<D>::kElems * 6 + sizeof(float2) * 2 * kBlock;
+}
+
+template <typename T, int D, int M>
+void launch_rows(const T* q, const T* k, const T* v, const T* dout, T* out,
+                 const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+  const size_t smem = rows_smem<T, D>(M);
+  auto kernel = flash_rows_kernel<T, D, M>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(s.batch),
+                  static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
+  kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, out, s.tq, s.tk, s.causal, scale_log2,
+                                           static_cast<float>(s.scale));
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int D>
+void tc_forward(const void* q, const void* k, const void* v, void* out, const AttentionShape& s,
+                float scale_log2, cudaStream_t stream) {
+  launch_rows<T, D, kForward>(static_cast<const T*>(q), static_cast<const T*>(k),
+                              static_cast<const T*>(v), nullptr, static_cast<T*>(out), s,
+                              scale_log2, stream);
+}
+
+template <typename T, int D>
+void tc_backward(const void* q_, const void* k_, const void* v_, const void* dout_, void* dq_,
+                 void* dk_, void* dv_, const AttentionShape& s, float scale_log2,
+                 cudaStream_t stream) {
+  const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
+          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
+  T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
+  launch_rows<T, D, kStats>(q, k, v, dout, dq, s, scale_log2, stream);
+  if (s.tk > 0) {
+    const size_t smem = dkdv_smem<T, D>();
+    auto kernel = flash_dkdv_kernel<T, D>;
+    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    const dim3 grid(static_cast<unsigned>(s.batch),
+                    static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
+    kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, dq, dk, dv, s.tq, s.tk, s.causal,
+                                             scale_log2, static_cast<float>(s.scale));
+    KILN_CUDA_CHECK(cudaGetLastError());
+  }
+  launch_rows<T, D, kDq>(q, k, v, dout, dq, s, scale_log2, stream);
+}
+
+// ---- simple path: one warp per row, f32 math on CUDA cores ----
+
+constexpr int kSimplePerLane = kAttentionMaxHeadDim / 32;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Row r of a (rows, n) matrix into a lane's registers (element c = lane + 32 u).
+template <typename T>
+__device__ __forceinline__ void load_row(float (&x)[kSimplePerLane], const T* src, int n) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < kSimplePerLane; ++u) {
+    const int c = lane + 32 * u;
+    x[u] = c < n ? to_f32(src[c]) : 0.f;
+  }
+}
+template <typename T>
+__device__ __forceinline__ float dot_row(const float (&x)[kSimplePerLane], const T* src, int n) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+#pragma unroll
+  for (int u = 0; u < kSimplePerLane; ++u) {
+    const int c = lane + 32 * u;
+    if (c < n) acc += x[u] * to_f32(src[c]);
+  }
+  return warp_sum(acc);
+}
+
+// Stats parked in dq row r (a dq row is d elements of T).
+template <typename T>
+__device__ __forceinline__ float2* simple_stash(T* dq, int64_t row, int d) {
+  return reinterpret_cast<float2*>(dq + row * d);
+}
+
+// One warp = one query row. kForward: out; kStats: parks (lse, D) in dq; kDq: dq.
+template <typename T, int M>
+__global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout, T* out,
+                                   int64_t batch, int64_t tq, int64_t tk, int d, int dv,
+                                   bool causal, float scale_log2, float scale) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (w >= batch * tq) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t b = w / tq, i = w % tq;
+  const T* kb = k + b * tk * d;
+  const T* vb = v + b * tk * dv;
+  float qv[kSimplePerLane], dov[kSimplePerLane], acc[kSimplePerLane];
+  load_row(qv, q + w * d, d);
+  if (M != kForward) load_row(dov, dout + w * dv, dv);
+  for (int u = 0; u < kSimplePerLane; ++u) acc[u] = 0.f;
+  float lse = 0.f, dsum = 0.f;
+  if (M == kDq) {
+    const float2 st = *simple_stash(out, w, d);
+    lse = st.x;
+    dsum = st.y;
+    __syncwarp();  // every lane has read the stats before any lane writes the row
+  }
+  const int64_t n_keys = causal ? min(tk, i + 1) : tk;
+  float m = kNegInf, l = 0.f;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const float s = dot_row(qv, kb + j * d, d) * scale_log2;
+    if (M == kDq) {
+      const float dp = dot_row(dov, vb + j * dv, dv);
+      const float ds = exp2f(s - lse) * (dp - dsum);
+#pragma unroll
+      for (int u = 0; u < kSimplePerLane; ++u) {
+        const int c = lane + 32 * u;
+        if (c < d) acc[u] += ds * to_f32(kb[j * d + c]);
+      }
+    } else {
+      const float m_new = fmaxf(m, s);
+      const float alpha = exp2f(m - m_new), p = exp2f(s - m_new);
+      m = m_new;
+      l = l * alpha + p;
+      if (M == kStats) {
+        dsum = dsum * alpha + p * dot_row(dov, vb + j * dv, dv);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kSimplePerLane; ++u) {
+          const int c = lane + 32 * u;
+          acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * dv + c]) : 0.f);
+        }
+      }
+    }
+  }
+  if (M == kStats) {
+    if (lane == 0)
+      *simple_stash(out, w, d) =
+          make_float2(l > 0.f ? m + log2f(l) : INFINITY, l > 0.f ? dsum / l : 0.f);
+    return;
+  }
+  const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
+  const int n = M == kDq ? d : dv;
+#pragma unroll
+  for (int u = 0; u < kSimplePerLane; ++u) {
+    const int c = lane + 32 * u;
+    if (c < n) out[w * n + c] = from_f32<T>(acc[u] * mul);
+  }
+}
+
+// One warp = one key row: dk, dv.
+template <typename T>
+__global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
+                                   const T* stats, T* dk, T* dv, int64_t batch, int64_t tq,
+                                   int64_t tk, int d, int dvn, bool causal, float scale_log2,
+                                   float scale) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (w >= batch * tk) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t b = w / tk, j = w % tk;
+  const T* qb = q + b * tq * d;
+  const T* dob = dout + b * tq * dvn;
+  float kv[kSimplePerLane], vv[kSimplePerLane], dk_acc[kSimplePerLane], dv_acc[kSimplePerLane];
+  load_row(kv, k + w * d, d);
+  load_row(vv, v + w * dvn, dvn);
+  for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
+  for (int64_t i = causal ? j : 0; i < tq; ++i) {
+    const float2 st = *reinterpret_cast<const float2*>(stats + (b * tq + i) * d);
+    const float p = exp2f(dot_row(kv, qb + i * d, d) * scale_log2 - st.x);
+    const float ds = p * (dot_row(vv, dob + i * dvn, dvn) - st.y);
+#pragma unroll
+    for (int u = 0; u < kSimplePerLane; ++u) {
+      const int c = lane + 32 * u;
+      if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dvn + c]);
+      if (c < d) dk_acc[u] += ds * to_f32(qb[i * d + c]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kSimplePerLane; ++u) {
+    const int c = lane + 32 * u;
+    if (c < d) dk[w * d + c] = from_f32<T>(dk_acc[u] * scale);
+    if (c < dvn) dv[w * dvn + c] = from_f32<T>(dv_acc[u]);
+  }
+}
+
+constexpr int kSimpleThreads = 256;  // 8 rows a block
+
+unsigned simple_grid(int64_t rows) {
+  return static_cast<unsigned>((rows * 32 + kSimpleThreads - 1) / kSimpleThreads);
+}
+
+template <typename T>
+void simple_forward(const void* q, const void* k, const void* v, void* out,
+                    const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+  simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
+      static_cast<T*>(out), s.batch, s.tq, s.tk, int(s.d), int(s.dv), s.causal, scale_log2,
+      float(s.scale));
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void simple_backward(const void* q_, const void* k_, const void* v_, const void* dout_,
+                     void* dq_, void* dk_, void* dv_, const AttentionShape& s, float scale_log2,
+                     cudaStream_t stream) {
+  const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
+          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
+  T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
+  const int d = int(s.d), dvn = int(s.dv);
+  const float scale = float(s.scale);
+  const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(s.batch * s.tk);
+  simple_rows_kernel<T, kStats><<<qgrid, kSimpleThreads, 0, stream>>>(
+      q, k, v, dout, dq, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+  KILN_CUDA_CHECK(cudaGetLastError());
+  simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
+      q, k, v, dout, dq, dk, dv, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+  KILN_CUDA_CHECK(cudaGetLastError());
+  simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
+      q, k, v, dout, dq, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+float log2_scale(const AttentionShape& s) {
+  return static_cast<float>(s.scale * 1.4426950408889634);  // scale * log2(e)
+}
+
+}  // namespace
+
+bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv) {
+  return dtype != AttentionDType::kF32 && d == dv && (d == 32 || d == 64 || d == 128);
+}
+
+bool attention_backward_supported(AttentionDType dtype, int64_t d, int64_t dv) {
+  const int64_t row_bytes = d * (dtype == AttentionDType::kF32 ? 4 : 2);
+  return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim &&
+         row_bytes % 8 == 0;
+}
+
+void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
+                       void* out, const AttentionShape& s, cudaStream_t stream) {
+  KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
+                 s.dv <= kAttentionMaxHeadDim,
+             "cuda attention: head dims are {} and {}, expected 1 to {}", s.d, s.dv,
+             kAttentionMaxHeadDim);
+  if (s.batch == 0 || s.tq == 0) return;
+  const float sl2 = log2_scale(s);
+  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && aligned16(q) &&
+                  aligned16(k) && aligned16(v) && aligned16(out);
+  switch (dtype) {
+    case AttentionDType::kF32:
+      return simple_forward<float>(q, k, v, out, s, sl2, stream);
+    case AttentionDType::kF16:
+      if (!tc) return simple_forward<__half>(q, k, v, out, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__half, 32>(q, k, v, out, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__half, 64>(q, k, v, out, s, sl2, stream);
+      return tc_forward<__half, 128>(q, k, v, out, s, sl2, stream);
+    case AttentionDType::kBF16:
+      if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, out, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, out, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, out, s, sl2, stream);
+      return tc_forward<__nv_bfloat16, 128>(q, k, v, out, s, sl2, stream);
+  }
+}
+
+void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
+                        const void* dout, void* dq, void* dk, void* dv, const AttentionShape& s,
+                        cudaStream_t stream) {
+  KILN_CHECK(attention_backward_supported(dtype, s.d, s.dv),
+             "cuda attention_grad: head dims are {} and {}, expected 1 to {} with a dq row a "
+             "multiple of 8 bytes",
+             s.d, s.dv, kAttentionMaxHeadDim);
+  KILN_CHECK(reinterpret_cast<uintptr_t>(dq) % 8 == 0,
+             "cuda attention_grad: dq is not 8-byte aligned");
+  if (s.batch == 0) return;
+  if (s.tk == 0) {  // no keys: every gradient is 0 (dk and dv are empty)
+    const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
+    KILN_CUDA_CHECK(cudaMemsetAsync(dq, 0, size_t(s.batch * s.tq * s.d) * elem, stream));
+    return;
+  }
+  const float sl2 = log2_scale(s);
+  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && aligned16(q) &&
+                  aligned16(k) && aligned16(v) && aligned16(dout) && aligned16(dq) &&
+                  aligned16(dk) && aligned16(dv);
+  if (s.tq == 0) {  // no queries: dk and dv are 0
+    const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
+    KILN_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(s.batch * s.tk * s.d) * elem, stream));
+    KILN_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(s.batch * s.tk * s.dv) * elem, stream));
+    return;
+  }
+  switch (dtype) {
+    case AttentionDType::kF32:
+      return simple_backward<float>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+    case AttentionDType::kF16:
+      if (!tc) return simple_backward<__half>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      if (s.d == 32) return tc_backward<__half, 32>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      if (s.d == 64) return tc_backward<__half, 64>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      return tc_backward<__half, 128>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+    case AttentionDType::kBF16:
+      if (!tc) return simple_backward<__nv_bfloat16>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      if (s.d == 32)
+        return tc_backward<__nv_bfloat16, 32>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      if (s.d == 64)
+        return tc_backward<__nv_bfloat16, 64>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      return tc_backward<__nv_bfloat16, 128>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+  }
+}
+
+}  // namespace kiln::cuda

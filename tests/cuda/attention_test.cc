@@ -1,0 +1,275 @@
+// The "cuda-attention" dialect (backends/cuda/attention.cc) against the CPU reference kernels
+// of attention and attention_grad (ops/nn.cc): random inputs, outputs poisoned with NaN first,
+// shapes with T not a multiple of the 64-row tile, causal and not, bf16 / f16 / f32, the
+// tensor-core path (d == dv in {32, 64, 128}) and the simple path (other head dims, f32).
+// Error measure: max |gpu - ref| / max |ref| over a tensor ("scaled error").
+// Tolerances: bf16 1.5e-2 (forward) and 2.5e-2 (backward): P and dS are rounded to bf16
+// (8 significant bits) before their matmuls; f16 4e-3 / 6e-3 (11 bits); f32 2e-4 (f32 sums
+// over up to 1024 keys against the reference's double).
+// Also prints (does not assert) TFLOP/s at GPT-2 size.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_check.h"
+#include "gpu_test_util.h"
+
+namespace kiln {
+namespace {
+
+using testing::rand;
+using testing::run_reference;
+
+std::shared_ptr<std::byte[]> device_alloc(size_t bytes) {
+  void* p = nullptr;
+  KILN_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+  return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(p),
+                                      [](std::byte* q) { cudaFree(q); });
+}
+
+Tensor to_device(const Tensor& host) {
+  auto storage = device_alloc(host.bytes());
+  KILN_CUDA_CHECK(cudaMemcpy(storage.get(), host.raw(), host.bytes(), cudaMemcpyHostToDevice));
+  return Tensor(host.type(), storage, 0, Device::kCuda);
+}
+
+// All bytes 0xFF: NaN in f32, f16 and bf16, so an element the kernel never writes shows.
+Tensor poisoned_device(const TensorType& type) {
+  auto storage = device_alloc(type.bytes());
+  KILN_CUDA_CHECK(cudaMemset(storage.get(), 0xFF, type.bytes()));
+  return Tensor(type, storage, 0, Device::kCuda);
+}
+
+Tensor to_host(const Tensor& device) {
+  Tensor host(device.type());
+  KILN_CUDA_CHECK(cudaMemcpy(host.raw(), device.raw(), device.bytes(), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+const KernelImpl& attention_impl(Op op) {
+  for (const KernelImpl* impl : kernel_registry().candidates(op, Device::kCuda))
+    if (impl->dialect == "cuda-attention") return *impl;
+  fail("no cuda-attention kernel for {}", op_info(op).name);
+}
+
+// Runs the dialect's kernel for `op` on device copies of `inputs`; returns host outputs.
+// Fails the test if the dialect does not claim the node.
+std::vector<Tensor> run_gpu(Op op, const std::vector<Tensor>& inputs, Attributes attrs) {
+  attrs = normalize_attributes(op, attrs);
+  std::vector<TensorType> in_types;
+  for (const Tensor& t : inputs) in_types.push_back(t.type());
+  const std::vector<TensorType> out_types = infer_types(op, in_types, attrs);
+  Node node{op, {}, {}, attrs, nullptr};
+  const KernelImpl& impl = attention_impl(op);
+  EXPECT_TRUE(impl.supports(NodeView{node, in_types, out_types}));
+  std::vector<Tensor> dev_in, dev_out;
+  for (const Tensor& t : inputs) dev_in.push_back(to_device(t));
+  for (const TensorType& t : out_types) dev_out.push_back(poisoned_device(t));
+  cudaStream_t stream;
+  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  impl.kernel(KernelArgs{attrs, dev_in, dev_out, stream});
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KILN_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::vector<Tensor> out;
+  for (const Tensor& t : dev_out) out.push_back(to_host(t));
+  return out;
+}
+
+// max |a - b| / max |b|; infinity if a has a NaN (an unwritten or broken element).
+double scaled_error(const Tensor& a, const Tensor& b) {
+  double diff = 0.0, ref = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.get(i), y = b.get(i);
+    if (!std::isfinite(x)) return INFINITY;
+    diff = std::max(diff, std::abs(x - y));
+    ref = std::max(ref, std::abs(y));
+  }
+  return ref > 0.0 ? diff / ref : diff;
+}
+
+struct Case {
+  DType dtype;
+  int64_t batch, heads, tq, tk, d, dv;
+  bool causal;
+  double scale = 0.0;  // 0: the default 1/sqrt(d)
+};
+
+std::string describe(const Case& c) {
+  return std::string(dtype_name(c.dtype)) + " B=" + std::to_string(c.batch) +
+         " H=" + std::to_string(c.heads) + " Tq=" + std::to_string(c.tq) +
+         " Tk=" + std::to_string(c.tk) + " d=" + std::to_string(c.d) +
+         " dv=" + std::to_string(c.dv) + (c.causal ? " causal" : "") +
+         (c.scale != 0.0 ? " scale=" + std::to_string(c.scale) : "");
+}
+
+double forward_tolerance(DType dtype) {
+  return dtype == DType::kBF16 ? 1.5e-2 : dtype == DType::kF16 ? 4e-3 : 2e-4;
+}
+double backward_tolerance(DType dtype) {
+  return dtype == DType::kBF16 ? 2.5e-2 : dtype == DType::kF16 ? 6e-3 : 2e-4;
+}
+
+void check_case(const Case& c, bool backward, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  // q and k in [-2, 2]: scores of a few units, so the softmax is far from uniform.
+  const Tensor q = rand(c.dtype, {c.batch, c.heads, c.tq, c.d}, seed, -2.0, 2.0);
+  const Tensor k = rand(c.dtype, {c.batch, c.heads, c.tk, c.d}, seed + 1, -2.0, 2.0);
+  const Tensor v = rand(c.dtype, {c.batch, c.heads, c.tk, c.dv}, seed + 2);
+  Attributes attrs{{"causal", c.causal}};
+  if (c.scale != 0.0) attrs.set("scale", c.scale);
+
+  const std::vector<Tensor> ref = run_reference(Op::kAttention, {q, k, v}, attrs);
+  const std::vector<Tensor> gpu = run_gpu(Op::kAttention, {q, k, v}, attrs);
+  const double err = scaled_error(gpu[0], ref[0]);
+  std::printf("  attention      %-52s out %.2e\n", describe(c).c_str(), err);
+  EXPECT_LE(err, forward_tolerance(c.dtype)) << "out";
+  if (!backward) return;
+
+  const Tensor dout = rand(c.dtype, {c.batch, c.heads, c.tq, c.dv}, seed + 3);
+  const std::vector<Tensor> gref = run_reference(Op::kAttentionGrad, {q, k, v, dout}, attrs);
+  const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionGrad, {q, k, v, dout}, attrs);
+  const char* names[3] = {"dq", "dk", "dv"};
+  double errs[3];
+  for (int i = 0; i < 3; ++i) {
+    errs[i] = scaled_error(ggpu[i], gref[i]);
+    EXPECT_LE(errs[i], backward_tolerance(c.dtype)) << names[i];
+  }
+  std::printf("  attention_grad %-52s dq %.2e dk %.2e dv %.2e\n", describe(c).c_str(), errs[0],
+              errs[1], errs[2]);
+}
+
+TEST(CudaAttention, TensorCoresMatchReference) {
+  KILN_REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (DType dtype : {DType::kBF16, DType::kF16})
+    for (bool causal : {false, true}) {
+      for (int64_t t : {1, 17, 64, 100, 200})
+        check_case({dtype, 2, 3, t, t, 64, 64, causal}, true, seed += 10);
+      check_case({dtype, 1, 2, 100, 37, 64, 64, causal}, true, seed += 10);   // Tq > Tk
+      check_case({dtype, 1, 2, 17, 130, 64, 64, causal}, true, seed += 10);   // Tq < Tk
+      check_case({dtype, 2, 2, 100, 100, 32, 32, causal}, true, seed += 10);
+      check_case({dtype, 2, 2, 100, 100, 128, 128, causal}, true, seed += 10);
+    }
+  check_case({DType::kBF16, 1, 2, 77, 77, 64, 64, true, 0.3}, true, seed += 10);
+  check_case({DType::kBF16, 1, 1, 50, 50, 64, 64, false, -0.2}, true, seed += 10);
+}
+
+TEST(CudaAttention, LongSequenceMatchesReference) {
+  KILN_REQUIRE_GPU();
+  check_case({DType::kBF16, 1, 1, 1024, 1024, 64, 64, true}, true, 7);
+  check_case({DType::kBF16, 1, 1, 1024, 1024, 64, 64, false}, true, 8);
+  check_case({DType::kF16, 1, 1, 1000, 1000, 64, 64, true}, false, 9);
+}
+
+TEST(CudaAttention, SimplePathMatchesReference) {
+  KILN_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (bool causal : {false, true}) {
+    for (int64_t t : {1, 17, 100})
+      check_case({DType::kF32, 2, 2, t, t, 64, 64, causal}, true, seed += 10);
+    check_case({DType::kF32, 1, 2, 33, 70, 6, 10, causal}, true, seed += 10);
+    check_case({DType::kF32, 1, 2, 70, 33, 40, 40, causal}, true, seed += 10);
+    check_case({DType::kBF16, 2, 1, 50, 50, 40, 24, causal}, true, seed += 10);  // d != dv
+    check_case({DType::kF16, 1, 2, 45, 45, 256, 256, causal}, true, seed += 10);
+    check_case({DType::kF32, 1, 1, 20, 20, 3, 5, causal}, false, seed += 10);     // odd d
+  }
+}
+
+TEST(CudaAttention, SupportsWhatItHandles) {
+  if (!cuda::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
+  auto supports = [](Op op, DType dtype, int64_t d, int64_t dv) {
+    const std::vector<TensorType> in = {{dtype, {2, 8, d}}, {dtype, {2, 8, d}},
+                                        {dtype, {2, 8, dv}}, {dtype, {2, 8, dv}}};
+    const size_t n = op == Op::kAttention ? 3 : 4;
+    Node node{op, {}, {}, normalize_attributes(op, {}), nullptr};
+    const std::vector<TensorType> ins(in.begin(), in.begin() + n);
+    const std::vector<TensorType> outs = infer_types(op, ins, node.attrs);
+    return attention_impl(op).supports(NodeView{node, ins, outs});
+  };
+  EXPECT_TRUE(supports(Op::kAttention, DType::kBF16, 64, 64));
+  EXPECT_TRUE(supports(Op::kAttention, DType::kF32, 3, 5));
+  EXPECT_FALSE(supports(Op::kAttention, DType::kF64, 64, 64));
+  EXPECT_FALSE(supports(Op::kAttention, DType::kBF16, 300, 64));
+  EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kF16, 64, 64));
+  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kF32, 3, 4));   // dq row of 12 bytes
+  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kBF16, 6, 6));  // dq row of 12 bytes
+}
+
+TEST(CudaAttention, OversizedHeadDimThrows) {
+  KILN_REQUIRE_GPU();
+  const Tensor q = to_device(rand(DType::kF32, {1, 2, 300}, 1));
+  Tensor out = poisoned_device(q.type());
+  const Attributes attrs = normalize_attributes(Op::kAttention, {});
+  const std::vector<Tensor> in = {q, q, q};
+  std::vector<Tensor> outs = {out};
+  try {
+    attention_impl(Op::kAttention).kernel(KernelArgs{attrs, in, outs, nullptr});
+    ADD_FAILURE() << "expected kiln::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("300"), std::string::npos) << e.what();
+  }
+}
+
+// GPT-2 size: B=32, H=12, T=1024, d=64, bf16. Printed, not asserted.
+TEST(CudaAttention, Throughput) {
+  KILN_REQUIRE_GPU();
+  const int64_t b = 32, h = 12, t = 1024, d = 64;
+  const TensorType type{DType::kBF16, {b, h, t, d}};
+  auto filled = [&](uint64_t seed) {  // a random 1M-element chunk, repeated
+    const Tensor chunk = rand(DType::kBF16, {1 << 20}, seed);
+    Tensor dev = poisoned_device(type);
+    for (size_t off = 0; off < type.bytes(); off += chunk.bytes())
+      KILN_CUDA_CHECK(cudaMemcpy(dev.raw() + off, chunk.raw(),
+                                 std::min(chunk.bytes(), type.bytes() - off),
+                                 cudaMemcpyHostToDevice));
+    return dev;
+  };
+  const std::vector<Tensor> in = {filled(1), filled(2), filled(3), filled(4)};
+  std::vector<Tensor> out = {poisoned_device(type)};
+  std::vector<Tensor> grads = {poisoned_device(type), poisoned_device(type),
+                               poisoned_device(type)};
+  cudaStream_t stream;
+  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  KILN_CUDA_CHECK(cudaEventCreate(&start));
+  KILN_CUDA_CHECK(cudaEventCreate(&stop));
+  for (bool causal : {true, false}) {
+    const Attributes attrs = normalize_attributes(Op::kAttention, {{"causal", causal}});
+    const std::span<const Tensor> fwd_in(in.data(), 3);
+    auto time_ms = [&](auto&& call) {
+      for (int i = 0; i < 3; ++i) call();
+      const int iters = 20;
+      KILN_CUDA_CHECK(cudaEventRecord(start, stream));
+      for (int i = 0; i < iters; ++i) call();
+      KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
+      KILN_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0.f;
+      KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      return ms / iters;
+    };
+    const double fwd_ms = time_ms([&] {
+      attention_impl(Op::kAttention).kernel(KernelArgs{attrs, fwd_in, out, stream});
+    });
+    const double bwd_ms = time_ms([&] {
+      attention_impl(Op::kAttentionGrad).kernel(KernelArgs{attrs, in, grads, stream});
+    });
+    const double fwd_flops = 4.0 * b * h * t * t * d / (causal ? 2.0 : 1.0);
+    std::printf("  cuda-attention bf16 B=%ld H=%ld T=%ld d=%ld %-10s forward %.3f ms %.1f "
+                "TFLOP/s, backward %.3f ms %.1f TFLOP/s (2.5x forward FLOPs)\n",
+                long(b), long(h), long(t), long(d), causal ? "causal" : "non-causal", fwd_ms,
+                fwd_flops / fwd_ms * 1e-9, bwd_ms, 2.5 * fwd_flops / bwd_ms * 1e-9);
+  }
+  KILN_CUDA_CHECK(cudaEventDestroy(start));
+  KILN_CUDA_CHECK(cudaEventDestroy(stop));
+  KILN_CUDA_CHECK(cudaStreamDestroy(stream));
+  const Tensor host_out = to_host(out[0]);
+  EXPECT_TRUE(std::isfinite(host_out.get(12345)));
+}
+
+}  // namespace
+}  // namespace kiln
