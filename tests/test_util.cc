@@ -62,4 +62,14 @@ Tensor rand(DType dtype, Shape shape, uint64_t seed, double low, double high) {
   return ::testing::AssertionSuccess();
 }
 
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a kiln::Error, none was thrown";
+  return "";
+}
+
 }  // namespace kiln::testing

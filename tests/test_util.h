@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "backends/backend.h"
@@ -30,4 +32,16 @@ Tensor rand(DType dtype, Shape shape, uint64_t seed, double low = -1.0, double h
 ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double atol,
                                      double rtol);
 
+// The message of the kiln::Error that `fn` throws; records a test failure if it throws none.
+std::string error_of(const std::function<void()>& fn);
+
 }  // namespace kiln::testing
+
+// Expects `statement` to throw kiln::Error whose message contains every listed fragment.
+#define EXPECT_KILN_ERROR(statement, ...)                                              \
+  do {                                                                                 \
+    const std::string kiln_message_ = ::kiln::testing::error_of([&] { statement; });   \
+    for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__})          \
+      EXPECT_NE(kiln_message_.find(fragment), std::string::npos)                       \
+          << "message \"" << kiln_message_ << "\" lacks \"" << fragment << "\"";       \
+  } while (0)

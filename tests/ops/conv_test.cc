@@ -10,29 +10,13 @@ namespace kiln {
 namespace {
 
 using testing::all_close;
+using testing::error_of;
 using testing::infer;
 using testing::make;
 using testing::run_reference;
 using Ints = std::vector<int64_t>;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no kiln::Error thrown>";
-}
 
-// Expects `statement` to throw kiln::Error whose message contains every listed fragment.
-#define EXPECT_KILN_ERROR(statement, ...)                                     \
-  do {                                                                        \
-    EXPECT_THROW(statement, ::kiln::Error);                                   \
-    const std::string message = error_of([&] { statement; });                 \
-    for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
-      EXPECT_NE(message.find(fragment), std::string::npos)                    \
-          << "message \"" << message << "\" lacks \"" << fragment << "\"";    \
-  } while (0)
 
 TensorType f32(Shape shape) { return {DType::kF32, std::move(shape)}; }
 TensorType of(DType dtype, Shape shape) { return {dtype, std::move(shape)}; }

@@ -14,11 +14,13 @@
 #include "train/data/fashion_mnist.h"
 #include "train/data/idx.h"
 #include "train/data/loader.h"
+#include "test_util.h"
 #include "train/temp_dir.h"
 
 namespace kiln::train {
 namespace {
 
+using kiln::testing::error_of;
 using kiln::testing::TempDir;
 
 // 10 samples, sample i = [i, 100 + i] (f32), label i % 3: every value names its sample.
@@ -46,15 +48,6 @@ std::vector<int64_t> sample_ids(const Batch& batch) {
   return ids;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected kiln::Error";
-  return "";
-}
 
 TEST(TrainDataset, GatherSliceAndSampleShape) {
   ClassificationDataset data = ten_samples();

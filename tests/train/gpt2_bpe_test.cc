@@ -8,23 +8,16 @@
 #include <set>
 
 #include "train/data/text.h"
+#include "test_util.h"
 #include "train/temp_dir.h"
 
 namespace kiln::train {
 namespace {
 
+using kiln::testing::error_of;
 using kiln::testing::TempDir;
 using kiln::testing::write_bytes;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected kiln::Error";
-  return "";
-}
 
 TEST(TrainGpt2, ByteToUnicodeTable) {
   const std::vector<std::string>& table = gpt2_byte_to_unicode();

@@ -6,24 +6,17 @@
 #include <filesystem>
 #include <set>
 
+#include "test_util.h"
 #include "train/temp_dir.h"
 
 namespace kiln::train {
 namespace {
 
 using kiln::testing::read_bytes;
+using kiln::testing::error_of;
 using kiln::testing::TempDir;
 using kiln::testing::write_bytes;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected kiln::Error";
-  return "";
-}
 
 TEST(TrainText, ByteTokenizerIsTheBytes) {
   ByteTokenizer tokenizer;
