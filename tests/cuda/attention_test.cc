@@ -215,60 +215,62 @@ TEST(CudaAttention, OversizedHeadDimThrows) {
   }
 }
 
-// GPT-2 size: B=32, H=12, T=1024, d=64, bf16. Printed, not asserted.
+// GPT-2 size: B=32, H=12, T=1024, d=64 (and d=128), bf16. Printed, not asserted.
 TEST(CudaAttention, Throughput) {
   KILN_REQUIRE_GPU();
-  const int64_t b = 32, h = 12, t = 1024, d = 64;
-  const TensorType type{DType::kBF16, {b, h, t, d}};
-  auto filled = [&](uint64_t seed) {  // a random 1M-element chunk, repeated
-    const Tensor chunk = rand(DType::kBF16, {1 << 20}, seed);
-    Tensor dev = poisoned_device(type);
-    for (size_t off = 0; off < type.bytes(); off += chunk.bytes())
-      KILN_CUDA_CHECK(cudaMemcpy(dev.raw() + off, chunk.raw(),
-                                 std::min(chunk.bytes(), type.bytes() - off),
-                                 cudaMemcpyHostToDevice));
-    return dev;
-  };
-  const std::vector<Tensor> in = {filled(1), filled(2), filled(3), filled(4)};
-  std::vector<Tensor> out = {poisoned_device(type)};
-  std::vector<Tensor> grads = {poisoned_device(type), poisoned_device(type),
-                               poisoned_device(type)};
-  cudaStream_t stream;
-  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  for (bool causal : {true, false}) {
-    const Attributes attrs = normalize_attributes(Op::kAttention, {{"causal", causal}});
-    const std::span<const Tensor> fwd_in(in.data(), 3);
-    auto time_ms = [&](auto&& call) {
-      for (int i = 0; i < 3; ++i) call();
-      const int iters = 20;
-      KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-      for (int i = 0; i < iters; ++i) call();
-      KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-      KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0.f;
-      KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      return ms / iters;
+  const int64_t b = 32, h = 12, t = 1024;
+  for (int64_t d : {64, 128}) {
+    const TensorType type{DType::kBF16, {b, h, t, d}};
+    auto filled = [&](uint64_t seed) {  // a random 1M-element chunk, repeated
+      const Tensor chunk = rand(DType::kBF16, {1 << 20}, seed);
+      Tensor dev = poisoned_device(type);
+      for (size_t off = 0; off < type.bytes(); off += chunk.bytes())
+        KILN_CUDA_CHECK(cudaMemcpy(dev.raw() + off, chunk.raw(),
+                                   std::min(chunk.bytes(), type.bytes() - off),
+                                   cudaMemcpyHostToDevice));
+      return dev;
     };
-    const double fwd_ms = time_ms([&] {
-      attention_impl(Op::kAttention).kernel(KernelArgs{attrs, fwd_in, out, stream});
-    });
-    const double bwd_ms = time_ms([&] {
-      attention_impl(Op::kAttentionGrad).kernel(KernelArgs{attrs, in, grads, stream});
-    });
-    const double fwd_flops = 4.0 * b * h * t * t * d / (causal ? 2.0 : 1.0);
-    std::printf("  cuda-attention bf16 B=%ld H=%ld T=%ld d=%ld %-10s forward %.3f ms %.1f "
-                "TFLOP/s, backward %.3f ms %.1f TFLOP/s (2.5x forward FLOPs)\n",
-                long(b), long(h), long(t), long(d), causal ? "causal" : "non-causal", fwd_ms,
-                fwd_flops / fwd_ms * 1e-9, bwd_ms, 2.5 * fwd_flops / bwd_ms * 1e-9);
+    const std::vector<Tensor> in = {filled(1), filled(2), filled(3), filled(4)};
+    std::vector<Tensor> out = {poisoned_device(type)};
+    std::vector<Tensor> grads = {poisoned_device(type), poisoned_device(type),
+                                 poisoned_device(type)};
+    cudaStream_t stream;
+    KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaEvent_t start, stop;
+    KILN_CUDA_CHECK(cudaEventCreate(&start));
+    KILN_CUDA_CHECK(cudaEventCreate(&stop));
+    for (bool causal : {true, false}) {
+      const Attributes attrs = normalize_attributes(Op::kAttention, {{"causal", causal}});
+      const std::span<const Tensor> fwd_in(in.data(), 3);
+      auto time_ms = [&](auto&& call) {
+        for (int i = 0; i < 3; ++i) call();
+        const int iters = 20;
+        KILN_CUDA_CHECK(cudaEventRecord(start, stream));
+        for (int i = 0; i < iters; ++i) call();
+        KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
+        KILN_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0.f;
+        KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        return ms / iters;
+      };
+      const double fwd_ms = time_ms([&] {
+        attention_impl(Op::kAttention).kernel(KernelArgs{attrs, fwd_in, out, stream});
+      });
+      const double bwd_ms = time_ms([&] {
+        attention_impl(Op::kAttentionGrad).kernel(KernelArgs{attrs, in, grads, stream});
+      });
+      const double fwd_flops = 4.0 * b * h * t * t * d / (causal ? 2.0 : 1.0);
+      std::printf("  cuda-attention bf16 B=%ld H=%ld T=%ld d=%ld %-10s forward %.3f ms %.1f "
+                  "TFLOP/s, backward %.3f ms %.1f TFLOP/s (2.5x forward FLOPs)\n",
+                  long(b), long(h), long(t), long(d), causal ? "causal" : "non-causal", fwd_ms,
+                  fwd_flops / fwd_ms * 1e-9, bwd_ms, 2.5 * fwd_flops / bwd_ms * 1e-9);
+    }
+    KILN_CUDA_CHECK(cudaEventDestroy(start));
+    KILN_CUDA_CHECK(cudaEventDestroy(stop));
+    KILN_CUDA_CHECK(cudaStreamDestroy(stream));
+    const Tensor host_out = to_host(out[0]);
+    EXPECT_TRUE(std::isfinite(host_out.get(12345)));
   }
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  KILN_CUDA_CHECK(cudaStreamDestroy(stream));
-  const Tensor host_out = to_host(out[0]);
-  EXPECT_TRUE(std::isfinite(host_out.get(12345)));
 }
 
 }  // namespace

@@ -529,8 +529,12 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, T* out,
                  const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const size_t smem = rows_smem<T, D>(M);
   auto kernel = flash_rows_kernel<T, D, M>;
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+  static const bool raised = [&] {  // once per instantiation (thread-safe static init)
+    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    return true;
+  }();
+  (void)raised;
   const dim3 grid(static_cast<unsigned>(s.batch),
                   static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
   kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, out, s.tq, s.tk, s.causal, scale_log2,
@@ -557,8 +561,12 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
   if (s.tk > 0) {
     const size_t smem = dkdv_smem<T, D>();
     auto kernel = flash_dkdv_kernel<T, D>;
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
+    static const bool raised = [&] {
+      KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+      return true;
+    }();
+    (void)raised;
     const dim3 grid(static_cast<unsigned>(s.batch),
                     static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
     kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, dq, dk, dv, s.tq, s.tk, s.causal,
