@@ -13,6 +13,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -334,6 +335,15 @@ void GemmPlanAccess::check(const Gemm& g, const GemmOperands& ops) {
   KILN_CHECK(g.k > 0,
              "{}: k is 0 (an empty sum); the caller must fill D itself (cuBLASLt needs k >= 1)",
              g.to_string());
+  // Seen on an H200 with CUDA 13: cuBLASLt offers no algorithm for the other layouts.
+  KILN_CHECK(g.epilogue != Epilogue::kBGradB || !g.transpose_b,
+             "{}: epilogue bgrad_b needs B stored (k, n) (transpose_b false); cuBLASLt reduces "
+             "the bias gradient over no other layout",
+             g.to_string());
+  KILN_CHECK(g.epilogue != Epilogue::kBGradA || g.transpose_a,
+             "{}: epilogue bgrad_a needs A stored (k, m) (transpose_a true); cuBLASLt reduces "
+             "the bias gradient over no other layout",
+             g.to_string());
   KILN_CHECK(g.batch <= INT32_MAX, "{}: batch {} exceeds cuBLASLt's int32 batch count",
              g.to_string(), g.batch);
   const Resolved r = resolve(g);
@@ -500,29 +510,42 @@ void GemmPlanAccess::tune(GemmPlan& plan, const Gemm& g, const GemmOperands& ops
     if (epilogue_writes_bias(g.epilogue)) t.bias_grad = allocate(bias_bytes);
     KILN_CUDA_CHECK(cudaEventCreate(&start));
     KILN_CUDA_CHECK(cudaEventCreate(&stop));
-    constexpr int kWarmup = 2, kTimed = 10;
-    int best = -1;
-    float best_ms = 0.0f;
-    for (size_t i = 0; i < results.size(); ++i) {
-      bool ok = true;
-      for (int w = 0; w < kWarmup && ok; ++w)
-        ok = enqueue(plan, g, t, results[i].algo, device, stream) == CUBLAS_STATUS_SUCCESS;
-      if (!ok) continue;
-      KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-      for (int w = 0; w < kTimed && ok; ++w)
-        ok = enqueue(plan, g, t, results[i].algo, device, stream) == CUBLAS_STATUS_SUCCESS;
-      KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-      KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-      if (!ok) continue;
-      float ms = 0.0f;
-      KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      ms /= kTimed;
-      if (best < 0 || ms < best_ms) {
-        best = static_cast<int>(i);
-        best_ms = ms;
+    // Two passes over the candidates, each keeping its faster pass: one pass in order let clock
+    // drift pick a slower algorithm (an 8192^3 bf16 GEMM tuned to 701 TFLOP/s against the
+    // heuristic's 804 on an H200). The heuristic's first choice is kept unless another is 3%
+    // faster.
+    constexpr int kPasses = 2, kTimed = 10;
+    constexpr float kInfinity = std::numeric_limits<float>::infinity();
+    std::vector<float> ms_of(results.size(), kInfinity);
+    std::vector<bool> failed(results.size(), false);
+    for (int pass = 0; pass < kPasses; ++pass)
+      for (size_t i = 0; i < results.size(); ++i) {
+        if (failed[i]) continue;
+        bool ok = true;
+        for (int w = 0; w < (pass == 0 ? 2 : 1) && ok; ++w)  // warm-up
+          ok = enqueue(plan, g, t, results[i].algo, device, stream) == CUBLAS_STATUS_SUCCESS;
+        if (ok) {
+          KILN_CUDA_CHECK(cudaEventRecord(start, stream));
+          for (int w = 0; w < kTimed && ok; ++w)
+            ok = enqueue(plan, g, t, results[i].algo, device, stream) == CUBLAS_STATUS_SUCCESS;
+          KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
+          KILN_CUDA_CHECK(cudaEventSynchronize(stop));
+        }
+        if (!ok) {
+          failed[i] = true;
+          ms_of[i] = kInfinity;
+          continue;
+        }
+        float ms = 0.0f;
+        KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        ms_of[i] = std::min(ms_of[i], ms / kTimed);
       }
-    }
     KILN_CUDA_CHECK(cudaGetLastError());
+    int best = -1;
+    for (size_t i = 0; i < results.size(); ++i)
+      if (ms_of[i] < kInfinity && (best < 0 || ms_of[i] < ms_of[best])) best = static_cast<int>(i);
+    if (best > 0 && ms_of[0] < kInfinity && ms_of[best] > 0.97f * ms_of[0]) best = 0;
+    const float best_ms = best >= 0 ? ms_of[best] : 0.0f;
     if (best >= 0) {
       plan.algo_ = results[best].algo;
       plan.workspace_bytes_ = results[best].workspaceSize;
