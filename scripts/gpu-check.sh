@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: configure for sm_90a, build, run the GPU test suite, benchmark
+# kiln's GPT-2 training step and PyTorch's (eager and torch.compile) side by side, and print a
+# short table last. Full logs go to $OUT (the device tool brings them back) or ./gpu-out.
+#
+#   bash scripts/gpu-check.sh [--no-tests] [--no-torch] [--bench "ARGS"] ...
+#
+# The PyTorch reference is ../shared/bench/torch_gpt2.py; only the repository travels to the GPU
+# machine, so copy it to .carry/torch_gpt2.py (ignored by git) and carry .carry along.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"; mkdir -p "$out"
+tests=1; torch=1
+benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
+torch_runs="gpt2:eager:32 gpt2:compile:32"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-tests) tests=0 ;;
+    --no-torch) torch=0 ;;
+    --bench) shift; benches+=("$1") ;;
+    --only-bench) shift; benches=("$1") ;;
+    --torch) shift; torch_runs="$1" ;;
+    *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF >"$out/configure.log" 2>&1 &&
+  cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests >"$out/build.log" 2>&1
+build_rc=$?
+echo "build: rc=$build_rc in $(( $(date +%s) - start )) s"
+if [ $build_rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
+
+test_summary="not run"
+if [ $tests = 1 ]; then
+  ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
+  test_summary=$(grep -E "^\[  (PASSED|FAILED)|tests? ran" "$out/gpu_tests.log" | tr '\n' ' ')
+  grep -E "^\[  FAILED|Failure|error" "$out/gpu_tests.log" | head -30
+fi
+
+: >"$out/bench.jsonl"
+for b in "${benches[@]}"; do
+  # shellcheck disable=SC2086
+  ./build-gpu/kiln bench $b --device cuda --json 2>>"$out/bench.err" | tail -1 >>"$out/bench.jsonl" ||
+    echo "{\"args\": \"$b\", \"error\": \"$(tail -1 "$out/bench.err")\"}" >>"$out/bench.jsonl"
+done
+if [ $torch = 1 ] && [ -f .carry/torch_gpt2.py ]; then
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 .carry/torch_gpt2.py $torch_runs >"$out/torch.jsonl" 2>"$out/torch.err"
+fi
+
+echo; echo "== $(cat "$out/gpu.txt")"
+echo "GPU tests: $test_summary"
+python3 - "$out/bench.jsonl" "$out/torch.jsonl" <<'PY'
+import json, sys, os
+rows = []
+for path, who in ((sys.argv[1], "kiln"), (sys.argv[2], "torch")):
+    if not os.path.exists(path): continue
+    for line in open(path):
+        line = line.strip()
+        if not line.startswith("{"): continue
+        r = json.loads(line)
+        if "error" in r: rows.append((who, r.get("args", "?"), "error: " + r["error"][:90])); continue
+        if r.get("oom"): rows.append((who, f'{r["cfg"]} {r["mode"]} B={r["B"]}', "out of memory")); continue
+        name = f'{r.get("cfg", r.get("model"))} {r.get("mode", r.get("amp", ""))} B={r.get("B", r.get("batch"))}'
+        rows.append((who, name, f'{r.get("ms", r.get("ms_per_step"))} ms  {r.get("tok_s", r.get("tokens_per_s"))} tok/s  '
+                     f'MFU {r.get("mfu_vs_989", r.get("mfu"))}  peak {r.get("peak_gib")} GiB  '
+                     f'first step {r.get("warm_s", r.get("first_step_s"))} s'))
+print(f'{"":6} {"run":28} result')
+for who, name, res in rows: print(f"{who:6} {name:28} {res}")
+PY
