@@ -1,8 +1,504 @@
-// Placeholder: this family's kernels are not written yet.
+// The "cuda" generic dialect: one simple CUDA kernel per op (kernels in generic.cu), registered
+// at kGenericPriority so that every specialised CUDA dialect wins where it supports a node, and
+// every node that runs on the GPU has at least this kernel. Each KernelImpl here only reads
+// shapes and attributes from KernelArgs and calls a launcher of generic.cuh on args.stream.
+//
+// Ops without a generic kernel (see tests/cuda/generic_test.cc's list): fused (compiled by the
+// nvrtc dialect), conv2d and its gradients, max/avg_pool2d and their gradients (not written yet).
+// Kernel-time data errors are recorded on the device: see generic.cuh, check_device_errors().
+#include <cmath>
+#include <cstring>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/generic.cuh"
 #include "backends/cuda/registration.h"
+#include "support/philox.h"
 
 namespace kiln::cuda {
+namespace {
 
-void register_generic_kernels(KernelRegistry&) {}
+using generic::BinaryOp;
+using generic::ElemType;
+using generic::kMaxRank;
+using generic::Layout;
+using generic::UnaryOp;
+
+#define KILN_SAME_CODE(name) \
+  static_assert(static_cast<int>(DType::name) == static_cast<int>(ElemType::name));
+KILN_SAME_CODE(kF32)
+KILN_SAME_CODE(kF64)
+KILN_SAME_CODE(kF16)
+KILN_SAME_CODE(kBF16)
+KILN_SAME_CODE(kI32)
+KILN_SAME_CODE(kI64)
+KILN_SAME_CODE(kBool)
+KILN_SAME_CODE(kU8)
+#undef KILN_SAME_CODE
+
+ElemType elem(DType d) { return static_cast<ElemType>(d); }
+ElemType elem(const Tensor& t) { return elem(t.dtype()); }
+int elem_size(const Tensor& t) { return static_cast<int>(dtype_size(t.dtype())); }
+cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
+
+// Every tensor of the node has rank <= kMaxRank (the layouts' capacity).
+bool ranks_fit(const NodeView& node) {
+  for (const TensorType& t : node.input_types)
+    if (t.rank() > kMaxRank) return false;
+  for (const TensorType& t : node.output_types)
+    if (t.rank() > kMaxRank) return false;
+  return true;
+}
+
+using Supports = std::function<bool(const NodeView&)>;
+
+void add(KernelRegistry& registry, Op op, KernelFn kernel, Supports supports = nullptr,
+         bool in_place_ok = false) {
+  Supports checked = [supports = std::move(supports)](const NodeView& node) {
+    return ranks_fit(node) && (!supports || supports(node));
+  };
+  registry.add(op, KernelImpl{"cuda", Device::kCuda, kGenericPriority,
+                              std::move(checked), std::move(kernel), in_place_ok});
+}
+
+void fill_strides(int64_t (&dst)[kMaxRank], const std::vector<int64_t>& src) {
+  for (size_t d = 0; d < src.size(); ++d) dst[d] = src[d];
+}
+
+// Layout of an elementwise op: operand 0 the (contiguous) output, then each input broadcast.
+Layout broadcast_layout(const Shape& out, const std::vector<Shape>& inputs) {
+  Layout layout;
+  layout.rank = static_cast<int>(out.size());
+  fill_strides(layout.shape, out);
+  fill_strides(layout.strides[0], strides_of(out));
+  layout.contiguous = true;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    fill_strides(layout.strides[k + 1], broadcast_strides(inputs[k], out));
+    // An input as large as the output that broadcasts to it stretches no dim: same layout.
+    layout.contiguous = layout.contiguous && numel(inputs[k]) == numel(out);
+  }
+  return layout;
+}
+
+// (outer, dim, inner) around `axis` of `shape`.
+struct AxisView {
+  int64_t outer = 1, dim = 1, inner = 1;
+};
+AxisView view_around(const Shape& shape, int axis) {
+  AxisView v;
+  for (int d = 0; d < axis; ++d) v.outer *= shape[d];
+  v.dim = shape[axis];
+  for (size_t d = axis + 1; d < shape.size(); ++d) v.inner *= shape[d];
+  return v;
+}
+
+// ---- elementwise ---------------------------------------------------------------------------------
+
+void register_elementwise(KernelRegistry& registry) {
+  const std::pair<Op, UnaryOp> unary[] = {
+      {Op::kAbs, UnaryOp::kAbs},         {Op::kExp, UnaryOp::kExp},
+      {Op::kLog, UnaryOp::kLog},         {Op::kNeg, UnaryOp::kNeg},
+      {Op::kReciprocal, UnaryOp::kReciprocal}, {Op::kRelu, UnaryOp::kRelu},
+      {Op::kRsqrt, UnaryOp::kRsqrt},     {Op::kSigmoid, UnaryOp::kSigmoid},
+      {Op::kSilu, UnaryOp::kSilu},       {Op::kSqrt, UnaryOp::kSqrt},
+      {Op::kSquare, UnaryOp::kSquare},   {Op::kTanh, UnaryOp::kTanh},
+  };
+  for (auto [op, code] : unary) {
+    add(registry, op, [code](const KernelArgs& a) {
+      generic::launch_unary(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+                            a.outputs[0].numel(), stream_of(a));
+    }, nullptr, /*in_place_ok=*/true);
+  }
+  add(registry, Op::kGelu, [](const KernelArgs& a) {
+    const UnaryOp code = a.attrs.s("approximate") == "tanh" ? UnaryOp::kGeluTanh : UnaryOp::kGeluErf;
+    generic::launch_unary(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+                          a.outputs[0].numel(), stream_of(a));
+  }, nullptr, true);
+
+  const std::pair<Op, BinaryOp> binary[] = {
+      {Op::kAdd, BinaryOp::kAdd}, {Op::kSub, BinaryOp::kSub}, {Op::kMul, BinaryOp::kMul},
+      {Op::kDiv, BinaryOp::kDiv}, {Op::kPow, BinaryOp::kPow}, {Op::kMaximum, BinaryOp::kMaximum},
+      {Op::kMinimum, BinaryOp::kMinimum}, {Op::kEq, BinaryOp::kEq}, {Op::kNe, BinaryOp::kNe},
+      {Op::kLt, BinaryOp::kLt}, {Op::kLe, BinaryOp::kLe}, {Op::kGt, BinaryOp::kGt},
+      {Op::kGe, BinaryOp::kGe},
+  };
+  for (auto [op, code] : binary) {
+    add(registry, op, [code](const KernelArgs& a) {
+      const Tensor &x = a.inputs[0], &y = a.inputs[1];
+      Tensor& out = a.outputs[0];
+      generic::launch_binary(code, elem(x), x.raw(), y.raw(), out.raw(),
+                             broadcast_layout(out.shape(), {x.shape(), y.shape()}), out.numel(),
+                             stream_of(a));
+    }, nullptr, true);
+  }
+  add(registry, Op::kGeluGrad, [](const KernelArgs& a) {
+    const BinaryOp code =
+        a.attrs.s("approximate") == "tanh" ? BinaryOp::kGeluGradTanh : BinaryOp::kGeluGradErf;
+    Tensor& out = a.outputs[0];
+    generic::launch_binary(code, elem(out), a.inputs[0].raw(), a.inputs[1].raw(), out.raw(),
+                           broadcast_layout(out.shape(), {a.inputs[0].shape(), a.inputs[1].shape()}),
+                           out.numel(), stream_of(a));
+  }, nullptr, true);
+
+  add(registry, Op::kWhere, [](const KernelArgs& a) {
+    const Tensor &cond = a.inputs[0], &x = a.inputs[1], &y = a.inputs[2];
+    Tensor& out = a.outputs[0];
+    generic::launch_where(elem_size(out), cond.raw(), x.raw(), y.raw(), out.raw(),
+                          broadcast_layout(out.shape(), {cond.shape(), x.shape(), y.shape()}),
+                          out.numel(), stream_of(a));
+  }, nullptr, true);
+
+  add(registry, Op::kCast, [](const KernelArgs& a) {
+    generic::launch_cast(elem(a.inputs[0]), elem(a.outputs[0]), a.inputs[0].raw(),
+                         a.outputs[0].raw(), a.outputs[0].numel(), stream_of(a));
+  }, nullptr, true);
+
+  add(registry, Op::kDropout, [](const KernelArgs& a) {
+    const double p = a.attrs.f("p");
+    const int64_t* offset = a.inputs.size() > 1 ? a.inputs[1].data<int64_t>() : nullptr;
+    generic::launch_dropout(elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+                            a.outputs[0].numel(), p, dropout_threshold(p),
+                            static_cast<uint64_t>(a.attrs.i("seed")), offset, stream_of(a));
+  }, nullptr, true);
+}
+
+// ---- sources and shape ops ---------------------------------------------------------------------
+
+void copy_bytes(const Tensor& from, Tensor& to, cudaStream_t stream) {
+  if (from.raw() == to.raw() || to.bytes() == 0) return;
+  KILN_CUDA_CHECK(
+      cudaMemcpyAsync(to.raw(), from.raw(), to.bytes(), cudaMemcpyDeviceToDevice, stream));
+}
+
+// Copies `in` (contiguous) into the block of `out` that starts at `axis_offset` along `axis`
+// (concat), or the block of `in` there into `out` (split, `into_out` false).
+void copy_block(const Tensor& in, Tensor& out, int axis, int64_t axis_offset, bool into_out,
+                cudaStream_t stream) {
+  const Tensor& big = into_out ? out : in;
+  const Tensor& small = into_out ? in : out;
+  Layout layout;
+  layout.rank = small.rank();
+  fill_strides(layout.shape, small.shape());
+  const std::vector<int64_t> big_strides = strides_of(big.shape());
+  const int big_operand = into_out ? 0 : 1, small_operand = 1 - big_operand;
+  fill_strides(layout.strides[big_operand], big_strides);
+  fill_strides(layout.strides[small_operand], strides_of(small.shape()));
+  layout.offset[big_operand] = axis_offset * big_strides[axis];
+  generic::launch_copy(elem_size(in), in.raw(), out.raw(), layout, small.numel(), stream);
+}
+
+void register_shape(KernelRegistry& registry) {
+  add(registry, Op::kFull, [](const KernelArgs& a) {
+    Tensor& out = a.outputs[0];
+    const double value = a.attrs.f("value");
+    uint64_t bits = 0;
+    visit_dtype(out.dtype(), [&](auto tag) {
+      auto v = from_double<decltype(tag)>(value);
+      std::memcpy(&bits, &v, sizeof(v));
+    });
+    generic::launch_fill(elem_size(out), bits, out.raw(), out.numel(), stream_of(a));
+  });
+  // The values are converted on the host and copied from pageable memory, which CUDA stages
+  // before returning (so the host buffer may go) but which may wait for the stream first.
+  add(registry, Op::kConstant, [](const KernelArgs& a) {
+    Tensor& out = a.outputs[0];
+    Tensor host = Tensor::from_f64(out.type(), a.attrs.floats("values"));
+    if (out.bytes() > 0)
+      KILN_CUDA_CHECK(cudaMemcpyAsync(out.raw(), host.raw(), out.bytes(), cudaMemcpyHostToDevice,
+                                      stream_of(a)));
+  });
+  add(registry, Op::kIota, [](const KernelArgs& a) {
+    Tensor& out = a.outputs[0];
+    const int axis = normalize_axis(a.attrs.i("axis"), out.rank());
+    generic::launch_iota(elem(out), out.raw(), out.numel(), out.shape()[axis],
+                         strides_of(out.shape())[axis], stream_of(a));
+  });
+
+  // Same bytes, another shape: a copy unless the memory plan put the output over the input.
+  add(registry, Op::kReshape,
+      [](const KernelArgs& a) { copy_bytes(a.inputs[0], a.outputs[0], stream_of(a)); });
+
+  add(registry, Op::kTranspose, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    Tensor& y = a.outputs[0];
+    const int rank = x.rank();
+    std::vector<int64_t> perm = a.attrs.ints("perm");
+    if (perm.empty())
+      for (int d = rank - 1; d >= 0; --d) perm.push_back(d);
+    const std::vector<int64_t> x_strides = strides_of(x.shape());
+    Layout layout;
+    layout.rank = rank;
+    fill_strides(layout.shape, y.shape());
+    fill_strides(layout.strides[0], strides_of(y.shape()));
+    for (int d = 0; d < rank; ++d) layout.strides[1][d] = x_strides[normalize_axis(perm[d], rank)];
+    generic::launch_copy(elem_size(x), x.raw(), y.raw(), layout, y.numel(), stream_of(a));
+  });
+
+  add(registry, Op::kBroadcastTo, [](const KernelArgs& a) {
+    Layout layout = broadcast_layout(a.outputs[0].shape(), {a.inputs[0].shape()});
+    generic::launch_copy(elem_size(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(), layout,
+                         a.outputs[0].numel(), stream_of(a));
+  });
+
+  add(registry, Op::kSlice, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    Tensor& y = a.outputs[0];
+    const std::vector<int64_t>& starts = a.attrs.ints("starts");
+    const std::vector<int64_t>& steps = a.attrs.ints("steps");
+    const std::vector<int64_t> x_strides = strides_of(x.shape());
+    Layout layout;
+    layout.rank = x.rank();
+    fill_strides(layout.shape, y.shape());
+    fill_strides(layout.strides[0], strides_of(y.shape()));
+    for (int d = 0; d < x.rank(); ++d) {
+      const int64_t start = starts[d] < 0 ? starts[d] + x.shape()[d] : starts[d];
+      const int64_t step = steps.empty() ? 1 : steps[d];
+      layout.offset[1] += start * x_strides[d];
+      layout.strides[1][d] = step * x_strides[d];
+    }
+    generic::launch_copy(elem_size(x), x.raw(), y.raw(), layout, y.numel(), stream_of(a));
+  });
+
+  add(registry, Op::kConcat, [](const KernelArgs& a) {
+    Tensor& y = a.outputs[0];
+    const int axis = normalize_axis(a.attrs.i("axis"), y.rank());
+    int64_t axis_offset = 0;
+    for (const Tensor& x : a.inputs) {
+      copy_block(x, y, axis, axis_offset, /*into_out=*/true, stream_of(a));
+      axis_offset += x.shape()[axis];
+    }
+  });
+
+  add(registry, Op::kSplit, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    const int axis = normalize_axis(a.attrs.i("axis"), x.rank());
+    int64_t axis_offset = 0;
+    for (Tensor& y : a.outputs) {
+      copy_block(x, y, axis, axis_offset, /*into_out=*/false, stream_of(a));
+      axis_offset += y.shape()[axis];
+    }
+  });
+
+  add(registry, Op::kGather, [](const KernelArgs& a) {
+    const Tensor &table = a.inputs[0], &indices = a.inputs[1];
+    const AxisView v = view_around(table.shape(), normalize_axis(a.attrs.i("axis"), table.rank()));
+    generic::launch_gather(elem_size(table), table.raw(), elem(indices), indices.raw(),
+                           a.outputs[0].raw(), v.outer, v.dim, v.inner, indices.numel(),
+                           stream_of(a));
+  });
+
+  add(registry, Op::kScatterAdd, [](const KernelArgs& a) {
+    const Tensor &base = a.inputs[0], &indices = a.inputs[1], &updates = a.inputs[2];
+    const AxisView v = view_around(base.shape(), normalize_axis(a.attrs.i("axis"), base.rank()));
+    generic::launch_scatter_add(elem(base), base.raw(), elem(indices), indices.raw(),
+                                updates.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
+                                indices.numel(), stream_of(a));
+  }, [](const NodeView& node) {
+    const DType t = node.input_types[0].dtype;
+    return t != DType::kBool && t != DType::kU8;  // no byte-wide atomics
+  });
+
+  add(registry, Op::kOneHot, [](const KernelArgs& a) {
+    const Tensor& indices = a.inputs[0];
+    generic::launch_one_hot(elem(indices), indices.raw(), elem(a.outputs[0]), a.outputs[0].raw(),
+                            indices.numel(), a.attrs.i("depth"), stream_of(a));
+  });
+}
+
+// ---- reductions ----------------------------------------------------------------------------------
+
+generic::ReduceLayout reduce_layout(const Shape& in, const std::vector<int64_t>& axes) {
+  const int rank = static_cast<int>(in.size());
+  std::vector<bool> reduced(rank, axes.empty());
+  for (int64_t axis : axes) reduced[normalize_axis(axis, rank)] = true;
+  const std::vector<int64_t> strides = strides_of(in);
+  generic::ReduceLayout layout;
+  layout.outputs = 1;
+  layout.count = 1;
+  for (int d = 0; d < rank; ++d) {
+    if (reduced[d]) {
+      layout.reduced_shape[layout.reduced_rank] = in[d];
+      layout.reduced_strides[layout.reduced_rank++] = strides[d];
+      layout.count *= in[d];
+    } else {
+      layout.kept_shape[layout.kept_rank] = in[d];
+      layout.kept_strides[layout.kept_rank++] = strides[d];
+      layout.outputs *= in[d];
+    }
+  }
+  return layout;
+}
+
+void register_reductions(KernelRegistry& registry) {
+  const std::pair<Op, generic::ReduceOp> reductions[] = {
+      {Op::kSum, generic::ReduceOp::kSum},
+      {Op::kMean, generic::ReduceOp::kMean},
+      {Op::kMax, generic::ReduceOp::kMax},
+  };
+  for (auto [op, code] : reductions) {
+    add(registry, op, [code](const KernelArgs& a) {
+      generic::launch_reduce(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+                             reduce_layout(a.inputs[0].shape(), a.attrs.ints("axes")),
+                             stream_of(a));
+    });
+  }
+  add(registry, Op::kArgmax, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
+    generic::launch_argmax(elem(x), x.raw(), a.outputs[0].data<int64_t>(), v.outer, v.dim,
+                           v.inner, stream_of(a));
+  });
+}
+
+// ---- nn ------------------------------------------------------------------------------------------
+
+struct Rows {
+  int64_t rows = 1, cols = 1;
+};
+Rows rows_of(const Shape& shape) {
+  Rows r;
+  r.cols = shape.back();
+  for (size_t d = 0; d + 1 < shape.size(); ++d) r.rows *= shape[d];
+  return r;
+}
+
+int reduction_code(const Attributes& attrs) {
+  const std::string& r = attrs.s("reduction");
+  return r == "mean" ? 0 : r == "sum" ? 1 : 2;
+}
+
+double attention_scale(const Attributes& attrs, int64_t head_dim) {
+  if (attrs.has("scale")) return attrs.f("scale");
+  return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
+}
+
+struct AttentionDims {
+  int64_t batch = 1, tq, tk, d, dv;
+};
+AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int r = q.rank();
+  AttentionDims dims{1, q.shape()[r - 2], k.shape()[r - 2], q.shape()[r - 1], v.shape()[r - 1]};
+  for (int i = 0; i + 2 < r; ++i) dims.batch *= q.shape()[i];
+  return dims;
+}
+
+void register_nn(KernelRegistry& registry) {
+  add(registry, Op::kMatmul, [](const KernelArgs& a) {
+    const Tensor &x = a.inputs[0], &w = a.inputs[1];
+    generic::MatmulLayout L;
+    L.transpose_a = a.attrs.b("transpose_a");
+    L.transpose_b = a.attrs.b("transpose_b");
+    const int ra = x.rank(), rb = w.rank();
+    L.m = L.transpose_a ? x.shape()[ra - 1] : x.shape()[ra - 2];
+    L.k = L.transpose_a ? x.shape()[ra - 2] : x.shape()[ra - 1];
+    L.n = L.transpose_b ? w.shape()[rb - 2] : w.shape()[rb - 1];
+    const Shape a_batch(x.shape().begin(), x.shape().end() - 2);
+    const Shape b_batch(w.shape().begin(), w.shape().end() - 2);
+    const Shape batch(a.outputs[0].shape().begin(), a.outputs[0].shape().end() - 2);
+    L.batch_rank = static_cast<int>(batch.size());
+    fill_strides(L.batch_shape, batch);
+    fill_strides(L.a_batch_strides, broadcast_strides(a_batch, batch));
+    fill_strides(L.b_batch_strides, broadcast_strides(b_batch, batch));
+    L.batch = numel(batch);
+    generic::launch_matmul(elem(x), x.raw(), w.raw(), a.outputs[0].raw(), L, stream_of(a));
+  });
+
+  for (bool log : {false, true}) {
+    add(registry, log ? Op::kLogSoftmax : Op::kSoftmax, [log](const KernelArgs& a) {
+      const Tensor& x = a.inputs[0];
+      const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
+      generic::launch_softmax(elem(x), log, x.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
+                              stream_of(a));
+    });
+    add(registry, log ? Op::kLogSoftmaxGrad : Op::kSoftmaxGrad, [log](const KernelArgs& a) {
+      const Tensor &y = a.inputs[0], &dy = a.inputs[1];
+      const AxisView v = view_around(y.shape(), normalize_axis(a.attrs.i("axis"), y.rank()));
+      generic::launch_softmax_grad(elem(y), log, y.raw(), dy.raw(), a.outputs[0].raw(), v.outer,
+                                   v.dim, v.inner, stream_of(a));
+    });
+  }
+
+  add(registry, Op::kLayerNorm, [](const KernelArgs& a) {
+    const Rows r = rows_of(a.inputs[0].shape());
+    generic::launch_norm(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
+                         a.inputs[2].raw(), a.outputs[0].raw(), r.rows, r.cols,
+                         a.attrs.f("epsilon"), stream_of(a));
+  });
+  add(registry, Op::kRmsNorm, [](const KernelArgs& a) {
+    const Rows r = rows_of(a.inputs[0].shape());
+    generic::launch_norm(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(), nullptr,
+                         a.outputs[0].raw(), r.rows, r.cols, a.attrs.f("epsilon"), stream_of(a));
+  });
+  for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad}) {
+    add(registry, op, [op](const KernelArgs& a) {
+      const Rows r = rows_of(a.inputs[0].shape());
+      void* dbeta = op == Op::kLayerNormGrad ? a.outputs[2].raw() : nullptr;
+      generic::launch_norm_grad(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
+                                a.inputs[2].raw(), a.outputs[0].raw(), a.outputs[1].raw(), dbeta,
+                                r.rows, r.cols, a.attrs.f("epsilon"), stream_of(a));
+    });
+  }
+
+  add(registry, Op::kCrossEntropy, [](const KernelArgs& a) {
+    const Tensor &logits = a.inputs[0], &labels = a.inputs[1];
+    const Rows r = rows_of(logits.shape());
+    generic::launch_cross_entropy(elem(logits), logits.raw(), elem(labels), labels.raw(),
+                                  a.outputs[0].raw(), r.rows, r.cols, a.attrs.i("ignore_index"),
+                                  reduction_code(a.attrs), stream_of(a));
+  });
+  add(registry, Op::kCrossEntropyGrad, [](const KernelArgs& a) {
+    const Tensor &logits = a.inputs[0], &labels = a.inputs[1];
+    const Rows r = rows_of(logits.shape());
+    generic::launch_cross_entropy_grad(elem(logits), logits.raw(), elem(labels), labels.raw(),
+                                       a.inputs[2].raw(), a.outputs[0].raw(), r.rows, r.cols,
+                                       a.attrs.i("ignore_index"), reduction_code(a.attrs),
+                                       stream_of(a));
+  });
+
+  // Scores of one query live in shared memory: at most attention_max_keys() keys.
+  Supports attention_fits = [](const NodeView& node) {
+    const TensorType& k = node.input_types[1];
+    return k.shape[k.rank() - 2] <= generic::attention_max_keys();
+  };
+  add(registry, Op::kAttention, [](const KernelArgs& a) {
+    const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
+    const AttentionDims d = attention_dims(q, k, v);
+    generic::launch_attention(elem(q), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(), d.batch,
+                              d.tq, d.tk, d.d, d.dv, a.attrs.b("causal"),
+                              attention_scale(a.attrs, d.d), stream_of(a));
+  }, attention_fits);
+  add(registry, Op::kAttentionGrad, [](const KernelArgs& a) {
+    const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
+    const AttentionDims d = attention_dims(q, k, v);
+    generic::launch_attention_grad(elem(q), q.raw(), k.raw(), v.raw(), a.inputs[3].raw(),
+                                   a.outputs[0].raw(), a.outputs[1].raw(), a.outputs[2].raw(),
+                                   d.batch, d.tq, d.tk, d.d, d.dv, a.attrs.b("causal"),
+                                   attention_scale(a.attrs, d.d), stream_of(a));
+  }, attention_fits);
+
+  add(registry, Op::kSgdUpdate, [](const KernelArgs& a) {
+    const Tensor& lr = a.inputs[3];
+    generic::launch_sgd_update(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
+                               a.inputs[2].raw(), elem(lr), lr.raw(), a.outputs[0].raw(),
+                               a.outputs[1].raw(), a.inputs[0].numel(), a.attrs.f("momentum"),
+                               a.attrs.b("nesterov"), a.attrs.f("weight_decay"), stream_of(a));
+  }, nullptr, true);
+  add(registry, Op::kAdamwUpdate, [](const KernelArgs& a) {
+    const Tensor &lr = a.inputs[4], &step = a.inputs[5];
+    generic::launch_adamw_update(
+        elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(), a.inputs[2].raw(),
+        a.inputs[3].raw(), elem(lr), lr.raw(), elem(step), step.raw(), a.outputs[0].raw(),
+        a.outputs[1].raw(), a.outputs[2].raw(), a.inputs[0].numel(), a.attrs.f("beta1"),
+        a.attrs.f("beta2"), a.attrs.f("epsilon"), a.attrs.f("weight_decay"), stream_of(a));
+  }, nullptr, true);
+}
+
+}  // namespace
+
+void register_generic_kernels(KernelRegistry& registry) {
+  register_elementwise(registry);
+  register_shape(registry);
+  register_reductions(registry);
+  register_nn(registry);
+}
 
 }  // namespace kiln::cuda

@@ -1,0 +1,183 @@
+// Launchers of the "cuda" generic dialect (backends/cuda/generic.cu): one simple, correct CUDA
+// kernel per op, the fallback below every specialised CUDA dialect and the oracle for them.
+// C++17-clean (nvcc compiles generic.cu as C++17): plain pointers, int64_t, cudaStream_t and
+// small POD structs passed to the kernels by value. generic.cc maps KernelArgs onto these.
+//
+// Every launcher enqueues on `stream` and never synchronizes. Every launcher writes every
+// element of its outputs. 16-bit floats are computed in f32, f64 in f64, integers in i64 with
+// wrap-around (as the reference kernels define them).
+//
+// Kernel-time data errors (gather/scatter_add index out of range, cross_entropy label out of
+// range, integer division by zero) cannot throw from the device. The kernel writes 0 for the
+// bad element and records the first such error in a device-global slot; check_device_errors()
+// reads it after the stream has synchronized and throws kiln::Error describing it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kiln::cuda::generic {
+
+inline constexpr int kMaxRank = 8;
+inline constexpr int kMaxOperands = 4;  // output + up to 3 inputs (where)
+
+// Element types: the values of kiln::DType (ir/dtype.h); generic.cc static_asserts they agree.
+enum class ElemType : int { kF32, kF64, kF16, kBF16, kI32, kI64, kBool, kU8 };
+
+// An iteration space of `rank` dims and, for each operand, a base offset and strides in
+// elements over those dims (0 along broadcast dims). Element i of the space is at
+// offset[k] + sum_d index_d(i) * strides[k][d] in operand k. `contiguous`: every operand is
+// element i at offset[k] + i (the fast path, no index arithmetic).
+struct Layout {
+  int rank = 0;
+  bool contiguous = false;
+  int64_t shape[kMaxRank] = {};
+  int64_t strides[kMaxOperands][kMaxRank] = {};
+  int64_t offset[kMaxOperands] = {};
+};
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+enum class UnaryOp : int {
+  kAbs, kExp, kLog, kNeg, kReciprocal, kRelu, kRsqrt, kSigmoid, kSilu, kSqrt, kSquare, kTanh,
+  kGeluErf, kGeluTanh,
+};
+// Float ops take kF32/kF64/kF16/kBF16; abs, neg, relu, square also kI32/kI64/kU8.
+void launch_unary(UnaryOp op, ElemType type, const void* x, void* y, int64_t n,
+                  cudaStream_t stream);
+
+enum class BinaryOp : int {
+  kAdd, kSub, kMul, kDiv, kPow, kMaximum, kMinimum,
+  kEq, kNe, kLt, kLe, kGt, kGe,     // bool output
+  kGeluGradErf, kGeluGradTanh,      // (x, dy) -> dy * gelu'(x)
+};
+// Layout operands: 0 = out (contiguous), 1 = a, 2 = b. Comparisons write bool.
+void launch_binary(BinaryOp op, ElemType type, const void* a, const void* b, void* out,
+                   const Layout& layout, int64_t n, cudaStream_t stream);
+
+// where(cond, a, b): operands 0 = out, 1 = cond (bool), 2 = a, 3 = b; any element size.
+void launch_where(int elem_size, const void* cond, const void* a, const void* b, void* out,
+                  const Layout& layout, int64_t n, cudaStream_t stream);
+
+// Any dtype to any dtype, the reference's rules (float->int truncates and saturates, NaN -> 0;
+// int->int wraps; ->bool is x != 0; f64->f16/bf16 rounds through f32 as the host does).
+void launch_cast(ElemType from, ElemType to, const void* x, void* y, int64_t n,
+                 cudaStream_t stream);
+
+// Philox dropout (support/philox.h): `offset` is a device i64 scalar or nullptr (offset 0).
+void launch_dropout(ElemType type, const void* x, void* y, int64_t n, double p,
+                    uint32_t threshold, uint64_t seed, const int64_t* offset,
+                    cudaStream_t stream);
+
+// ---- sources and data movement ----------------------------------------------------------------
+
+// Every element = the `elem_size`-byte pattern in the low bytes of `bits`.
+void launch_fill(int elem_size, uint64_t bits, void* out, int64_t n, cudaStream_t stream);
+// out[i] = (i / inner) % dim, converted to `type`.
+void launch_iota(ElemType type, void* out, int64_t n, int64_t dim, int64_t inner,
+                 cudaStream_t stream);
+// Strided copy over `layout`: operand 0 = out, 1 = in (transpose, broadcast_to, slice, concat,
+// split are all this with different strides and offsets).
+void launch_copy(int elem_size, const void* in, void* out, const Layout& layout, int64_t n,
+                 cudaStream_t stream);
+// one_hot: out[p * depth + c] = (c == indices[p]); indices outside [0, depth) give a zero row.
+void launch_one_hot(ElemType index_type, const void* indices, ElemType out_type, void* out,
+                    int64_t n_indices, int64_t depth, cudaStream_t stream);
+// gather along an axis seen as (outer, dim, inner): out (outer, n_indices, inner).
+void launch_gather(int elem_size, const void* table, ElemType index_type, const void* indices,
+                   void* out, int64_t outer, int64_t dim, int64_t inner, int64_t n_indices,
+                   cudaStream_t stream);
+// scatter_add: out = base, then updates (outer, n_indices, inner) summed into rows with
+// atomicAdd: the order of the sums varies, so float results are not bitwise deterministic.
+// All dtypes but bool and u8 (no byte-wide atomics).
+void launch_scatter_add(ElemType type, const void* base, ElemType index_type, const void* indices,
+                        const void* updates, void* out, int64_t outer, int64_t dim,
+                        int64_t inner, int64_t n_indices, cudaStream_t stream);
+
+// ---- reductions ---------------------------------------------------------------------------------
+
+enum class ReduceOp : int { kSum, kMean, kMax };
+// Output element o covers the kept dims (kept_shape/kept_strides: o's multi-index -> input
+// offset) and the reduced dims (reduced_shape/reduced_strides), `count` elements.
+struct ReduceLayout {
+  int kept_rank = 0, reduced_rank = 0;
+  int64_t kept_shape[kMaxRank] = {}, kept_strides[kMaxRank] = {};
+  int64_t reduced_shape[kMaxRank] = {}, reduced_strides[kMaxRank] = {};
+  int64_t outputs = 0, count = 0;
+};
+// Sums accumulate in f64 (floats) or wrapping i64 (integers); max propagates NaN.
+void launch_reduce(ReduceOp op, ElemType type, const void* x, void* out,
+                   const ReduceLayout& layout, cudaStream_t stream);
+// argmax along the middle of (outer, dim, inner): first index of the maximum, NaN is the max.
+void launch_argmax(ElemType type, const void* x, int64_t* out, int64_t outer, int64_t dim,
+                   int64_t inner, cudaStream_t stream);
+
+// ---- nn ------------------------------------------------------------------------------------------
+
+// C (batch..., m, n) = op(A) op(B), batch dims broadcast: a_batch_strides/b_batch_strides count
+// whole matrices (0 where broadcast). Accumulates in f32 (f64 for f64).
+struct MatmulLayout {
+  int64_t m = 0, n = 0, k = 0;
+  bool transpose_a = false, transpose_b = false;
+  int batch_rank = 0;
+  int64_t batch_shape[kMaxRank] = {};
+  int64_t a_batch_strides[kMaxRank] = {}, b_batch_strides[kMaxRank] = {};
+  int64_t batch = 1;
+};
+void launch_matmul(ElemType type, const void* a, const void* b, void* c,
+                   const MatmulLayout& layout, cudaStream_t stream);
+
+// softmax / log_softmax along the middle axis of (outer, dim, inner); one block per line.
+void launch_softmax(ElemType type, bool log, const void* x, void* y, int64_t outer, int64_t dim,
+                    int64_t inner, cudaStream_t stream);
+void launch_softmax_grad(ElemType type, bool log, const void* y, const void* dy, void* dx,
+                         int64_t outer, int64_t dim, int64_t inner, cudaStream_t stream);
+// layer_norm (beta given) or rms_norm (beta == nullptr) over rows of `cols`.
+void launch_norm(ElemType type, const void* x, const void* gamma, const void* beta, void* y,
+                 int64_t rows, int64_t cols, double epsilon, cudaStream_t stream);
+// layer_norm_grad (dbeta given) or rms_norm_grad (dbeta == nullptr). Uses a stream-ordered
+// scratch buffer (cudaMallocAsync) for the per-row statistics.
+void launch_norm_grad(ElemType type, const void* x, const void* gamma, const void* dy, void* dx,
+                      void* dgamma, void* dbeta, int64_t rows, int64_t cols, double epsilon,
+                      cudaStream_t stream);
+// reduction: 0 mean, 1 sum, 2 none.
+void launch_cross_entropy(ElemType type, const void* logits, ElemType label_type,
+                          const void* labels, void* out, int64_t rows, int64_t vocab,
+                          int64_t ignore_index, int reduction, cudaStream_t stream);
+void launch_cross_entropy_grad(ElemType type, const void* logits, ElemType label_type,
+                               const void* labels, const void* dloss, void* dlogits,
+                               int64_t rows, int64_t vocab, int64_t ignore_index, int reduction,
+                               cudaStream_t stream);
+
+// Optimizer updates; lr and step are device scalars of their own float dtypes. Outputs may
+// alias the matching inputs (each element is read before it is written).
+void launch_sgd_update(ElemType type, const void* param, const void* grad, const void* buf,
+                       ElemType lr_type, const void* lr, void* param_out, void* buf_out,
+                       int64_t n, double momentum, bool nesterov, double weight_decay,
+                       cudaStream_t stream);
+void launch_adamw_update(ElemType type, const void* param, const void* grad, const void* m,
+                         const void* v, ElemType lr_type, const void* lr, ElemType step_type,
+                         const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
+                         double beta1, double beta2, double epsilon, double weight_decay,
+                         cudaStream_t stream);
+
+// Naive attention: one block per (batch, query); scores live in shared memory, so tk is limited
+// by attention_max_keys(). attention_grad accumulates dk and dv with atomicAdd (not bitwise
+// deterministic) in an f32/f64 scratch buffer.
+int64_t attention_max_keys();
+void launch_attention(ElemType type, const void* q, const void* k, const void* v, void* out,
+                      int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
+                      double scale, cudaStream_t stream);
+void launch_attention_grad(ElemType type, const void* q, const void* k, const void* v,
+                           const void* dout, void* dq, void* dk, void* dv_out, int64_t batch,
+                           int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
+                           double scale, cudaStream_t stream);
+
+// ---- errors -----------------------------------------------------------------------------------
+
+// Throws kiln::Error for the first data error a generic kernel recorded since the last call,
+// and clears it. Call after synchronizing the streams the kernels ran on.
+void check_device_errors();
+
+}  // namespace kiln::cuda::generic
