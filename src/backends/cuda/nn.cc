@@ -1,8 +1,240 @@
-// Placeholder: this family's kernels are not written yet.
+// The "cuda-nn" dialect: hand-written CUDA kernels for the memory-bound ops of transformer
+// training (kernels in nn.cu, launchers declared in nn.cuh), at kHandWrittenPriority.
+//   layer_norm, layer_norm_grad     f32/bf16/f16 (layer_norm_grad: C <= kLayerNormGradMaxCols)
+//   softmax, log_softmax (+ grads)  f32/bf16/f16, last axis only
+//   cross_entropy (+ grad)          f32/bf16/f16 logits, i32/i64 labels, every reduction
+//   gelu, gelu_grad                 f32/bf16/f16, both approximations
+//   adamw_update, sgd_update        the type combinations nn::update_types_supported accepts
+//   gather                          any dtype, any axis, i32/i64 indices
+//   scatter_add                     f32/bf16/f16, any axis, i32/i64 indices (deterministic)
+// f64 and everything else falls through to the generic "cuda" dialect. The supports()
+// predicates see only types and attributes; pointer alignment is handled inside the launchers.
+#include "backends/cuda/nn.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
 #include "backends/cuda/registration.h"
 
 namespace kiln::cuda {
+namespace {
 
-void register_nn_kernels(KernelRegistry&) {}
+static_assert(static_cast<int>(DType::kF32) == static_cast<int>(nn::Elem::kF32) &&
+              static_cast<int>(DType::kF64) == static_cast<int>(nn::Elem::kF64) &&
+              static_cast<int>(DType::kF16) == static_cast<int>(nn::Elem::kF16) &&
+              static_cast<int>(DType::kBF16) == static_cast<int>(nn::Elem::kBF16) &&
+              static_cast<int>(DType::kI32) == static_cast<int>(nn::Elem::kI32) &&
+              static_cast<int>(DType::kI64) == static_cast<int>(nn::Elem::kI64) &&
+              static_cast<int>(DType::kBool) == static_cast<int>(nn::Elem::kBool) &&
+              static_cast<int>(DType::kU8) == static_cast<int>(nn::Elem::kU8));
+
+nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
+cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
+
+KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
+  return KernelImpl{"cuda-nn", Device::kCuda, kHandWrittenPriority, std::move(supports),
+                    std::move(kernel)};
+}
+
+bool storage_float(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+
+// Every input and output of the node has storage dtype `d` (except those in `skip`).
+bool all_storage_float(const NodeView& n, std::initializer_list<size_t> skip_inputs = {}) {
+  for (size_t i = 0; i < n.input_types.size(); ++i) {
+    if (std::find(skip_inputs.begin(), skip_inputs.end(), i) != skip_inputs.end()) continue;
+    if (!storage_float(n.input_types[i].dtype)) return false;
+  }
+  for (const TensorType& t : n.output_types)
+    if (!storage_float(t.dtype)) return false;
+  return true;
+}
+
+int64_t attr_int(const NodeView& n, const char* name, int64_t fallback) {
+  return n.node.attrs.has(name) ? n.node.attrs.i(name) : fallback;
+}
+
+struct RowsCols {
+  int64_t rows, cols;
+};
+RowsCols rows_cols(const Shape& shape) {
+  RowsCols rc{1, shape.empty() ? 1 : shape.back()};
+  for (size_t d = 0; d + 1 < shape.size(); ++d) rc.rows *= shape[d];
+  return rc;
+}
+
+// ---- row ops --------------------------------------------------------------------------------
+
+bool last_axis_supported(const NodeView& n) {
+  const TensorType& x = n.input_types[0];
+  if (x.rank() < 1 || !all_storage_float(n)) return false;
+  return normalize_axis(attr_int(n, "axis", -1), x.rank()) == x.rank() - 1;
+}
+
+void softmax_kernel(const KernelArgs& args, bool log) {
+  const Tensor& x = args.inputs[0];
+  const auto [rows, cols] = rows_cols(x.shape());
+  nn::softmax(elem(x.dtype()), x.raw(), args.outputs[0].raw(), rows, cols, log, stream_of(args));
+}
+
+void softmax_grad_kernel(const KernelArgs& args, bool log) {
+  const Tensor &y = args.inputs[0], &dy = args.inputs[1];
+  const auto [rows, cols] = rows_cols(y.shape());
+  nn::softmax_grad(elem(y.dtype()), y.raw(), dy.raw(), args.outputs[0].raw(), rows, cols, log,
+                   stream_of(args));
+}
+
+bool layer_norm_supported(const NodeView& n) {
+  return n.input_types[0].rank() >= 1 && all_storage_float(n);
+}
+
+bool layer_norm_grad_supported(const NodeView& n) {
+  return layer_norm_supported(n) && n.input_types[0].shape.back() <= nn::kLayerNormGradMaxCols;
+}
+
+nn::Reduction reduction_of(const Attributes& attrs) {
+  const std::string r = attrs.has("reduction") ? attrs.s("reduction") : "mean";
+  if (r == "sum") return nn::Reduction::kSum;
+  if (r == "none") return nn::Reduction::kNone;
+  return nn::Reduction::kMean;
+}
+
+bool cross_entropy_supported(const NodeView& n) {
+  const TensorType& labels = n.input_types[1];
+  return n.input_types[0].rank() >= 1 && all_storage_float(n, {1}) &&
+         (labels.dtype == DType::kI32 || labels.dtype == DType::kI64);
+}
+
+// ---- optimizer updates ----------------------------------------------------------------------
+
+// adamw: (param, grad, m, v, lr, step); sgd: (param, grad, buf, lr). m and v share a dtype.
+bool update_supported(const NodeView& n, size_t scalars_from) {
+  const auto& in = n.input_types;
+  if (in[2].dtype != (scalars_from == 4 ? in[3].dtype : in[2].dtype)) return false;
+  for (size_t i = scalars_from; i < in.size(); ++i)
+    if (!is_float(in[i].dtype)) return false;
+  return nn::update_types_supported(elem(in[0].dtype), elem(in[1].dtype), elem(in[2].dtype));
+}
+
+// ---- gather / scatter_add -------------------------------------------------------------------
+
+struct AxisView {
+  int64_t outer, dim, inner;
+};
+AxisView axis_view(const Shape& shape, int axis) {
+  AxisView v{1, shape[axis], 1};
+  for (int d = 0; d < axis; ++d) v.outer *= shape[d];
+  for (size_t d = axis + 1; d < shape.size(); ++d) v.inner *= shape[d];
+  return v;
+}
+
+}  // namespace
+
+void register_nn_kernels(KernelRegistry& registry) {
+  registry.add(Op::kLayerNorm, impl(layer_norm_supported, [](const KernelArgs& args) {
+                 const Tensor& x = args.inputs[0];
+                 const auto [rows, cols] = rows_cols(x.shape());
+                 nn::layer_norm(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                                args.inputs[2].raw(), args.outputs[0].raw(), rows, cols,
+                                static_cast<float>(args.attrs.f("epsilon")), stream_of(args));
+               }));
+  registry.add(Op::kLayerNormGrad, impl(layer_norm_grad_supported, [](const KernelArgs& args) {
+                 const Tensor& x = args.inputs[0];
+                 const auto [rows, cols] = rows_cols(x.shape());
+                 nn::layer_norm_grad(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                                     args.inputs[2].raw(), args.outputs[0].raw(),
+                                     args.outputs[1].raw(), args.outputs[2].raw(), rows, cols,
+                                     static_cast<float>(args.attrs.f("epsilon")), stream_of(args));
+               }));
+
+  registry.add(Op::kSoftmax, impl(last_axis_supported,
+                                  [](const KernelArgs& args) { softmax_kernel(args, false); }));
+  registry.add(Op::kLogSoftmax, impl(last_axis_supported,
+                                     [](const KernelArgs& args) { softmax_kernel(args, true); }));
+  registry.add(Op::kSoftmaxGrad, impl(last_axis_supported, [](const KernelArgs& args) {
+                 softmax_grad_kernel(args, false);
+               }));
+  registry.add(Op::kLogSoftmaxGrad, impl(last_axis_supported, [](const KernelArgs& args) {
+                 softmax_grad_kernel(args, true);
+               }));
+
+  registry.add(Op::kCrossEntropy, impl(cross_entropy_supported, [](const KernelArgs& args) {
+                 const Tensor &logits = args.inputs[0], &labels = args.inputs[1];
+                 const auto [rows, vocab] = rows_cols(logits.shape());
+                 nn::cross_entropy(elem(logits.dtype()), logits.raw(), elem(labels.dtype()),
+                                   labels.raw(), args.outputs[0].raw(), rows, vocab,
+                                   args.attrs.i("ignore_index"), reduction_of(args.attrs),
+                                   stream_of(args));
+               }));
+  registry.add(Op::kCrossEntropyGrad, impl(cross_entropy_supported, [](const KernelArgs& args) {
+                 const Tensor &logits = args.inputs[0], &labels = args.inputs[1];
+                 const auto [rows, vocab] = rows_cols(logits.shape());
+                 nn::cross_entropy_grad(elem(logits.dtype()), logits.raw(), elem(labels.dtype()),
+                                        labels.raw(), args.inputs[2].raw(), args.outputs[0].raw(),
+                                        rows, vocab, args.attrs.i("ignore_index"),
+                                        reduction_of(args.attrs), stream_of(args));
+               }));
+
+  auto elementwise_supported = [](const NodeView& n) { return all_storage_float(n); };
+  registry.add(Op::kGelu, impl(elementwise_supported, [](const KernelArgs& args) {
+                 const Tensor& x = args.inputs[0];
+                 nn::gelu(elem(x.dtype()), x.raw(), args.outputs[0].raw(), x.numel(),
+                          args.attrs.s("approximate") == "tanh", stream_of(args));
+               }));
+  registry.add(Op::kGeluGrad, impl(elementwise_supported, [](const KernelArgs& args) {
+                 const Tensor& x = args.inputs[0];
+                 nn::gelu_grad(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                               args.outputs[0].raw(), x.numel(),
+                               args.attrs.s("approximate") == "tanh", stream_of(args));
+               }));
+
+  registry.add(
+      Op::kAdamwUpdate,
+      impl([](const NodeView& n) { return update_supported(n, 4); },
+           [](const KernelArgs& args) {
+             const auto& in = args.inputs;
+             const Attributes& a = args.attrs;
+             nn::AdamwConfig config{
+                 static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
+                 static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
+             nn::adamw_update(elem(in[0].dtype()), elem(in[1].dtype()), elem(in[2].dtype()),
+                              in[0].raw(), in[1].raw(), in[2].raw(), in[3].raw(),
+                              elem(in[4].dtype()), in[4].raw(), elem(in[5].dtype()), in[5].raw(),
+                              args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
+                              in[0].numel(), config, stream_of(args));
+           }));
+  registry.add(Op::kSgdUpdate, impl([](const NodeView& n) { return update_supported(n, 3); },
+                                    [](const KernelArgs& args) {
+                                      const auto& in = args.inputs;
+                                      const Attributes& a = args.attrs;
+                                      nn::SgdConfig config{static_cast<float>(a.f("momentum")),
+                                                           static_cast<float>(a.f("weight_decay")),
+                                                           a.b("nesterov")};
+                                      nn::sgd_update(elem(in[0].dtype()), elem(in[1].dtype()),
+                                                     elem(in[2].dtype()), in[0].raw(), in[1].raw(),
+                                                     in[2].raw(), elem(in[3].dtype()), in[3].raw(),
+                                                     args.outputs[0].raw(), args.outputs[1].raw(),
+                                                     in[0].numel(), config, stream_of(args));
+                                    }));
+
+  registry.add(Op::kGather, impl(nullptr, [](const KernelArgs& args) {
+                 const Tensor &table = args.inputs[0], &indices = args.inputs[1];
+                 const int axis = normalize_axis(args.attrs.i("axis"), table.rank());
+                 const AxisView v = axis_view(table.shape(), axis);
+                 nn::gather(table.raw(), static_cast<int64_t>(dtype_size(table.dtype())),
+                            elem(indices.dtype()), indices.raw(), args.outputs[0].raw(), v.outer,
+                            v.dim, v.inner, indices.numel(), stream_of(args));
+               }));
+  registry.add(Op::kScatterAdd,
+               impl([](const NodeView& n) { return storage_float(n.input_types[0].dtype); },
+                    [](const KernelArgs& args) {
+                      const Tensor &base = args.inputs[0], &indices = args.inputs[1];
+                      const int axis = normalize_axis(args.attrs.i("axis"), base.rank());
+                      const AxisView v = axis_view(base.shape(), axis);
+                      nn::scatter_add(elem(base.dtype()), base.raw(), elem(indices.dtype()),
+                                      indices.raw(), args.inputs[2].raw(), args.outputs[0].raw(),
+                                      v.outer, v.dim, v.inner, indices.numel(), stream_of(args));
+                    }));
+}
 
 }  // namespace kiln::cuda

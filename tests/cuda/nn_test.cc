@@ -1,0 +1,467 @@
+// The "cuda-nn" dialect (backends/cuda/nn.{cu,cc}) against the CPU reference kernels: every op,
+// f32/bf16/f16, row lengths that take the warp path (<= 1024), the block path, odd lengths
+// (rows that start misaligned, so the scalar head/tail is exercised) and a misaligned view
+// (the scalar fallback). Outputs are poisoned with 0xFF bytes first, so an unwritten element
+// shows as NaN. Plus a bandwidth report at GPT-2 sizes (printed, never asserted).
+//
+// Tolerances (max_scaled_error <= 1 with atol, rtol): the kernels compute in f32 and round once
+// to the storage type; the reference computes in f64 and rounds once. So f32: 1e-5/1e-4 (f32
+// accumulation over up to 50257 terms); f16: 2e-3/4e-3 (1 ulp = 2^-11 relative, plus f32 error
+// amplified by the cancellations in the grads); bf16: 1.6e-2/1.6e-2 (1 ulp = 2^-8 relative; the
+// two roundings may land one ulp apart).
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/memory.h"
+#include "gpu_test_util.h"
+
+namespace kiln {
+namespace {
+
+using testing::rand;
+
+struct Tolerance {
+  double atol, rtol;
+};
+Tolerance tolerance(DType d) {
+  switch (d) {
+    case DType::kF16:
+      return {2e-3, 4e-3};
+    case DType::kBF16:
+      return {1.6e-2, 1.6e-2};
+    default:
+      return {1e-5, 1e-4};
+  }
+}
+
+constexpr DType kFloatTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+
+// Runs `op` through the "cuda-nn" dialect (it must be the one chosen) on device copies of
+// `inputs`; outputs poisoned with 0xFF first; returns them on the host.
+std::vector<Tensor> run_cuda_nn(Op op, const std::vector<Tensor>& inputs, Attributes attrs = {},
+                                std::vector<Tensor> device_inputs = {}) {
+  attrs = normalize_attributes(op, std::move(attrs));
+  std::vector<TensorType> in_types;
+  for (const Tensor& t : inputs) in_types.push_back(t.type());
+  const std::vector<TensorType> out_types = infer_types(op, in_types, attrs);
+  Node node{op, {}, {}, attrs, nullptr};
+  const KernelImpl& impl =
+      kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {"cuda-nn"});
+  EXPECT_EQ(impl.dialect, "cuda-nn");
+  if (device_inputs.empty())
+    for (const Tensor& t : inputs) device_inputs.push_back(cuda::to_device(t));
+  std::vector<Tensor> outputs;
+  for (const TensorType& t : out_types) {
+    outputs.push_back(cuda::device_tensor(t, /*zero=*/false));
+    KILN_CUDA_CHECK(cudaMemset(outputs.back().raw(), 0xFF, std::max<size_t>(t.bytes(), 1)));
+  }
+  cuda::Stream stream;
+  impl.kernel(KernelArgs{attrs, device_inputs, outputs, stream.handle()});
+  stream.synchronize();
+  std::vector<Tensor> host;
+  for (const Tensor& t : outputs) host.push_back(cuda::to_host(t));
+  return host;
+}
+
+// Every output of the dialect matches the reference within the tolerance of `dtype`.
+void expect_matches(Op op, const std::vector<Tensor>& inputs, Attributes attrs, DType dtype,
+                    const std::string& what) {
+  SCOPED_TRACE(what);
+  const std::vector<Tensor> expected = testing::run_reference(op, inputs, attrs);
+  const std::vector<Tensor> actual = run_cuda_nn(op, inputs, attrs);
+  ASSERT_EQ(actual.size(), expected.size());
+  const Tolerance tol = tolerance(dtype);
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double err = max_scaled_error(actual[i], expected[i], tol.atol, tol.rtol);
+    EXPECT_LE(err, 1.0) << "output " << i << ": " << summarize(actual[i]) << " vs expected "
+                        << summarize(expected[i]);
+  }
+}
+
+std::string label(DType d, int64_t rows, int64_t cols) {
+  return fmt::format("{} rows {} cols {}", dtype_name(d), rows, cols);
+}
+
+// (rows, cols): warp path, block path, odd lengths, a single element.
+const std::vector<std::pair<int64_t, int64_t>> kRowShapes = {
+    {1, 1}, {3, 7}, {67, 768}, {5, 1000}, {9, 1025}, {4, 4099}, {2, 50257}};
+
+TEST(CudaNn, LayerNorm) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (auto [rows, cols] : kRowShapes) {
+      Tensor x = rand(d, {rows, cols}, 1, -2.0, 3.0);
+      Tensor gamma = rand(d, {cols}, 2, 0.5, 1.5), beta = rand(d, {cols}, 3);
+      expect_matches(Op::kLayerNorm, {x, gamma, beta}, {}, d, label(d, rows, cols));
+    }
+  }
+  // Rank 3 and a non-default epsilon.
+  Tensor x = rand(DType::kF32, {2, 3, 64}, 4);
+  expect_matches(Op::kLayerNorm, {x, rand(DType::kF32, {64}, 5), rand(DType::kF32, {64}, 6)},
+                 {{"epsilon", 1e-2}}, DType::kF32, "rank 3, epsilon 1e-2");
+}
+
+TEST(CudaNn, LayerNormGrad) {
+  KILN_REQUIRE_GPU();
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},    {3, 7},    {67, 768}, {9, 1025},
+                                                     {4, 4099}, {3, 6144}, {3000, 64}};
+  for (DType d : kFloatTypes) {
+    for (auto [rows, cols] : shapes) {
+      Tensor x = rand(d, {rows, cols}, 11, -2.0, 3.0);
+      Tensor gamma = rand(d, {cols}, 12, 0.5, 1.5), dy = rand(d, {rows, cols}, 13);
+      expect_matches(Op::kLayerNormGrad, {x, gamma, dy}, {}, d, label(d, rows, cols));
+    }
+  }
+}
+
+TEST(CudaNn, LayerNormGradIsDeterministic) {
+  KILN_REQUIRE_GPU();
+  Tensor x = rand(DType::kF32, {4000, 768}, 14), gamma = rand(DType::kF32, {768}, 15);
+  Tensor dy = rand(DType::kF32, {4000, 768}, 16);
+  auto a = run_cuda_nn(Op::kLayerNormGrad, {x, gamma, dy});
+  auto b = run_cuda_nn(Op::kLayerNormGrad, {x, gamma, dy});
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(std::memcmp(a[i].raw(), b[i].raw(), a[i].bytes()), 0) << "output " << i;
+}
+
+TEST(CudaNn, SoftmaxAndLogSoftmax) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (auto [rows, cols] : kRowShapes) {
+      Tensor x = rand(d, {rows, cols}, 21, -4.0, 4.0);
+      expect_matches(Op::kSoftmax, {x}, {}, d, "softmax " + label(d, rows, cols));
+      expect_matches(Op::kLogSoftmax, {x}, {}, d, "log_softmax " + label(d, rows, cols));
+    }
+  }
+  Tensor x = rand(DType::kF32, {2, 3, 33}, 22);
+  expect_matches(Op::kSoftmax, {x}, {{"axis", int64_t{2}}}, DType::kF32, "axis 2 of rank 3");
+}
+
+TEST(CudaNn, SoftmaxRefusesOtherAxes) {
+  KILN_REQUIRE_GPU();
+  Attributes attrs = normalize_attributes(Op::kSoftmax, {{"axis", int64_t{0}}});
+  std::vector<TensorType> in{{DType::kF32, {4, 5}}};
+  Node node{Op::kSoftmax, {}, {}, attrs, nullptr};
+  EXPECT_THROW(kernel_registry().select(NodeView{node, in, in}, Device::kCuda, {"cuda-nn"}), Error);
+}
+
+TEST(CudaNn, SoftmaxMisalignedViewUsesScalarPath) {
+  KILN_REQUIRE_GPU();
+  // The input starts 4 bytes into its allocation, the output at a fresh one: their addresses
+  // differ modulo 16, so no shared vector split exists.
+  const TensorType type{DType::kF32, {6, 300}};
+  Tensor x = rand(DType::kF32, {6, 300}, 23, -3.0, 3.0);
+  auto storage = cuda::allocate(type.bytes() + 16);
+  Tensor view(type, storage, 4, Device::kCuda);
+  KILN_CUDA_CHECK(cudaMemcpy(view.raw(), x.raw(), type.bytes(), cudaMemcpyHostToDevice));
+  const auto expected = testing::run_reference(Op::kSoftmax, {x});
+  const auto actual = run_cuda_nn(Op::kSoftmax, {x}, {}, {view});
+  EXPECT_LE(max_scaled_error(actual[0], expected[0], 1e-5, 1e-4), 1.0);
+}
+
+TEST(CudaNn, SoftmaxGradAndLogSoftmaxGrad) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (auto [rows, cols] : kRowShapes) {
+      Tensor x = rand(d, {rows, cols}, 31, -4.0, 4.0), dy = rand(d, {rows, cols}, 32);
+      Tensor y = testing::run_reference(Op::kSoftmax, {x})[0];
+      Tensor log_y = testing::run_reference(Op::kLogSoftmax, {x})[0];
+      expect_matches(Op::kSoftmaxGrad, {y, dy}, {}, d, "softmax_grad " + label(d, rows, cols));
+      expect_matches(Op::kLogSoftmaxGrad, {log_y, dy}, {}, d,
+                     "log_softmax_grad " + label(d, rows, cols));
+    }
+  }
+}
+
+// Labels in [0, vocab), every fifth row ignore_index (-100) when `ignore`.
+Tensor labels_for(DType label_type, int64_t rows, int64_t vocab, uint64_t seed, bool ignore) {
+  Tensor labels = rand(label_type, {rows}, seed, 0.0, static_cast<double>(vocab));
+  if (ignore)
+    for (int64_t r = 0; r < rows; r += 5) labels.set(r, -100.0);
+  return labels;
+}
+
+const std::vector<std::pair<int64_t, int64_t>> kLossShapes = {
+    {1, 1}, {4, 7}, {37, 768}, {6, 1025}, {3, 50257}};
+
+TEST(CudaNn, CrossEntropy) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (DType lt : {DType::kI32, DType::kI64}) {
+      for (auto [rows, vocab] : kLossShapes) {
+        for (std::string reduction : {"mean", "sum", "none"}) {
+          Tensor logits = rand(d, {rows, vocab}, 41, -5.0, 5.0);
+          Tensor labels = labels_for(lt, rows, vocab, 42, rows > 1);
+          expect_matches(
+              Op::kCrossEntropy, {logits, labels}, {{"reduction", reduction}}, d,
+              fmt::format("{} labels {} {}", reduction, dtype_name(lt), label(d, rows, vocab)));
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaNn, CrossEntropyAllIgnoredMeanIsZero) {
+  KILN_REQUIRE_GPU();
+  Tensor logits = rand(DType::kF32, {3, 10}, 43);
+  Tensor labels = testing::make(DType::kI64, {3}, {-100, -100, -100});
+  EXPECT_EQ(run_cuda_nn(Op::kCrossEntropy, {logits, labels})[0].get(0), 0.0);
+}
+
+TEST(CudaNn, CrossEntropyGrad) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (DType lt : {DType::kI32, DType::kI64}) {
+      for (auto [rows, vocab] : kLossShapes) {
+        for (std::string reduction : {"mean", "sum", "none"}) {
+          Tensor logits = rand(d, {rows, vocab}, 51, -5.0, 5.0);
+          Tensor labels = labels_for(lt, rows, vocab, 52, rows > 1);
+          Tensor dloss =
+              reduction == "none" ? rand(d, {rows}, 53, 0.5, 2.0) : rand(d, {}, 54, 0.5, 2.0);
+          expect_matches(
+              Op::kCrossEntropyGrad, {logits, labels, dloss}, {{"reduction", reduction}}, d,
+              fmt::format("{} labels {} {}", reduction, dtype_name(lt), label(d, rows, vocab)));
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaNn, GeluAndGeluGrad) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000003}}) {
+      for (std::string approximate : {"tanh", "none"}) {
+        Tensor x = rand(d, {n}, 61, -6.0, 6.0), dy = rand(d, {n}, 62);
+        const std::string what = fmt::format("{} {} n {}", approximate, dtype_name(d), n);
+        expect_matches(Op::kGelu, {x}, {{"approximate", approximate}}, d, "gelu " + what);
+        expect_matches(Op::kGeluGrad, {x, dy}, {{"approximate", approximate}}, d,
+                       "gelu_grad " + what);
+      }
+    }
+  }
+}
+
+// (param, grad, state) type combinations the updates support.
+const std::vector<std::array<DType, 3>> kUpdateTypes = {
+    {DType::kF32, DType::kF32, DType::kF32},  {DType::kBF16, DType::kBF16, DType::kBF16},
+    {DType::kF16, DType::kF16, DType::kF16},  {DType::kBF16, DType::kBF16, DType::kF32},
+    {DType::kF32, DType::kBF16, DType::kF32}, {DType::kF32, DType::kF16, DType::kF32}};
+
+// The looser tolerance of the types involved.
+DType loosest(const std::array<DType, 3>& types) {
+  for (DType d : {DType::kBF16, DType::kF16})
+    for (DType t : types)
+      if (t == d) return d;
+  return DType::kF32;
+}
+
+TEST(CudaNn, AdamwUpdate) {
+  KILN_REQUIRE_GPU();
+  for (const auto& types : kUpdateTypes) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+      Tensor param = rand(types[0], {n}, 71), grad = rand(types[1], {n}, 72);
+      Tensor m = rand(types[2], {n}, 73, -0.1, 0.1), v = rand(types[2], {n}, 74, 1e-4, 1e-2);
+      Tensor lr = testing::make(DType::kF32, {}, {1e-2});
+      Tensor step = testing::make(n == 7 ? DType::kF64 : DType::kF32, {}, {3.0});
+      expect_matches(Op::kAdamwUpdate, {param, grad, m, v, lr, step},
+                     {{"weight_decay", 0.1}, {"beta2", 0.95}}, loosest(types),
+                     fmt::format("types {} {} {} n {}", dtype_name(types[0]), dtype_name(types[1]),
+                                 dtype_name(types[2]), n));
+    }
+  }
+}
+
+TEST(CudaNn, SgdUpdate) {
+  KILN_REQUIRE_GPU();
+  struct Config {
+    double momentum;
+    bool nesterov;
+  };
+  for (const auto& types : kUpdateTypes) {
+    if (types[2] != types[0]) continue;  // sgd_update's buffer has the param's dtype
+    for (Config c : {Config{0.0, false}, Config{0.9, false}, Config{0.9, true}}) {
+      for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+        Tensor param = rand(types[0], {n}, 81), grad = rand(types[1], {n}, 82);
+        Tensor buf = rand(types[2], {n}, 83);
+        Tensor lr = testing::make(DType::kBF16, {}, {0.125});
+        expect_matches(
+            Op::kSgdUpdate, {param, grad, buf, lr},
+            {{"momentum", c.momentum}, {"nesterov", c.nesterov}, {"weight_decay", 0.01}},
+            loosest(types),
+            fmt::format("types {} {} {} momentum {} nesterov {} n {}", dtype_name(types[0]),
+                        dtype_name(types[1]), dtype_name(types[2]), c.momentum, c.nesterov, n));
+      }
+    }
+  }
+}
+
+TEST(CudaNn, Gather) {
+  KILN_REQUIRE_GPU();
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI64, DType::kU8}) {
+    for (int64_t cols : {int64_t{768}, int64_t{7}, int64_t{1}}) {
+      for (DType it : {DType::kI32, DType::kI64}) {
+        Tensor table = rand(d, {1000, cols}, 91, 0.0, 100.0);
+        Tensor indices = rand(it, {4, 9}, 92, 0.0, 1000.0);
+        const auto expected = testing::run_reference(Op::kGather, {table, indices});
+        const auto actual = run_cuda_nn(Op::kGather, {table, indices});
+        EXPECT_EQ(max_scaled_error(actual[0], expected[0], 0.0, 0.0), 0.0)
+            << dtype_name(d) << " cols " << cols << " indices " << dtype_name(it);
+      }
+    }
+  }
+  // A middle axis.
+  Tensor table = rand(DType::kF32, {3, 50, 5}, 93);
+  Tensor indices = rand(DType::kI64, {11}, 94, 0.0, 50.0);
+  Attributes axis1{{"axis", int64_t{1}}};
+  const auto expected = testing::run_reference(Op::kGather, {table, indices}, axis1);
+  EXPECT_EQ(
+      max_scaled_error(run_cuda_nn(Op::kGather, {table, indices}, axis1)[0], expected[0], 0.0, 0.0),
+      0.0);
+}
+
+TEST(CudaNn, ScatterAdd) {
+  KILN_REQUIRE_GPU();
+  for (DType d : kFloatTypes) {
+    for (int64_t cols : {int64_t{768}, int64_t{7}}) {
+      for (DType it : {DType::kI32, DType::kI64}) {
+        // 300 indices into 100 rows: many repeats, and rows nobody names.
+        Tensor base = rand(d, {100, cols}, 101);
+        Tensor indices = rand(it, {300}, 102, 0.0, 70.0);
+        Tensor updates = rand(d, {300, cols}, 103);
+        const std::string what =
+            fmt::format("{} cols {} indices {}", dtype_name(d), cols, dtype_name(it));
+        if (d == DType::kF32) {
+          expect_matches(Op::kScatterAdd, {base, indices, updates}, {}, d, what);
+          continue;
+        }
+        // 16-bit: the reference rounds to the storage type after every addition; the kernel
+        // accumulates in f32 and rounds once. So the expectation is the reference on f32
+        // copies (the same additions in the same order), rounded once to d.
+        auto f32 = [](const Tensor& t) {
+          return Tensor::from_f64(TensorType{DType::kF32, t.shape()}, t.to_f64());
+        };
+        const Tensor sum32 =
+            testing::run_reference(Op::kScatterAdd, {f32(base), indices, f32(updates)})[0];
+        const Tensor expected = Tensor::from_f64(TensorType{d, sum32.shape()}, sum32.to_f64());
+        const Tensor actual = run_cuda_nn(Op::kScatterAdd, {base, indices, updates})[0];
+        const Tolerance tol = tolerance(d);
+        EXPECT_LE(max_scaled_error(actual, expected, tol.atol, tol.rtol), 1.0) << what;
+      }
+    }
+  }
+  Tensor base = rand(DType::kF32, {3, 50, 5}, 104);
+  Tensor indices = rand(DType::kI32, {2, 11}, 105, 0.0, 50.0);
+  Tensor updates = rand(DType::kF32, {3, 2, 11, 5}, 106);
+  expect_matches(Op::kScatterAdd, {base, indices, updates}, {{"axis", int64_t{1}}}, DType::kF32,
+                 "axis 1");
+}
+
+TEST(CudaNn, ScatterAddIsDeterministic) {
+  KILN_REQUIRE_GPU();
+  Tensor base = rand(DType::kF32, {50, 768}, 107);
+  Tensor indices = rand(DType::kI64, {8192}, 108, 0.0, 50.0);
+  Tensor updates = rand(DType::kF32, {8192, 768}, 109);
+  auto a = run_cuda_nn(Op::kScatterAdd, {base, indices, updates});
+  auto b = run_cuda_nn(Op::kScatterAdd, {base, indices, updates});
+  EXPECT_EQ(std::memcmp(a[0].raw(), b[0].raw(), a[0].bytes()), 0);
+}
+
+// ---- bandwidth report -----------------------------------------------------------------------
+
+// Milliseconds per call of fn (enqueued on `stream`), averaged over `reps` after a warm-up.
+template <typename Fn>
+double time_ms(cudaStream_t stream, int reps, Fn&& fn) {
+  fn();
+  cudaEvent_t start, stop;
+  KILN_CUDA_CHECK(cudaEventCreate(&start));
+  KILN_CUDA_CHECK(cudaEventCreate(&stop));
+  KILN_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < reps; ++i) fn();
+  KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
+  KILN_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  KILN_CUDA_CHECK(cudaEventDestroy(start));
+  KILN_CUDA_CHECK(cudaEventDestroy(stop));
+  return ms / reps;
+}
+
+// Prints GB/s (bytes each call must move at least, over its time) for the ops at GPT-2 sizes
+// and a device-to-device copy for scale. No assertions: timings depend on the machine.
+TEST(CudaNnBench, Bandwidth) {
+  KILN_REQUIRE_GPU();
+  cuda::Stream stream_owner;
+  auto stream = static_cast<cudaStream_t>(stream_owner.handle());
+  constexpr int kReps = 20;
+  auto report = [](const char* what, double bytes, double ms) {
+    std::printf("[bandwidth] %-44s %8.3f ms  %7.0f GB/s\n", what, ms, bytes / (ms * 1e-3) / 1e9);
+  };
+  {
+    const size_t bytes = size_t{1} << 30;
+    auto a = cuda::allocate(bytes), b = cuda::allocate(bytes);
+    const double ms = time_ms(stream, kReps, [&] {
+      KILN_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    report("copy 1 GiB (read + write)", 2.0 * bytes, ms);
+  }
+  auto run = [&](Op op, const std::vector<TensorType>& in_types, Attributes attrs, const char* what,
+                 double bytes) {
+    attrs = normalize_attributes(op, std::move(attrs));
+    const auto out_types = infer_types(op, in_types, attrs);
+    Node node{op, {}, {}, attrs, nullptr};
+    const KernelImpl& impl =
+        kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {"cuda-nn"});
+    std::vector<Tensor> inputs, outputs;
+    uint64_t seed = 200;
+    for (const TensorType& t : in_types) {
+      // Labels/indices: valid values; floats: random. Generated on the host once.
+      Tensor host = is_float(t.dtype) ? rand(t.dtype, t.shape, seed++)
+                                      : rand(t.dtype, t.shape, seed++, 0.0, 700.0);
+      inputs.push_back(cuda::to_device(host));
+    }
+    for (const TensorType& t : out_types) outputs.push_back(cuda::device_tensor(t, false));
+    const double ms = time_ms(stream, kReps, [&] {
+      impl.kernel(KernelArgs{attrs, inputs, outputs, stream});
+    });
+    report(what, bytes, ms);
+  };
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const double e = static_cast<double>(dtype_size(d));
+    const int64_t rows = 32768, c = 768, v = 50257, ce_rows = 8192;
+    const std::string t(dtype_name(d));
+    run(Op::kLayerNorm, {{d, {rows, c}}, {d, {c}}, {d, {c}}}, {},
+        ("layer_norm 32768x768 " + t).c_str(), 2.0 * rows * c * e);
+    run(Op::kLayerNormGrad, {{d, {rows, c}}, {d, {c}}, {d, {rows, c}}}, {},
+        ("layer_norm_grad 32768x768 " + t).c_str(), 3.0 * rows * c * e);
+    run(Op::kCrossEntropy, {{d, {ce_rows, v}}, {DType::kI64, {ce_rows}}}, {},
+        ("cross_entropy 8192x50257 " + t).c_str(), 1.0 * ce_rows * v * e);
+    run(Op::kCrossEntropyGrad, {{d, {ce_rows, v}}, {DType::kI64, {ce_rows}}, {d, {}}}, {},
+        ("cross_entropy_grad 8192x50257 " + t).c_str(), 2.0 * ce_rows * v * e);
+    run(Op::kSoftmax, {{d, {ce_rows, v}}}, {}, ("softmax 8192x50257 " + t).c_str(),
+        2.0 * ce_rows * v * e);
+    run(Op::kGeluGrad, {{d, {rows, 4 * c}}, {d, {rows, 4 * c}}}, {{"approximate", "tanh"}},
+        ("gelu_grad 32768x3072 " + t).c_str(), 3.0 * rows * 4 * c * e);
+  }
+  const int64_t params = 124'000'000;
+  run(Op::kAdamwUpdate,
+      {{DType::kF32, {params}},
+       {DType::kF32, {params}},
+       {DType::kF32, {params}},
+       {DType::kF32, {params}},
+       {DType::kF32, {}},
+       {DType::kF32, {}}},
+      {}, "adamw_update 124M f32", 7.0 * params * 4);
+  run(Op::kScatterAdd,
+      {{DType::kF32, {50257, 768}}, {DType::kI64, {32768}}, {DType::kF32, {32768, 768}}}, {},
+      "scatter_add 32768 rows into 50257x768 f32", (2.0 * 50257 + 32768) * 768 * 4);
+  run(Op::kGather, {{DType::kF32, {50257, 768}}, {DType::kI64, {32768}}}, {},
+      "gather 32768 rows of 50257x768 f32", 2.0 * 32768 * 768 * 4);
+}
+
+}  // namespace
+}  // namespace kiln
