@@ -11,6 +11,7 @@
 #include <set>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_errors.h"
 #include "backends/cuda/generic.cuh"
 #include "gpu_test_util.h"
 
@@ -77,7 +78,7 @@ std::vector<Tensor> run_cuda(Op op, const std::vector<Tensor>& host_inputs, Attr
   }
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
   KILN_CUDA_CHECK(cudaStreamDestroy(stream));
-  cuda::generic::check_device_errors();
+  cuda::check_device_errors();
   std::vector<Tensor> result;
   for (const Tensor& t : outputs) result.push_back(to_host(t));
   return result;
@@ -370,7 +371,7 @@ TEST(CudaGenericErrors, ScatterAddNegativeIndexThrows) {
   const Tensor base = rand(DType::kF32, {4, 2}, 1);
   EXPECT_KILN_ERROR(run_cuda(Op::kScatterAdd, {base, make(DType::kI32, {2}, {1, -1}),
                                                rand(DType::kF32, {2, 2}, 2)}, {}),
-                    "scatter_add", "index -1");
+                    "scatter_add", "index -1", "position 1", "0..3");
 }
 
 TEST(CudaGenericErrors, IntegerDivisionByZeroThrows) {
@@ -385,9 +386,11 @@ TEST(CudaGenericErrors, LabelOutOfRangeThrows) {
   KILN_REQUIRE_GPU();
   const Tensor logits = rand(DType::kF32, {2, 5}, 1);
   const Tensor labels = make(DType::kI64, {2}, {1, 5});
-  EXPECT_KILN_ERROR(run_cuda(Op::kCrossEntropy, {logits, labels}, {}), "label 5", "[0, 5)");
+  EXPECT_KILN_ERROR(run_cuda(Op::kCrossEntropy, {logits, labels}, {}),
+                    "cross_entropy: label 5 (row 1)", "[0, 5)", "ignore_index -100");
   EXPECT_KILN_ERROR(
-      run_cuda(Op::kCrossEntropyGrad, {logits, labels, rand(DType::kF32, {}, 2)}, {}), "label 5");
+      run_cuda(Op::kCrossEntropyGrad, {logits, labels, rand(DType::kF32, {}, 2)}, {}),
+      "cross_entropy_grad: label 5 (row 1)", "[0, 5)");
 }
 
 // ---- coverage -----------------------------------------------------------------------------------

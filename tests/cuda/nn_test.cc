@@ -2,7 +2,9 @@
 // f32/bf16/f16, row lengths that take the warp path (<= 1024), the block path, odd lengths
 // (rows that start misaligned, so the scalar head/tail is exercised) and a misaligned view
 // (the scalar fallback). Outputs are poisoned with 0xFF bytes first, so an unwritten element
-// shows as NaN. Plus a bandwidth report at GPT-2 sizes (printed, never asserted).
+// shows as NaN. Data errors (bad gather/scatter_add index, bad label): the documented output
+// and kiln::cuda::check_device_errors() throwing. Plus a bandwidth report at GPT-2 sizes
+// (printed, never asserted).
 //
 // Tolerances (max_scaled_error <= 1 with atol, rtol): the kernels compute in f32 and round once
 // to the storage type; the reference computes in f64 and rounds once. So f32: 1e-5/1e-4 (f32
@@ -12,10 +14,12 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_errors.h"
 #include "backends/cuda/memory.h"
 #include "gpu_test_util.h"
 
@@ -40,18 +44,20 @@ Tolerance tolerance(DType d) {
 
 constexpr DType kFloatTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 
-// Runs `op` through the "cuda-nn" dialect (it must be the one chosen) on device copies of
-// `inputs`; outputs poisoned with 0xFF first; returns them on the host.
-std::vector<Tensor> run_cuda_nn(Op op, const std::vector<Tensor>& inputs, Attributes attrs = {},
-                                std::vector<Tensor> device_inputs = {}) {
+// Runs `op` through `dialect` (it must be the one chosen) on device copies of `inputs`;
+// outputs poisoned with 0xFF first; returns them on the host. Leaves the device error slots
+// alone (the data-error tests look at the outputs, then at the error).
+std::vector<Tensor> run_unchecked(Op op, const std::vector<Tensor>& inputs, Attributes attrs = {},
+                                  std::vector<Tensor> device_inputs = {},
+                                  const std::string& dialect = "cuda-nn") {
   attrs = normalize_attributes(op, std::move(attrs));
   std::vector<TensorType> in_types;
   for (const Tensor& t : inputs) in_types.push_back(t.type());
   const std::vector<TensorType> out_types = infer_types(op, in_types, attrs);
   Node node{op, {}, {}, attrs, nullptr};
   const KernelImpl& impl =
-      kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {"cuda-nn"});
-  EXPECT_EQ(impl.dialect, "cuda-nn");
+      kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {dialect});
+  EXPECT_EQ(impl.dialect, dialect);
   if (device_inputs.empty())
     for (const Tensor& t : inputs) device_inputs.push_back(cuda::to_device(t));
   std::vector<Tensor> outputs;
@@ -64,6 +70,14 @@ std::vector<Tensor> run_cuda_nn(Op op, const std::vector<Tensor>& inputs, Attrib
   stream.synchronize();
   std::vector<Tensor> host;
   for (const Tensor& t : outputs) host.push_back(cuda::to_host(t));
+  return host;
+}
+
+// The same through "cuda-nn", then the device error check (throws kiln::Error on a data error).
+std::vector<Tensor> run_cuda_nn(Op op, const std::vector<Tensor>& inputs, Attributes attrs = {},
+                                std::vector<Tensor> device_inputs = {}) {
+  std::vector<Tensor> host = run_unchecked(op, inputs, std::move(attrs), std::move(device_inputs));
+  cuda::check_device_errors();
   return host;
 }
 
@@ -369,6 +383,113 @@ TEST(CudaNn, ScatterAddIsDeterministic) {
   auto a = run_cuda_nn(Op::kScatterAdd, {base, indices, updates});
   auto b = run_cuda_nn(Op::kScatterAdd, {base, indices, updates});
   EXPECT_EQ(std::memcmp(a[0].raw(), b[0].raw(), a[0].bytes()), 0);
+}
+
+// ---- data errors ----------------------------------------------------------------------------
+//
+// Each bad element still gets the documented output (nn.cuh), and the error reaches the host
+// through the one check that also reads the generic kernels' errors.
+
+// Whether every byte of element i of t is 0xFF.
+bool all_ff(const Tensor& t, int64_t i) {
+  const size_t size = dtype_size(t.dtype());
+  const auto* bytes = reinterpret_cast<const unsigned char*>(t.raw()) + i * size;
+  for (size_t b = 0; b < size; ++b)
+    if (bytes[b] != 0xFF) return false;
+  return true;
+}
+
+TEST(CudaNnErrors, GatherIndexOutOfRangeThrowsAfterSync) {
+  KILN_REQUIRE_GPU();
+  cuda::check_device_errors();  // nothing left over from earlier tests
+  const Tensor table = rand(DType::kF32, {10, 4}, 111);
+  const Tensor out =
+      run_unchecked(Op::kGather, {table, testing::make(DType::kI64, {3}, {2, 12, 0})})[0];
+  // Rows 0 and 2 are table rows 2 and 0; row 1 (index 12) is 0xFF bytes.
+  for (int64_t c = 0; c < 4; ++c) {
+    EXPECT_EQ(out.get(0 * 4 + c), table.get(2 * 4 + c)) << "column " << c;
+    EXPECT_TRUE(all_ff(out, 1 * 4 + c)) << "column " << c;
+    EXPECT_EQ(out.get(2 * 4 + c), table.get(0 * 4 + c)) << "column " << c;
+  }
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "gather", "index 12", "position 1",
+                    "dim of 10", "0..9");
+  EXPECT_NO_THROW(cuda::check_device_errors());  // consumed
+  // A middle axis, i32 indices, a negative index: run_cuda_nn checks and throws.
+  EXPECT_KILN_ERROR(run_cuda_nn(Op::kGather,
+                                {rand(DType::kBF16, {3, 6, 2}, 112),
+                                 testing::make(DType::kI32, {2}, {0, -3})},
+                                {{"axis", int64_t{1}}}),
+                    "gather", "index -3", "position 1", "0..5");
+  EXPECT_NO_THROW(cuda::check_device_errors());
+}
+
+TEST(CudaNnErrors, ScatterAddIndexOutOfRangeThrows) {
+  KILN_REQUIRE_GPU();
+  cuda::check_device_errors();
+  const Tensor base = rand(DType::kF32, {4, 2}, 113);
+  const Tensor updates = rand(DType::kF32, {3, 2}, 114);
+  const Tensor out = run_unchecked(
+      Op::kScatterAdd, {base, testing::make(DType::kI32, {3}, {1, 4, 1}), updates})[0];
+  // Index 4 adds nothing; row 1 gets updates 0 and 2 (in that order), the others stay base.
+  for (int64_t c = 0; c < 2; ++c) {
+    const float row1 = (base.data<float>()[2 + c] + updates.data<float>()[0 * 2 + c]) +
+                       updates.data<float>()[2 * 2 + c];
+    EXPECT_EQ(out.get(0 * 2 + c), base.get(0 * 2 + c));
+    EXPECT_EQ(out.get(1 * 2 + c), static_cast<double>(row1));
+    EXPECT_EQ(out.get(2 * 2 + c), base.get(2 * 2 + c));
+    EXPECT_EQ(out.get(3 * 2 + c), base.get(3 * 2 + c));
+  }
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "scatter_add", "index 4", "position 1",
+                    "0..3");
+  EXPECT_NO_THROW(cuda::check_device_errors());
+}
+
+TEST(CudaNnErrors, CrossEntropyLabelOutOfRangeThrows) {
+  KILN_REQUIRE_GPU();
+  cuda::check_device_errors();
+  const Tensor logits = rand(DType::kF32, {3, 5}, 115);
+  // Row 1's label 7 is out of range; row 2's -100 is ignore_index (fine).
+  const Tensor labels = testing::make(DType::kI64, {3}, {1, 7, -100});
+  const Tensor loss =
+      run_unchecked(Op::kCrossEntropy, {logits, labels}, {{"reduction", std::string("none")}})[0];
+  EXPECT_TRUE(std::isfinite(loss.get(0)));
+  EXPECT_TRUE(std::isnan(loss.get(1)));
+  EXPECT_EQ(loss.get(2), 0.0);
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "cross_entropy: label 7 (row 1)", "[0, 5)",
+                    "ignore_index -100");
+  EXPECT_NO_THROW(cuda::check_device_errors());
+
+  // The gradient, i32 labels, a negative label that is not ignore_index: NaN in that row.
+  const Tensor labels32 = testing::make(DType::kI32, {3}, {-1, 2, -100});
+  const Tensor dlogits =
+      run_unchecked(Op::kCrossEntropyGrad, {logits, labels32, rand(DType::kF32, {}, 116, 0.5, 2)},
+                    {{"reduction", std::string("sum")}})[0];
+  EXPECT_TRUE(std::isnan(dlogits.get(0)));
+  EXPECT_TRUE(std::isfinite(dlogits.get(5)));
+  EXPECT_EQ(dlogits.get(10), 0.0);
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "cross_entropy_grad: label -1 (row 0)",
+                    "[0, 5)", "ignore_index -100");
+  EXPECT_NO_THROW(cuda::check_device_errors());
+}
+
+// One check covers both families: errors pending from a cuda-nn and a generic "cuda" kernel
+// are reported once (the earlier, by the device clock) and both are cleared.
+TEST(CudaNnErrors, OneCheckCoversNnAndGenericKernels) {
+  KILN_REQUIRE_GPU();
+  cuda::check_device_errors();
+  const Tensor table = rand(DType::kF32, {10, 4}, 117);
+  run_unchecked(Op::kGather, {table, testing::make(DType::kI64, {1}, {10})});
+  run_unchecked(Op::kDiv,
+                {testing::make(DType::kI32, {2}, {7, 8}), testing::make(DType::kI32, {2}, {1, 0})},
+                {}, {}, "cuda");
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "gather", "index 10", "0..9");
+  EXPECT_NO_THROW(cuda::check_device_errors());
+  // And the generic kernel's error alone.
+  run_unchecked(Op::kDiv,
+                {testing::make(DType::kI32, {2}, {7, 8}), testing::make(DType::kI32, {2}, {1, 0})},
+                {}, {}, "cuda");
+  EXPECT_KILN_ERROR(cuda::check_device_errors(), "division by zero (8 / 0)");
+  EXPECT_NO_THROW(cuda::check_device_errors());
 }
 
 // ---- bandwidth report -----------------------------------------------------------------------

@@ -5,7 +5,7 @@
 //
 // Ops without a generic kernel (see tests/cuda/generic_test.cc's list): fused (compiled by the
 // nvrtc dialect), conv2d and its gradients, max/avg_pool2d and their gradients (not written yet).
-// Kernel-time data errors are recorded on the device: see generic.cuh, check_device_errors().
+// Kernel-time data errors are recorded on the device: see device_errors.h, check_device_errors().
 #include <cmath>
 #include <cstring>
 

@@ -11,7 +11,9 @@
 #include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_errors.cuh"
 #include "backends/cuda/generic.cuh"
+#include "backends/cuda/scratch.cuh"
 #include "support/philox.h"
 
 namespace kiln::cuda::generic {
@@ -156,31 +158,6 @@ template <class C> __device__ inline C lowest() {
 // Wrapping integer arithmetic (through unsigned, so overflow is defined).
 template <class C> __device__ inline C wrap(uint64_t v) { return static_cast<C>(v); }
 
-// ---- device error slot ----------------------------------------------------------------------------
-
-enum ErrorCode : int {
-  kNoError = 0,
-  kGatherIndex = 1,
-  kScatterIndex = 2,
-  kDivideByZero = 3,
-  kLabel = 4,
-};
-struct ErrorSlot {
-  int code;
-  long long value, position, limit;
-};
-__device__ ErrorSlot g_error;
-
-// Keeps the first error: the CAS claims the slot, the fields are written, then the code.
-__device__ void record_error(int code, int64_t value, int64_t position, int64_t limit) {
-  if (atomicCAS(&g_error.code, 0, -1) != 0) return;
-  g_error.value = value;
-  g_error.position = position;
-  g_error.limit = limit;
-  __threadfence();
-  atomicExch(&g_error.code, code);
-}
-
 // ---- layout ---------------------------------------------------------------------------------------
 
 // Offsets of element i of the iteration space in the first `count` operands.
@@ -303,7 +280,7 @@ struct DivF {
   template <class C> __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
       if (b == 0) {
-        record_error(kDivideByZero, a, -1, 0);
+        record_device_error(kDivideByZeroError, a);
         return 0;
       }
       if (b == -1) return wrap<C>(0ull - static_cast<uint64_t>(a));
@@ -475,7 +452,7 @@ __device__ int64_t indexed_offset(int64_t i, const I* indices, int64_t dim, int6
   const int64_t in = i % inner, p = (i / inner) % n_indices, o = i / (inner * n_indices);
   const int64_t row = static_cast<int64_t>(indices[p]);
   if (row >= 0 && row < dim) return (o * dim + row) * inner + in;
-  record_error(code, row, p, dim);
+  record_device_error(code, row, p, dim);
   return -1;
 }
 
@@ -483,7 +460,7 @@ template <class U, class I>
 __global__ void gather_kernel(const U* table, const I* indices, U* out, int64_t outer,
                               int64_t dim, int64_t inner, int64_t n_indices) {
   KILN_GRID_LOOP(i, outer * n_indices * inner) {
-    const int64_t at = indexed_offset(i, indices, dim, inner, n_indices, kGatherIndex);
+    const int64_t at = indexed_offset(i, indices, dim, inner, n_indices, kGatherIndexError);
     out[i] = at < 0 ? U(0) : table[at];
   }
 }
@@ -501,7 +478,7 @@ template <class T, class I>
 __global__ void scatter_add_kernel(const I* indices, const T* updates, T* out, int64_t outer,
                                    int64_t dim, int64_t inner, int64_t n_indices) {
   KILN_GRID_LOOP(i, outer * n_indices * inner) {
-    const int64_t at = indexed_offset(i, indices, dim, inner, n_indices, kScatterIndex);
+    const int64_t at = indexed_offset(i, indices, dim, inner, n_indices, kScatterAddIndexError);
     if (at >= 0) atomic_add(&out[at], updates[i]);
   }
 }
@@ -770,12 +747,14 @@ __global__ void norm_grad_columns_kernel(const T* x, const T* dy,
   }
 }
 
-// Label of row r, or ignore_index; an out-of-range label is a data error (treated as ignored).
+// Label of row r, or ignore_index; an out-of-range label is a data error (treated as ignored),
+// recorded as `code` (the forward's or the gradient's).
 template <class I>
-__device__ int64_t row_label(const I* labels, int64_t r, int64_t vocab, int64_t ignore_index) {
+__device__ int64_t row_label(const I* labels, int64_t r, int64_t vocab, int64_t ignore_index,
+                             int code) {
   const int64_t label = static_cast<int64_t>(labels[r]);
   if (label != ignore_index && (label < 0 || label >= vocab)) {
-    record_error(kLabel, label, r, vocab);
+    record_device_error(code, label, r, vocab, ignore_index);
     return ignore_index;
   }
   return label;
@@ -801,7 +780,7 @@ __global__ void cross_entropy_rows_kernel(const T* logits, const I* labels, T* o
                                           int64_t ignore_index) {
   using C = typename Num<T>::C;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t label = row_label(labels, r, vocab, ignore_index);
+    const int64_t label = row_label(labels, r, vocab, ignore_index, kCrossEntropyLabelError);
     if (label == ignore_index) {  // uniform in the block
       if (threadIdx.x == 0) {
         if (out != nullptr) out[r] = Num<T>::store(C(0));
@@ -843,8 +822,10 @@ template <class I>
 __global__ void count_labels_kernel(const I* labels, int64_t rows, int64_t vocab,
                                     int64_t ignore_index, int64_t* counted) {
   int64_t count = 0;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
-    count += row_label(labels, r, vocab, ignore_index) != ignore_index ? 1 : 0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int64_t label = row_label(labels, r, vocab, ignore_index, kCrossEntropyGradLabelError);
+    count += label != ignore_index ? 1 : 0;
+  }
   count = block_sum(count);
   if (threadIdx.x == 0) *counted = count;
 }
@@ -1060,22 +1041,6 @@ __global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const 
     __syncthreads();
   }
 }
-
-// Stream-ordered scratch memory, freed on the stream after the kernels that use it.
-class Scratch {
- public:
-  Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    KILN_CUDA_CHECK(cudaMallocAsync(&ptr_, std::max<size_t>(bytes, 8), stream));
-  }
-  ~Scratch() { cudaFreeAsync(ptr_, stream_); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 }  // namespace
 
@@ -1506,29 +1471,6 @@ void launch_attention_grad(ElemType type, const void* q, const void* k, const vo
     launch_cast(acc_type, type, dk_acc.as<C>(), dk, nk, stream);
     launch_cast(acc_type, type, dv_acc.as<C>(), dv_out, nv, stream);
   });
-}
-
-void check_device_errors() {
-  ErrorSlot slot{};
-  KILN_CUDA_CHECK(cudaMemcpyFromSymbol(&slot, g_error, sizeof(slot)));
-  if (slot.code == kNoError) return;
-  const ErrorSlot cleared{};
-  KILN_CUDA_CHECK(cudaMemcpyToSymbol(g_error, &cleared, sizeof(cleared)));
-  switch (slot.code) {
-    case kGatherIndex:
-    case kScatterIndex:
-      fail("{}: index {} (at position {} of indices) is out of range for a dim of {} "
-           "(expected 0..{})",
-           slot.code == kGatherIndex ? "gather" : "scatter_add", slot.value, slot.position,
-           slot.limit, slot.limit - 1);
-    case kDivideByZero:
-      fail("div: integer division by zero ({} / 0)", slot.value);
-    case kLabel:
-      fail("cross_entropy: label {} (row {}) is out of range [0, {}) and is not ignore_index",
-           slot.value, slot.position, slot.limit);
-    default:
-      fail("cuda generic: unknown device error code {}", slot.code);
-  }
 }
 
 }  // namespace kiln::cuda::generic

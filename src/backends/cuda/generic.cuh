@@ -9,8 +9,8 @@
 //
 // Kernel-time data errors (gather/scatter_add index out of range, cross_entropy label out of
 // range, integer division by zero) cannot throw from the device. The kernel writes 0 for the
-// bad element and records the first such error in a device-global slot; check_device_errors()
-// reads it after the stream has synchronized and throws kiln::Error describing it.
+// bad element and records the error (device_errors.cuh); kiln::cuda::check_device_errors()
+// (device_errors.h) reads it after the stream has synchronized and throws kiln::Error.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -173,11 +173,5 @@ void launch_attention_grad(ElemType type, const void* q, const void* k, const vo
                            const void* dout, void* dq, void* dk, void* dv_out, int64_t batch,
                            int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
                            double scale, cudaStream_t stream);
-
-// ---- errors -----------------------------------------------------------------------------------
-
-// Throws kiln::Error for the first data error a generic kernel recorded since the last call,
-// and clears it. Call after synchronizing the streams the kernels ran on.
-void check_device_errors();
 
 }  // namespace kiln::cuda::generic

@@ -22,7 +22,9 @@
 #include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_errors.cuh"
 #include "backends/cuda/nn.cuh"
+#include "backends/cuda/scratch.cuh"
 
 namespace kiln::cuda::nn {
 namespace {
@@ -327,25 +329,6 @@ void visit_float(Elem t, Fn&& fn) {
       fail("cuda-nn: element type {} is not f32, f16 or bf16", static_cast<int>(t));
   }
 }
-
-// Stream-ordered scratch memory, freed on the stream when it goes out of scope.
-class Scratch {
- public:
-  Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    KILN_CUDA_CHECK(cudaMallocAsync(&ptr_, std::max<size_t>(bytes, 16), stream));
-  }
-  ~Scratch() { cudaFreeAsync(ptr_, stream_); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 // ---- layer_norm -----------------------------------------------------------------------------
 
@@ -659,7 +642,12 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kWarpRo
       add_to<W>(st, v);
     });
     st = group_reduce<kBlockRow>(st, MergeOp{}, sh);
-    loss = (label >= 0 && label < vocab) ? st.m + logf(st.s) - to_f(xr[label]) : NAN;
+    if (label >= 0 && label < vocab) {
+      loss = st.m + logf(st.s) - to_f(xr[label]);
+    } else {
+      loss = NAN;
+      if (g.tid == 0) record_device_error(kCrossEntropyLabelError, label, row, vocab, ignore_index);
+    }
   }
   if (g.tid == 0) {
     if (out != nullptr)
@@ -721,7 +709,11 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kWarpRo
   }
   float scale = to_f(dloss[reduction == static_cast<int>(Reduction::kNone) ? row : 0]);
   if (reduction == static_cast<int>(Reduction::kMean)) scale /= *count;
-  if (label < 0 || label >= vocab) scale = NAN;
+  if (label < 0 || label >= vocab) {
+    scale = NAN;
+    if (g.tid == 0)
+      record_device_error(kCrossEntropyGradLabelError, label, row, vocab, ignore_index);
+  }
   float cache[K][W];
   MaxSum st{-INFINITY, 0.0f};
   for_edges(s, g.tid, g.n, [&](int64_t c) { add_to(st, to_f(xr[c])); });
@@ -941,6 +933,7 @@ __global__ void gather_kernel(const U* __restrict__ table, const void* indices, 
     const int64_t index = load_label(indices, indices64, p);
     U* dst = out + j * units;
     if (index < 0 || index >= dim) {
+      if (threadIdx.x == 0) record_device_error(kGatherIndexError, index, p, dim);
       U bad;
       memset(&bad, 0xFF, sizeof(U));
       for (int64_t u = threadIdx.x; u < units; u += blockDim.x) dst[u] = bad;
@@ -951,13 +944,16 @@ __global__ void gather_kernel(const U* __restrict__ table, const void* indices, 
   }
 }
 
-// Sort keys: the index, or dim for an out-of-range one (sorted last, then skipped).
+// Sort keys: the index, or dim for an out-of-range one (sorted last, then skipped; recorded as
+// a data error).
 __global__ void scatter_keys_kernel(const void* indices, bool indices64, int64_t n, int64_t dim,
                                     uint32_t* keys, uint32_t* positions) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (p >= n) return;
   const int64_t index = load_label(indices, indices64, p);
-  keys[p] = static_cast<uint32_t>(index < 0 || index >= dim ? dim : index);
+  const bool bad = index < 0 || index >= dim;
+  if (bad) record_device_error(kScatterAddIndexError, index, p, dim);
+  keys[p] = static_cast<uint32_t>(bad ? dim : index);
   positions[p] = static_cast<uint32_t>(p);
 }
 

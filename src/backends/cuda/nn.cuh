@@ -12,7 +12,9 @@
 // Reductions are deterministic: fixed thread-to-data assignment and fixed combination order,
 // no floating-point atomics (same inputs, same device: bitwise the same outputs).
 //
-// Kernel-time data errors cannot throw from the device without a synchronization, so:
+// Kernel-time data errors cannot throw from the device without a synchronization, so the
+// kernel records the error (device_errors.cuh; kiln::cuda::check_device_errors() throws it
+// after the stream has synchronized) and writes a defined output:
 //   cross_entropy(_grad): a label outside [0, V) that is not ignore_index gives a NaN loss
 //     (NaN in that row's dlogits);
 //   gather: an index outside [0, dim) gives a row of 0xFF bytes (NaN for float tables);
