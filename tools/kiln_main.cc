@@ -15,6 +15,7 @@
 #include "ir/verifier.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
+#include "passes/remat.h"
 #include "runtime/memory_plan.h"
 #include "runtime/executor.h"
 #include "support/error.h"
@@ -61,7 +62,7 @@ double seconds_since(std::chrono::steady_clock::time_point start);
 // `kiln compile`: build the model's training graph, run the pipeline, report.
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
-             bool report) {
+             bool report, const std::string& memory_budget) {
   auto start = std::chrono::steady_clock::now();
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
   double build_s = seconds_since(start);
@@ -73,6 +74,7 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   kiln::PassOptions options;
   options.print_after = {print_after.begin(), print_after.end()};
   options.disabled = {disabled.begin(), disabled.end()};
+  if (!memory_budget.empty()) options.memory_budget = kiln::parse_byte_size(memory_budget);
   kiln::Graph graph = program.graph;
   size_t nodes_before = graph.nodes.size();
   std::vector<kiln::PassRecord> records = kiln::default_pipeline(options).run(graph);
@@ -149,6 +151,9 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--print-after", print_after, "Print the IR after these passes (or 'all')")->delimiter(',');
   compile_cmd->add_option("--disable-pass", disabled_passes, "Skip these passes")->delimiter(',');
   compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts");
+  std::string compile_budget;
+  compile_cmd->add_option("--memory-budget", compile_budget,
+                          "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
 
   auto* train = app.add_subcommand("train", "Train a model on the CPU, printing progress");
   kiln::train::JobOptions job;
@@ -178,6 +183,9 @@ int main(int argc, char** argv) {
   train->add_option("--eval-every", job.eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")->default_val(500);
   train->add_option("--log-every", job.log_every, "Log line interval when not on a terminal")->default_val(100);
   train->add_option("--metrics", job.metrics_path, "Append metrics as JSON lines to FILE");
+  std::string train_budget;
+  train->add_option("--memory-budget", train_budget,
+                    "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
 
   try {
     app.parse(argc, argv);
@@ -201,9 +209,11 @@ int main(int argc, char** argv) {
       fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
-      compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report);
+      compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,
+              compile_budget);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
+      if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);
       kiln::train::run_training_job(job);
     }
   } catch (const kiln::Error& e) {

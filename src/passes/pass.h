@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -28,6 +29,8 @@ struct PassOptions {
   std::set<std::string> disabled;   // pass names to skip
   std::set<std::string> print_after;  // pass names, or "all"
   std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
+  // Planned arena bytes a step may use: adds rematerialization (passes/remat.h) to the pipeline.
+  std::optional<size_t> memory_budget;
 };
 
 struct PassRecord {

@@ -1,5 +1,6 @@
 #include "passes/pipeline.h"
 
+#include "passes/remat.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/constant_fold.h"
@@ -10,6 +11,8 @@
 namespace kiln {
 
 PassManager default_pipeline(PassOptions options) {
+  const std::optional<size_t> memory_budget = options.memory_budget;
+  const bool schedule_enabled = !options.disabled.count("schedule");
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -25,6 +28,9 @@ PassManager default_pipeline(PassOptions options) {
   pm.add(std::make_unique<CommonSubexpressionElimination>());
   // Last: drop everything the passes above (and autodiff) left unused.
   pm.add(std::make_unique<DeadCodeElimination>());
+  // With a memory budget: recompute activations to fit it (after CSE, which would merge the
+  // clones back; right before schedule, whose order its peak is measured in).
+  if (memory_budget) pm.add(std::make_unique<Rematerialize>(*memory_budget, schedule_enabled));
   // After the node set is final: reorder for fewer live bytes (the executor's memory plan
   // follows the node order).
   pm.add(std::make_unique<SchedulePass>());

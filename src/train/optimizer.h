@@ -44,6 +44,9 @@ struct OptimizerConfig {
   std::string amp = "off";     // "off", "bf16" or "f16" (see above)
   PrecisionPolicy amp_policy = default_precision_policy();  // per-op precision under amp
   LossScaleOptions loss_scale;  // f16 only
+  // Planned arena bytes the step may use (passes/remat.h recomputes activations to fit); 0 = no
+  // budget. Trainer passes it to the pipeline unless its PassOptions name one.
+  size_t memory_budget = 0;
 };
 
 // Throws kiln::Error naming the bad field.
