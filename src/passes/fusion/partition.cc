@@ -10,7 +10,9 @@
 #include "passes/fusion/partition.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
+#include <functional>
 #include <numeric>
 #include <utility>
 
@@ -308,6 +310,386 @@ Partition finish(const Problem& problem, std::vector<int> group_of) {
   return p;
 }
 
+// ------------------------------------------------------------------------------------------
+// Optimal.
+//
+// Components: items joined by the edges that may lie inside a legal group (fusable_edge). Any
+// legal partition stays legal, with the same saved bytes, when each group is cut along the
+// components: a saved value lies within one component, the rules other than acyclicity hold for
+// subsets, and the cut pieces share no edge, so a cycle through two of them would already have
+// been a path leaving the uncut group and coming back. So some optimal partition has every group
+// inside one component.
+//
+// Each component is solved against a fixed context (the other items' groups), reduced to a
+// small graph over the component's items: `reach[a]` holds the component items reachable from a
+// by an edge or a path through context groups only, `outside[a]` those reachable by such a path
+// of at least one context group. A partition of the component is acyclic with the context iff
+// the quotient of this small graph is acyclic with no group reaching itself through `outside`.
+// Contracting groups only adds paths, so a component's best against singletons is an upper bound
+// on its part in any partition; when the components' bests together are legal they are optimal.
+
+constexpr int kMaxSearchItems = 64;  // one bit per item in a uint64_t
+
+std::vector<std::vector<int>> fusable_components(const Problem& problem, const Adjacency& adj) {
+  std::vector<int> parent(adj.n);
+  std::iota(parent.begin(), parent.end(), 0);
+  std::function<int(int)> find = [&](int x) {
+    while (parent[x] != x) x = parent[x] = parent[parent[x]];
+    return x;
+  };
+  for (int u = 0; u < adj.n; ++u)
+    for (int w : adj.succ[u])
+      if (fusable_edge(problem, u, w)) parent[find(u)] = find(w);
+  std::vector<std::vector<int>> by_root(adj.n);
+  for (int i = 0; i < adj.n; ++i) by_root[find(i)].push_back(i);
+  std::vector<std::vector<int>> comps;
+  for (std::vector<int>& c : by_root)
+    if (c.size() >= 2) comps.push_back(std::move(c));
+  std::sort(comps.begin(), comps.end(), [](const auto& a, const auto& b) { return a[0] < b[0]; });
+  return comps;
+}
+
+// A partition's groups with the items of `split` taken out as singletons, and a topological
+// order (`ord`) of the quotient graph.
+struct Context {
+  std::vector<int> group_of;
+  std::vector<std::vector<int>> members;
+  std::vector<int> ord;
+};
+
+Context make_context(const Adjacency& adj, const std::vector<int>& group_of,
+                     const std::vector<int>& split) {
+  Context ctx;
+  std::vector<int> g = group_of;
+  int big = 0;
+  for (int x : g) big = std::max(big, x + 1);
+  for (int i : split) g[i] = big++;
+  std::vector<int> remap(big, -1);
+  int groups = 0;
+  ctx.group_of.resize(adj.n);
+  for (int i = 0; i < adj.n; ++i) {
+    if (remap[g[i]] < 0) remap[g[i]] = groups++;
+    ctx.group_of[i] = remap[g[i]];
+  }
+  ctx.members.resize(groups);
+  for (int i = 0; i < adj.n; ++i) ctx.members[ctx.group_of[i]].push_back(i);
+  std::vector<int> indegree(groups, 0);
+  for (int u = 0; u < adj.n; ++u)
+    for (int w : adj.succ[u])
+      if (ctx.group_of[u] != ctx.group_of[w]) ++indegree[ctx.group_of[w]];
+  std::vector<int> ready;
+  for (int q = 0; q < groups; ++q)
+    if (indegree[q] == 0) ready.push_back(q);
+  ctx.ord.assign(groups, -1);
+  int next = 0;
+  while (!ready.empty()) {
+    int q = ready.back();
+    ready.pop_back();
+    ctx.ord[q] = next++;
+    for (int u : ctx.members[q])
+      for (int w : adj.succ[u])
+        if (ctx.group_of[w] != q && --indegree[ctx.group_of[w]] == 0)
+          ready.push_back(ctx.group_of[w]);
+  }
+  KILN_CHECK(next == groups, "fusion partition: internal error: the context is not acyclic");
+  return ctx;
+}
+
+struct LocalValue {
+  int producer = 0;
+  std::vector<int> consumers;  // local indices, deduplicated
+  int64_t bytes = 0;
+};
+
+struct LocalProblem {
+  int k = 0;
+  std::vector<uint64_t> reach, outside, forbid;
+  std::vector<char> gemm;
+  std::vector<LocalValue> values;
+  std::vector<std::vector<int>> produced, consumed, last;  // per local item: value indices
+};
+
+// `items` sorted by index; `comps` (empty, or one id per item) forbids groups across components.
+LocalProblem build_local(const Problem& problem, const Adjacency& adj, const Context& ctx,
+                         const std::vector<int>& items, const std::vector<int>& comps) {
+  LocalProblem lp;
+  lp.k = static_cast<int>(items.size());
+  lp.reach.assign(lp.k, 0);
+  lp.outside.assign(lp.k, 0);
+  lp.forbid.assign(lp.k, 0);
+  lp.gemm.assign(lp.k, 0);
+  lp.produced.resize(lp.k);
+  lp.consumed.resize(lp.k);
+  lp.last.resize(lp.k);
+  std::vector<int> local(adj.n, -1);
+  int max_ord = 0;
+  for (int a = 0; a < lp.k; ++a) {
+    local[items[a]] = a;
+    max_ord = std::max(max_ord, ctx.ord[ctx.group_of[items[a]]]);
+  }
+  std::vector<int> seen(ctx.members.size(), -1), stack;
+  for (int a = 0; a < lp.k; ++a) {
+    const int u = items[a];
+    const ItemKind kind = problem.items[u].kind;
+    lp.gemm[a] = kind == ItemKind::kGemm;
+    for (int w : adj.succ[u]) {
+      if (local[w] >= 0) {
+        lp.reach[a] |= uint64_t{1} << local[w];
+        if (kind == ItemKind::kColumnReduction || problem.items[w].kind == ItemKind::kGemm) {
+          lp.forbid[a] |= uint64_t{1} << local[w];
+          lp.forbid[local[w]] |= uint64_t{1} << a;
+        }
+      } else if (int q = ctx.group_of[w]; ctx.ord[q] < max_ord && seen[q] != a) {
+        seen[q] = a;
+        stack.push_back(q);
+      }
+    }
+    while (!stack.empty()) {
+      int q = stack.back();
+      stack.pop_back();
+      for (int x : ctx.members[q])
+        for (int w : adj.succ[x]) {
+          if (local[w] >= 0) {
+            lp.outside[a] |= uint64_t{1} << local[w];
+          } else if (int r = ctx.group_of[w]; r != q && ctx.ord[r] < max_ord && seen[r] != a) {
+            seen[r] = a;
+            stack.push_back(r);
+          }
+        }
+    }
+    lp.reach[a] |= lp.outside[a];
+    if (!comps.empty())
+      for (int b = 0; b < lp.k; ++b)
+        if (comps[b] != comps[a]) lp.forbid[a] |= uint64_t{1} << b;
+  }
+  for (int a = 0; a < lp.k; ++a)
+    for (int v : adj.out_values[items[a]]) {
+      const ValueUse& use = problem.values[v];
+      if (use.external || use.bytes <= 0 || use.consumers.empty()) continue;
+      LocalValue lv{a, {}, use.bytes};
+      bool savable = true;
+      for (int c : use.consumers) {
+        if (local[c] < 0 || !fusable_edge(problem, items[a], c)) savable = false;
+        if (local[c] >= 0) lv.consumers.push_back(local[c]);
+      }
+      if (!savable) continue;
+      std::sort(lv.consumers.begin(), lv.consumers.end());
+      lv.consumers.erase(std::unique(lv.consumers.begin(), lv.consumers.end()),
+                         lv.consumers.end());
+      const int id = static_cast<int>(lp.values.size());
+      lp.produced[a].push_back(id);
+      for (int c : lv.consumers) lp.consumed[c].push_back(id);
+      lp.last[lv.consumers.back()].push_back(id);
+      lp.values.push_back(std::move(lv));
+    }
+  return lp;
+}
+
+// The groups of `items` in `group_of`, as local ids 0.. in order of first appearance.
+std::vector<int> restrict_to(const std::vector<int>& items, const std::vector<int>& group_of) {
+  std::vector<int> local(items.size());
+  std::vector<std::pair<int, int>> seen;  // (global id, local id); components are small
+  for (size_t a = 0; a < items.size(); ++a) {
+    int g = group_of[items[a]];
+    auto it = std::find_if(seen.begin(), seen.end(), [&](auto& p) { return p.first == g; });
+    if (it == seen.end()) {
+      seen.push_back({g, static_cast<int>(seen.size())});
+      local[a] = seen.back().second;
+    } else {
+      local[a] = it->second;
+    }
+  }
+  return local;
+}
+
+// Branch and bound over group assignments in topological order (restricted growth: an item
+// joins one of the groups opened before it or opens the next one). Bound: saved so far plus the
+// bytes of every value not yet decided and not yet broken (an assigned consumer outside its
+// producer's group breaks a value); a branch that cannot beat the incumbent is cut. An item only
+// joins a group that still has an undecided, unbroken value: growing a "closed" group can save
+// nothing more, and the grown part can always be moved to a group of its own (it has no edge
+// back into the closed part, items being in topological order). Worst case exponential (the
+// Bell number of the component's size); the time limit bounds it.
+class Search {
+ public:
+  Search(const LocalProblem& lp, std::chrono::steady_clock::time_point deadline)
+      : lp_(lp), deadline_(deadline), assign_(lp.k, -1), dead_(lp.values.size(), 0) {
+    for (const LocalValue& v : lp.values) alive_ += v.bytes;
+  }
+
+  // Returns whether the search finished (the answer is optimal); `best` holds the incumbent.
+  bool run(std::vector<int>* best) {
+    best_assign_ = *best;
+    best_ = value_of(*best);
+    dfs(0);
+    *best = best_assign_;
+    return !timed_out_;
+  }
+
+ private:
+  int64_t value_of(const std::vector<int>& assign) const {
+    int64_t total = 0;
+    for (const LocalValue& v : lp_.values) {
+      bool saved = true;
+      for (int c : v.consumers) saved = saved && assign[c] == assign[v.producer];
+      if (saved) total += v.bytes;
+    }
+    return total;
+  }
+
+  uint64_t expand(uint64_t items) const {
+    uint64_t out = 0;
+    while (items) {
+      int a = std::countr_zero(items);
+      items &= items - 1;
+      out |= assign_[a] >= 0 ? groups_[assign_[a]] : uint64_t{1} << a;
+    }
+    return out;
+  }
+
+  // Whether item i may join group g: the GEMM, column-reduction and acyclicity rules.
+  bool may_join(int i, int g) const {
+    const uint64_t grown = groups_[g] | uint64_t{1} << i;
+    if (lp_.forbid[i] & groups_[g]) return false;
+    if (lp_.gemm[i] && gemms_[g]) return false;
+    uint64_t out = 0, via_outside = 0;
+    for (uint64_t m = grown; m; m &= m - 1) {
+      int a = std::countr_zero(m);
+      out |= lp_.reach[a];
+      via_outside |= lp_.outside[a];
+    }
+    if (via_outside & grown) return false;
+    uint64_t reached = expand(out & ~grown), frontier = reached;
+    while (frontier) {
+      uint64_t next = 0;
+      for (uint64_t m = frontier; m; m &= m - 1) next |= lp_.reach[std::countr_zero(m)];
+      if (next & grown) return false;
+      next = expand(next & ~reached) & ~reached;
+      reached |= next;
+      frontier = next;
+    }
+    return true;
+  }
+
+  struct Change {
+    int value;
+    bool decided;  // saved (else broken)
+  };
+
+  void place(int i, int g, std::vector<Change>* changes) {
+    if (g == static_cast<int>(groups_.size())) {
+      groups_.push_back(0);
+      gemms_.push_back(0);
+      open_.push_back(0);
+    }
+    groups_[g] |= uint64_t{1} << i;
+    gemms_[g] += lp_.gemm[i];
+    assign_[i] = g;
+    for (int v : lp_.consumed[i]) {
+      int pg = assign_[lp_.values[v].producer];
+      if (!dead_[v] && pg != g) {
+        dead_[v] = 1;
+        alive_ -= lp_.values[v].bytes;
+        --open_[pg];
+        changes->push_back({v, false});
+      }
+    }
+    for (int v : lp_.last[i])
+      if (!dead_[v]) {
+        dead_[v] = 2;
+        alive_ -= lp_.values[v].bytes;
+        saved_ += lp_.values[v].bytes;
+        --open_[g];
+        changes->push_back({v, true});
+      }
+    open_[g] += static_cast<int>(lp_.produced[i].size());
+  }
+
+  void unplace(int i, int g, const std::vector<Change>& changes) {
+    open_[g] -= static_cast<int>(lp_.produced[i].size());
+    for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
+      const LocalValue& v = lp_.values[it->value];
+      dead_[it->value] = 0;
+      alive_ += v.bytes;
+      if (it->decided) saved_ -= v.bytes;
+      ++open_[assign_[v.producer]];
+    }
+    assign_[i] = -1;
+    groups_[g] &= ~(uint64_t{1} << i);
+    gemms_[g] -= lp_.gemm[i];
+    if (g + 1 == static_cast<int>(groups_.size()) && groups_[g] == 0) {
+      groups_.pop_back();
+      gemms_.pop_back();
+      open_.pop_back();
+    }
+  }
+
+  void dfs(int i) {
+    if (timed_out_) return;
+    if ((++nodes_ & 1023) == 0 && std::chrono::steady_clock::now() > deadline_) {
+      timed_out_ = true;
+      return;
+    }
+    if (i == lp_.k) {
+      if (saved_ > best_) {
+        best_ = saved_;
+        best_assign_ = assign_;
+      }
+      return;
+    }
+    // Options: groups holding producers of i's unbroken inputs (most bytes first), a new
+    // group, then the other open groups.
+    const int groups = static_cast<int>(groups_.size());
+    std::vector<std::pair<int64_t, int>> options;
+    for (int g = 0; g < groups; ++g) {
+      if (open_[g] == 0) continue;
+      int64_t gain = 0;
+      for (int v : lp_.consumed[i])
+        if (!dead_[v] && assign_[lp_.values[v].producer] == g) gain += lp_.values[v].bytes;
+      options.push_back({gain, g});
+    }
+    std::stable_sort(options.begin(), options.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    auto at = std::find_if(options.begin(), options.end(), [](auto& o) { return o.first == 0; });
+    options.insert(at, {0, groups});
+    std::vector<Change> changes;
+    for (auto [gain, g] : options) {
+      if (g < groups && !may_join(i, g)) continue;
+      changes.clear();
+      place(i, g, &changes);
+      if (saved_ + alive_ > best_) {
+        std::vector<Change> mine = changes;
+        dfs(i + 1);
+        changes = std::move(mine);
+      }
+      unplace(i, g, changes);
+      if (timed_out_) return;
+    }
+  }
+
+  const LocalProblem& lp_;
+  std::chrono::steady_clock::time_point deadline_;
+  std::vector<int> assign_;
+  std::vector<uint64_t> groups_;
+  std::vector<int> gemms_, open_;
+  std::vector<char> dead_;  // 0 undecided, 1 broken, 2 saved
+  int64_t alive_ = 0, saved_ = 0, best_ = 0;
+  std::vector<int> best_assign_;
+  int64_t nodes_ = 0;
+  bool timed_out_ = false;
+};
+
+// Solves one local problem; `incumbent` is a legal assignment (greedy's or the current one).
+bool solve(const LocalProblem& lp, std::vector<int> incumbent,
+           std::chrono::duration<double> budget, std::vector<int>* out) {
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(budget);
+  Search search(lp, deadline);
+  bool finished = search.run(&incumbent);
+  *out = std::move(incumbent);
+  return finished;
+}
+
 }  // namespace
 
 bool is_legal(const Problem& problem, const std::vector<int>& group_of, std::string* why) {
@@ -431,8 +813,97 @@ Partition partition_greedy(const Problem& problem) {
 }
 
 Partition partition_optimal(const Problem& problem, const OptimalOptions& options) {
-  (void)options;
-  return partition_greedy(problem);
+  Adjacency adj = build_adjacency(problem);
+  Greedy greedy(problem, adj);
+  greedy.run();
+  const std::vector<int> greedy_groups = greedy.group_of();
+  const int64_t greedy_saved = saved_bytes(problem, greedy_groups);
+  const int n = adj.n;
+  const int limit = std::clamp(options.max_component_items, 0, kMaxSearchItems);
+  const auto budget = std::chrono::duration<double>(std::max(0.0, options.time_limit_seconds));
+
+  const std::vector<std::vector<int>> components = fusable_components(problem, adj);
+  std::vector<int> identity(n);
+  std::iota(identity.begin(), identity.end(), 0);
+
+  // Phase 1: every component against all other items alone (its largest feasible set).
+  Partition result;
+  std::vector<int> combined = identity;
+  int next_id = n;
+  {
+    Context singles = make_context(adj, identity, {});
+    for (const std::vector<int>& comp : components) {
+      std::vector<int> local;
+      bool exact = false;
+      if (static_cast<int>(comp.size()) <= limit) {
+        LocalProblem lp = build_local(problem, adj, singles, comp, {});
+        exact = solve(lp, restrict_to(comp, greedy_groups), budget, &local);
+      } else {
+        local = restrict_to(comp, greedy_groups);
+      }
+      ++(exact ? result.components_exact : result.components_greedy);
+      for (size_t a = 0; a < comp.size(); ++a) combined[comp[a]] = next_id + local[a];
+      next_id += static_cast<int>(comp.size());
+    }
+  }
+  if (is_legal(problem, combined) && saved_bytes(problem, combined) >= greedy_saved) {
+    Partition p = finish(problem, combined);
+    p.components_exact = result.components_exact;
+    p.components_greedy = result.components_greedy;
+    return p;
+  }
+
+  // Phase 2: the components' answers form a cycle together. Small problems: one joint search
+  // over all fusable items (groups still within components). Otherwise each component in turn,
+  // against the others as they stand (greedy's answer at first), keeping what improves.
+  result.components_exact = result.components_greedy = 0;
+  std::vector<int> all, comp_of;
+  for (size_t c = 0; c < components.size(); ++c)
+    for (int i : components[c]) {
+      all.push_back(i);
+      comp_of.push_back(static_cast<int>(c));
+    }
+  if (static_cast<int>(all.size()) <= limit) {
+    std::vector<int> order(all.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return all[a] < all[b]; });
+    std::vector<int> items, comps;
+    for (int o : order) {
+      items.push_back(all[o]);
+      comps.push_back(comp_of[o]);
+    }
+    Context singles = make_context(adj, identity, {});
+    LocalProblem lp = build_local(problem, adj, singles, items, comps);
+    std::vector<int> local;
+    bool exact = solve(lp, restrict_to(items, greedy_groups), budget, &local);
+    std::vector<int> joint = identity;
+    for (size_t a = 0; a < items.size(); ++a) joint[items[a]] = n + local[a];
+    (exact ? result.components_exact : result.components_greedy) =
+        static_cast<int>(components.size());
+    Partition p = finish(problem, joint);
+    p.components_exact = result.components_exact;
+    p.components_greedy = result.components_greedy;
+    return p;
+  }
+  std::vector<int> current = greedy_groups;
+  next_id = n;
+  for (const std::vector<int>& comp : components) {
+    if (static_cast<int>(comp.size()) > limit) {
+      ++result.components_greedy;
+      continue;
+    }
+    Context ctx = make_context(adj, current, comp);
+    LocalProblem lp = build_local(problem, adj, ctx, comp, {});
+    std::vector<int> local;
+    bool exact = solve(lp, restrict_to(comp, current), budget, &local);
+    ++(exact ? result.components_exact : result.components_greedy);
+    for (size_t a = 0; a < comp.size(); ++a) current[comp[a]] = 2 * n + next_id + local[a];
+    next_id += static_cast<int>(comp.size());
+  }
+  Partition p = finish(problem, current);
+  p.components_exact = result.components_exact;
+  p.components_greedy = result.components_greedy;
+  return p;
 }
 
 }  // namespace kiln::fusion
