@@ -53,6 +53,7 @@ TEST(FusionPartitionLegal, SingletonsAreLegal) {
             {value(0, {1, 2}, 8), value(1, {3}, 8), value(2, {3}, 8)}};
   EXPECT_TRUE(legal(p, {0, 1, 2, 3}));
   EXPECT_TRUE(legal(p, {7, 3, 5, 0}));  // any ids, not only 0..groups-1
+  EXPECT_TRUE(legal(p, {2000000000, 3, 5, 0}));
 }
 
 TEST(FusionPartitionLegal, OneIterationSpace) {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <functional>
 #include <numeric>
+#include <unordered_map>
 #include <utility>
 
 #include "support/error.h"
@@ -76,15 +77,15 @@ std::vector<int> dense_groups(const Problem& problem, const std::vector<int>& gr
   KILN_CHECK(group_of.size() == problem.items.size(),
              "fusion partition: group_of has {} entries, expected one per item ({})",
              group_of.size(), problem.items.size());
-  std::vector<int> remap;
+  std::unordered_map<int, int> remap;  // ids may be anything >= 0, not only 0..groups-1
   std::vector<int> dense(group_of.size());
   int next = 0;
   for (size_t i = 0; i < group_of.size(); ++i) {
     int g = group_of[i];
     KILN_CHECK(g >= 0, "fusion partition: item {} has group id {}, expected >= 0", i, g);
-    if (static_cast<size_t>(g) >= remap.size()) remap.resize(g + 1, -1);
-    if (remap[g] < 0) remap[g] = next++;
-    dense[i] = remap[g];
+    auto [it, inserted] = remap.try_emplace(g, next);
+    if (inserted) ++next;
+    dense[i] = it->second;
   }
   *groups = next;
   return dense;
