@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
 
-  auto* train = app.add_subcommand("train", "Train a model on the CPU, printing progress");
+  auto* train = app.add_subcommand("train", "Train a model on the CPU or a CUDA GPU, printing progress");
   kiln::train::JobOptions job;
   train->add_option("--model", job.model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
       ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))->default_val("mlp");
@@ -177,7 +177,8 @@ int main(int argc, char** argv) {
   train->add_option("--amp", job.optimizer.amp, "Mixed precision: off | bf16 | f16 (f16 with dynamic loss scaling)")
       ->check(CLI::IsMember({"off", "bf16", "f16"}))->default_val("off");
   train->add_option("--seed", job.seed, "Seed for init and data order")->default_val(0);
-  train->add_option("--device", job.device, "cpu (cuda comes with the CUDA backend)")->default_val("cpu");
+  train->add_option("--device", job.device, "cpu | cuda (cuda needs a build with the CUDA backend and a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->default_val("cpu");
   train->add_option("--checkpoint-dir", job.checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
   train->add_flag("--resume", job.resume, "Continue from --checkpoint-dir's last checkpoint");
   train->add_option("--eval-every", job.eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")->default_val(500);
@@ -186,6 +187,23 @@ int main(int argc, char** argv) {
   std::string train_budget;
   train->add_option("--memory-budget", train_budget,
                     "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
+
+  auto* bench = app.add_subcommand("bench", "Time training steps of a model on random data: ms/step, tokens/s, MFU, memory");
+  kiln::train::BenchOptions bench_options;
+  double bench_peak_tflops = 0;
+  bench->add_option("--model", bench_options.model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
+      ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))->default_val("gpt2");
+  bench->add_option("--batch", bench_options.batch, "Batch size")->default_val(32);
+  bench->add_option("--seq", bench_options.seq, "Sequence length for gpt2* (default: the config's)");
+  bench->add_option("--amp", bench_options.amp, "Mixed precision: off | bf16 | f16")
+      ->check(CLI::IsMember({"off", "bf16", "f16"}))->default_val("bf16");
+  bench->add_option("--device", bench_options.device, "cuda | cpu")->check(CLI::IsMember({"cpu", "cuda"}))->default_val("cuda");
+  bench->add_option("--steps", bench_options.steps, "Timed steps")->default_val(20);
+  bench->add_option("--warmup", bench_options.warmup, "Untimed steps first")->default_val(5);
+  bench->add_option("--peak-tflops", bench_peak_tflops, "The device's peak TFLOP/s for MFU (default: known GPUs' dense bf16/tf32 peak)");
+  bench->add_flag("--no-cuda-graphs", [&](int64_t) { bench_options.cuda_graphs = false; },
+                  "Launch every kernel each step instead of replaying a captured CUDA graph");
+  bench->add_flag("--json", bench_options.json, "Also print the numbers as one JSON line, last");
 
   try {
     app.parse(argc, argv);
@@ -215,6 +233,9 @@ int main(int argc, char** argv) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);
       kiln::train::run_training_job(job);
+    } else if (app.got_subcommand(bench)) {
+      bench_options.peak_flops = bench_peak_tflops * 1e12;
+      kiln::train::run_benchmark(bench_options);
     }
   } catch (const kiln::Error& e) {
     std::cerr << "kiln: error: " << e.what() << "\n";

@@ -1,17 +1,55 @@
-// The CUDA device queries in a build without the CUDA backend (-DKILN_CUDA=OFF or no nvcc).
+// The CUDA backend's host API in a build without it (-DKILN_CUDA=OFF or no nvcc): device
+// queries report "no CUDA", everything else throws kiln::Error saying this build has none.
 #ifndef KILN_HAVE_CUDA
 #include "backends/backend.h"
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
+#include "backends/cuda/memory.h"
 #include "support/error.h"
 
 namespace kiln::cuda {
+namespace {
+[[noreturn]] void no_cuda() { fail("this build has no CUDA backend (configure with -DKILN_CUDA=ON)"); }
+}  // namespace
+
 bool built_with_cuda() { return false; }
 int device_count() { return 0; }
 std::string describe_device(int) { return "this build has no CUDA backend"; }
 // No CUDA kernel ever ran, so none recorded a data error.
 void check_device_errors() {}
-double smoke_test_saxpy(int) { fail("this build has no CUDA backend (configure with -DKILN_CUDA=ON)"); }
+double smoke_test_saxpy(int) { no_cuda(); }
+
+MemoryInfo memory_info() { no_cuda(); }
+std::string format_bytes(size_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
+}
+void check_fits(size_t, const std::string&) { no_cuda(); }
+std::shared_ptr<std::byte[]> allocate(size_t, const std::string&) { no_cuda(); }
+size_t allocated_bytes() { return 0; }
+size_t peak_allocated_bytes() { return 0; }
+void reset_peak_allocated_bytes() {}
+Tensor device_tensor(const TensorType&, bool) { no_cuda(); }
+std::shared_ptr<std::byte[]> allocate_pinned(size_t) { no_cuda(); }
+Tensor pinned_tensor(const TensorType&) { no_cuda(); }
+Tensor to_device(const Tensor&) { no_cuda(); }
+Tensor to_host(const Tensor&) { no_cuda(); }
+void copy_async(const Tensor&, const Tensor&, void*) { no_cuda(); }
+void fill_bytes_async(const Tensor&, uint8_t, void*) { no_cuda(); }
+
+Stream::Stream() { no_cuda(); }
+Stream::~Stream() = default;
+void Stream::synchronize() const { no_cuda(); }
+void synchronize(void*) { no_cuda(); }
+
+UploadStaging::UploadStaging(int) { no_cuda(); }
+UploadStaging::~UploadStaging() = default;
+void UploadStaging::upload(std::span<const Tensor>, std::span<const Tensor>, void*) { no_cuda(); }
+
+CapturedGraph::~CapturedGraph() = default;
+void CapturedGraph::begin_capture(void*) { no_cuda(); }
+void CapturedGraph::end_capture(void*) { no_cuda(); }
+void CapturedGraph::abandon_capture(void*) noexcept {}
+void CapturedGraph::launch(void*) const { no_cuda(); }
 }  // namespace kiln::cuda
 
 namespace kiln {

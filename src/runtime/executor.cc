@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backends/cuda/device.h"
+#include "backends/cuda/device_errors.h"
 #include "ir/verifier.h"
 #include "support/error.h"
 
@@ -23,24 +25,152 @@ std::shared_ptr<std::byte[]> allocate_arena(size_t bytes, bool poison) {
   std::memset(p, poison ? 0xFF : 0, rounded);
   return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
 }
+
+std::string types_text(const std::vector<TensorType>& types) {
+  std::string out;
+  for (const TensorType& t : types) out += (out.empty() ? "" : ", ") + to_string(t);
+  return out;
+}
+
+std::string node_text(const Graph& g, size_t n) {
+  const Node& node = g.nodes[n];
+  std::string name = node.outputs.empty() ? "" : g.value(node.outputs[0]).name;
+  return fmt::format("node {} ({}{}({}))", n, name.empty() ? "" : "%" + name + " = ", op_name(node.op),
+                     types_text(types_of(g, node.inputs)));
+}
 }  // namespace
 
 Executor::Executor(Graph graph, ExecutorOptions options)
     : graph_(std::move(graph)), options_(std::move(options)) {
   verify(graph_);
+  const bool on_cuda = options_.device == Device::kCuda;
+  if (on_cuda) {
+    KILN_CHECK(cuda::built_with_cuda(), "graph '{}' asks for device cuda, but this build has no CUDA backend "
+               "(configure with -DKILN_CUDA=ON)", graph_.name);
+    KILN_CHECK(cuda::device_count() > 0, "graph '{}' asks for device cuda, but there is no CUDA device: {}",
+               graph_.name, cuda::describe_device(0));
+  }
   const KernelRegistry& registry = kernel_registry();
-  for (const Node& node : graph_.nodes) {
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
     std::vector<TensorType> in = types_of(graph_, node.inputs);
     std::vector<TensorType> out = types_of(graph_, node.outputs);
-    kernels_.push_back(&registry.select(NodeView{node, in, out}, options_.device, options_.dialects));
+    try {
+      kernels_.push_back(&registry.select(NodeView{node, in, out}, options_.device, options_.dialects));
+    } catch (const Error& e) {
+      fail("graph '{}': {} has no {} kernel: {}", graph_.name, node_text(graph_, n), device_name(options_.device),
+           e.what());
+    }
   }
-  if (options_.plan_memory) {
+  if (on_cuda) {
+    setup_cuda();
+  } else if (options_.plan_memory) {
     plan_ = plan_memory(graph_, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
     arena_ = allocate_arena(plan_.arena_bytes, options_.poison_arena);
     last_use_ = plan_.liveness.last;
   } else {
     last_use_ = compute_liveness(graph_).last;
   }
+}
+
+Executor::~Executor() {
+  // Work still queued may read the arena or write the caller's inputs: let it finish before
+  // the arena goes (its storage may outlive us through returned outputs, but not the stream).
+  if (stream_ != nullptr) {
+    try {
+      cuda::synchronize(stream_);
+    } catch (const Error&) {
+    }
+  }
+}
+
+void Executor::synchronize() const {
+  if (stream_ == nullptr) return;
+  cuda::synchronize(stream_);
+  cuda::check_device_errors();  // a kernel's data error (an index out of range, ...) surfaces here
+}
+
+void Executor::setup_cuda() {
+  if (options_.stream != nullptr) {
+    stream_ = options_.stream;
+  } else {
+    owned_stream_ = std::make_unique<cuda::Stream>();
+    stream_ = owned_stream_->handle();
+  }
+  const size_t values = graph_.values.size();
+  const Liveness live = compute_liveness(graph_);
+  // Updates written in place by their node (see executor.h).
+  std::vector<bool> is_output(values, false);
+  for (ValueId id : graph_.outputs) is_output[id] = true;
+  direct_update_input_.assign(values, -1);
+  copied_update_.assign(graph_.updates.size(), true);
+  for (size_t u = 0; u < graph_.updates.size(); ++u) {
+    const Update& update = graph_.updates[u];
+    const int def = live.def[update.value];
+    if (def < 0 || is_output[update.target] || is_output[update.value]) continue;
+    if (direct_update_input_[update.value] >= 0) continue;  // one value, two targets: copy the second
+    if (graph_.type(update.value) != graph_.type(update.target)) continue;
+    if (live.last[update.target] > def) continue;  // a later node reads the old value
+    const Node& node = graph_.nodes[static_cast<size_t>(def)];
+    bool reads_target = std::find(node.inputs.begin(), node.inputs.end(), update.target) != node.inputs.end();
+    if (reads_target && !kernels_[static_cast<size_t>(def)]->in_place_ok) continue;
+    direct_update_input_[update.value] = graph_.input_index(update.target);
+    copied_update_[u] = false;
+    ++direct_update_count_;
+  }
+  // The plan need not keep a value written straight into its input alive to the end (its arena
+  // bytes go unused): plan a copy of the graph without those updates.
+  Graph planned = graph_;
+  planned.updates.clear();
+  for (size_t u = 0; u < graph_.updates.size(); ++u)
+    if (copied_update_[u]) planned.updates.push_back(graph_.updates[u]);
+  plan_ = plan_memory(planned, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
+  last_use_ = plan_.liveness.last;
+  if (!options_.plan_memory) {
+    // The oracle layout: every arena value its own bytes, nothing shared or reused.
+    size_t offset = 0;
+    for (size_t v = 0; v < values; ++v) {
+      if (plan_.offsets[v] == MemoryPlan::kNotInArena) continue;
+      plan_.offsets[v] = static_cast<int64_t>(offset);
+      plan_.reuses[v] = -1;
+      offset += aligned_bytes(graph_.values[v].type.bytes());
+    }
+    plan_.arena_bytes = offset;
+    plan_.in_place_count = 0;
+  }
+  // Graph outputs after the arena, in the same allocation; a value listed twice gets one slot.
+  output_slot_.assign(values, -1);
+  std::vector<size_t> output_offsets;
+  size_t total = aligned_bytes(plan_.arena_bytes);
+  for (ValueId id : graph_.outputs) {
+    if (output_slot_[id] >= 0) continue;
+    output_slot_[id] = static_cast<int>(output_offsets.size());
+    output_offsets.push_back(total);
+    total += aligned_bytes(graph_.type(id).bytes());
+  }
+  // Every node output needs a home.
+  for (const Node& node : graph_.nodes)
+    for (ValueId id : node.outputs)
+      KILN_CHECK(plan_.in_arena(id) || output_slot_[id] >= 0 || direct_update_input_[id] >= 0,
+                 "internal: value %{} has no device buffer in graph '{}'", graph_.value(id).name, graph_.name);
+  device_bytes_ = std::max<size_t>(total, 1);
+  size_t inputs_to_come = options_.device_bytes_to_come;
+  cuda::check_fits(device_bytes_ + inputs_to_come,
+                   fmt::format("graph '{}' ({} for intermediates, {} for outputs{})", graph_.name,
+                               cuda::format_bytes(plan_.arena_bytes),
+                               cuda::format_bytes(total - aligned_bytes(plan_.arena_bytes)),
+                               inputs_to_come ? fmt::format(", {} for its inputs", cuda::format_bytes(inputs_to_come))
+                                              : std::string()));
+  arena_ = cuda::allocate(device_bytes_, fmt::format("the arena of graph '{}'", graph_.name));
+  if (options_.poison_arena) {
+    Tensor whole(TensorType{DType::kU8, {static_cast<int64_t>(device_bytes_)}}, arena_, 0, Device::kCuda);
+    cuda::fill_bytes_async(whole, 0xFF, stream_);
+    cuda::synchronize(stream_);
+  }
+  output_tensors_.clear();
+  for (ValueId id : graph_.outputs)
+    if (output_slot_[id] == static_cast<int>(output_tensors_.size()))
+      output_tensors_.push_back(Tensor(graph_.type(id), arena_, output_offsets[output_tensors_.size()], Device::kCuda));
 }
 
 std::vector<std::string> Executor::node_dialects() const {
@@ -52,6 +182,7 @@ std::vector<std::string> Executor::node_dialects() const {
 std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
   KILN_CHECK(inputs.size() == graph_.inputs.size(), "graph '{}' takes {} inputs, {} were given",
              graph_.name, graph_.inputs.size(), inputs.size());
+  if (options_.device == Device::kCuda) return run_cuda(inputs);
   std::vector<Tensor> values(graph_.values.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Value& v = graph_.value(graph_.inputs[i].value);
@@ -96,6 +227,94 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
     std::memcpy(target.raw(), values[u.value].raw(), target.bytes());
   }
   return outputs;
+}
+
+std::vector<Tensor> Executor::run_cuda(std::span<const Tensor> inputs) const {
+  std::vector<const std::byte*> pointers;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Value& v = graph_.value(graph_.inputs[i].value);
+    KILN_CHECK(inputs[i].defined() && inputs[i].type() == v.type, "input '{}' must be {}, got {}", v.name,
+               to_string(v.type), inputs[i].defined() ? to_string(inputs[i].type()) : "no tensor");
+    KILN_CHECK(inputs[i].device() == Device::kCuda,
+               "input '{}' ({}) is a {} tensor, but graph '{}' runs on cuda: upload it first (cuda::to_device)",
+               v.name, to_string(v.type), device_name(inputs[i].device()), graph_.name);
+    pointers.push_back(inputs[i].raw());
+  }
+  std::vector<Tensor> outputs;
+  for (ValueId id : graph_.outputs) outputs.push_back(output_tensors_[static_cast<size_t>(output_slot_[id])]);
+  if (!options_.cuda_graphs) {
+    enqueue_cuda(inputs);
+    return outputs;
+  }
+  if (captured_.ready() && pointers == captured_pointers_) {
+    captured_.launch(stream_);
+    ++graph_replays_;
+    return outputs;
+  }
+  if (!warmed_up_) {
+    enqueue_cuda(inputs);
+    warmed_up_ = true;
+    return outputs;
+  }
+  captured_.begin_capture(stream_);
+  try {
+    enqueue_cuda(inputs);
+  } catch (const Error& e) {
+    captured_.abandon_capture(stream_);
+    captured_pointers_.clear();
+    fail("graph '{}': capturing the run into a CUDA graph failed: {} (ExecutorOptions::cuda_graphs = false runs "
+         "without capture)", graph_.name, e.what());
+  }
+  captured_.end_capture(stream_);
+  captured_pointers_ = std::move(pointers);
+  ++graph_captures_;
+  captured_.launch(stream_);
+  return outputs;
+}
+
+void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
+  std::vector<Tensor> values(graph_.values.size());
+  for (size_t i = 0; i < inputs.size(); ++i) values[graph_.inputs[i].value] = inputs[i];
+  // Outputs that are graph inputs (an updated one shows its value from before the update):
+  // copied first, before any node or update writes the inputs.
+  for (ValueId id : graph_.outputs) {
+    const Tensor& out = output_tensors_[static_cast<size_t>(output_slot_[id])];
+    if (graph_.input_index(id) >= 0) cuda::copy_async(out, values[id], stream_);
+  }
+  std::vector<Tensor> args_in, args_out;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
+    const int index = static_cast<int>(n);
+    args_in.clear();
+    args_out.clear();
+    for (ValueId id : node.inputs) args_in.push_back(values[id]);
+    for (ValueId id : node.outputs) {
+      if (direct_update_input_[id] >= 0) {
+        args_out.push_back(inputs[static_cast<size_t>(direct_update_input_[id])]);
+      } else if (output_slot_[id] >= 0) {
+        args_out.push_back(output_tensors_[static_cast<size_t>(output_slot_[id])]);
+      } else {
+        args_out.push_back(Tensor(graph_.type(id), arena_, static_cast<size_t>(plan_.offsets[id]), Device::kCuda));
+      }
+    }
+    KernelArgs args{node.attrs, args_in, args_out};
+    args.stream = stream_;
+    try {
+      kernels_[n]->kernel(args);
+    } catch (const Error& e) {
+      fail("graph '{}': {} (cuda kernel '{}'): {}", graph_.name, node_text(graph_, n), kernels_[n]->dialect, e.what());
+    }
+    for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
+    for (ValueId id : node.inputs)
+      if (last_use_[id] == index) values[id] = Tensor();
+    for (ValueId id : node.outputs)
+      if (last_use_[id] == index) values[id] = Tensor();
+  }
+  for (size_t u = 0; u < graph_.updates.size(); ++u) {
+    if (!copied_update_[u]) continue;
+    const Update& update = graph_.updates[u];
+    cuda::copy_async(inputs[graph_.input_index(update.target)], values[update.value], stream_);
+  }
 }
 
 }  // namespace kiln

@@ -7,6 +7,31 @@
 // of it. Graph outputs get their own buffers each run, so callers may keep them. With
 // ExecutorOptions::plan_memory off, each value gets a fresh buffer when produced and is released
 // after its last use (the simple allocator: what the plan is tested against).
+//
+// On CUDA (ExecutorOptions::device == Device::kCuda):
+// - Every node gets a kernel registered for Device::kCuda; a node without one is an error at
+//   construction naming the node, its op and its input types.
+// - ONE device allocation holds the planned arena and the graph outputs. Before allocating,
+//   the executor checks the device's free memory for it plus options.device_bytes_to_come (the
+//   caller's inputs still to be uploaded) and throws "needs X GiB ..., Y GiB free on <device>".
+//   With plan_memory off, every arena value gets its own bytes in that allocation (no reuse):
+//   the oracle for the plan, as on the CPU.
+// - Inputs must be device tensors. run() only enqueues work on the executor's stream (every
+//   kernel gets it as KernelArgs::stream) and returns without waiting for the device: the
+//   caller synchronizes (synchronize(), or cuda::to_host, which waits) before reading.
+// - Outputs are device tensors that the executor owns and REUSES: the next run() overwrites
+//   them (on the stream, so a copy enqueued on the same stream in between sees this run's
+//   values). Copy them out before running again if they must be kept.
+// - Updates: where legal, the node that computes a new param/state value writes it straight
+//   into the input's device storage (nothing later reads the old value, and the node either
+//   does not read the old value or its kernel is in_place_ok); otherwise a device-to-device
+//   copy at the end of the run.
+// - CUDA graphs (options.cuda_graphs, on by default): the first run with a set of input device
+//   pointers runs the kernels directly (a warm-up: kernels may allocate workspaces or pick
+//   algorithms on first use); the second captures the whole run into a CUDA graph and launches
+//   it; later runs with the same input pointers replay it (one launch per step). Input
+//   pointers that change trigger a new capture. Off: every run launches every kernel (for
+//   debugging, and the oracle of the replay tests).
 #pragma once
 
 #include <memory>
@@ -14,6 +39,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "backends/cuda/memory.h"
 #include "ir/graph.h"
 #include "runtime/memory_plan.h"
 #include "tensor/tensor.h"
@@ -28,6 +54,13 @@ struct ExecutorOptions {
   // output before writing it, or a plan that lets two live values share bytes, shows up in
   // tests instead of hiding behind zeroed memory.
   bool poison_arena = false;
+  // CUDA only (see above).
+  bool cuda_graphs = true;
+  // The cudaStream_t to enqueue on; nullptr: the executor creates and owns a stream.
+  void* stream = nullptr;
+  // Device bytes the caller will still allocate for this graph's inputs (params, state, batch):
+  // checked together with the arena so that an out-of-memory error names the whole need.
+  size_t device_bytes_to_come = 0;
 };
 
 class Executor {
@@ -36,10 +69,26 @@ class Executor {
   // Throws kiln::Error.
   explicit Executor(Graph graph, ExecutorOptions options = {});
 
-  // Runs the graph. `inputs` are in the order of graph.inputs and must match their types.
-  // Graph updates are written into the storage of the corresponding input tensors. Not safe to
-  // call concurrently on one Executor: runs share its arena.
+  ~Executor();
+
+  // Runs the graph. `inputs` are in the order of graph.inputs and must match their types (and
+  // be on options.device). Graph updates are written into the storage of the corresponding
+  // input tensors. Not safe to call concurrently on one Executor: runs share its arena. On
+  // CUDA it returns before the device finishes (see above).
   std::vector<Tensor> run(std::span<const Tensor> inputs) const;
+
+  // CUDA: the stream runs are enqueued on (a cudaStream_t), and a wait for it that then throws
+  // the first data error a kernel recorded (cuda::check_device_errors). nullptr / no-op on the
+  // CPU.
+  void* stream() const { return stream_; }
+  void synchronize() const;
+  // CUDA: bytes of the one device allocation (arena + outputs); 0 on the CPU.
+  size_t device_bytes() const { return device_bytes_; }
+  // CUDA: how many runs replayed a captured graph, and how many captures were made.
+  int64_t graph_replays() const { return graph_replays_; }
+  int64_t graph_captures() const { return graph_captures_; }
+  // CUDA: updates written in place by their node (the rest are copied at the end of a run).
+  size_t direct_update_count() const { return direct_update_count_; }
 
   const Graph& graph() const { return graph_; }
   // The dialect chosen for each node, in node order.
@@ -54,6 +103,24 @@ class Executor {
   std::vector<int> last_use_;  // per value: index of the last node reading it (-1: none)
   MemoryPlan plan_;
   std::shared_ptr<std::byte[]> arena_;
+
+  // CUDA state.
+  std::vector<Tensor> run_cuda(std::span<const Tensor> inputs) const;
+  void enqueue_cuda(std::span<const Tensor> inputs) const;
+  void setup_cuda();
+  std::unique_ptr<cuda::Stream> owned_stream_;
+  void* stream_ = nullptr;
+  size_t device_bytes_ = 0;
+  std::vector<Tensor> output_tensors_;   // per graph output: its device buffer (reused)
+  std::vector<int> output_slot_;         // per value: index into output_tensors_, or -1
+  std::vector<int> direct_update_input_; // per value: the graph input it is written into, or -1
+  std::vector<bool> copied_update_;      // per update: copied at the end of the run
+  size_t direct_update_count_ = 0;
+  mutable cuda::CapturedGraph captured_;
+  mutable std::vector<const std::byte*> captured_pointers_;
+  mutable bool warmed_up_ = false;
+  mutable int64_t graph_replays_ = 0;
+  mutable int64_t graph_captures_ = 0;
 };
 
 }  // namespace kiln

@@ -7,9 +7,13 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
+#include <algorithm>
 
 #include <nlohmann/json.hpp>
 
+#include "backends/cuda/device.h"
+#include "backends/cuda/memory.h"
 #include "models/models.h"
 #include "support/error.h"
 #include "train/data/fashion_mnist.h"
@@ -133,7 +137,12 @@ std::string format_duration(double seconds) {
 }  // namespace
 
 JobResult run_training_job(const JobOptions& o) {
-  KILN_CHECK(o.device == "cpu", "device '{}' is not available in this build (expected cpu)", o.device);
+  KILN_CHECK(o.device == "cpu" || o.device == "cuda", "unknown device '{}' (expected cpu or cuda)", o.device);
+  const bool on_cuda = o.device == "cuda";
+  if (on_cuda) {
+    KILN_CHECK(cuda::built_with_cuda(), "--device cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
+    KILN_CHECK(cuda::device_count() > 0, "--device cuda: no CUDA device on this machine ({})", cuda::describe_device(0));
+  }
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
   KILN_CHECK(o.batch > 0, "--batch must be > 0, got {}", o.batch);
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
@@ -142,7 +151,9 @@ JobResult run_training_job(const JobOptions& o) {
   const Clock::time_point start = Clock::now();
   Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
 
-  Trainer trainer(task.forward, o.optimizer, task.init);
+  ExecutorOptions executor_options;
+  executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
+  Trainer trainer(task.forward, o.optimizer, task.init, executor_options);
   std::string checkpoint = o.checkpoint_dir.empty() ? "" : (std::filesystem::path(o.checkpoint_dir) / "last.safetensors").string();
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
   if (o.resume) {
@@ -165,6 +176,10 @@ JobResult run_training_job(const JobOptions& o) {
   fmt::print(o.out, "kiln train: {}\n  {} steps of batch {}, {} lr {}, seed {}, device {}{}\n", task.description, o.steps,
              o.batch, o.optimizer.name, o.optimizer.lr, o.seed, o.device,
              trainer.steps_done() > 0 ? fmt::format(", resumed at step {}", trainer.steps_done()) : "");
+  if (on_cuda)
+    fmt::print(o.out, "  {}: params and state {}, step arena and outputs {}\n", cuda::describe_device(0),
+               cuda::format_bytes(trainer.param_and_state_bytes()),
+               cuda::format_bytes(trainer.step_executor().device_bytes()));
   std::fflush(o.out);
 
   const int64_t first = trainer.steps_done();
@@ -174,39 +189,53 @@ JobResult run_training_job(const JobOptions& o) {
   Clock::time_point loop_start = Clock::now();
   double ema_loss = NAN;
   std::string eval_note;
+  // On CUDA the loss is read only at the progress interval (and at evaluations and the end), so
+  // the host issues steps ahead of the device in between; the CPU reads every step.
+  std::vector<double> unread_lrs;
+  const int64_t interval = std::max<int64_t>(o.log_every, 1);
   for (int64_t step = first; step < o.steps; ++step) {
     std::optional<Batch> batch = prefetcher.next();
     KILN_CHECK(batch.has_value(), "the data loader ended early at step {}", step);
-    double lr = trainer.current_lr();
-    double loss = trainer.step({batch->inputs, batch->targets})[0].get(0);
-    if (!std::isfinite(loss)) {
-      if (tty) fmt::print(o.out, "\n");
-      fail("loss is {} at step {}; stopped{}", loss, step + 1,
-           checkpoint.empty() ? "" : fmt::format(" (last good checkpoint: '{}')", checkpoint));
-    }
-    ema_loss = std::isnan(ema_loss) ? loss : 0.9 * ema_loss + 0.1 * loss;
-    result.final_loss = loss;
+    unread_lrs.push_back(trainer.current_lr());
+    trainer.step({batch->inputs, batch->targets});
     const int64_t done = step + 1;
+    bool eval_now = done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0);
+    if (on_cuda && !eval_now && done != first + 1 && done % interval != 0) continue;
+
+    std::vector<double> losses = trainer.take_losses();
+    KILN_CHECK(losses.size() == unread_lrs.size(), "internal: {} losses for {} steps", losses.size(), unread_lrs.size());
     double elapsed = std::chrono::duration<double>(Clock::now() - loop_start).count();
     double rate = static_cast<double>((done - first) * task.items_per_step) / elapsed;
     double eta = elapsed / static_cast<double>(done - first) * static_cast<double>(o.steps - done);
-
-    nlohmann::json record{{"step", done}, {"loss", loss}, {"lr", lr}, {task.item_name + "_per_s", rate}};
-    bool eval_now = done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0);
+    std::vector<nlohmann::json> records;
+    for (size_t k = 0; k < losses.size(); ++k) {
+      const int64_t number = done - static_cast<int64_t>(losses.size() - k) + 1;
+      const double loss = losses[k];
+      if (!std::isfinite(loss)) {
+        if (tty) fmt::print(o.out, "\n");
+        fail("loss is {} at step {}; stopped{}", loss, number,
+             checkpoint.empty() ? "" : fmt::format(" (last good checkpoint: '{}')", checkpoint));
+      }
+      ema_loss = std::isnan(ema_loss) ? loss : 0.9 * ema_loss + 0.1 * loss;
+      result.final_loss = loss;
+      records.push_back(nlohmann::json{{"step", number}, {"loss", loss}, {"lr", unread_lrs[k]}, {task.item_name + "_per_s", rate}});
+    }
+    unread_lrs.clear();
     if (eval_now) {
       auto [name, value] = task.evaluate(trainer);
       result.eval_name = name;
       result.eval_metric = value;
-      record["eval_" + name] = value;
+      records.back()["eval_" + name] = value;
       eval_note = name == "accuracy" ? fmt::format("  test acc {:.2f}%", 100 * value) : fmt::format("  eval ppl {:.2f}", value);
       save();
     }
-    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
+    if (metrics.is_open())
+      for (const nlohmann::json& record : records) metrics << record.dump() << "\n" << std::flush;
     std::string line = fmt::format("step {:>{}}/{}  loss {:.4f}{}  {:.0f} {}/s  eta {}", done,
                                    std::to_string(o.steps).size(), o.steps, ema_loss, eval_note, rate,
                                    task.item_name, format_duration(eta));
     if (tty) fmt::print(o.out, "\r{:<100}", line);
-    else if (done % std::max<int64_t>(o.log_every, 1) == 0 || eval_now || done == first + 1) fmt::print(o.out, "{}\n", line);
+    else if (done % interval == 0 || eval_now || done == first + 1) fmt::print(o.out, "{}\n", line);
     std::fflush(o.out);
   }
   if (tty) fmt::print(o.out, "\n");
@@ -218,6 +247,186 @@ JobResult run_training_job(const JobOptions& o) {
                                             : fmt::format("{:.2f}", result.eval_metric));
   if (!checkpoint.empty()) fmt::print(o.out, "checkpoint: {}\n", checkpoint);
   return result;
+}
+
+namespace {
+
+// Seconds since this process started (the kernel's start time, so it counts the dynamic loader
+// and the CLI's re-exec too); falls back to 0 if /proc is unreadable.
+double seconds_since_process_start() {
+  std::ifstream stat("/proc/self/stat"), uptime("/proc/uptime");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  double up = 0;
+  uptime >> up;
+  size_t close = text.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos || up <= 0) return 0;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i) {
+    if (i == 22) return up - std::stod(field) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+}  // namespace
+
+double device_peak_flops(const std::string& name, const std::string& amp, std::string* note) {
+  struct Peak {
+    const char* match;
+    const char* label;
+    double half, tf32;  // dense tensor-core rates
+  };
+  // NVIDIA's datasheet numbers, dense (no sparsity). H200 has the H100 SXM's compute.
+  static const Peak kPeaks[] = {
+      {"H100 PCIe", "H100 PCIe", 756e12, 378e12}, {"H100 NVL", "H100 NVL", 835e12, 417.5e12},
+      {"H100", "H100 SXM", 989e12, 494.7e12},     {"H200", "H200 (H100 SXM compute)", 989e12, 494.7e12},
+      {"A100", "A100", 312e12, 156e12},
+  };
+  const bool half = amp == "bf16" || amp == "f16";
+  for (const Peak& p : kPeaks) {
+    if (name.find(p.match) == std::string::npos) continue;
+    if (note) *note = fmt::format("{} dense {} peak {:.1f} TFLOP/s", p.label, half ? amp : "tf32", (half ? p.half : p.tf32) / 1e12);
+    return half ? p.half : p.tf32;
+  }
+  if (note) *note = "peak unknown for this device (give --peak-tflops)";
+  return 0;
+}
+
+BenchResult run_benchmark(const BenchOptions& o) {
+  KILN_CHECK(o.device == "cpu" || o.device == "cuda", "unknown device '{}' (expected cpu or cuda)", o.device);
+  const bool on_cuda = o.device == "cuda";
+  if (on_cuda) {
+    KILN_CHECK(cuda::built_with_cuda(), "--device cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
+    KILN_CHECK(cuda::device_count() > 0, "--device cuda: no CUDA device on this machine ({})", cuda::describe_device(0));
+  }
+  KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
+             "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
+  KILN_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "--batch and --steps must be > 0 and --warmup >= 0, got {}, {}, {}",
+             o.batch, o.steps, o.warmup);
+  BenchResult r;
+  Graph forward = models::by_name(o.model, o.batch, o.seq);
+  std::vector<Tensor> init;
+  int64_t int_high = 10, layers = 0, seq = 1, d_model = 0;
+  if (is_language_model(o.model)) {
+    models::GptConfig config = models::gpt_config(o.model);
+    if (o.seq > 0) config.seq = o.seq;
+    int_high = config.vocab;
+    layers = config.layers;
+    seq = config.seq;
+    d_model = config.d_model;
+    init = models::init_params(forward, o.seed, config.layers);
+    r.tokens_per_step = o.batch * config.seq;
+  } else {
+    init = models::init_params_fan_in(forward, o.seed);
+    r.tokens_per_step = o.batch;
+  }
+  std::vector<std::vector<Tensor>> batches(2);
+  for (size_t k = 0; k < batches.size(); ++k)
+    for (const GraphInput& in : forward.inputs) {
+      if (in.role != Role::kData) continue;
+      const TensorType& type = forward.type(in.value);
+      bool integer = is_integer(type.dtype);
+      batches[k].push_back(random_tensor(type, o.seed * 7919 + 31 * k + batches[k].size(), integer ? 0.0 : -1.0,
+                                         integer ? static_cast<double>(int_high) : 1.0));
+    }
+  for (const GraphInput& in : forward.inputs)
+    if (in.role == Role::kParam) r.params += forward.type(in.value).numel();
+  r.flops_per_step = 6.0 * static_cast<double>(r.params) * static_cast<double>(r.tokens_per_step) +
+                     12.0 * static_cast<double>(layers * seq * d_model) * static_cast<double>(r.tokens_per_step);
+
+  OptimizerConfig config;
+  config.amp = o.amp;
+  config.lr = 1e-4;
+  validate(config);
+  ExecutorOptions executor_options;
+  executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
+  executor_options.cuda_graphs = o.cuda_graphs;
+  size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;
+  if (on_cuda) cuda::reset_peak_allocated_bytes();
+  Clock::time_point t0 = Clock::now();
+  Trainer trainer(forward, config, init, executor_options);
+  r.compile_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  init.clear();
+
+  trainer.step(batches[0]);
+  trainer.synchronize();
+  r.first_step_s = seconds_since_process_start();
+  for (int64_t i = 1; i < o.warmup; ++i) trainer.step(batches[i % 2]);
+  trainer.synchronize();
+  std::vector<double> ms;
+  for (int64_t i = 0; i < o.steps; ++i) {
+    Clock::time_point s = Clock::now();
+    trainer.step(batches[i % 2]);
+    trainer.synchronize();
+    ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - s).count());
+  }
+  Clock::time_point s = Clock::now();
+  for (int64_t i = 0; i < o.steps; ++i) trainer.step(batches[i % 2]);
+  std::vector<double> losses = trainer.take_losses();  // waits for the last step
+  r.pipelined_ms = 1e3 * std::chrono::duration<double>(Clock::now() - s).count() / static_cast<double>(o.steps);
+  r.final_loss = losses.empty() ? NAN : losses.back();
+  r.median_ms = median(ms);
+  r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.median_ms / 1e3);
+  if (on_cuda) {
+    r.device_name = cuda::describe_device(0);
+    r.peak_flops = o.peak_flops > 0 ? o.peak_flops : device_peak_flops(r.device_name, o.amp, &r.peak_note);
+    if (o.peak_flops > 0) r.peak_note = fmt::format("given peak {:.1f} TFLOP/s", o.peak_flops / 1e12);
+    r.param_state_bytes = trainer.param_and_state_bytes();
+    r.arena_bytes = trainer.step_executor().device_bytes();
+    r.kiln_peak_bytes = cuda::peak_allocated_bytes();
+    size_t free_after = cuda::memory_info().free_bytes;
+    r.device_used_delta_bytes = free_before > free_after ? free_before - free_after : 0;
+    r.graph_replays = trainer.step_executor().graph_replays();
+    r.updates_in_place = trainer.step_executor().direct_update_count();
+  } else {
+    r.device_name = "cpu";
+    r.peak_flops = o.peak_flops;
+    r.peak_note = o.peak_flops > 0 ? fmt::format("given peak {:.1f} TFLOP/s", o.peak_flops / 1e12)
+                                   : "no peak rate for the CPU (give --peak-tflops for an MFU)";
+  }
+  r.kernels_per_step = static_cast<int64_t>(trainer.step_executor().graph().nodes.size());
+  r.updates = trainer.step_executor().graph().updates.size();
+  r.mfu = r.peak_flops > 0 ? r.flops_per_step / (r.median_ms / 1e3) / r.peak_flops : 0;
+  if (o.out) {
+    const std::string unit = is_language_model(o.model) ? "tokens" : "samples";
+    fmt::print(o.out, "kiln bench: {} ({:.1f}M params), batch {}{}, amp {}, device {}{}\n", o.model,
+               static_cast<double>(r.params) / 1e6, o.batch, is_language_model(o.model) ? fmt::format(", seq {}", seq) : "",
+               o.amp, r.device_name, on_cuda ? (o.cuda_graphs ? ", CUDA graphs on" : ", CUDA graphs off") : "");
+    fmt::print(o.out, "  ms/step          {:.2f} median of {} steps (each waited for); {:.2f} mean when issued back to back\n",
+               r.median_ms, o.steps, r.pipelined_ms);
+    fmt::print(o.out, "  {}/s         {:.0f}\n", unit, r.tokens_per_s);
+    fmt::print(o.out, "  MFU              {}  ({:.3g} GFLOP/step = 6*N*{} + 12*L*T*d*{}; {})\n",
+               r.peak_flops > 0 ? fmt::format("{:.3f}", r.mfu) : "n/a", r.flops_per_step / 1e9, unit, unit, r.peak_note);
+    if (on_cuda)
+      fmt::print(o.out, "  executor         {} kernels per step, {} CUDA graph replays, {} of {} updates written in place\n",
+                 r.kernels_per_step, r.graph_replays, r.updates_in_place, r.updates);
+    if (on_cuda)
+      fmt::print(o.out, "  device memory    kiln peak {} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
+                 cuda::format_bytes(r.kiln_peak_bytes), cuda::format_bytes(r.param_state_bytes),
+                 cuda::format_bytes(r.arena_bytes), cuda::format_bytes(r.device_used_delta_bytes));
+    fmt::print(o.out, "  first step       {:.2f} s after process start (trainer build {:.2f} s)\n", r.first_step_s, r.compile_s);
+    fmt::print(o.out, "  final loss       {:.4f}\n", r.final_loss);
+    if (o.json) {
+      auto gib = [](size_t bytes) { return std::round(static_cast<double>(bytes) / double(1ull << 30) * 100) / 100; };
+      nlohmann::json j{{"model", o.model}, {"amp", o.amp}, {"batch", o.batch}, {"seq", seq}, {"device", r.device_name},
+                       {"cuda_graphs", on_cuda && o.cuda_graphs}, {"params", r.params},
+                       {"ms_per_step", std::round(r.median_ms * 100) / 100},
+                       {"pipelined_ms", std::round(r.pipelined_ms * 100) / 100},
+                       {"tokens_per_s", std::round(r.tokens_per_s)}, {"mfu", std::round(r.mfu * 1000) / 1000},
+                       {"peak_note", r.peak_note}, {"peak_gib", gib(r.kiln_peak_bytes)},
+                       {"used_delta_gib", gib(r.device_used_delta_bytes)},
+                       {"first_step_s", std::round(r.first_step_s * 100) / 100},
+                       {"compile_s", std::round(r.compile_s * 100) / 100}, {"final_loss", r.final_loss}};
+      fmt::print(o.out, "{}\n", j.dump());
+    }
+  }
+  return r;
 }
 
 }  // namespace kiln::train

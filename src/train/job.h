@@ -21,11 +21,12 @@ struct JobOptions {
   int64_t seq = 0;                    // LM sequence length; 0 = the config's
   OptimizerConfig optimizer;
   uint64_t seed = 0;
-  std::string device = "cpu";
+  std::string device = "cpu";         // cpu | cuda
   std::string checkpoint_dir = "";    // "" = no checkpoints
   bool resume = false;                // continue from checkpoint_dir/last.safetensors
   int64_t eval_every = 0;             // 0 = only at the end
-  int64_t log_every = 50;             // plain log line interval (not on a terminal)
+  int64_t log_every = 50;             // plain log line interval (not on a terminal); on cuda
+                                      // also how often the loss is read back from the device
   std::string metrics_path = "";      // JSON lines appended here; "" = none
   int64_t eval_batches = 0;           // LM eval batches; 0 = 10. Classifiers use the whole test set.
   std::FILE* out = stdout;            // progress and summary
@@ -42,5 +43,54 @@ struct JobResult {
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
 JobResult run_training_job(const JobOptions& options);
+
+// `kiln bench`: training steps of a model on random data (no data loading), timed.
+struct BenchOptions {
+  std::string model = "gpt2";     // mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium
+  int64_t batch = 32;
+  int64_t seq = 0;                // gpt2*: 0 = the config's
+  std::string amp = "bf16";       // off | bf16 | f16
+  std::string device = "cuda";    // cpu | cuda
+  int64_t steps = 20;             // timed steps
+  int64_t warmup = 5;             // untimed steps first (on cuda the first two run and capture)
+  bool cuda_graphs = true;
+  double peak_flops = 0;          // the device's peak rate for MFU; 0 = from the device table
+  uint64_t seed = 0;
+  std::FILE* out = stdout;        // the report; nullptr = none
+  bool json = false;              // also one JSON line with the numbers, last (scripts/gpu-check.sh)
+};
+
+struct BenchResult {
+  std::string device_name;
+  int64_t params = 0;             // parameter count N
+  int64_t tokens_per_step = 0;    // B*T (LMs) or B (classifiers)
+  double flops_per_step = 0;      // 6*N*tokens + 12*layers*T*d_model*tokens (attention)
+  double median_ms = 0;           // per step, each step waited for
+  double pipelined_ms = 0;        // mean over `steps` steps issued back to back, one wait at the end
+  double tokens_per_s = 0;        // from median_ms
+  double peak_flops = 0;          // what MFU divides by; 0 = unknown (CPU): no MFU
+  std::string peak_note;          // where peak_flops comes from
+  double mfu = 0;
+  double first_step_s = 0;        // process start to the end of the first step
+  double compile_s = 0;           // trainer construction: passes, kernel choice, memory plan
+  double final_loss = 0;
+  // CUDA memory: what kiln allocated (params + state, the step's arena and outputs, anything
+  // else through cuda::allocate such as kernel workspaces), its peak, and cudaMemGetInfo's
+  // used-bytes growth from before the trainer to after the timed steps.
+  size_t param_state_bytes = 0;
+  size_t arena_bytes = 0;
+  size_t kiln_peak_bytes = 0;
+  size_t device_used_delta_bytes = 0;
+  int64_t graph_replays = 0;
+  int64_t kernels_per_step = 0;   // nodes of the step graph (one kernel launch each, captured)
+  size_t updates_in_place = 0, updates = 0;  // updates written by their node / all updates
+};
+
+// Throws kiln::Error (bad options; on cuda no device, or the step does not fit in memory, the
+// message naming the bytes needed and free).
+BenchResult run_benchmark(const BenchOptions& options);
+// Dense peak rate of `device_name` (cudaDeviceProp name) for the step's math: bf16/f16 tensor
+// cores under amp, tf32 tensor cores otherwise. 0 when unknown. `note` says which.
+double device_peak_flops(const std::string& device_name, const std::string& amp, std::string* note);
 
 }  // namespace kiln::train

@@ -1,6 +1,8 @@
 #include "train/trainer.h"
 #include <cstring>
+#include <utility>
 
+#include "backends/cuda/device_errors.h"
 #include "passes/pipeline.h"
 #include "support/error.h"
 #include "train/checkpoint/safetensors.h"
@@ -30,21 +32,98 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     if (initial != program_.state_initial_values.end())
       for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
   }
-  step_executor_ = std::make_unique<Executor>(g, executor_options);
-  eval_executor_ = std::make_unique<Executor>(forward_, executor_options);
+  executor_options_ = std::move(executor_options);
+  if (executor_options_.device != Device::kCuda) {
+    step_executor_ = std::make_unique<Executor>(g, executor_options_);
+    return;
+  }
+  // CUDA: one stream for steps, evaluation and copies; the executor checks that its arena and
+  // every input fit before anything is allocated.
+  stream_ = std::make_unique<cuda::Stream>();
+  executor_options_.stream = stream_->handle();
+  ExecutorOptions step_options = executor_options_;
+  for (const GraphInput& in : g.inputs) step_options.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
+  step_executor_ = std::make_unique<Executor>(g, step_options);
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
+    else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // data and lr buffers
+  }
+  staging_ = std::make_unique<cuda::UploadStaging>(2);
+  loss_type_ = g.type(g.outputs.at(0));
+  KILN_CHECK(loss_type_.bytes() <= 8, "the loss must be a scalar, got {}", to_string(loss_type_));
+  loss_slots_ = cuda::allocate_pinned(8 * kLossSlots);
+}
+
+Tensor Trainer::loss_slot(int64_t k) const {
+  return Tensor(loss_type_, loss_slots_, static_cast<size_t>(8 * k), Device::kCpu);
+}
+
+Trainer::~Trainer() {
+  // Copies still queued read the pinned slots and staging that go with us.
+  if (stream_) {
+    try {
+      stream_->synchronize();
+    } catch (const Error&) {
+    }
+  }
+}
+
+void Trainer::synchronize() const {
+  if (!stream_) return;
+  stream_->synchronize();
+  cuda::check_device_errors();  // a kernel's data error (a label out of range, ...) surfaces here
+}
+
+const Executor& Trainer::eval_executor() const {
+  if (!eval_executor_) eval_executor_ = std::make_unique<Executor>(forward_, executor_options_);
+  return *eval_executor_;
 }
 
 std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
   KILN_CHECK(data.size() == program_.data_inputs.size(), "a step takes {} data tensors, {} given",
              program_.data_inputs.size(), data.size());
-  for (size_t i = 0; i < data.size(); ++i) inputs_[program_.data_inputs[i]] = data[i];
+  const Graph& g = program_.graph;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const Value& v = g.value(g.inputs[program_.data_inputs[i]].value);
+    KILN_CHECK(data[i].defined() && data[i].type() == v.type, "data input '{}' must be {}, got {}", v.name,
+               to_string(v.type), data[i].defined() ? to_string(data[i].type()) : "no tensor");
+    KILN_CHECK(data[i].device() == Device::kCpu, "data input '{}' must be a host tensor, got a {} tensor", v.name,
+               device_name(data[i].device()));
+  }
   Tensor lr(TensorType{DType::kF32, {}});
   lr.set(0, current_lr());
-  inputs_[program_.lr_input] = lr;
+  if (!stream_) {
+    for (size_t i = 0; i < data.size(); ++i) inputs_[program_.data_inputs[i]] = data[i];
+    inputs_[program_.lr_input] = lr;
+    std::vector<Tensor> outputs = step_executor_->run(inputs_);
+    for (int i : program_.data_inputs) inputs_[i] = Tensor();  // do not keep the batch alive
+    losses_.push_back(outputs[0].get(0));
+    ++steps_done_;
+    return outputs;
+  }
+  std::vector<Tensor> hosts = data, devices;
+  hosts.push_back(lr);
+  for (int i : program_.data_inputs) devices.push_back(inputs_[i]);
+  devices.push_back(inputs_[program_.lr_input]);
+  staging_->upload(hosts, devices, stream_->handle());
   std::vector<Tensor> outputs = step_executor_->run(inputs_);
-  for (int i : program_.data_inputs) inputs_[i] = Tensor();  // do not keep the batch alive
+  if (pending_losses_ == kLossSlots) {
+    // Nobody read for kLossSlots steps: one wait to free the slots.
+    std::vector<double> taken = take_losses();
+    losses_.insert(losses_.begin(), taken.begin(), taken.end());
+  }
+  cuda::copy_async(loss_slot(pending_losses_++), outputs[0], stream_->handle());
   ++steps_done_;
   return outputs;
+}
+
+std::vector<double> Trainer::take_losses() {
+  if (stream_ && pending_losses_ > 0) {
+    synchronize();
+    for (int64_t k = 0; k < pending_losses_; ++k) losses_.push_back(loss_slot(k).get(0));
+    pending_losses_ = 0;
+  }
+  return std::exchange(losses_, {});
 }
 
 std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
@@ -53,13 +132,29 @@ std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
   for (size_t i = 0; i < forward_.inputs.size(); ++i) {
     if (forward_.inputs[i].role == Role::kData) {
       KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", program_.data_inputs.size(), data.size());
-      inputs.push_back(data[d++]);
+      if (stream_) {
+        // The step's data buffers have the same types: the copy is ordered after the steps
+        // that read them, on the one stream.
+        const Tensor& device = inputs_[program_.data_inputs[d]];
+        KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}",
+                   d, to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
+        staging_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), stream_->handle());
+        inputs.push_back(device);
+        ++d;
+      } else {
+        inputs.push_back(data[d++]);
+      }
     } else {
       inputs.push_back(inputs_[i]);  // forward inputs come first in the training graph
     }
   }
   KILN_CHECK(d == data.size(), "evaluate takes {} data tensors, {} given", d, data.size());
-  return eval_executor_->run(inputs);
+  std::vector<Tensor> outputs = eval_executor().run(inputs);
+  if (stream_) {
+    for (Tensor& t : outputs) t = cuda::to_host(t);
+    cuda::check_device_errors();
+  }
+  return outputs;
 }
 
 std::map<std::string, Tensor> Trainer::named_tensors() const {
@@ -68,6 +163,19 @@ std::map<std::string, Tensor> Trainer::named_tensors() const {
   for (int i : program_.param_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
   for (int i : program_.state_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
   return out;
+}
+
+std::map<std::string, Tensor> Trainer::host_tensors() const {
+  std::map<std::string, Tensor> out = named_tensors();
+  if (stream_)
+    for (auto& [name, t] : out) t = cuda::to_host(t);
+  return out;
+}
+
+size_t Trainer::param_and_state_bytes() const {
+  size_t total = 0;
+  for (const auto& [name, t] : named_tensors()) total += t.bytes();
+  return total;
 }
 
 std::vector<Tensor> Trainer::params() const {
@@ -79,7 +187,7 @@ std::vector<Tensor> Trainer::params() const {
 void Trainer::save(const std::string& path, std::map<std::string, std::string> metadata) const {
   metadata["kiln.steps_done"] = std::to_string(steps_done_);
   metadata["kiln.graph"] = forward_.name;
-  save_safetensors(path, named_tensors(), metadata);
+  save_safetensors(path, host_tensors(), metadata);
 }
 
 std::map<std::string, std::string> Trainer::load(const std::string& path) {
@@ -100,7 +208,11 @@ std::map<std::string, std::string> Trainer::load(const std::string& path) {
   } catch (const std::exception&) {
     fail("checkpoint '{}': kiln.steps_done is '{}', expected an integer", path, steps->second);
   }
-  for (auto& [name, tensor] : mine) std::memcpy(tensor.raw(), file.tensors[name].raw(), tensor.bytes());
+  for (auto& [name, tensor] : mine) {
+    if (tensor.device() == Device::kCuda) cuda::copy_async(tensor, file.tensors[name], stream_->handle());
+    else std::memcpy(tensor.raw(), file.tensors[name].raw(), tensor.bytes());
+  }
+  if (stream_) stream_->synchronize();  // the file's host tensors go when we return
   steps_done_ = steps_done;
   return file.metadata;
 }

@@ -1,6 +1,15 @@
 // The Trainer owns a compiled training step and the tensors it updates: step(batch) -> loss,
 // with params and optimizer state updated in place by the graph's updates. It also evaluates
 // the forward graph with the current params, and saves/loads exact checkpoints.
+//
+// On CUDA (ExecutorOptions::device == Device::kCuda): params and state are uploaded once at
+// construction and stay on the device (the graph's updates rewrite them there). Each step
+// copies the batch and the learning rate in asynchronously (pinned staging, double-buffered),
+// runs the step (a replayed CUDA graph from the third step on) and enqueues an asynchronous
+// copy of the loss into pinned host memory; step() returns without waiting for the device.
+// take_losses() reads the losses of the steps since the last call (it waits for the last step),
+// so a caller that reads every N steps lets the host run ahead of the device in between.
+// evaluate() and checkpoints copy to and from the host (they wait for the device).
 #pragma once
 
 #include <map>
@@ -9,6 +18,7 @@
 #include <vector>
 
 #include "passes/pass.h"
+#include "backends/cuda/memory.h"
 #include "runtime/executor.h"
 #include "train/optimizer.h"
 
@@ -19,24 +29,46 @@ class Trainer {
   // `params` are the forward graph's param inputs, in order.
   // The training graph goes through the default pass pipeline (passes/pipeline.h) with
   // `pass_options` before it is bound to kernels.
+  // `params` and the data are host tensors on every device.
+  // Throws kiln::Error (on CUDA: when the params, state and step do not fit in device memory,
+  // naming the bytes needed and free).
   Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
           ExecutorOptions executor_options = {}, PassOptions pass_options = {});
+  ~Trainer();
 
-  // One training step on the forward's data inputs (in order); returns the forward's outputs
-  // (loss first), computed before the update. Advances steps_done().
+  // One training step on the forward's data inputs (host tensors, in order); returns the
+  // forward's outputs (loss first), computed before the update. Advances steps_done(). On CUDA
+  // the outputs are device tensors that the next step overwrites, and may not be computed yet
+  // (read the loss with take_losses()).
   std::vector<Tensor> step(const std::vector<Tensor>& data);
-  // The forward graph with the current params (no update). Under amp it is still the f32 forward:
-  // the master weights are f32, and evaluation is not where the speed of 16 bits matters.
+  // The losses (outputs[0]) of the steps since the last call, oldest first; waits for the
+  // device on CUDA.
+  std::vector<double> take_losses();
+  // The forward graph with the current params (no update), on host data; returns host tensors
+  // on every device. Under amp it is still the f32 forward: the master weights are f32, and
+  // evaluation is not where the speed of 16 bits matters.
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
+  // Waits for every step enqueued so far, then throws the first data error a CUDA kernel
+  // recorded (a label or index out of range); no-op on the CPU. take_losses() and evaluate() do
+  // the same.
+  void synchronize() const;
+  Device device() const { return executor_options_.device; }
+  // The step's executor (its memory plan, device bytes, CUDA graph counters).
+  const Executor& step_executor() const { return *step_executor_; }
 
   int64_t steps_done() const { return steps_done_; }
   double current_lr() const { return learning_rate(config_, steps_done_); }
   const OptimizerConfig& config() const { return config_; }
   const TrainingGraph& program() const { return program_; }  // after the pipeline
   const std::vector<PassRecord>& pass_records() const { return pass_records_; }
-  // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step").
+  // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step"),
+  // on the trainer's device (device tensors on CUDA: writing them changes the trainer's state).
   std::map<std::string, Tensor> named_tensors() const;
   std::vector<Tensor> params() const;
+  // The same, copied to the host (waits for the device on CUDA; shares storage on the CPU).
+  std::map<std::string, Tensor> host_tensors() const;
+  // Bytes of params and state (what the trainer keeps on its device besides the executors').
+  size_t param_and_state_bytes() const;
 
   // Checkpoint: every param and state tensor, the step count and `metadata`, in safetensors,
   // written atomically. load() checks names, types and shapes before touching anything.
@@ -45,14 +77,29 @@ class Trainer {
   std::map<std::string, std::string> load(const std::string& path);
 
  private:
+  const Executor& eval_executor() const;
+
   OptimizerConfig config_;
   TrainingGraph program_;
   Graph forward_;
+  ExecutorOptions executor_options_;
+  // CUDA: declared before the executors, so it outlives them (they wait for it when destroyed).
+  std::unique_ptr<cuda::Stream> stream_;
   std::unique_ptr<Executor> step_executor_;
-  std::unique_ptr<Executor> eval_executor_;
-  std::vector<Tensor> inputs_;  // training-graph inputs: params and state bound, data per step
+  mutable std::unique_ptr<Executor> eval_executor_;  // built at the first evaluate()
+  // Training-graph inputs: params and state bound; the CPU binds data per step, CUDA binds
+  // device buffers for the data and lr once and copies each step's values into them.
+  std::vector<Tensor> inputs_;
   int64_t steps_done_ = 0;
   std::vector<PassRecord> pass_records_;
+  std::vector<double> losses_;  // taken losses not yet returned by take_losses()
+  // CUDA: staging for the batch and lr; pinned slots the losses are copied into.
+  std::unique_ptr<cuda::UploadStaging> staging_;
+  std::shared_ptr<std::byte[]> loss_slots_;  // pinned, kLossSlots scalars of 8 bytes each
+  Tensor loss_slot(int64_t k) const;
+  TensorType loss_type_;
+  int64_t pending_losses_ = 0;   // slots written since the last read
+  static constexpr int64_t kLossSlots = 1024;
 };
 
 }  // namespace kiln::train

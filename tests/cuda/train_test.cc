@@ -1,0 +1,221 @@
+// The Trainer and training jobs on CUDA against the CPU: gpt2-tiny steps (losses read lazily,
+// params kept on the device), evaluation, checkpoints across devices, a job on text, bf16 on
+// the GPU tracking f32 on the CPU over 200 steps, an out-of-memory batch as a clear error, and
+// `kiln bench`'s numbers. Tolerances as in executor_test.cc (TF32 GEMMs).
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/cuda/memory.h"
+#include "gpu_test_util.h"
+#include "models/models.h"
+#include "train/job.h"
+#include "train/trainer.h"
+
+namespace kiln::train {
+namespace {
+
+ExecutorOptions cuda_options() {
+  ExecutorOptions o;
+  o.device = Device::kCuda;
+  return o;
+}
+
+OptimizerConfig sgd() {
+  OptimizerConfig c;
+  c.name = "sgd";
+  c.lr = 0.1;
+  return c;
+}
+
+models::GptConfig tiny() {
+  models::GptConfig c = models::gpt_config("gpt2-tiny");
+  c.batch = 2;
+  c.seq = 16;
+  return c;
+}
+
+std::vector<Tensor> batch(const models::GptConfig& c, uint64_t seed) {
+  TensorType type{DType::kI64, {c.batch, c.seq}};
+  return {random_tensor(type, seed, 0, static_cast<double>(c.vocab)),
+          random_tensor(type, seed + 1, 0, static_cast<double>(c.vocab))};
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("kiln_cuda_train_test_" + name)).string();
+}
+
+TEST(CudaTrainer, Gpt2TinyStepsMatchCpu) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 3, c.layers);
+  Trainer cpu(forward, sgd(), init), gpu(forward, sgd(), init, cuda_options());
+  EXPECT_EQ(gpu.params()[0].device(), Device::kCuda);
+  for (int s = 0; s < 4; ++s) {
+    cpu.step(batch(c, 10 * s));
+    gpu.step(batch(c, 10 * s));
+  }
+  std::vector<double> a = cpu.take_losses(), b = gpu.take_losses();
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t s = 0; s < a.size(); ++s) EXPECT_NEAR(b[s], a[s], 2e-3 * std::abs(a[s])) << "step " << s;
+  EXPECT_TRUE(gpu.take_losses().empty());
+  auto host = gpu.host_tensors();
+  for (const auto& [name, t] : cpu.named_tensors()) {
+    ASSERT_EQ(host.at(name).device(), Device::kCpu);
+    EXPECT_LE(max_scaled_error(host.at(name), t, 1e-4, 1e-3), 1.0) << name;
+  }
+  // The graph was captured once and replayed from the third step on.
+  EXPECT_EQ(gpu.step_executor().graph_captures(), 1);
+  EXPECT_EQ(gpu.step_executor().graph_replays(), 2);
+  // Evaluation gives host tensors and agrees too.
+  std::vector<Tensor> ea = cpu.evaluate(batch(c, 99)), eb = gpu.evaluate(batch(c, 99));
+  ASSERT_EQ(eb[0].device(), Device::kCpu);
+  EXPECT_NEAR(eb[0].get(0), ea[0].get(0), 2e-3 * std::abs(ea[0].get(0)));
+  EXPECT_LE(max_scaled_error(eb[1], ea[1], 5e-3, 5e-3), 1.0);
+}
+
+TEST(CudaTrainer, CheckpointsMoveBetweenDevices) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 4, c.layers);
+  Trainer gpu(forward, sgd(), init, cuda_options());
+  gpu.step(batch(c, 1));
+  gpu.step(batch(c, 2));
+  std::string path = temp_path("ckpt.safetensors");
+  gpu.save(path);
+  Trainer cpu(forward, sgd(), init), gpu2(forward, sgd(), init, cuda_options());
+  cpu.load(path);
+  gpu2.load(path);
+  EXPECT_EQ(gpu2.steps_done(), 2);
+  auto from_gpu = gpu.host_tensors(), loaded = gpu2.host_tensors();
+  for (const auto& [name, t] : cpu.named_tensors()) {
+    EXPECT_EQ(std::memcmp(t.raw(), from_gpu.at(name).raw(), t.bytes()), 0) << name;
+    EXPECT_EQ(std::memcmp(loaded.at(name).raw(), from_gpu.at(name).raw(), t.bytes()), 0) << name;
+  }
+  gpu.take_losses();
+  gpu.step(batch(c, 3));
+  gpu2.step(batch(c, 3));
+  // Same params and data; the two trainers' GEMMs may still differ in algorithm (cuBLASLt's
+  // autotuning may pick another one while the first trainer is already captured), so TF32's
+  // tolerance, not bits.
+  double a = gpu.take_losses().at(0);
+  EXPECT_NEAR(gpu2.take_losses().at(0), a, 2e-3 * std::abs(a));
+  std::filesystem::remove(path);
+}
+
+TEST(CudaTrainer, BatchThatCannotFitNamesTheMemory) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  c.batch = 1 << 20;  // logits alone: 2^20 * 16 * vocab * 4 bytes
+  c.seq = 16;
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 1, c.layers);
+  size_t before = cuda::allocated_bytes();
+  try {
+    Trainer t(forward, sgd(), init, cuda_options());
+    FAIL() << "a batch of 2^20 sequences fit";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("needs"), std::string::npos) << m;
+    EXPECT_NE(m.find("GiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("for its inputs"), std::string::npos) << m;
+    EXPECT_NE(m.find("free on"), std::string::npos) << m;
+  }
+  EXPECT_EQ(cuda::allocated_bytes(), before);
+}
+
+JobOptions text_job(const std::string& device, int64_t steps) {
+  JobOptions o;
+  o.model = "gpt2-tiny";
+  o.device = device;
+  o.steps = steps;
+  o.batch = 4;
+  o.seq = 32;
+  o.eval_batches = 2;
+  o.eval_every = 0;
+  o.log_every = 50;
+  o.optimizer.lr = 3e-3;
+  o.out = std::fopen("/dev/null", "w");
+  return o;
+}
+
+std::vector<double> metric_losses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+TEST(CudaTrainJob, TinyGptTrainsOnText) {
+  KILN_REQUIRE_GPU();
+  JobOptions o = text_job("cuda", 30);
+  o.log_every = 7;  // losses read in groups of 7 (and at the end)
+  o.metrics_path = temp_path("metrics.jsonl");
+  std::filesystem::remove(o.metrics_path);
+  JobResult r = run_training_job(o);
+  EXPECT_EQ(r.steps_done, 30);
+  EXPECT_EQ(r.eval_name, "perplexity");
+  EXPECT_LT(r.eval_metric, 256.0);  // better than uniform over the byte vocabulary
+  EXPECT_LT(r.final_loss, 5.0);     // ln(256) = 5.55 at the start
+  EXPECT_EQ(metric_losses(o.metrics_path).size(), 30u);  // one record per step, read lazily
+  std::filesystem::remove(o.metrics_path);
+}
+
+TEST(CudaTrainJob, Bf16OnTheGpuTracksF32OnTheCpu) {
+  KILN_REQUIRE_GPU();
+  // 200 steps of gpt2-tiny on the default text, same data and init. Tolerance: the mean loss of
+  // every 20-step window within 5% of the f32 CPU run's (bf16 keeps 8 bits of mantissa in the
+  // matmuls and attention; the runs drift apart step by step but must learn alike).
+  JobOptions gpu = text_job("cuda", 200), cpu = text_job("cpu", 200);
+  gpu.optimizer.amp = "bf16";
+  gpu.metrics_path = temp_path("bf16.jsonl");
+  cpu.metrics_path = temp_path("f32.jsonl");
+  std::filesystem::remove(gpu.metrics_path);
+  std::filesystem::remove(cpu.metrics_path);
+  run_training_job(gpu);
+  run_training_job(cpu);
+  std::vector<double> a = metric_losses(gpu.metrics_path), b = metric_losses(cpu.metrics_path);
+  ASSERT_EQ(a.size(), 200u);
+  ASSERT_EQ(b.size(), 200u);
+  for (size_t w = 0; w < 10; ++w) {
+    double ma = 0, mb = 0;
+    for (size_t k = 20 * w; k < 20 * (w + 1); ++k) {
+      ma += a[k] / 20;
+      mb += b[k] / 20;
+    }
+    EXPECT_NEAR(ma, mb, 0.05 * mb) << "steps " << 20 * w << ".." << 20 * w + 19;
+  }
+  EXPECT_LT(a.back(), a.front() - 1.0);  // it learned
+  std::filesystem::remove(gpu.metrics_path);
+  std::filesystem::remove(cpu.metrics_path);
+}
+
+TEST(CudaBench, ReportsReplayedStepsAndMemory) {
+  KILN_REQUIRE_GPU();
+  BenchOptions o;
+  o.model = "gpt2-tiny";
+  o.batch = 4;
+  o.seq = 64;
+  o.steps = 5;
+  o.warmup = 3;
+  o.out = nullptr;
+  BenchResult r = run_benchmark(o);
+  EXPECT_GT(r.median_ms, 0);
+  EXPECT_GT(r.tokens_per_s, 0);
+  EXPECT_EQ(r.tokens_per_step, 4 * 64);
+  EXPECT_GT(r.graph_replays, 0);
+  EXPECT_GE(r.kiln_peak_bytes, r.param_state_bytes + r.arena_bytes);
+  EXPECT_TRUE(std::isfinite(r.final_loss));
+  if (r.peak_flops > 0) {
+    EXPECT_GT(r.mfu, 0);
+  }
+}
+
+}  // namespace
+}  // namespace kiln::train
