@@ -30,15 +30,16 @@ ValueId Graph::add_input(const std::string& input_name, TensorType type, Role ro
   return id;
 }
 
-std::vector<ValueId> Graph::add_node(Op op, std::vector<ValueId> node_inputs, Attributes attrs) {
+std::vector<ValueId> Graph::add_node(Op op, std::vector<ValueId> node_inputs, Attributes attrs,
+                                     std::shared_ptr<const Graph> body) {
   std::vector<TensorType> input_types;
   for (ValueId id : node_inputs) {
     KILN_CHECK(is_valid(id), "{}: input value id {} does not exist in the graph", op_name(op), id);
     input_types.push_back(type(id));
   }
   Attributes normalized = normalize_attributes(op, std::move(attrs));
-  std::vector<TensorType> output_types = infer_types(op, input_types, normalized);
-  Node node{op, std::move(node_inputs), {}, std::move(normalized)};
+  std::vector<TensorType> output_types = infer_types(op, input_types, normalized, body.get());
+  Node node{op, std::move(node_inputs), {}, std::move(normalized), std::move(body)};
   for (TensorType& t : output_types) {
     values.push_back(Value{"", std::move(t)});
     node.outputs.push_back(static_cast<ValueId>(values.size() - 1));

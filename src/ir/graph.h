@@ -3,6 +3,7 @@
 // into Graph::values, so a Graph is a plain copyable value that passes can rebuild freely.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 namespace kiln {
 
 using ValueId = int32_t;
+class Graph;
 
 // What a graph input is for: trained parameters, optimizer/loss-scale state, or the batch.
 enum class Role : uint8_t { kParam, kState, kData };
@@ -29,6 +31,10 @@ struct Node {
   std::vector<ValueId> inputs;
   std::vector<ValueId> outputs;
   Attributes attrs;
+  // Only for `fused` nodes: the subgraph the node computes. Its inputs (all role data) match the
+  // node's inputs 1:1 and its outputs the node's outputs. Shared and immutable: copies of the
+  // graph and passes that move nodes share it.
+  std::shared_ptr<const Graph> body = nullptr;
 };
 
 struct GraphInput {
@@ -56,8 +62,10 @@ class Graph {
   ValueId add_input(const std::string& name, TensorType type, Role role);
   // Appends a node: normalizes attributes against the op's schema (defaults filled, kinds
   // checked), infers output types, and returns the new output values. Throws kiln::Error on
-  // bad inputs or attributes, leaving the graph unchanged.
-  std::vector<ValueId> add_node(Op op, std::vector<ValueId> inputs, Attributes attrs = {});
+  // bad inputs or attributes, leaving the graph unchanged. `body` is for `fused` nodes only
+  // (their output types come from it; see ops/fused.cc).
+  std::vector<ValueId> add_node(Op op, std::vector<ValueId> inputs, Attributes attrs = {},
+                                std::shared_ptr<const Graph> body = nullptr);
   // Same, for single-output ops.
   ValueId add(Op op, std::vector<ValueId> inputs, Attributes attrs = {});
 

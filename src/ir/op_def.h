@@ -18,6 +18,7 @@ namespace kiln {
 
 class Tensor;
 class Expr;
+class Graph;
 struct GradContext;  // passes/autodiff.h
 
 struct AttrSpec {
@@ -37,11 +38,16 @@ struct KernelArgs {
   // The cudaStream_t a CUDA kernel enqueues on (nullptr for CPU kernels). Kept as void* so
   // this header needs no CUDA headers.
   void* stream = nullptr;
+  // The node's body: set for `fused` nodes (Node::body), nullptr otherwise.
+  const Graph* body = nullptr;
 };
 
 using InferFn = std::function<std::vector<TensorType>(std::span<const TensorType> inputs,
                                                       const Attributes& attrs)>;
 using KernelFn = std::function<void(const KernelArgs& args)>;
+// Inference of an op whose types come from a body graph (only `fused`).
+using BodyInferFn = std::function<std::vector<TensorType>(
+    std::span<const TensorType> inputs, const Attributes& attrs, const Graph& body)>;
 // Builds the gradient of a node: one Expr per input (an empty Expr where that input gets no
 // gradient). Rules are written with the builder API; see passes/autodiff.h.
 using GradFn = std::function<std::vector<Expr>(const GradContext& context)>;
@@ -54,6 +60,9 @@ struct OpDef {
   // outputs, comparisons, argmax, ...); autodiff then refuses to differentiate through it.
   GradFn gradient = nullptr;
   bool differentiable = true;
+  // Set only for ops that carry a body (`fused`): infer_types calls it with the node's body,
+  // and `infer` then just refuses a call without one.
+  BodyInferFn infer_with_body = nullptr;
 };
 
 // The definition of `op`. Throws kiln::Error if the op has none (a half-added op).
@@ -66,7 +75,8 @@ bool has_op_def(Op op);
 // an empty list for either list kind) is converted.
 Attributes normalize_attributes(Op op, Attributes attrs);
 // Checks the input count, then runs the op's inference. Error messages name the op.
+// `body`: the node's body (Node::body); required for `fused`, refused for every other op.
 std::vector<TensorType> infer_types(Op op, std::span<const TensorType> inputs,
-                                    const Attributes& attrs);
+                                    const Attributes& attrs, const Graph* body = nullptr);
 
 }  // namespace kiln

@@ -149,6 +149,18 @@ class Printer {
 
     for (size_t i = 0; i < node.outputs.size(); ++i)
       line += (i ? ", " : " : ") + to_string(graph_.type(node.outputs[i]));
+    if (node.body) {
+      // The body in the usual syntax, indented under the node, inside { }.
+      line += " {\n";
+      std::string body = Printer(*node.body).run();
+      size_t start = 0;
+      while (start < body.size()) {
+        size_t end = body.find('\n', start);
+        line += "    " + body.substr(start, end - start) + "\n";
+        start = end + 1;
+      }
+      line += "  }";
+    }
     return line + "\n";
   }
 
@@ -356,9 +368,13 @@ struct AttrAt {
 
 class Parser {
  public:
-  explicit Parser(std::string_view text) : lexer_(text) { token_ = lexer_.next(); }
+  explicit Parser(Lexer& lexer) : lexer_(lexer) { token_ = lexer_.next(); }
+  // A parser for a nested graph (a fused node's body) that starts at `first`, already lexed.
+  Parser(Lexer& lexer, Token first) : lexer_(lexer), token_(std::move(first)) {}
 
-  Graph parse_graph() {
+  // `nested`: a fused node's body, followed by more text; its verification is left to the
+  // node (ops/fused.cc), which reports at the node.
+  Graph parse_graph(bool nested = false) {
     Token keyword = take();
     if (!keyword.is_ident("graph"))
       fail_at(keyword, fmt::format("expected 'graph' at the start of the text, found {}",
@@ -391,6 +407,7 @@ class Parser {
     }
     parse_return();
     expect('}', "after the return values");
+    if (nested) return std::move(graph_);
     if (token_.kind != TokenKind::kEnd)
       fail_at(token_, fmt::format("expected end of input after '}}', found {}", token_.describe()));
     verify(graph_);
@@ -549,6 +566,18 @@ class Parser {
       }
     }
 
+    // A fused node's body: { graph @name(...) { ... } }. (Its attribute block, with the
+    // required `kind`, is the first '{' after the inputs, so the two never mix up.)
+    std::shared_ptr<const Graph> body;
+    if (*op == Op::kFused) {
+      expect('{', "to open the body of the fused node (after its output types)");
+      Parser nested(lexer_, std::move(token_));
+      Graph parsed = nested.parse_graph(/*nested=*/true);
+      token_ = std::move(nested.token_);
+      expect('}', "to close the body of the fused node");
+      body = std::make_shared<const Graph>(std::move(parsed));
+    }
+
     // Semantics, in the order a reader would check them.
     for (size_t i = 0; i < output_names.size(); ++i) {
       check_not_defined(output_names[i]);
@@ -559,7 +588,7 @@ class Parser {
     check_attributes(*op, op_token, attrs, attr_tokens);
     std::vector<ValueId> outputs;
     try {
-      outputs = graph_.add_node(*op, std::move(inputs), std::move(attrs));
+      outputs = graph_.add_node(*op, std::move(inputs), std::move(attrs), std::move(body));
     } catch (const ParseError&) {
       throw;
     } catch (const Error& e) {
@@ -748,7 +777,7 @@ class Parser {
     }
   }
 
-  Lexer lexer_;
+  Lexer& lexer_;
   Token token_;
   Graph graph_;
   // Every name defined so far, numeric ones included (they are labels within the text).
@@ -759,6 +788,9 @@ class Parser {
 
 std::string print(const Graph& graph) { return Printer(graph).run(); }
 
-Graph parse(std::string_view text) { return Parser(text).parse_graph(); }
+Graph parse(std::string_view text) {
+  Lexer lexer(text);
+  return Parser(lexer).parse_graph();
+}
 
 }  // namespace kiln

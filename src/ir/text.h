@@ -11,6 +11,19 @@
 //     return %1, %2
 //   }
 //
+// A fused node (ops/fused.cc) is followed by its body, a graph in this same syntax (its own
+// value names), inside braces and indented under the node line:
+//
+//     %5 = fused(%x, %b) {kind="elementwise"} : f32[8,128] {
+//       graph @fused_0(%x: f32[8,128] data, %b: f32[128] data) {
+//         %0 = add(%x, %b) : f32[8,128]
+//         %1 = gelu(%0) : f32[8,128]
+//         return %1
+//       }
+//     }
+//
+// (`kind` is required, so a fused node's first '{' is always its attribute block.)
+//
 // `update %target = %value` (Graph::updates, in order, printed just before `return`) says that
 // after the step %value replaces the param or state input %target. `return` lists the graph
 // outputs, possibly none (a graph may only update), and is the last statement.

@@ -39,7 +39,7 @@ void verify(const Graph& graph) {
       // same_values, not ==: a NaN attribute is unchanged by normalization but != itself.
       KILN_CHECK(same_values(normalized, node.attrs),
                  "attributes are not normalized (a default is missing or a kind is unconverted)");
-      expected = infer_types(node.op, input_types, node.attrs);
+      expected = infer_types(node.op, input_types, node.attrs, node.body.get());
     } catch (const Error& e) {
       fail("{}: {}", where, e.what());
     }

@@ -12,7 +12,9 @@ namespace kiln {
 // - every node's attributes match its op's schema and its output types equal what inference
 //   gives for its input types;
 // - value names, where given, are unique; graph outputs exist;
-// - each update targets a distinct param/state input with a defined value of the same type.
+// - each update targets a distinct param/state input with a defined value of the same type;
+// - only fused nodes have a body, and every fused node has one that verifies, whose input
+//   types match the node's, with no updates and no fused node inside (ops/fused.cc).
 void verify(const Graph& graph);
 
 }  // namespace kiln

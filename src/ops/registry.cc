@@ -28,6 +28,7 @@ const OpRegistry& registry() {
     define_nn_ops(r);
     define_conv_ops(r);
     define_optimizer_ops(r);
+    define_fused_ops(r);
     return r;
   }();
   return instance;
@@ -84,7 +85,7 @@ Attributes normalize_attributes(Op op, Attributes attrs) {
 }
 
 std::vector<TensorType> infer_types(Op op, std::span<const TensorType> inputs,
-                                    const Attributes& attrs) {
+                                    const Attributes& attrs, const Graph* body) {
   const OpInfo& info = op_info(op);
   int n = static_cast<int>(inputs.size());
   if (n < info.min_inputs || (info.max_inputs >= 0 && n > info.max_inputs)) {
@@ -93,7 +94,14 @@ std::vector<TensorType> infer_types(Op op, std::span<const TensorType> inputs,
     fail("{}: got {} inputs, expected {} to {}", info.name, n, info.min_inputs, info.max_inputs);
   }
   try {
-    return op_def(op).infer(inputs, attrs);
+    const OpDef& def = op_def(op);
+    if (def.infer_with_body) {
+      KILN_CHECK(body != nullptr, "a {} node needs a body (its subgraph), none was given",
+                 info.name);
+      return def.infer_with_body(inputs, attrs, *body);
+    }
+    KILN_CHECK(body == nullptr, "only fused nodes have a body; this {} node has one", info.name);
+    return def.infer(inputs, attrs);
   } catch (const ParseError&) {
     throw;
   } catch (const Error& e) {

@@ -206,7 +206,7 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
         args_out.push_back(Tensor(graph_.type(id)));
       }
     }
-    kernels_[n]->kernel(KernelArgs{node.attrs, args_in, args_out});
+    kernels_[n]->kernel(KernelArgs{node.attrs, args_in, args_out, nullptr, node.body.get()});
     for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
     // Release what no later node reads (graph inputs stay owned by the caller anyway; arena
     // views only drop a reference).
@@ -299,6 +299,7 @@ void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
     }
     KernelArgs args{node.attrs, args_in, args_out};
     args.stream = stream_;
+    args.body = node.body.get();
     try {
       kernels_[n]->kernel(args);
     } catch (const Error& e) {

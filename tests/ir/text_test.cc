@@ -505,6 +505,14 @@ const std::vector<OpSample>& op_samples() {
       {"eq", kXY, "%0 = eq(%x, %y) : bool[2,3]", "%0"},
       {"exp", kX, "%0 = exp(%x) : f32[2,3]", "%0"},
       {"full", "", "%0 = full() {dtype=i32, shape=[2, 3], value=7.0} : i32[2,3]", "%0"},
+      {"fused", kX,
+       "%0 = fused(%x) {kind=\"elementwise\"} : f32[2,3] {\n"
+       "    graph @body(%a: f32[2,3] data) {\n"
+       "      %0 = neg(%a) : f32[2,3]\n"
+       "      return %0\n"
+       "    }\n"
+       "  }",
+       "%0"},
       {"gather", "%t: f32[10,4] param, %i: i64[2,3] data", "%0 = gather(%t, %i) : f32[2,3,4]",
        "%0"},
       {"ge", kXY, "%0 = ge(%x, %y) : bool[2,3]", "%0"},

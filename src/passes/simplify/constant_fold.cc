@@ -21,7 +21,7 @@ std::optional<std::vector<Tensor>> evaluate(const Graph& graph, const Node& node
   std::vector<Tensor> outputs;
   for (ValueId out : node.outputs) outputs.emplace_back(graph.type(out));
   try {
-    op_def(node.op).reference(KernelArgs{node.attrs, inputs, outputs});
+    op_def(node.op).reference(KernelArgs{node.attrs, inputs, outputs, nullptr, node.body.get()});
   } catch (const Error&) {
     return std::nullopt;  // stays a run-time error
   }

@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ir/text.h"
 #include "passes/simplify/compact.h"
 
 namespace kiln {
@@ -55,9 +56,17 @@ size_t hash_node(const Node& node) {
   return h;
 }
 
+// Fused nodes are equal only with equal bodies: the same shared body, or the same canonical
+// text (which names every op, attribute and type of the body).
+bool same_body(const Node& a, const Node& b) {
+  if (a.body == b.body) return true;
+  if (!a.body || !b.body) return false;
+  return print(*a.body) == print(*b.body);
+}
+
 bool same_node(const Node& a, const Node& b) {
   return a.op == b.op && a.outputs.size() == b.outputs.size() && key_inputs(a) == key_inputs(b) &&
-         same_values(a.attrs, b.attrs);
+         same_values(a.attrs, b.attrs) && same_body(a, b);
 }
 
 }  // namespace
