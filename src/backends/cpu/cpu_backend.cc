@@ -1,6 +1,7 @@
 // The CPU backend: every op's reference kernel as the fallback dialect "reference", plus the
 // fast paths (dialects "cpu" and "openblas") registered by the files beside this one.
 #include "backends/cpu/cpu_kernels.h"
+#include "backends/cpu/fused.h"
 
 namespace kiln {
 
@@ -14,6 +15,7 @@ void register_cpu_kernels(KernelRegistry& registry) {
                                 op_def(op).reference, has_flag(op, kElementwise)});
   }
   cpu::register_fast_kernels(registry);
+  cpu::register_fused_kernels(registry);  // fused.cc: fusion groups as one pass over row tiles
 }
 
 }  // namespace kiln
