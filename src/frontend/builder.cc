@@ -201,10 +201,13 @@ Expr cross_entropy(Expr logits, Expr labels, int64_t ignore_index, const std::st
   return logits.builder().apply1(Op::kCrossEntropy, {logits, labels},
                                  {{"ignore_index", ignore_index}, {"reduction", reduction}});
 }
-Expr attention(Expr q, Expr k, Expr v, bool causal, double scale) {
+std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal, double scale) {
   Attributes attrs{{"causal", causal}};
   if (scale > 0) attrs.set("scale", scale);
-  return q.builder().apply1(Op::kAttention, {q, k, v}, std::move(attrs));
+  return q.builder().apply(Op::kAttention, {q, k, v}, std::move(attrs));
+}
+Expr attention(Expr q, Expr k, Expr v, bool causal, double scale) {
+  return attention_with_lse(q, k, v, causal, scale)[0];
 }
 
 // Backward ops
@@ -225,10 +228,11 @@ Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_ind
   return logits.builder().apply1(Op::kCrossEntropyGrad, {logits, labels, dloss},
                                  {{"ignore_index", ignore_index}, {"reduction", reduction}});
 }
-std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal, double scale) {
+std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr out, Expr dout, Expr lse,
+                                 bool causal, double scale) {
   Attributes attrs{{"causal", causal}};
   if (scale > 0) attrs.set("scale", scale);
-  return q.builder().apply(Op::kAttentionGrad, {q, k, v, dout}, std::move(attrs));
+  return q.builder().apply(Op::kAttentionGrad, {q, k, v, out, dout, lse}, std::move(attrs));
 }
 Expr gelu_grad(Expr x, Expr dy, const std::string& approximate) {
   return x.builder().apply1(Op::kGeluGrad, {x, dy}, {{"approximate", approximate}});

@@ -151,8 +151,13 @@ Expr rms_norm(Expr x, Expr gamma, double epsilon = 1e-6);
 // reduction: "mean" (over non-ignored rows), "sum" or "none".
 Expr cross_entropy(Expr logits, Expr labels, int64_t ignore_index = -100,
                    const std::string& reduction = "mean");
-// q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv). scale <= 0 means 1/sqrt(D).
+// q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv). scale <= 0 means 1/sqrt(D). Returns out
+// (..., Tq, Dv); the node's second output, the log-sum-exp (..., Tq), is there for the backward
+// (attention_with_lse returns both).
 Expr attention(Expr q, Expr k, Expr v, bool causal = false, double scale = 0.0);
+// {out, lse}: lse = log(sum_j exp(scale * q_i . k_j)) over the unmasked keys (ops/nn.cc).
+std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal = false,
+                                     double scale = 0.0);
 
 // Backward ops: what the gradient rules of softmax, the norms, cross_entropy and attention emit
 // (kernel libraries serve them whole). Each takes the forward op's attributes.
@@ -166,9 +171,10 @@ std::vector<Expr> rms_norm_grad(Expr x, Expr gamma, Expr dy, double epsilon = 1e
 // dloss: a scalar for "mean" and "sum", labels' shape for "none". Returns dlogits.
 Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_index = -100,
                         const std::string& reduction = "mean");
-// Returns {dq, dk, dv}. scale <= 0 means 1/sqrt(D), as for attention.
-std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr dout, bool causal = false,
-                                 double scale = 0.0);
+// out and lse: attention's outputs for q, k, v. Returns {dq, dk, dv}. scale <= 0 means
+// 1/sqrt(D), as for attention.
+std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr out, Expr dout, Expr lse,
+                                 bool causal = false, double scale = 0.0);
 // dy * d gelu(x) / dx; dy has x's type. approximate as for gelu.
 Expr gelu_grad(Expr x, Expr dy, const std::string& approximate = "none");
 

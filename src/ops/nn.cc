@@ -9,8 +9,13 @@
 //     "mean" | "sum" | "none"}: logsumexp(logits) - logits[label] per row; ignored rows add 0 and
 //     are not counted; "mean" over zero counted rows is 0.
 //   attention(q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv)) {causal = false, scale (optional,
-//     absent = 1/sqrt(D))}: softmax(q k^T * scale + mask) v; causal masks key j > query i
-//     (top-left aligned, like PyTorch's is_causal).
+//     absent = 1/sqrt(D))} -> (out, lse): out = softmax(s) v with the scores
+//     s_ij = scale * q_i . k_j for unmasked keys (causal masks key j > query i, top-left aligned
+//     like PyTorch's is_causal); lse (..., Tq) = log(sum_j exp(s_ij)) over the unmasked keys,
+//     natural log, the scale included (so P_ij = exp(s_ij - lse_i)); -inf for a row with no
+//     keys (Tk = 0). lse is f32 for f32/f16/bf16 inputs (the statistic stays f32 under mixed
+//     precision) and f64 for f64. It is the saved statistic the backward needs (FlashAttention,
+//     cuDNN and PyTorch's SDPA return it too); it is differentiable like out.
 // Backward ops: first-class ops (not compositions) because kernel libraries serve them as such
 // (cuDNN, FlashAttention, Liger, llm.c). None is differentiable itself (no second derivatives).
 //   softmax_grad(y, dy) {axis = -1}: y * (dy - sum(dy * y, axis)), y = softmax(x).
@@ -21,9 +26,16 @@
 //   cross_entropy_grad(logits, labels, dloss) {ignore_index, reduction} -> dlogits:
 //     (softmax(logits) - one_hot(label)) times dloss / counted rows ("mean"), dloss ("sum") or
 //     dloss[row] ("none": dloss has labels' shape); ignored rows get 0.
-//   attention_grad(q, k, v, dout) {causal, scale} -> (dq, dk, dv), recomputing the weights.
+//   attention_grad(q, k, v, out, dout, lse) {causal, scale} -> (dq, dk, dv), with out and lse
+//     attention's outputs for q, k, v and these attributes. Defined by the FlashAttention-2
+//     formulas on the GIVEN out and lse, which every kernel follows: P_ij = exp(s_ij - lse_i)
+//     (0 for masked keys), D_i = dout_i . out_i, dP_ij = dout_i . v_j,
+//     dS_ij = P_ij (dP_ij - D_i), dv_j = sum_i P_ij dout_i, dq_i = scale sum_j dS_ij k_j,
+//     dk_j = scale sum_i dS_ij q_i. (attention's gradient rule relies on D coming from the
+//     given out when the loss also depends on lse.)
 // Gradient rules (OpDef::gradient) of the forward ops emit these ops (matmul's emits matmuls).
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -203,12 +215,18 @@ TensorType infer_attention(const TensorType& q, const TensorType& k, const Tenso
   return {q.dtype, out};
 }
 
-// Softmax weights of query i of batch b over the keys: weights[j] = P[i, j]. Masked keys
-// (causal, j > i) get exactly 0; key 0 is never masked.
-void attention_weights(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
-                       int64_t i, bool causal, double scale, std::vector<double>& weights) {
+// The type of attention's lse for query q (inputs already checked): q's shape without D; f64
+// for f64 inputs, f32 otherwise.
+TensorType attention_lse_type(const TensorType& q) {
+  return {q.dtype == DType::kF64 ? DType::kF64 : DType::kF32,
+          Shape(q.shape.begin(), q.shape.end() - 1)};
+}
+
+// Scores of query i of batch b: scores[j] = scale * q_i . k_j, -inf for masked keys (causal,
+// j > i; key 0 is never masked).
+void attention_scores(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
+                      int64_t i, bool causal, double scale, std::vector<double>& scores) {
   const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d;
-  double max = kNegativeInfinity;
   for (int64_t j = 0; j < d.tk; ++j) {
     double s = kNegativeInfinity;
     if (!causal || j <= i) {
@@ -216,15 +234,24 @@ void attention_weights(const Tensor& q, const Tensor& k, const AttentionDims& d,
       for (int64_t c = 0; c < d.d; ++c) s += q.get(q0 + i * d.d + c) * k.get(k0 + j * d.d + c);
       s *= scale;
     }
-    weights[j] = s;
-    max = std::max(max, s);
+    scores[j] = s;
   }
+}
+
+// Softmax weights of query i of batch b over the keys: weights[j] = P[i, j]. Masked keys get
+// exactly 0. Returns the row's log-sum-exp of the scores (-inf when there are no keys).
+double attention_weights(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
+                         int64_t i, bool causal, double scale, std::vector<double>& weights) {
+  attention_scores(q, k, d, b, i, causal, scale, weights);
+  double max = kNegativeInfinity;
+  for (int64_t j = 0; j < d.tk; ++j) max = std::max(max, weights[j]);
   double sum = 0.0;
   for (int64_t j = 0; j < d.tk; ++j) {
     weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - max);
     sum += weights[j];
   }
   for (int64_t j = 0; j < d.tk; ++j) weights[j] /= sum;
+  return d.tk == 0 ? kNegativeInfinity : max + std::log(sum);
 }
 
 double attention_scale(const Attributes& attrs, int64_t head_dim) {
@@ -357,9 +384,40 @@ std::vector<Expr> cross_entropy_gradient(const GradContext& c) {
   return {dlogits, Expr()};  // labels are integers: no gradient
 }
 
+// Whether `e` is a zero fill (what autodiff passes for an output that got no gradient).
+bool is_zero_fill(const Expr& e) {
+  const Graph& g = e.builder().graph();
+  for (size_t n = g.nodes.size(); n-- > 0;) {
+    const Node& node = g.nodes[n];
+    if (std::find(node.outputs.begin(), node.outputs.end(), e.id()) != node.outputs.end())
+      return node.op == Op::kFull && node.attrs.f("value") == 0.0;
+  }
+  return false;  // a graph input
+}
+
 std::vector<Expr> attention_gradient(const GradContext& c) {
-  // Same attributes (causal, and scale when given): (dq, dk, dv).
-  return c.builder.apply(Op::kAttentionGrad, {c.x(0), c.x(1), c.x(2), c.dy()}, c.attrs());
+  // Same attributes (causal, and scale when given); out and lse come from the forward node.
+  const Expr &q = c.x(0), &k = c.x(1), &v = c.x(2), &out = c.y(0), &lse = c.y(1);
+  if (is_zero_fill(c.dy(1)))  // the usual case: only out is used
+    return c.builder.apply(Op::kAttentionGrad, {q, k, v, out, c.dy(0), lse}, c.attrs());
+  // The loss also depends on lse: d lse_i / d s_ij = P_ij adds dlse_i P_ij to dS_ij. The same
+  // op serves: a ones column appended to v and dlse appended to dout add dlse_i to every dP_ij,
+  // and a zero column appended to out leaves D_i = dout_i . out_i as it was (the op takes D from
+  // the given out), so dS_ij = P_ij (dP_ij + dlse_i - D_i); dv drops the extra column.
+  Builder& b = c.builder;
+  const DType dtype = v.dtype();
+  Shape column = v.shape();
+  column.back() = 1;
+  Expr v1 = concat({v, b.full(column, 1.0, dtype)}, -1);
+  column = out.shape();
+  column.back() = 1;
+  Expr out1 = concat({out, b.full(column, 0.0, dtype)}, -1);
+  Expr dlse = reshape(c.dy(1), column);
+  if (dlse.dtype() != dtype) dlse = cast(dlse, dtype);
+  Expr dout1 = concat({c.dy(0), dlse}, -1);
+  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, {q, k, v1, out1, dout1, lse}, c.attrs());
+  grads[2] = split(grads[2], {v.dim(-1), 1}, -1)[0];
+  return grads;
 }
 
 }  // namespace
@@ -501,11 +559,12 @@ void define_nn_ops(OpRegistry& registry) {
   registry.define(Op::kAttention, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
-        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2])};
+        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2]),
+                                       attention_lse_type(in[0])};
       },
       [](const KernelArgs& args) {
         const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
-        Tensor& out = args.outputs[0];
+        Tensor &out = args.outputs[0], &lse = args.outputs[1];
         const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
         const bool causal = args.attrs.b("causal");
         const double scale = attention_scale(args.attrs, d.d);
@@ -513,7 +572,7 @@ void define_nn_ops(OpRegistry& registry) {
         for (int64_t b = 0; b < d.batch; ++b) {
           const int64_t v0 = b * d.tk * d.dv, o0 = b * d.tq * d.dv;
           for (int64_t i = 0; i < d.tq; ++i) {
-            attention_weights(q, k, d, b, i, causal, scale, weights);
+            lse.set(b * d.tq + i, attention_weights(q, k, d, b, i, causal, scale, weights));
             // Weighted sum of the values.
             for (int64_t c = 0; c < d.dv; ++c) {
               double acc = 0.0;
@@ -671,12 +730,16 @@ void define_nn_ops(OpRegistry& registry) {
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
         const TensorType out = infer_attention(in[0], in[1], in[2]);
-        check_grad_input(in[3], "dout", out, "attention's output");
+        check_grad_input(in[3], "out", out, "attention's output");
+        check_grad_input(in[4], "dout", out, "attention's output");
+        const TensorType lse = attention_lse_type(in[0]);
+        KILN_CHECK(in[5] == lse, "lse is {}, expected {} like attention's lse for q {}",
+                   to_string(in[5]), to_string(lse), to_string(in[0]));
         return std::vector<TensorType>{in[0], in[1], in[2]};  // dq, dk, dv
       },
       [](const KernelArgs& args) {
         const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
-                     &dout = args.inputs[3];
+                     &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
         Tensor &dq = args.outputs[0], &dk = args.outputs[1], &dv = args.outputs[2];
         const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
         const bool causal = args.attrs.b("causal");
@@ -688,9 +751,14 @@ void define_nn_ops(OpRegistry& registry) {
           const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d, v0 = b * d.tk * d.dv,
                         o0 = b * d.tq * d.dv;
           for (int64_t i = 0; i < d.tq; ++i) {
-            // out_i = sum_j P_ij v_j with P_i = softmax(s_i), s_ij = scale * q_i . k_j.
-            attention_weights(q, k, d, b, i, causal, scale, weights);
-            double weighted = 0.0;  // sum_j P_ij dP_ij
+            // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j (masked: -inf, so P_ij = 0).
+            attention_scores(q, k, d, b, i, causal, scale, weights);
+            const double row_lse = lse.get(b * d.tq + i);
+            for (int64_t j = 0; j < d.tk; ++j)
+              weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - row_lse);
+            double weighted = 0.0;  // D_i = dout_i . out_i (= sum_j P_ij dP_ij)
+            for (int64_t c = 0; c < d.dv; ++c)
+              weighted += dout.get(o0 + i * d.dv + c) * out.get(o0 + i * d.dv + c);
             for (int64_t j = 0; j < d.tk; ++j) {
               double dp = 0.0;  // dP_ij = dout_i . v_j
               for (int64_t c = 0; c < d.dv; ++c) {
@@ -699,7 +767,6 @@ void define_nn_ops(OpRegistry& registry) {
                 dv_sum[v0 + j * d.dv + c] += weights[j] * g;
               }
               dweights[j] = dp;
-              weighted += weights[j] * dp;
             }
             for (int64_t j = 0; j < d.tk; ++j) {
               // Softmax backward; masked keys have P_ij = 0 and get nothing.

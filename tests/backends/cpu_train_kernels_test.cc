@@ -11,7 +11,8 @@
 //   gelu_grad: rtol 1e-5 as gelu's fast kernel; atol 1e-7 for the zero of gelu' near x = -0.75,
 //     where Phi(x) and x phi(x) (about 0.23 each) cancel.
 //   attention, attention_grad: sums over D and Tk of products of values in [-1, 1] in f32
-//     (OpenBLAS) plus an f32 softmax: atol 1e-5, rtol 1e-4.
+//     (OpenBLAS) plus an f32 softmax: atol 1e-5, rtol 1e-4 (the same for lse, whose f32 scores
+//     carry the same rounding). attention_grad gets out and lse from the reference forward.
 #include <cmath>
 
 #include "test_util.h"
@@ -272,9 +273,29 @@ TEST(CpuTrainKernels, AttentionGradMatchesReference) {
     Shape out_shape = c.q;
     out_shape.back() = c.v.back();
     const Tensor dout = rand(DType::kF32, out_shape, ++seed);
-    expect_matches_reference("openblas", Op::kAttentionGrad, {q, k, v, dout},
+    const std::vector<Tensor> fwd = run_reference(Op::kAttention, {q, k, v}, attention_attrs(c));
+    expect_matches_reference("openblas", Op::kAttentionGrad, {q, k, v, fwd[0], dout, fwd[1]},
                              attention_attrs(c), {1e-5, 1e-4});
   }
+}
+
+// The backward follows the op's formulas on the GIVEN out and lse (it recomputes neither): an
+// lse raised by ln 2 halves every P (so dv), and D comes from the out passed in, whatever it is.
+TEST(CpuTrainKernels, AttentionGradUsesTheGivenOutAndLse) {
+  const Tensor q = rand(DType::kF32, {2, 7, 5}, 901), k = rand(DType::kF32, {2, 7, 5}, 902);
+  const Tensor v = rand(DType::kF32, {2, 7, 6}, 903), dout = rand(DType::kF32, {2, 7, 6}, 904);
+  const Attributes attrs{{"causal", true}};
+  const std::vector<Tensor> fwd = run_reference(Op::kAttention, {q, k, v}, attrs);
+  Tensor lse = fwd[1].clone();
+  for (int64_t i = 0; i < lse.numel(); ++i) lse.set(i, lse.get(i) + std::log(2.0));
+  const Tensor other_out = rand(DType::kF32, {2, 7, 6}, 905);
+  expect_matches_reference("openblas", Op::kAttentionGrad, {q, k, v, other_out, dout, lse},
+                           attrs, {1e-5, 1e-4});
+  const Tensor dv_half = run_dialect("openblas", Op::kAttentionGrad,
+                                     {q, k, v, other_out, dout, lse}, attrs)[2];
+  const Tensor dv = run_dialect("openblas", Op::kAttentionGrad,
+                                {q, k, v, fwd[0], dout, fwd[1]}, attrs)[2];
+  for (int64_t i = 0; i < dv.numel(); ++i) EXPECT_NEAR(dv_half.get(i), dv.get(i) / 2, 1e-6);
 }
 
 // Large scores: a stable softmax must not overflow (scores up to 8 * 8 * 4 = 256).
@@ -283,23 +304,29 @@ TEST(CpuTrainKernels, AttentionLargeScoresStayFinite) {
   const Tensor k = rand(DType::kF32, {2, 6, 8}, 802, -8, 8);
   const Tensor v = rand(DType::kF32, {2, 6, 8}, 803);
   const Attributes attrs{{"causal", true}, {"scale", 4.0}};
+  // lse is up to about 256 here: rtol 1e-4 of it bounds the f32 rounding of the scores.
   expect_matches_reference("openblas", Op::kAttention, {q, k, v}, attrs, {1e-5, 1e-4});
+  const std::vector<Tensor> fwd = run_reference(Op::kAttention, {q, k, v}, attrs);
   expect_matches_reference("openblas", Op::kAttentionGrad,
-                           {q, k, v, rand(DType::kF32, {2, 6, 8}, 804)}, attrs, {1e-4, 1e-4});
+                           {q, k, v, fwd[0], rand(DType::kF32, {2, 6, 8}, 804), fwd[1]}, attrs,
+                           {1e-4, 1e-4});
 }
 
 // q (1, 2) against keys (0, 1) and (0, -1): both scores are 0, so each key gets 1/2 and the
-// output is the mean of the values; with the causal mask query 0 sees only key 0 (its value
-// exactly) and query 1 both.
+// output is the mean of the values, lse = log(e^0 + e^0) = ln 2; with the causal mask query 0
+// sees only key 0 (its value exactly, lse = log(e^0) = 0) and query 1 both.
 TEST(CpuTrainKernels, AttentionHandChecked) {
   const Tensor q = make(DType::kF32, {2, 2}, {1, 0, 1, 0});
   const Tensor k = make(DType::kF32, {2, 2}, {0, 1, 0, -1});
   const Tensor v = make(DType::kF32, {2, 3}, {1, 2, 3, 5, 6, 7});
-  EXPECT_TRUE(all_close(run_dialect("openblas", Op::kAttention, {q, k, v})[0],
-                        make(DType::kF32, {2, 3}, {3, 4, 5, 3, 4, 5}), 0, 1e-6));
-  EXPECT_TRUE(all_close(
-      run_dialect("openblas", Op::kAttention, {q, k, v}, {{"causal", true}})[0],
-      make(DType::kF32, {2, 3}, {1, 2, 3, 3, 4, 5}), 0, 1e-6));
+  const float ln2 = static_cast<float>(std::log(2.0));
+  std::vector<Tensor> full = run_dialect("openblas", Op::kAttention, {q, k, v});
+  EXPECT_TRUE(all_close(full[0], make(DType::kF32, {2, 3}, {3, 4, 5, 3, 4, 5}), 0, 1e-6));
+  EXPECT_TRUE(all_close(full[1], make(DType::kF32, {2}, {ln2, ln2}), 1e-7, 1e-6));
+  std::vector<Tensor> causal =
+      run_dialect("openblas", Op::kAttention, {q, k, v}, {{"causal", true}});
+  EXPECT_TRUE(all_close(causal[0], make(DType::kF32, {2, 3}, {1, 2, 3, 3, 4, 5}), 0, 1e-6));
+  EXPECT_TRUE(all_close(causal[1], make(DType::kF32, {2}, {0, ln2}), 1e-7, 1e-6));
 }
 
 // ---- what supports() refuses ----
@@ -322,12 +349,13 @@ TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
   EXPECT_EQ(selected_dialect(Op::kReshape, {f64}, {{"shape", std::vector<int64_t>{-1}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kTranspose, {{DType::kBool, {2, 3}}}), "cpu");
 
-  const TensorType q{DType::kF32, {2, 5, 4}};
+  const TensorType q{DType::kF32, {2, 5, 4}}, lse{DType::kF32, {2, 5}};
   EXPECT_EQ(selected_dialect(Op::kAttention, {q, q, q}), "openblas");
-  EXPECT_EQ(selected_dialect(Op::kAttentionGrad, {q, q, q, q}), "openblas");
-  const TensorType q64{DType::kF64, {2, 5, 4}};
+  EXPECT_EQ(selected_dialect(Op::kAttentionGrad, {q, q, q, q, q, lse}), "openblas");
+  const TensorType q64{DType::kF64, {2, 5, 4}}, lse64{DType::kF64, {2, 5}};
   EXPECT_EQ(selected_dialect(Op::kAttention, {q64, q64, q64}), "reference");
-  EXPECT_EQ(selected_dialect(Op::kAttentionGrad, {q64, q64, q64, q64}), "reference");
+  EXPECT_EQ(selected_dialect(Op::kAttentionGrad, {q64, q64, q64, q64, q64, lse64}),
+            "reference");
   // Empty lengths (no keys, zero head dim) are left to the reference.
   const TensorType no_keys{DType::kF32, {2, 0, 4}};
   EXPECT_EQ(selected_dialect(Op::kAttention, {q, no_keys, no_keys}), "reference");

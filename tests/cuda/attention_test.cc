@@ -1,11 +1,14 @@
 // The "cuda-attention" dialect (backends/cuda/attention.cc) against the CPU reference kernels
-// of attention and attention_grad (ops/nn.cc): random inputs, outputs poisoned with NaN first,
-// shapes with T not a multiple of the 64-row tile, causal and not, bf16 / f16 / f32, the
-// tensor-core path (d == dv in {32, 64, 128}) and the simple path (other head dims, f32).
+// of attention (out, lse) and attention_grad (ops/nn.cc): random inputs, outputs poisoned with
+// NaN first, shapes with T not a multiple of the 64-row tile, causal and not, bf16 / f16 / f32,
+// the tensor-core path (d == dv in {32, 64, 128}) and the simple path (other head dims, f32).
+// attention_grad gets the reference forward's out and lse (what it is defined on), and once a
+// deliberately shifted lse (it must use the one given).
 // Error measure: max |gpu - ref| / max |ref| over a tensor ("scaled error").
 // Tolerances: bf16 1.5e-2 (forward) and 2.5e-2 (backward): P and dS are rounded to bf16
 // (8 significant bits) before their matmuls; f16 4e-3 / 6e-3 (11 bits); f32 2e-4 (f32 sums
-// over up to 1024 keys against the reference's double).
+// over up to 1024 keys against the reference's double). lse 1e-5 for every dtype: the scores
+// are f32 sums of exact products of the (same) rounded inputs, then an f32 log.
 // Also prints (does not assert) TFLOP/s at GPT-2 size.
 #include <cuda_runtime.h>
 
@@ -113,6 +116,7 @@ double forward_tolerance(DType dtype) {
 double backward_tolerance(DType dtype) {
   return dtype == DType::kBF16 ? 2.5e-2 : dtype == DType::kF16 ? 6e-3 : 2e-4;
 }
+constexpr double kLseTolerance = 1e-5;
 
 void check_case(const Case& c, bool backward, uint64_t seed) {
   SCOPED_TRACE(describe(c));
@@ -125,14 +129,18 @@ void check_case(const Case& c, bool backward, uint64_t seed) {
 
   const std::vector<Tensor> ref = run_reference(Op::kAttention, {q, k, v}, attrs);
   const std::vector<Tensor> gpu = run_gpu(Op::kAttention, {q, k, v}, attrs);
-  const double err = scaled_error(gpu[0], ref[0]);
-  std::printf("  attention      %-52s out %.2e\n", describe(c).c_str(), err);
+  ASSERT_EQ(gpu.size(), 2u);
+  ASSERT_EQ(gpu[1].type(), (TensorType{DType::kF32, {c.batch, c.heads, c.tq}}));
+  const double err = scaled_error(gpu[0], ref[0]), lse_err = scaled_error(gpu[1], ref[1]);
+  std::printf("  attention      %-52s out %.2e lse %.2e\n", describe(c).c_str(), err, lse_err);
   EXPECT_LE(err, forward_tolerance(c.dtype)) << "out";
+  EXPECT_LE(lse_err, kLseTolerance) << "lse";
   if (!backward) return;
 
   const Tensor dout = rand(c.dtype, {c.batch, c.heads, c.tq, c.dv}, seed + 3);
-  const std::vector<Tensor> gref = run_reference(Op::kAttentionGrad, {q, k, v, dout}, attrs);
-  const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionGrad, {q, k, v, dout}, attrs);
+  const std::vector<Tensor> grad_in = {q, k, v, ref[0], dout, ref[1]};
+  const std::vector<Tensor> gref = run_reference(Op::kAttentionGrad, grad_in, attrs);
+  const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionGrad, grad_in, attrs);
   const char* names[3] = {"dq", "dk", "dv"};
   double errs[3];
   for (int i = 0; i < 3; ++i) {
@@ -176,16 +184,51 @@ TEST(CudaAttention, SimplePathMatchesReference) {
     check_case({DType::kF32, 1, 2, 70, 33, 40, 40, causal}, true, seed += 10);
     check_case({DType::kBF16, 2, 1, 50, 50, 40, 24, causal}, true, seed += 10);  // d != dv
     check_case({DType::kF16, 1, 2, 45, 45, 256, 256, causal}, true, seed += 10);
-    check_case({DType::kF32, 1, 1, 20, 20, 3, 5, causal}, false, seed += 10);     // odd d
+    // Odd head dims: the backward takes them too (no dq-row alignment needed any more).
+    check_case({DType::kF32, 1, 1, 20, 20, 3, 5, causal}, true, seed += 10);
+    check_case({DType::kBF16, 1, 2, 30, 30, 6, 6, causal}, true, seed += 10);
+    check_case({DType::kF16, 1, 1, 9, 9, 1, 1, causal}, true, seed += 10);
+  }
+}
+
+// attention_grad is defined on the lse it is given: with lse + ln 2 every P halves, so the
+// kernel must agree with the reference on those inputs (and dv must halve).
+TEST(CudaAttention, BackwardUsesTheGivenLse) {
+  KILN_REQUIRE_GPU();
+  for (int64_t d : {int64_t{64}, int64_t{40}}) {  // tensor cores, then the simple path
+    SCOPED_TRACE("d = " + std::to_string(d));
+    const DType dt = DType::kBF16;
+    const Tensor q = rand(dt, {1, 2, 100, d}, 901, -2.0, 2.0);
+    const Tensor k = rand(dt, {1, 2, 100, d}, 902, -2.0, 2.0);
+    const Tensor v = rand(dt, {1, 2, 100, d}, 903);
+    const Tensor dout = rand(dt, {1, 2, 100, d}, 904);
+    const Attributes attrs{{"causal", true}};
+    const std::vector<Tensor> fwd = run_reference(Op::kAttention, {q, k, v}, attrs);
+    Tensor lse = fwd[1].clone();
+    for (int64_t i = 0; i < lse.numel(); ++i) lse.set(i, lse.get(i) + std::log(2.0));
+    const std::vector<Tensor> in = {q, k, v, fwd[0], dout, lse};
+    const std::vector<Tensor> gref = run_reference(Op::kAttentionGrad, in, attrs);
+    const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionGrad, in, attrs);
+    for (int i = 0; i < 3; ++i) EXPECT_LE(scaled_error(ggpu[i], gref[i]), 2.5e-2) << i;
+    const std::vector<Tensor> dv_full =
+        run_reference(Op::kAttentionGrad, {q, k, v, fwd[0], dout, fwd[1]}, attrs);
+    double max_half = 0.0, max_full = 0.0;
+    for (int64_t i = 0; i < dv_full[2].numel(); ++i) {
+      max_half = std::max(max_half, std::abs(ggpu[2].get(i)));
+      max_full = std::max(max_full, std::abs(dv_full[2].get(i)));
+    }
+    EXPECT_NEAR(max_half / max_full, 0.5, 0.02);
   }
 }
 
 TEST(CudaAttention, SupportsWhatItHandles) {
   if (!cuda::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
   auto supports = [](Op op, DType dtype, int64_t d, int64_t dv) {
-    const std::vector<TensorType> in = {{dtype, {2, 8, d}}, {dtype, {2, 8, d}},
-                                        {dtype, {2, 8, dv}}, {dtype, {2, 8, dv}}};
-    const size_t n = op == Op::kAttention ? 3 : 4;
+    const DType lse = dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+    const std::vector<TensorType> in = {{dtype, {2, 8, d}},  {dtype, {2, 8, d}},
+                                        {dtype, {2, 8, dv}}, {dtype, {2, 8, dv}},
+                                        {dtype, {2, 8, dv}}, {lse, {2, 8}}};
+    const size_t n = op == Op::kAttention ? 3 : 6;
     Node node{op, {}, {}, normalize_attributes(op, {}), nullptr};
     const std::vector<TensorType> ins(in.begin(), in.begin() + n);
     const std::vector<TensorType> outs = infer_types(op, ins, node.attrs);
@@ -196,8 +239,12 @@ TEST(CudaAttention, SupportsWhatItHandles) {
   EXPECT_FALSE(supports(Op::kAttention, DType::kF64, 64, 64));
   EXPECT_FALSE(supports(Op::kAttention, DType::kBF16, 300, 64));
   EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kF16, 64, 64));
-  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kF32, 3, 4));   // dq row of 12 bytes
-  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kBF16, 6, 6));  // dq row of 12 bytes
+  // Any head dim up to the limit: the backward keeps no statistics inside dq.
+  EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kF32, 3, 4));
+  EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kBF16, 6, 6));
+  EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kF16, 1, 1));
+  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kF64, 64, 64));
+  EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kBF16, 64, 300));
 }
 
 TEST(CudaAttention, OversizedHeadDimThrows) {
@@ -206,7 +253,7 @@ TEST(CudaAttention, OversizedHeadDimThrows) {
   Tensor out = poisoned_device(q.type());
   const Attributes attrs = normalize_attributes(Op::kAttention, {});
   const std::vector<Tensor> in = {q, q, q};
-  std::vector<Tensor> outs = {out};
+  std::vector<Tensor> outs = {out, poisoned_device(TensorType{DType::kF32, {1, 2}})};
   try {
     attention_impl(Op::kAttention).kernel(KernelArgs{attrs, in, outs, nullptr});
     ADD_FAILURE() << "expected kiln::Error";
@@ -230,8 +277,10 @@ TEST(CudaAttention, Throughput) {
                                    cudaMemcpyHostToDevice));
       return dev;
     };
-    const std::vector<Tensor> in = {filled(1), filled(2), filled(3), filled(4)};
-    std::vector<Tensor> out = {poisoned_device(type)};
+    const TensorType lse_type{DType::kF32, {b, h, t}};
+    std::vector<Tensor> out = {poisoned_device(type), poisoned_device(lse_type)};
+    // q, k, v, out, dout, lse: out and lse are what the forward below writes.
+    const std::vector<Tensor> in = {filled(1), filled(2), filled(3), out[0], filled(4), out[1]};
     std::vector<Tensor> grads = {poisoned_device(type), poisoned_device(type),
                                  poisoned_device(type)};
     cudaStream_t stream;
@@ -256,6 +305,7 @@ TEST(CudaAttention, Throughput) {
       const double fwd_ms = time_ms([&] {
         attention_impl(Op::kAttention).kernel(KernelArgs{attrs, fwd_in, out, stream});
       });
+      // (the last forward call left this mask's out and lse for the backward)
       const double bwd_ms = time_ms([&] {
         attention_impl(Op::kAttentionGrad).kernel(KernelArgs{attrs, in, grads, stream});
       });

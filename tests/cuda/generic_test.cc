@@ -264,11 +264,22 @@ std::vector<Case> build_cases() {
   c.push_back({"attention_causal_scaled", Op::kAttention, kFloats,
                {uniform({2, 9, 8}), uniform({2, 9, 8}), uniform({2, 9, 8})},
                {{"causal", true}, {"scale", 0.5}}, 2});
+  c.push_back({"attention_no_head_dim_out", Op::kAttention, kFloats,
+               {uniform({2, 4, 8}), uniform({2, 5, 8}), uniform({2, 5, 0})}, {}, 2});
+  // attention_grad is defined on the out and lse it is given (P = exp(s - lse),
+  // D = dout . out), so independent random ones test it; |s| <= 8 / sqrt(8) with q, k in
+  // [-1, 1], and lse in [1, 3] keeps P below e^2.
+  auto lse = [](Shape shape) -> Gen {
+    return [=](DType t, uint64_t seed) {
+      return rand(t == DType::kF64 ? DType::kF64 : DType::kF32, shape, seed, 1.0, 3.0);
+    };
+  };
   c.push_back({"attention_grad", Op::kAttentionGrad, kFloats,
-               {uniform({2, 3, 5, 8}), uniform({2, 3, 7, 8}), uniform({2, 3, 7, 6}),
-                uniform({2, 3, 5, 6})}, {}, 4});
+               {uniform({2, 3, 5, 8}, -1, 1), uniform({2, 3, 7, 8}, -1, 1), uniform({2, 3, 7, 6}),
+                uniform({2, 3, 5, 6}), uniform({2, 3, 5, 6}), lse({2, 3, 5})}, {}, 4});
   c.push_back({"attention_grad_causal", Op::kAttentionGrad, kFloats,
-               {uniform({2, 9, 8}), uniform({2, 9, 8}), uniform({2, 9, 8}), uniform({2, 9, 8})},
+               {uniform({2, 9, 8}, -1, 1), uniform({2, 9, 8}, -1, 1), uniform({2, 9, 8}),
+                uniform({2, 9, 8}), uniform({2, 9, 8}), lse({2, 9})},
                {{"causal", true}}, 4});
   const Gen lr = fixed(DType::kF32, {}, 0.01, 0.1);
   c.push_back({"sgd_update", Op::kSgdUpdate, kFloats,

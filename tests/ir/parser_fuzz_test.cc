@@ -33,7 +33,7 @@ const std::array<std::string_view, 6> kSeeds = {
     "  %0 = layer_norm(%x, %g, %b) {epsilon=0.001} : f32[2,4,8]\n"
     "  %1 = matmul(%0, %wqkv) : f32[2,4,24]\n"
     "  %q, %k, %v = split(%1) {axis=2, sizes=[8, 8, 8]} : f32[2,4,8], f32[2,4,8], f32[2,4,8]\n"
-    "  %2 = attention(%q, %k, %v) {causal=true, scale=0.125} : f32[2,4,8]\n"
+    "  %2, %lse = attention(%q, %k, %v) {causal=true, scale=0.125} : f32[2,4,8], f32[2,4]\n"
     "  %3 = dropout(%2, %seed) {p=0.25, seed=42} : f32[2,4,8]\n"
     "  %res = add(%x, %3) : f32[2,4,8]\n"
     "  %4 = rms_norm(%res, %g) : f32[2,4,8]\n"

@@ -93,9 +93,9 @@ constexpr std::string_view kBlock =
     "  %0 = layer_norm(%x, %g, %b) : f32[2,4,8]\n"
     "  %1 = matmul(%0, %wqkv) : f32[2,4,24]\n"
     "  %q, %k, %v = split(%1) {axis=2, sizes=[8, 8, 8]} : f32[2,4,8], f32[2,4,8], f32[2,4,8]\n"
-    "  %2 = attention(%q, %k, %v) {causal=true} : f32[2,4,8]\n"
-    "  %3 = dropout(%2, %seed) {p=0.25, seed=42} : f32[2,4,8]\n"
-    "  %res.1-a = add(%x, %3) : f32[2,4,8]\n"
+    "  %2, %3 = attention(%q, %k, %v) {causal=true} : f32[2,4,8], f32[2,4]\n"
+    "  %4 = dropout(%2, %seed) {p=0.25, seed=42} : f32[2,4,8]\n"
+    "  %res.1-a = add(%x, %4) : f32[2,4,8]\n"
     "  %loss = cross_entropy(%res.1-a, %labels) : f32[]\n"
     "  return %loss, %res.1-a\n"
     "}\n";
@@ -469,11 +469,12 @@ const std::vector<OpSample>& op_samples() {
       {"add", kXY, "%0 = add(%x, %y) : f32[2,3]", "%0"},
       {"argmax", kX, "%0 = argmax(%x) {axis=0} : i64[3]", "%0"},
       {"attention", "%q: f32[2,4,8] data, %k: f32[2,6,8] data, %v: f32[2,6,16] data",
-       "%0 = attention(%q, %k, %v) {scale=0.25} : f32[2,4,16]", "%0"},
+       "%0, %1 = attention(%q, %k, %v) {scale=0.25} : f32[2,4,16], f32[2,4]", "%0, %1"},
       {"attention_grad",
-       "%q: f32[2,4,8] data, %k: f32[2,6,8] data, %v: f32[2,6,16] data, %d: f32[2,4,16] data",
-       "%0, %1, %2 = attention_grad(%q, %k, %v, %d) {causal=true} : f32[2,4,8], f32[2,6,8], "
-       "f32[2,6,16]",
+       "%q: f32[2,4,8] data, %k: f32[2,6,8] data, %v: f32[2,6,16] data, %o: f32[2,4,16] data, "
+       "%d: f32[2,4,16] data, %l: f32[2,4] data",
+       "%0, %1, %2 = attention_grad(%q, %k, %v, %o, %d, %l) {causal=true} : f32[2,4,8], "
+       "f32[2,6,8], f32[2,6,16]",
        "%0, %1, %2"},
       {"avg_pool2d", "%x: f32[1,2,5,5] data",
        "%0 = avg_pool2d(%x) {kernel=[3, 3], padding=[1, 1], stride=[2, 2]} : f32[1,2,3,3]", "%0"},

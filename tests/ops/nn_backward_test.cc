@@ -316,13 +316,14 @@ TEST(NnBackwardCrossEntropy, Errors) {
 
 TEST(NnBackwardAttention, HandWorked) {
   // One query, two keys, D = Dv = 1, scale 1 (= 1/sqrt(1)). q = 1, k = (0, ln 3): scores
-  // (0, ln 3), P = (1/4, 3/4). v = (1, 3), dout = 2.
-  //   dv_j = P_j * dout = (1/2, 3/2); dP_j = dout * v_j = (2, 6); sum_j P_j dP_j = 5;
+  // (0, ln 3), lse = ln(1 + 3) = ln 4, P = (1/4, 3/4). v = (1, 3): out = 1/4 + 9/4 = 5/2.
+  // dout = 2.
+  //   dv_j = P_j * dout = (1/2, 3/2); dP_j = dout * v_j = (2, 6); D = dout * out = 5;
   //   dS = P * (dP - 5) = (-3/4, 3/4); dq = sum_j dS_j k_j = (3/4) ln 3; dk_j = dS_j q.
-  const double ln3 = std::log(3.0);
+  const double ln3 = std::log(3.0), ln4 = std::log(4.0);
   std::vector<Tensor> out = run_reference(
-      Op::kAttentionGrad,
-      {f64({1, 1}, {1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({1, 1}, {2})});
+      Op::kAttentionGrad, {f64({1, 1}, {1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}),
+                           f64({1, 1}, {2.5}), f64({1, 1}, {2}), f64({1}, {ln4})});
   ASSERT_EQ(out.size(), 3u);
   EXPECT_TRUE(all_close(out[0], f64({1, 1}, {0.75 * ln3}), 1e-14, 0));
   EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
@@ -330,13 +331,15 @@ TEST(NnBackwardAttention, HandWorked) {
 }
 
 TEST(NnBackwardAttention, HandWorkedCausal) {
-  // Two queries, two keys, causal. Query 0 sees only key 0 (P = (1, 0)): its dS is 0, so it adds
-  // dout_0 = 5 to dv_0 and nothing to dq_0 or dk. Query 1 is the case above (q_1 = 1, dout_1 =
-  // 2), so dv = (5 + 1/2, 3/2), dq = (0, (3/4) ln 3), dk = (-3/4, 3/4) * q_1.
-  const double ln3 = std::log(3.0);
+  // Two queries, two keys, causal. Query 0 sees only key 0 (score 0, lse 0, P = (1, 0), out =
+  // v_0 = 1): its dS is 0, so it adds dout_0 = 5 to dv_0 and nothing to dq_0 or dk. Query 1 is
+  // the case above (q_1 = 1, dout_1 = 2, lse ln 4, out 5/2), so dv = (5 + 1/2, 3/2),
+  // dq = (0, (3/4) ln 3), dk = (-3/4, 3/4) * q_1.
+  const double ln3 = std::log(3.0), ln4 = std::log(4.0);
   std::vector<Tensor> out = run_reference(
       Op::kAttentionGrad,
-      {f64({2, 1}, {7, 1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({2, 1}, {5, 2})},
+      {f64({2, 1}, {7, 1}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({2, 1}, {1, 2.5}),
+       f64({2, 1}, {5, 2}), f64({2}, {0, ln4})},
       {{"causal", true}});
   EXPECT_TRUE(all_close(out[0], f64({2, 1}, {0, 0.75 * ln3}), 1e-14, 0));
   EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
@@ -346,13 +349,36 @@ TEST(NnBackwardAttention, HandWorkedCausal) {
 TEST(NnBackwardAttention, ScaleMultipliesTheScores) {
   // scale 2 with q = 1/2 gives the scores of the first hand case: P = (1/4, 3/4), dS as there;
   // dq = scale * sum_j dS_j k_j = 2 * (3/4) ln 3, dk_j = scale * dS_j * q = dS_j.
-  const double ln3 = std::log(3.0);
+  const double ln3 = std::log(3.0), ln4 = std::log(4.0);
   std::vector<Tensor> out = run_reference(
       Op::kAttentionGrad,
-      {f64({1, 1}, {0.5}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({1, 1}, {2})},
+      {f64({1, 1}, {0.5}), f64({2, 1}, {0, ln3}), f64({2, 1}, {1, 3}), f64({1, 1}, {2.5}),
+       f64({1, 1}, {2}), f64({1}, {ln4})},
       {{"scale", 2.0}});
   EXPECT_TRUE(all_close(out[0], f64({1, 1}, {1.5 * ln3}), 1e-14, 0));
   EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.75, 0.75}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({2, 1}, {0.5, 1.5}), 1e-14, 0));
+}
+
+TEST(NnBackwardAttention, UsesTheGivenOutAndLse) {
+  // The op is defined on the out and lse it is given (what the kernels use; autodiff's rule for
+  // a loss on lse relies on it). The first hand case (q = 1, k = (0, ln 3), v = (1, 3),
+  // dout = 2) with lse = ln 8 instead of ln 4: P = exp(s - ln 8) = (1/8, 3/8), so
+  // dv = 2 P = (1/4, 3/4); D = dout * out = 5 as before, dS = P * ((2, 6) - 5) = (-3/8, 3/8),
+  // dq = (3/8) ln 3, dk = dS.
+  const double ln3 = std::log(3.0), ln4 = std::log(4.0), ln8 = std::log(8.0);
+  const Tensor q = f64({1, 1}, {1}), k = f64({2, 1}, {0, ln3}), v = f64({2, 1}, {1, 3});
+  std::vector<Tensor> out = run_reference(
+      Op::kAttentionGrad, {q, k, v, f64({1, 1}, {2.5}), f64({1, 1}, {2}), f64({1}, {ln8})});
+  EXPECT_TRUE(all_close(out[0], f64({1, 1}, {0.375 * ln3}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({2, 1}, {-0.375, 0.375}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[2], f64({2, 1}, {0.25, 0.75}), 1e-14, 0));
+  // out = 0 given (lse ln 4 again): D = 0, dS = P * dP = (1/2, 9/2), dq = (9/2) ln 3, dk = dS,
+  // dv unchanged (1/2, 3/2).
+  out = run_reference(Op::kAttentionGrad,
+                      {q, k, v, f64({1, 1}, {0}), f64({1, 1}, {2}), f64({1}, {ln4})});
+  EXPECT_TRUE(all_close(out[0], f64({1, 1}, {4.5 * ln3}), 1e-14, 0));
+  EXPECT_TRUE(all_close(out[1], f64({2, 1}, {0.5, 4.5}), 1e-14, 0));
   EXPECT_TRUE(all_close(out[2], f64({2, 1}, {0.5, 1.5}), 1e-14, 0));
 }
 
@@ -374,8 +400,9 @@ TEST(NnBackwardAttention, MatchesForwardDifferences) {
     Shape out_shape = c.q;
     out_shape.back() = c.v.back();
     Tensor dout = rand64(out_shape, 43);
+    std::vector<Tensor> fwd = run_reference(Op::kAttention, in, c.attrs);
     std::vector<Tensor> out =
-        run_reference(Op::kAttentionGrad, {in[0], in[1], in[2], dout}, c.attrs);
+        run_reference(Op::kAttentionGrad, {in[0], in[1], in[2], fwd[0], dout, fwd[1]}, c.attrs);
     for (size_t i = 0; i < 3; ++i)
       EXPECT_TRUE(
           all_close(out[i], numeric_vjp(Op::kAttention, in, c.attrs, i, {dout}), kAtol, kRtol))
@@ -384,26 +411,43 @@ TEST(NnBackwardAttention, MatchesForwardDifferences) {
 }
 
 TEST(NnBackwardAttention, Errors) {
-  EXPECT_EQ(
-      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6}), f32({2, 3, 6})}),
-      (std::vector<TensorType>{f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6})}));
+  const TensorType q = f32({2, 3, 4}), k = f32({2, 5, 4}), v = f32({2, 5, 6});
+  const TensorType out = f32({2, 3, 6}), lse = f32({2, 3});
+  EXPECT_EQ(infer(Op::kAttentionGrad, {q, k, v, out, out, lse}),
+            (std::vector<TensorType>{q, k, v}));
   EXPECT_KILN_ERROR(
-      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({2, 5, 4}), f32({2, 5, 6}), f32({2, 3, 4})}),
+      infer(Op::kAttentionGrad, {q, k, v, out, f32({2, 3, 4}), lse}),
       "attention_grad: dout has shape (2, 3, 4), expected (2, 3, 6) like attention's output");
   EXPECT_KILN_ERROR(
-      infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({3, 4}), of(DType::kF16, {3, 4})}),
-      "dout is f16, expected f32");
-  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 2}), f32({3, 4}), f32({3, 4})}),
-                    "head dims differ: q is (3, 4), k is (3, 2)");
-  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({5, 4}), f32({3, 4})}),
-                    "key lengths differ");
+      infer(Op::kAttentionGrad, {q, k, v, f32({2, 3, 5}), out, lse}),
+      "attention_grad: out has shape (2, 3, 5), expected (2, 3, 6) like attention's output");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {q, k, v, of(DType::kBF16, {2, 3, 6}), out, lse}),
+                    "out is bf16, expected f32");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {q, k, v, out, out, f32({2, 5})}),
+                    "lse is f32[2,5]", "expected f32[2,3]", "attention's lse");
+  // 16-bit attention keeps an f32 lse; f64 has an f64 one.
+  const TensorType h = of(DType::kBF16, {3, 4});
+  EXPECT_NO_THROW(infer(Op::kAttentionGrad, {h, h, h, h, h, f32({3})}));
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {h, h, h, h, h, of(DType::kBF16, {3})}),
+                    "lse is bf16[3]", "expected f32[3]");
+  const TensorType d = of(DType::kF64, {3, 4});
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {d, d, d, d, d, f32({3})}), "lse is f32[3]",
+                    "expected f64[3]");
+  const TensorType s = f32({3, 4}), s_lse = f32({3});
   EXPECT_KILN_ERROR(
-      infer(Op::kAttentionGrad, {f32({2, 3, 4}), f32({3, 3, 4}), f32({3, 3, 4}), f32({2, 3, 4})}),
-      "leading dims differ");
-  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({4}), f32({4}), f32({4}), f32({4})}),
-                    "q has shape (4,)", "rank >= 2");
-  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {f32({3, 4}), f32({3, 4}), f32({3, 4})}),
-                    "got 3 inputs, expected 4");
+      infer(Op::kAttentionGrad, {s, s, s, s, of(DType::kF16, {3, 4}), s_lse}),
+      "dout is f16, expected f32");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {s, f32({3, 2}), s, s, s, s_lse}),
+                    "head dims differ: q is (3, 4), k is (3, 2)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {s, s, f32({5, 4}), s, s, s_lse}),
+                    "key lengths differ");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad,
+                          {q, f32({3, 3, 4}), f32({3, 3, 4}), f32({2, 3, 4}), f32({2, 3, 4}), lse}),
+                    "leading dims differ");
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionGrad, {f32({4}), f32({4}), f32({4}), f32({4}), f32({4}), f32({})}),
+      "q has shape (4,)", "rank >= 2");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {s, s, s, s}), "got 4 inputs, expected 6");
 }
 
 }  // namespace

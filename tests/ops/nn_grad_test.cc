@@ -1,7 +1,8 @@
 // Gradient rules of the NN ops (src/ops/nn.cc), each checked against float64 central
 // differences of the reference kernels on small random inputs: matmul with every transpose flag
 // and broadcast batch dims, softmax/log_softmax on several axes, the norms, cross_entropy with
-// ignored rows and every reduction, causal and non-causal attention.
+// ignored rows and every reduction, causal and non-causal attention (a loss on both its
+// outputs, out and lse, and on out alone, the usual case).
 #include <map>
 
 #include "frontend/builder.h"
@@ -143,6 +144,54 @@ TEST(NnGrad, AttentionCausal) {
   // Fewer queries than keys: query i still sees keys 0..i (top-left aligned).
   expect_op_gradients(Op::kAttention, {rand64({2, 2}, 76), rand64({4, 2}, 77), rand64({4, 3}, 78)},
                       {{"causal", true}});
+}
+
+// Gradcheck of a loss sum(attention(q, k, v)[0] * w) that ignores lse: the rule's usual path
+// (one attention_grad fed the forward's out and lse).
+void check_attention_out_only(Shape q, Shape k, Shape v, Attributes attrs, uint64_t seed) {
+  Builder b("attention_out");
+  Expr xq = b.data("q", q, DType::kF64), xk = b.data("k", k, DType::kF64);
+  Expr xv = b.data("v", v, DType::kF64);
+  std::vector<Expr> y = b.apply(Op::kAttention, {xq, xk, xv}, std::move(attrs));
+  Expr w = b.data("w", y[0].shape(), DType::kF64);
+  Graph g = b.finish({sum(y[0] * w)});
+  Shape out_shape = q;
+  out_shape.back() = v.back();
+  testing::expect_graph_gradients(
+      g, 0, {0, 1, 2},
+      {rand64(q, seed), rand64(k, seed + 1), rand64(v, seed + 2), rand64(out_shape, seed + 3)});
+}
+
+TEST(NnGrad, AttentionLossOnOutOnly) {
+  check_attention_out_only({3, 4}, {3, 4}, {3, 4}, {}, 80);
+  check_attention_out_only({2, 2, 3, 4}, {2, 2, 5, 4}, {2, 2, 5, 2}, {{"scale", 0.7}}, 84);
+  check_attention_out_only({2, 4, 3}, {2, 4, 3}, {2, 4, 5}, {{"causal", true}}, 88);
+  check_attention_out_only({2, 2}, {4, 2}, {4, 3}, {{"causal", true}, {"scale", 0.5}}, 92);
+}
+
+TEST(NnGrad, AttentionRuleWiresOutAndLse) {
+  // The backward gets the forward node's own out and lse (inputs 3 and 5), not recomputed ones;
+  // with no loss on lse there is no extra work (no concat).
+  Builder b("wiring");
+  Expr q = b.data("q", {2, 3, 4}, DType::kF64);
+  std::vector<Expr> y = b.apply(Op::kAttention, {q, q, q}, {{"causal", true}});
+  Graph g = b.finish({sum(y[0])});
+  AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[0].value});
+  const Node* forward = nullptr;
+  const Node* backward = nullptr;
+  int concats = 0;
+  for (const Node& node : r.graph.nodes) {
+    if (node.op == Op::kAttention) forward = &node;
+    if (node.op == Op::kAttentionGrad) backward = &node;
+    if (node.op == Op::kConcat) ++concats;
+  }
+  ASSERT_NE(forward, nullptr);
+  ASSERT_NE(backward, nullptr);
+  ASSERT_EQ(backward->inputs.size(), 6u);
+  EXPECT_EQ(backward->inputs[3], forward->outputs[0]);
+  EXPECT_EQ(backward->inputs[5], forward->outputs[1]);
+  EXPECT_EQ(backward->attrs.b("causal"), true);
+  EXPECT_EQ(concats, 0);
 }
 
 TEST(NnGrad, RulesEmitTheBackwardOps) {

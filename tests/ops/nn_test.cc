@@ -365,6 +365,19 @@ TEST(NnAttention, InfersShapes) {
             of(DType::kF16, {1, 3, 8}));
 }
 
+TEST(NnAttention, InfersTheLseOutput) {
+  // lse (..., Tq): q's shape without the head dim; f32 for 32- and 16-bit inputs, f64 for f64.
+  EXPECT_EQ(infer(Op::kAttention, {f32({2, 4, 3, 8}), f32({2, 4, 5, 8}), f32({2, 4, 5, 6})}),
+            (std::vector<TensorType>{f32({2, 4, 3, 6}), f32({2, 4, 3})}));
+  EXPECT_EQ(infer(Op::kAttention, {f32({3, 8}), f32({5, 8}), f32({5, 2})})[1], f32({3}));
+  for (DType half : {DType::kBF16, DType::kF16}) {
+    const TensorType t = of(half, {1, 3, 8});
+    EXPECT_EQ(infer(Op::kAttention, {t, t, t})[1], f32({1, 3}));
+  }
+  const TensorType t64 = of(DType::kF64, {2, 3, 8});
+  EXPECT_EQ(infer(Op::kAttention, {t64, t64, t64})[1], of(DType::kF64, {2, 3}));
+}
+
 TEST(NnAttention, Errors) {
   EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 3, 8}), f32({1, 5, 8}), f32({1, 5, 8})}),
                     "attention", "leading dims differ", "(2, 3, 8)", "(1, 5, 8)");
@@ -445,6 +458,54 @@ Tensor attention_by_composition(const Tensor& q, const Tensor& k, const Tensor& 
   }
   Tensor weights = run_reference(Op::kSoftmax, {scores})[0];
   return run_reference(Op::kMatmul, {weights, v})[0];
+}
+
+TEST(NnAttention, LseOfEqualScoresIsLogCountPlusScore) {
+  // Every key equal to k0: each visible score is the same s = scale * q . k0, so
+  // lse = log(n * e^s) = log(n) + s over the n visible keys. q = (1, 2), k0 = (0.5, -1.5),
+  // scale 0.4: s = 0.4 * (0.5 - 3) = -1. Non-causal, Tk = 3: lse = ln 3 - 1 for both queries;
+  // causal: query 0 sees 1 key (lse = -1), query 1 sees 2 (ln 2 - 1).
+  Tensor q = make(DType::kF64, {2, 2}, {1, 2, 1, 2});
+  Tensor k = make(DType::kF64, {3, 2}, {0.5, -1.5, 0.5, -1.5, 0.5, -1.5});
+  Tensor v = make(DType::kF64, {3, 1}, {1, 2, 3});
+  std::vector<Tensor> full = run_reference(Op::kAttention, {q, k, v}, {{"scale", 0.4}});
+  ASSERT_EQ(full.size(), 2u);
+  EXPECT_EQ(full[1].type(), of(DType::kF64, {2}));
+  EXPECT_TRUE(all_close(full[1], make(DType::kF64, {2}, {std::log(3.0) - 1, std::log(3.0) - 1}),
+                        1e-15, 1e-14));
+  std::vector<Tensor> causal =
+      run_reference(Op::kAttention, {q, k, v}, {{"scale", 0.4}, {"causal", true}});
+  EXPECT_TRUE(all_close(causal[1], make(DType::kF64, {2}, {-1, std::log(2.0) - 1}), 1e-15,
+                        1e-14));
+  // f32 inputs: lse is f32 (computed in double, rounded once).
+  std::vector<Tensor> f = run_reference(
+      Op::kAttention, {make(DType::kF32, {1, 2}, {1, 2}), make(DType::kF32, {3, 2},
+                                                               {0.5, -1.5, 0.5, -1.5, 0.5, -1.5}),
+                       make(DType::kF32, {3, 1}, {1, 2, 3})},
+      {{"scale", 0.4}});
+  EXPECT_EQ(f[1].type(), f32({1}));
+  EXPECT_NEAR(f[1].get(0), std::log(3.0) - 1, 1e-7);
+}
+
+TEST(NnAttention, LseOfDistinctScoresByHand) {
+  // Scale 1, q = 1, k = (0, ln 2, ln 5): scores (0, ln 2, ln 5), sum of exps 1 + 2 + 5 = 8, so
+  // lse = ln 8; the weights are (1/8, 2/8, 5/8), and P = exp(s - lse) reproduces them.
+  Tensor q = make(DType::kF64, {1, 1}, {1});
+  Tensor k = make(DType::kF64, {3, 1}, {0, std::log(2.0), std::log(5.0)});
+  Tensor v = make(DType::kF64, {3, 1}, {8, 16, 24});  // out = 1 + 4 + 15 = 20
+  std::vector<Tensor> r = run_reference(Op::kAttention, {q, k, v}, {{"scale", 1.0}});
+  EXPECT_NEAR(r[0].get(0), 20.0, 1e-13);
+  EXPECT_NEAR(r[1].get(0), std::log(8.0), 1e-15);
+}
+
+TEST(NnAttention, LseWithoutKeysIsMinusInfinity) {
+  // Tk = 0: an empty sum, log(0) = -inf (and out = 0).
+  std::vector<Tensor> r = run_reference(
+      Op::kAttention, {make(DType::kF32, {2, 3}, {1, 2, 3, 4, 5, 6}), make(DType::kF32, {0, 3}, {}),
+                       make(DType::kF32, {0, 2}, {})});
+  ASSERT_EQ(r[1].numel(), 2);
+  EXPECT_EQ(r[1].get(0), -std::numeric_limits<double>::infinity());
+  EXPECT_EQ(r[1].get(1), -std::numeric_limits<double>::infinity());
 }
 
 TEST(NnAttention, KernelMatchesMatmulSoftmaxCompositionOnRandomInputs) {

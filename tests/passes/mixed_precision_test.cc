@@ -148,7 +148,7 @@ TEST(MixedPrecision, AttentionRunsLowLayerNormStaysF32) {
   const char* text =
       "graph @attn(%x: f32[1,4,8] data, %g: f32[8] param, %b: f32[8] param) {\n"
       "  %h = layer_norm(%x, %g, %b) : f32[1,4,8]\n"
-      "  %y = attention(%h, %h, %h) {causal=true} : f32[1,4,8]\n"
+      "  %y, %lse = attention(%h, %h, %h) {causal=true} : f32[1,4,8], f32[1,4]\n"
       "  %z = layer_norm(%y, %g, %b) : f32[1,4,8]\n"
       "  %loss = sum(%z) : f32[]\n"
       "  return %loss\n"
@@ -157,7 +157,9 @@ TEST(MixedPrecision, AttentionRunsLowLayerNormStaysF32) {
             "graph @attn(%x: f32[1,4,8] data, %g: f32[8] param, %b: f32[8] param) {\n"
             "  %h = layer_norm(%x, %g, %b) : f32[1,4,8]\n"
             "  %h.bf16 = cast(%h) {dtype=bf16} : bf16[1,4,8]\n"
-            "  %y = attention(%h.bf16, %h.bf16, %h.bf16) {causal=true} : bf16[1,4,8]\n"
+            // lse stays f32: the op's own statistic, not a low output (nothing to cast back).
+            "  %y, %lse = attention(%h.bf16, %h.bf16, %h.bf16) {causal=true} : bf16[1,4,8], "
+            "f32[1,4]\n"
             "  %y.f32 = cast(%y) {dtype=f32} : f32[1,4,8]\n"
             "  %z = layer_norm(%y.f32, %g, %b) : f32[1,4,8]\n"
             "  %loss = sum(%z) : f32[]\n"

@@ -12,10 +12,12 @@
 //                               becomes a batch of 2-D transposes, done in cache tiles.
 //   dialect "openblas":
 //     attention, attention_grad  f32. Per (batch..., head) slice: S = scale Q K^T (sgemm), the
-//                               causal mask and a stable row softmax, O = P V (sgemm); the
-//                               backward recomputes P and does dV = P^T dO, dP = dO V^T,
-//                               dS = P * (dP - rowsum(dP * P)), dQ = scale dS K,
-//                               dK = scale dS^T Q as sgemms.
+//                               causal mask and a stable row softmax (its log-sum-exp is the
+//                               lse output), O = P V (sgemm); the backward rebuilds
+//                               P = exp(S - lse) from the saved lse (no row max or sum) and
+//                               does dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with
+//                               D = rowsum(dO * O), dQ = scale dS K, dK = scale dS^T Q as
+//                               sgemms.
 //
 // Threading: the "cpu" kernels split their element range with support/parallel.h. The
 // attention kernels run their slices one after another on the calling thread and leave the
@@ -458,17 +460,34 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 }
 
 // P (tq x tk) = softmax over each row of S = scale Q K^T, with the causal mask (key j > query i
-// gets exactly 0; key 0 never masked). Written over the scores in place.
+// gets exactly 0; key 0 never masked). Written over the scores in place; lse[i] = the row's
+// log-sum-exp of S.
 void attention_probs(const float* q, const float* k, const AttentionShape& s, bool causal,
-                     float scale, float* p) {
+                     float scale, float* p, float* lse) {
   sgemm(false, true, s.tq, s.tk, s.d, scale, q, k, p);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;  // unmasked keys: [0, live)
     const float max = max_row_ignoring_nan(row, live);
     for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - max);
-    const float inv_sum = static_cast<float>(1.0 / sum_row(row, live));
+    const double sum = sum_row(row, live);
+    const float inv_sum = static_cast<float>(1.0 / sum);
     for (int64_t j = 0; j < live; ++j) row[j] *= inv_sum;
+    std::fill(row + live, row + s.tk, 0.0f);
+    lse[i] = static_cast<float>(static_cast<double>(max) + std::log(sum));
+  }
+}
+
+// P (tq x tk) = exp(S - lse) with S = scale Q K^T and the saved log-sum-exp of each row; masked
+// keys get exactly 0.
+void attention_probs_from_lse(const float* q, const float* k, const float* lse,
+                              const AttentionShape& s, bool causal, float scale, float* p) {
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, k, p);
+  for (int64_t i = 0; i < s.tq; ++i) {
+    float* row = p + i * s.tk;
+    const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;
+    const float m = lse[i];
+    for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - m);
     std::fill(row + live, row + s.tk, 0.0f);
   }
 }
@@ -482,9 +501,11 @@ void attention_kernel(const KernelArgs& args) {
   const float* k = args.inputs[1].data<float>();
   const float* v = args.inputs[2].data<float>();
   float* out = args.outputs[0].data<float>();
+  float* lse = args.outputs[1].data<float>();
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
   for (int64_t b = 0; b < s.slices; ++b) {
-    attention_probs(q + b * s.tq * s.d, k + b * s.tk * s.d, s, causal, scale, p.data());
+    attention_probs(q + b * s.tq * s.d, k + b * s.tk * s.d, s, causal, scale, p.data(),
+                    lse + b * s.tq);
     sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), v + b * s.tk * s.dv,
           out + b * s.tq * s.dv);
   }
@@ -498,7 +519,9 @@ void attention_grad_kernel(const KernelArgs& args) {
   const float* q = args.inputs[0].data<float>();
   const float* k = args.inputs[1].data<float>();
   const float* v = args.inputs[2].data<float>();
-  const float* dout = args.inputs[3].data<float>();
+  const float* out = args.inputs[3].data<float>();
+  const float* dout = args.inputs[4].data<float>();
+  const float* lse = args.inputs[5].data<float>();
   float* dq = args.outputs[0].data<float>();
   float* dk = args.outputs[1].data<float>();
   float* dv = args.outputs[2].data<float>();
@@ -507,16 +530,20 @@ void attention_grad_kernel(const KernelArgs& args) {
     const float* qb = q + b * s.tq * s.d;
     const float* kb = k + b * s.tk * s.d;
     const float* vb = v + b * s.tk * s.dv;
+    const float* ob = out + b * s.tq * s.dv;
     const float* dob = dout + b * s.tq * s.dv;
-    attention_probs(qb, kb, s, causal, scale, p.data());
+    attention_probs_from_lse(qb, kb, lse + b * s.tq, s, causal, scale, p.data());
     sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), dob, dv + b * s.tk * s.dv);  // P^T dO
     sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, vb, dp.data());                   // dO V^T
-    // Softmax backward, row by row, into dp: dS = P (dP - sum_j P dP). Masked keys have P = 0.
+    // Softmax backward, row by row, into dp: dS = P (dP - D), D_i = dO_i . O_i (which equals
+    // sum_j P_ij dP_ij). Masked keys have P = 0.
     for (int64_t i = 0; i < s.tq; ++i) {
       const float* pr = p.data() + i * s.tk;
+      const float* orow = ob + i * s.dv;
+      const float* dorow = dob + i * s.dv;
       float* dr = dp.data() + i * s.tk;
       const float weighted =
-          static_cast<float>(blocked_sum(s.tk, [&](int64_t j) { return pr[j] * dr[j]; }));
+          static_cast<float>(blocked_sum(s.dv, [&](int64_t c) { return dorow[c] * orow[c]; }));
       for (int64_t j = 0; j < s.tk; ++j) dr[j] = pr[j] * (dr[j] - weighted);
     }
     sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), kb, dq + b * s.tq * s.d);  // dS K

@@ -1,6 +1,6 @@
-// The "cuda-attention" dialect: flash-attention kernels (attention.cu) for attention and
-// attention_grad on f32, f16 and bf16, head dims up to kAttentionMaxHeadDim; tensor cores for
-// 16-bit types with d == dv in {32, 64, 128}.
+// The "cuda-attention" dialect: flash-attention kernels (attention.cu) for attention (out, lse)
+// and attention_grad (q, k, v, out, dout, lse) on f32, f16 and bf16 (lse f32), head dims up to
+// kAttentionMaxHeadDim; tensor cores for 16-bit types with d == dv in {32, 64, 128}.
 #include <cmath>
 #include <optional>
 
@@ -36,15 +36,16 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   return s;
 }
 
-// Same dtype everywhere (the op's inference checks that), one we handle, sizes the launchers
-// index with 32-bit grids.
+// One dtype for q, k, v (and out, dout) that we handle, an f32 lse (the op's inference checks
+// all of that), sizes the launchers index with 32-bit grids.
 bool supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
-  if (in.size() < 3 || in[0].rank() < 2) return false;
+  if (in.size() != (backward ? 6u : 3u) || in[0].rank() < 2) return false;
   const auto dtype = attention_dtype(in[0].dtype);
   if (!dtype) return false;
-  for (const TensorType& t : in)
-    if (t.dtype != in[0].dtype || t.rank() != in[0].rank()) return false;
+  for (size_t i = 0; i < (backward ? 5u : 3u); ++i)
+    if (in[i].dtype != in[0].dtype || in[i].rank() != in[0].rank()) return false;
+  if (backward && in[5].dtype != DType::kF32) return false;
   const int r = in[0].rank();
   const int64_t d = in[0].shape[r - 1], dv = in[2].shape[r - 1];
   int64_t batch = 1;
@@ -52,23 +53,23 @@ bool supported(const NodeView& node, bool backward) {
   if (batch > (int64_t{1} << 31) - 1) return false;
   if ((in[0].shape[r - 2] + 63) / 64 > 65535 || (in[1].shape[r - 2] + 63) / 64 > 65535)
     return false;
-  if (backward) return attention_backward_supported(*dtype, d, dv);
   return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
 }
 
 void forward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
-  Tensor& out = args.outputs[0];
-  attention_forward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), out.raw(),
+  attention_forward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(),
+                    args.outputs[0].raw(), args.outputs[1].data<float>(),
                     attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
                     static_cast<cudaStream_t>(args.stream));
 }
 
 void backward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
-               &dout = args.inputs[3];
-  attention_backward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), dout.raw(),
-                     args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
+               &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
+  attention_backward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), out.raw(),
+                     dout.raw(), lse.data<float>(), args.outputs[0].raw(),
+                     args.outputs[1].raw(), args.outputs[2].raw(),
                      attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
                      static_cast<cudaStream_t>(args.stream));
 }

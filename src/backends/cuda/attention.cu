@@ -5,18 +5,17 @@
 // a CTA, 16 a warp; mma.sync m16n8k16 with f32 accumulators, operands through ldmatrix from
 // padded shared-memory tiles filled by cp.async (double-buffered). Scores live in registers in
 // the log2 domain (exp2f with scale * log2(e) folded in).
-//   forward: query blocks, online softmax over key blocks, O += P V.
-//   backward: (1) statistics pass over query blocks: the log-sum-exp and D_i = sum_j P_ij dP_ij
-//             (= dout_i . out_i) of each row, computed online like the forward (the op has no
-//             log-sum-exp output and attention_grad gets no `out` input); (2) dk/dv pass over key
-//             blocks, each warp owning 16 keys and looping over query blocks (no reductions
-//             across CTAs); (3) dq pass over query blocks, recomputing S and dP (a separate
-//             pass instead of f32 atomics: no workspace, deterministic).
-//   The two statistics per row are parked as f32 at the start of that row of dq between pass
-//   (1) and pass (3) (pass (3) reads a row's statistics before writing that row), so the op
-//   needs no workspace.
-// Simple path (f32, other head dims): the same three passes with one warp per query (key) row
-// and f32 CUDA-core math.
+//   forward: query blocks, online softmax over key blocks, O += P V; writes the log-sum-exp of
+//            each row (the op's lse output, natural log, f32).
+//   backward (FlashAttention-2 with the saved lse): (1) a small memory-bound pre-pass writes
+//            per row (lse * log2(e), D_i = dout_i . out_i) as a float2 into a stream-ordered
+//            scratch buffer (cudaMallocAsync, 8 bytes a row); (2) dk/dv pass over key blocks,
+//            each warp owning 16 keys and looping over the query blocks that see them,
+//            P = exp2(s - lse) straight from the saved statistic (no reductions across CTAs);
+//            (3) dq pass over query blocks, recomputing S and dP (a separate pass instead of
+//            f32 atomics: deterministic, no dq accumulator).
+// Simple path (f32, other head dims): the same passes with one warp per query (key) row and f32
+// CUDA-core math.
 #include "backends/cuda/attention.cuh"
 
 #include <cuda_bf16.h>
@@ -24,6 +23,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
 
@@ -35,7 +35,10 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBlock = 64;  // rows of a query or key block (16 a warp)
 
-enum Mode { kForward = 0, kStats = 1, kDq = 2 };
+enum Mode { kForward = 0, kDq = 1 };
+
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 
 // ---- element conversions ----
 
@@ -203,27 +206,24 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
-// The two f32 statistics (log2-domain log-sum-exp, D) parked at the start of row r of dq.
-template <typename T, int D>
-__device__ __forceinline__ float2* stash(T* dq, int64_t row) {
-  return reinterpret_cast<float2*>(dq + row * D);
-}
-
 // ---- tensor-core kernels ----
 
 // One CTA = 64 query rows of one batch entry; loops over key blocks.
-//   kForward: out = softmax(s) v.   kStats: parks (lse, D) of each row in dq's rows.
-//   kDq: dq = scale * dS k, reading the parked statistics first.
+//   kForward: out = softmax(s) v, lse = the natural log-sum-exp of each row's scores.
+//   kDq: out = dq = scale * dS k, from the pre-pass statistics (lse * log2(e), D) per row.
 template <typename T, int D, int M>
 __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restrict__ q,
                                                               const T* __restrict__ k,
                                                               const T* __restrict__ v,
-                                                              const T* __restrict__ dout, T* out,
+                                                              const T* __restrict__ dout,
+                                                              const float2* __restrict__ stats,
+                                                              T* __restrict__ out,
+                                                              float* __restrict__ lse_out,
                                                               int64_t tq, int64_t tk, bool causal,
                                                               float scale_log2, float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);
-  T* s_do = s_q + Tile<D>::kElems;  // only kStats/kDq
+  T* s_do = s_q + Tile<D>::kElems;  // only kDq
   T* s_k = s_do + (M == kForward ? 0 : Tile<D>::kElems);
   T* s_v = s_k + 2 * Tile<D>::kElems;
 
@@ -234,6 +234,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   k += b * tk * D;
   v += b * tk * D;
   if (M != kForward) dout += b * tq * D;
+  if (M == kDq) stats += b * tq;
   out += b * tq * D;
 
   int64_t n_kb = (tk + kBlock - 1) / kBlock;
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (row[h] < tq) {
-        const float2 st = *stash<T, D>(out, row[h]);
+        const float2 st = stats[row[h]];
         lse[h] = st.x;
         dsum[h] = st.y;
       }
@@ -312,11 +313,6 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
         }
       mma_pb<T, D>(acc, s, tk_tile);
     } else {
-      float dp[8][4];
-      if (M == kStats) {
-        zero(dp);
-        mma_abt<T, D>(dp, df, tv_tile);
-      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = kNegInf;
@@ -328,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
         const float m_use = m_new == kNegInf ? 0.f : m_new;
         const float alpha = exp2f(m[h] - m_use);
         m[h] = m_new;
-        float sum = 0.f, dsum_blk = 0.f;
+        float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -336,19 +332,15 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
             const float p = exp2f(s[n][e] - m_use);
             s[n][e] = p;
             sum += p;
-            if (M == kStats) dsum_blk += p * dp[n][e];
           }
         l[h] = l[h] * alpha + sum;  // a quad's partial sums; reduced at the end
-        if (M == kStats) dsum[h] = dsum[h] * alpha + dsum_blk;
-        if (M == kForward) {
 #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            acc[n][2 * h] *= alpha;
-            acc[n][2 * h + 1] *= alpha;
-          }
+        for (int n = 0; n < D / 8; ++n) {
+          acc[n][2 * h] *= alpha;
+          acc[n][2 * h + 1] *= alpha;
         }
       }
-      if (M == kForward) mma_pb<T, D>(acc, s, tv_tile);
+      mma_pb<T, D>(acc, s, tv_tile);
     }
     __syncthreads();
   }
@@ -368,21 +360,15 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-      if (M == kStats) {
-        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
-        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
-        if (t == 0 && row[h] < tq) {
-          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-          *stash<T, D>(out, row[h]) =
-              make_float2(l[h] > 0.f ? m[h] + log2f(l[h]) : INFINITY, dsum[h] * inv);
-        }
-      } else if (row[h] < tq) {
+      if (row[h] < tq) {
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         T* dst = out + row[h] * D;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
           *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
               pack2<T>(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+        // log(sum_j e^{s_ij}) = ln 2 * (m + log2 l) in the log2 domain; -inf without keys.
+        if (t == 0) lse_out[b * tq + row[h]] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
       }
     }
   }
@@ -395,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
                                                               const T* __restrict__ k,
                                                               const T* __restrict__ v,
                                                               const T* __restrict__ dout,
-                                                              const T* __restrict__ stats,
+                                                              const float2* __restrict__ stats,
                                                               T* __restrict__ dk,
                                                               T* __restrict__ dv, int64_t tq,
                                                               int64_t tk, bool causal,
@@ -414,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   k += b * tk * D;
   v += b * tk * D;
   dout += b * tq * D;
-  stats += b * tq * D;
+  stats += b * tq;
   dk += b * tk * D;
   dv += b * tk * D;
 
@@ -427,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
     if (threadIdx.x < kBlock) {
       const int64_t r = qb * kBlock + threadIdx.x;
       const bool valid = r < tq;
-      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r * D : stats, valid);
+      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r : stats, valid);
     }
   };
 
@@ -519,14 +505,80 @@ template <typename T, int D>
 size_t rows_smem(int mode) {
   return sizeof(T) * Tile<D>::kElems * (mode == kForward ? 5 : 6);
 }
+
+// ---- backward pre-pass ----
+
+constexpr int kPrepThreads = 256;
+constexpr int kPrepLanes = 8;  // threads a row
+
+// stats[r] = (lse_r * log2(e), D_r = dout_r . out_r) for each of `rows` rows of dv elements; f32
+// math, fixed summation order (deterministic). 16-byte loads where rows allow.
+template <typename T>
+__global__ void __launch_bounds__(kPrepThreads) attention_prep_kernel(
+    const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+    float2* __restrict__ stats, int64_t rows, int dv, bool vectorized) {
+  const int64_t r = (int64_t(blockIdx.x) * kPrepThreads + threadIdx.x) / kPrepLanes;
+  const int sub = threadIdx.x % kPrepLanes;
+  float acc = 0.f;
+  if (r < rows) {
+    const T* o = out + r * dv;
+    const T* g = dout + r * dv;
+    if (vectorized) {
+      constexpr int kVec = 16 / sizeof(T);
+      for (int c = sub * kVec; c < dv; c += kPrepLanes * kVec) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+        const uint4 gv = *reinterpret_cast<const uint4*>(g + c);
+        const T* oe = reinterpret_cast<const T*>(&ov);
+        const T* ge = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc += to_f32(oe[e]) * to_f32(ge[e]);
+      }
+    } else {
+      for (int c = sub; c < dv; c += kPrepLanes) acc += to_f32(o[c]) * to_f32(g[c]);
+    }
+  }
+#pragma unroll
+  for (int off = kPrepLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (r < rows && sub == 0) stats[r] = make_float2(lse[r] * kLog2e, acc);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+void launch_prep(const T* out, const T* dout, const float* lse, float2* stats, int64_t rows,
+                 int64_t dv, cudaStream_t stream) {
+  const bool vectorized = (dv * int64_t(sizeof(T))) % 16 == 0 && aligned16(out) && aligned16(dout);
+  const int64_t blocks = (rows * kPrepLanes + kPrepThreads - 1) / kPrepThreads;
+  attention_prep_kernel<T><<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(
+      out, dout, lse, stats, rows, static_cast<int>(dv), vectorized);
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+// Stream-ordered scratch for the pre-pass statistics, freed on the stream after its users.
+class StatsScratch {
+ public:
+  StatsScratch(int64_t rows, cudaStream_t stream) : stream_(stream) {
+    KILN_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr_),
+                                    static_cast<size_t>(rows > 0 ? rows : 1) * sizeof(float2),
+                                    stream));
+  }
+  ~StatsScratch() { cudaFreeAsync(ptr_, stream_); }
+  StatsScratch(const StatsScratch&) = delete;
+  StatsScratch& operator=(const StatsScratch&) = delete;
+  float2* get() const { return ptr_; }
+
+ private:
+  float2* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
 template <typename T, int D>
 size_t dkdv_smem() {
   return sizeof(T) * Tile<D>::kElems * 6 + sizeof(float2) * 2 * kBlock;
 }
 
 template <typename T, int D, int M>
-void launch_rows(const T* q, const T* k, const T* v, const T* dout, T* out,
-                 const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2* stats, T* out,
+                 float* lse, const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const size_t smem = rows_smem<T, D>(M);
   auto kernel = flash_rows_kernel<T, D, M>;
   static const bool raised = [&] {  // once per instantiation (thread-safe static init)
@@ -537,28 +589,28 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, T* out,
   (void)raised;
   const dim3 grid(static_cast<unsigned>(s.batch),
                   static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
-  kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, out, s.tq, s.tk, s.causal, scale_log2,
-                                           static_cast<float>(s.scale));
+  kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk, s.causal,
+                                           scale_log2, static_cast<float>(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T, int D>
-void tc_forward(const void* q, const void* k, const void* v, void* out, const AttentionShape& s,
-                float scale_log2, cudaStream_t stream) {
+void tc_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   launch_rows<T, D, kForward>(static_cast<const T*>(q), static_cast<const T*>(k),
-                              static_cast<const T*>(v), nullptr, static_cast<T*>(out), s,
-                              scale_log2, stream);
+                              static_cast<const T*>(v), nullptr, nullptr, static_cast<T*>(out),
+                              lse, s, scale_log2, stream);
 }
 
+// `stats`: the pre-pass output (batch * tq float2).
 template <typename T, int D>
-void tc_backward(const void* q_, const void* k_, const void* v_, const void* dout_, void* dq_,
-                 void* dk_, void* dv_, const AttentionShape& s, float scale_log2,
-                 cudaStream_t stream) {
+void tc_backward(const void* q_, const void* k_, const void* v_, const void* dout_,
+                 const float2* stats, void* dq_, void* dk_, void* dv_, const AttentionShape& s,
+                 float scale_log2, cudaStream_t stream) {
   const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
           *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
   T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
-  launch_rows<T, D, kStats>(q, k, v, dout, dq, s, scale_log2, stream);
-  if (s.tk > 0) {
+  {
     const size_t smem = dkdv_smem<T, D>();
     auto kernel = flash_dkdv_kernel<T, D>;
     static const bool raised = [&] {
@@ -569,11 +621,11 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
     (void)raised;
     const dim3 grid(static_cast<unsigned>(s.batch),
                     static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
-    kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, dq, dk, dv, s.tq, s.tk, s.causal,
+    kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk, s.causal,
                                              scale_log2, static_cast<float>(s.scale));
     KILN_CUDA_CHECK(cudaGetLastError());
   }
-  launch_rows<T, D, kDq>(q, k, v, dout, dq, s, scale_log2, stream);
+  launch_rows<T, D, kDq>(q, k, v, dout, stats, dq, nullptr, s, scale_log2, stream);
 }
 
 // ---- simple path: one warp per row, f32 math on CUDA cores ----
@@ -608,17 +660,12 @@ __device__ __forceinline__ float dot_row(const float (&x)[kSimplePerLane], const
   return warp_sum(acc);
 }
 
-// Stats parked in dq row r (a dq row is d elements of T).
-template <typename T>
-__device__ __forceinline__ float2* simple_stash(T* dq, int64_t row, int d) {
-  return reinterpret_cast<float2*>(dq + row * d);
-}
-
-// One warp = one query row. kForward: out; kStats: parks (lse, D) in dq; kDq: dq.
+// One warp = one query row. kForward: out and lse; kDq: out = dq from the pre-pass statistics.
 template <typename T, int M>
-__global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout, T* out,
-                                   int64_t batch, int64_t tq, int64_t tk, int d, int dv,
-                                   bool causal, float scale_log2, float scale) {
+__global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout,
+                                   const float2* stats, T* out, float* lse_out, int64_t batch,
+                                   int64_t tq, int64_t tk, int d, int dv, bool causal,
+                                   float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tq) return;
   const int lane = threadIdx.x & 31;
@@ -631,10 +678,9 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
   for (int u = 0; u < kSimplePerLane; ++u) acc[u] = 0.f;
   float lse = 0.f, dsum = 0.f;
   if (M == kDq) {
-    const float2 st = *simple_stash(out, w, d);
+    const float2 st = stats[w];
     lse = st.x;
     dsum = st.y;
-    __syncwarp();  // every lane has read the stats before any lane writes the row
   }
   const int64_t n_keys = causal ? min(tk, i + 1) : tk;
   float m = kNegInf, l = 0.f;
@@ -653,23 +699,14 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
       const float alpha = exp2f(m - m_new), p = exp2f(s - m_new);
       m = m_new;
       l = l * alpha + p;
-      if (M == kStats) {
-        dsum = dsum * alpha + p * dot_row(dov, vb + j * dv, dv);
-      } else {
 #pragma unroll
-        for (int u = 0; u < kSimplePerLane; ++u) {
-          const int c = lane + 32 * u;
-          acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * dv + c]) : 0.f);
-        }
+      for (int u = 0; u < kSimplePerLane; ++u) {
+        const int c = lane + 32 * u;
+        acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * dv + c]) : 0.f);
       }
     }
   }
-  if (M == kStats) {
-    if (lane == 0)
-      *simple_stash(out, w, d) =
-          make_float2(l > 0.f ? m + log2f(l) : INFINITY, l > 0.f ? dsum / l : 0.f);
-    return;
-  }
+  if (M == kForward && lane == 0) lse_out[w] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
   const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
   const int n = M == kDq ? d : dv;
 #pragma unroll
@@ -682,7 +719,7 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 // One warp = one key row: dk, dv.
 template <typename T>
 __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
-                                   const T* stats, T* dk, T* dv, int64_t batch, int64_t tq,
+                                   const float2* stats, T* dk, T* dv, int64_t batch, int64_t tq,
                                    int64_t tk, int d, int dvn, bool causal, float scale_log2,
                                    float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -696,7 +733,7 @@ __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* 
   load_row(vv, v + w * dvn, dvn);
   for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
   for (int64_t i = causal ? j : 0; i < tq; ++i) {
-    const float2 st = *reinterpret_cast<const float2*>(stats + (b * tq + i) * d);
+    const float2 st = stats[b * tq + i];
     const float p = exp2f(dot_row(kv, qb + i * d, d) * scale_log2 - st.x);
     const float ds = p * (dot_row(vv, dob + i * dvn, dvn) - st.y);
 #pragma unroll
@@ -721,37 +758,53 @@ unsigned simple_grid(int64_t rows) {
 }
 
 template <typename T>
-void simple_forward(const void* q, const void* k, const void* v, void* out,
+void simple_forward(const void* q, const void* k, const void* v, void* out, float* lse,
                     const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
-      static_cast<T*>(out), s.batch, s.tq, s.tk, int(s.d), int(s.dv), s.causal, scale_log2,
-      float(s.scale));
+      nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.d), int(s.dv), s.causal,
+      scale_log2, float(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
+// `stats`: the pre-pass output (batch * tq float2).
 template <typename T>
 void simple_backward(const void* q_, const void* k_, const void* v_, const void* dout_,
-                     void* dq_, void* dk_, void* dv_, const AttentionShape& s, float scale_log2,
-                     cudaStream_t stream) {
+                     const float2* stats, void* dq_, void* dk_, void* dv_,
+                     const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
           *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
   T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
   const int d = int(s.d), dvn = int(s.dv);
   const float scale = float(s.scale);
   const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(s.batch * s.tk);
-  simple_rows_kernel<T, kStats><<<qgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, dq, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
-  KILN_CUDA_CHECK(cudaGetLastError());
   simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, dq, dk, dv, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
   simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, dq, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2,
+      scale);
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+template <typename T>
+void backward_typed(const void* q, const void* k, const void* v, const void* out,
+                    const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                    const AttentionShape& s, bool tc, float sl2, cudaStream_t stream) {
+  const int64_t rows = s.batch * s.tq;
+  StatsScratch stats(rows, stream);
+  launch_prep<T>(static_cast<const T*>(out), static_cast<const T*>(dout), lse, stats.get(), rows,
+                 s.dv, stream);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (tc) {
+      const float2* st = stats.get();
+      if (s.d == 32) return tc_backward<T, 32>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
+      if (s.d == 64) return tc_backward<T, 64>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
+      return tc_backward<T, 128>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
+    }
+  }
+  simple_backward<T>(q, k, v, dout, stats.get(), dq, dk, dv, s, sl2, stream);
+}
 
 float log2_scale(const AttentionShape& s) {
   return static_cast<float>(s.scale * 1.4426950408889634);  // scale * log2(e)
@@ -763,14 +816,8 @@ bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv) {
   return dtype != AttentionDType::kF32 && d == dv && (d == 32 || d == 64 || d == 128);
 }
 
-bool attention_backward_supported(AttentionDType dtype, int64_t d, int64_t dv) {
-  const int64_t row_bytes = d * (dtype == AttentionDType::kF32 ? 4 : 2);
-  return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim &&
-         row_bytes % 8 == 0;
-}
-
 void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
-                       void* out, const AttentionShape& s, cudaStream_t stream) {
+                       void* out, float* lse, const AttentionShape& s, cudaStream_t stream) {
   KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
                  s.dv <= kAttentionMaxHeadDim,
              "cuda attention: head dims are {} and {}, expected 1 to {}", s.d, s.dv,
@@ -781,60 +828,50 @@ void attention_forward(AttentionDType dtype, const void* q, const void* k, const
                   aligned16(k) && aligned16(v) && aligned16(out);
   switch (dtype) {
     case AttentionDType::kF32:
-      return simple_forward<float>(q, k, v, out, s, sl2, stream);
+      return simple_forward<float>(q, k, v, out, lse, s, sl2, stream);
     case AttentionDType::kF16:
-      if (!tc) return simple_forward<__half>(q, k, v, out, s, sl2, stream);
-      if (s.d == 32) return tc_forward<__half, 32>(q, k, v, out, s, sl2, stream);
-      if (s.d == 64) return tc_forward<__half, 64>(q, k, v, out, s, sl2, stream);
-      return tc_forward<__half, 128>(q, k, v, out, s, sl2, stream);
+      if (!tc) return simple_forward<__half>(q, k, v, out, lse, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__half, 32>(q, k, v, out, lse, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__half, 64>(q, k, v, out, lse, s, sl2, stream);
+      return tc_forward<__half, 128>(q, k, v, out, lse, s, sl2, stream);
     case AttentionDType::kBF16:
-      if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, out, s, sl2, stream);
-      if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, out, s, sl2, stream);
-      if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, out, s, sl2, stream);
-      return tc_forward<__nv_bfloat16, 128>(q, k, v, out, s, sl2, stream);
+      if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, out, lse, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, out, lse, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, out, lse, s, sl2, stream);
+      return tc_forward<__nv_bfloat16, 128>(q, k, v, out, lse, s, sl2, stream);
   }
 }
 
 void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
-                        const void* dout, void* dq, void* dk, void* dv, const AttentionShape& s,
-                        cudaStream_t stream) {
-  KILN_CHECK(attention_backward_supported(dtype, s.d, s.dv),
-             "cuda attention_grad: head dims are {} and {}, expected 1 to {} with a dq row a "
-             "multiple of 8 bytes",
-             s.d, s.dv, kAttentionMaxHeadDim);
-  KILN_CHECK(reinterpret_cast<uintptr_t>(dq) % 8 == 0,
-             "cuda attention_grad: dq is not 8-byte aligned");
+                        const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                        void* dv, const AttentionShape& s, cudaStream_t stream) {
+  KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
+                 s.dv <= kAttentionMaxHeadDim,
+             "cuda attention_grad: head dims are {} and {}, expected 1 to {}", s.d, s.dv,
+             kAttentionMaxHeadDim);
   if (s.batch == 0) return;
+  const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
   if (s.tk == 0) {  // no keys: every gradient is 0 (dk and dv are empty)
-    const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
     KILN_CUDA_CHECK(cudaMemsetAsync(dq, 0, size_t(s.batch * s.tq * s.d) * elem, stream));
+    return;
+  }
+  if (s.tq == 0) {  // no queries: dk and dv are 0
+    KILN_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(s.batch * s.tk * s.d) * elem, stream));
+    KILN_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(s.batch * s.tk * s.dv) * elem, stream));
     return;
   }
   const float sl2 = log2_scale(s);
   const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && aligned16(q) &&
                   aligned16(k) && aligned16(v) && aligned16(dout) && aligned16(dq) &&
                   aligned16(dk) && aligned16(dv);
-  if (s.tq == 0) {  // no queries: dk and dv are 0
-    const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
-    KILN_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(s.batch * s.tk * s.d) * elem, stream));
-    KILN_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(s.batch * s.tk * s.dv) * elem, stream));
-    return;
-  }
   switch (dtype) {
     case AttentionDType::kF32:
-      return simple_backward<float>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      return backward_typed<float>(q, k, v, out, dout, lse, dq, dk, dv, s, false, sl2, stream);
     case AttentionDType::kF16:
-      if (!tc) return simple_backward<__half>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      if (s.d == 32) return tc_backward<__half, 32>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      if (s.d == 64) return tc_backward<__half, 64>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      return tc_backward<__half, 128>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      return backward_typed<__half>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2, stream);
     case AttentionDType::kBF16:
-      if (!tc) return simple_backward<__nv_bfloat16>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      if (s.d == 32)
-        return tc_backward<__nv_bfloat16, 32>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      if (s.d == 64)
-        return tc_backward<__nv_bfloat16, 64>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
-      return tc_backward<__nv_bfloat16, 128>(q, k, v, dout, dq, dk, dv, s, sl2, stream);
+      return backward_typed<__nv_bfloat16>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2,
+                                           stream);
   }
 }
 

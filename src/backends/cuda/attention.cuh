@@ -1,7 +1,7 @@
 // Launchers of the flash-attention kernels (attention.cu), callable from C++20 code: plain
 // pointers and sizes only. Layout: q (batch, tq, d), k (batch, tk, d), v (batch, tk, dv),
-// out and dout (batch, tq, dv), all contiguous, `batch` the product of the leading dims;
-// causal masks key j > query i (top-left aligned), like the op's reference kernel.
+// out and dout (batch, tq, dv), lse (batch, tq) f32, all contiguous, `batch` the product of the
+// leading dims; causal masks key j > query i (top-left aligned), like the op's reference kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,20 +25,17 @@ inline constexpr int64_t kAttentionMaxHeadDim = 256;
 // Everything else with d, dv <= kAttentionMaxHeadDim takes a simple one-warp-per-row path.
 bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv);
 
-// Whether attention_backward takes these: it parks two f32 row statistics (log-sum-exp and
-// rowsum(dout * out)) at the start of each row of dq before writing dq over them, so a dq row
-// must hold 8 bytes and keep 8-byte alignment.
-bool attention_backward_supported(AttentionDType dtype, int64_t d, int64_t dv);
-
-// out = softmax(q k^T * scale + mask) v. Enqueued on `stream`, never synchronizes.
+// out = softmax(q k^T * scale + mask) v and lse = the natural log-sum-exp of each row's scaled
+// scores (-inf for a row without keys). Enqueued on `stream`, never synchronizes.
 void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
-                       void* out, const AttentionShape& shape, cudaStream_t stream);
+                       void* out, float* lse, const AttentionShape& shape, cudaStream_t stream);
 
-// (dq, dk, dv) of attention for the output gradient dout, recomputing the softmax (the op has
-// no log-sum-exp output): a statistics pass, a dk/dv pass over key blocks, a dq pass over query
-// blocks (no atomics, no workspace).
+// (dq, dk, dv) of attention for the output gradient dout, given the forward's out and lse
+// (FlashAttention-2): a pre-pass of the row statistics (lse, D = rowsum(dout * out)) into 8 bytes
+// a row of stream-ordered scratch (cudaMallocAsync), a dk/dv pass over key blocks, a dq pass
+// over query blocks (no atomics: deterministic). Enqueued on `stream`, never synchronizes.
 void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
-                        const void* dout, void* dq, void* dk, void* dv,
-                        const AttentionShape& shape, cudaStream_t stream);
+                        const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                        void* dv, const AttentionShape& shape, cudaStream_t stream);
 
 }  // namespace kiln::cuda

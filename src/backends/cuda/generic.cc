@@ -462,17 +462,19 @@ void register_nn(KernelRegistry& registry) {
   add(registry, Op::kAttention, [](const KernelArgs& a) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
-    generic::launch_attention(elem(q), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(), d.batch,
-                              d.tq, d.tk, d.d, d.dv, a.attrs.b("causal"),
-                              attention_scale(a.attrs, d.d), stream_of(a));
+    generic::launch_attention(elem(q), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(),
+                              a.outputs[1].raw(), d.batch, d.tq, d.tk, d.d, d.dv,
+                              a.attrs.b("causal"), attention_scale(a.attrs, d.d), stream_of(a));
   }, attention_fits);
   add(registry, Op::kAttentionGrad, [](const KernelArgs& a) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
+    // inputs: q, k, v, out, dout, lse.
     generic::launch_attention_grad(elem(q), q.raw(), k.raw(), v.raw(), a.inputs[3].raw(),
-                                   a.outputs[0].raw(), a.outputs[1].raw(), a.outputs[2].raw(),
-                                   d.batch, d.tq, d.tk, d.d, d.dv, a.attrs.b("causal"),
-                                   attention_scale(a.attrs, d.d), stream_of(a));
+                                   a.inputs[4].raw(), a.inputs[5].raw(), a.outputs[0].raw(),
+                                   a.outputs[1].raw(), a.outputs[2].raw(), d.batch, d.tq, d.tk,
+                                   d.d, d.dv, a.attrs.b("causal"), attention_scale(a.attrs, d.d),
+                                   stream_of(a));
   }, attention_fits);
 
   add(registry, Op::kSgdUpdate, [](const KernelArgs& a) {

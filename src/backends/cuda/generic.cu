@@ -947,10 +947,13 @@ __global__ void matmul_kernel(const T* a, const T* b, T* c, MatmulLayout L) {
 
 constexpr int64_t kMaxKeys = 4096;
 
-// Normalized weights P_j of query i (masked keys 0) into `weights`; block-wide.
+// Normalized weights P_j of query i (masked keys 0) into `weights`; block-wide. Returns the
+// log-sum-exp of the scores (every thread gets it).
 template <class T>
-__device__ void attention_weights(const T* q_row, const T* k_mat, typename Num<T>::C* weights,
-                                  int64_t i, int64_t tk, int64_t d, bool causal, double scale) {
+__device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
+                                                typename Num<T>::C* weights, int64_t i,
+                                                int64_t tk, int64_t d, bool causal,
+                                                double scale) {
   using C = typename Num<T>::C;
   C max = lowest<C>();
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
@@ -973,18 +976,41 @@ __device__ void attention_weights(const T* q_row, const T* k_mat, typename Num<T
   sum = block_sum(sum);
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) weights[j] /= sum;
   __syncthreads();
+  return max + m_log(sum);
 }
 
+// P_j = exp(s_j - lse) of query i from the saved log-sum-exp (masked keys 0); block-wide.
 template <class T>
-__global__ void attention_kernel(const T* q, const T* k, const T* v, T* out, int64_t batch,
-                                 int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
-                                 double scale) {
+__device__ void attention_weights_from_lse(const T* q_row, const T* k_mat,
+                                           typename Num<T>::C* weights, typename Num<T>::C lse,
+                                           int64_t i, int64_t tk, int64_t d, bool causal,
+                                           double scale) {
+  using C = typename Num<T>::C;
+  for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
+    C w = 0;
+    if (!causal || j <= i) {
+      C s = 0;
+      for (int64_t c = 0; c < d; ++c) s += Num<T>::load(q_row[c]) * Num<T>::load(k_mat[j * d + c]);
+      w = m_exp(s * C(scale) - lse);
+    }
+    weights[j] = w;
+  }
+  __syncthreads();
+}
+
+// lse is f32 (f64 for f64 inputs): Num<T>::C.
+template <class T>
+__global__ void attention_kernel(const T* q, const T* k, const T* v, T* out,
+                                 typename Num<T>::C* lse, int64_t batch, int64_t tq, int64_t tk,
+                                 int64_t d, int64_t dv, bool causal, double scale) {
   using C = typename Num<T>::C;
   extern __shared__ unsigned char shared_bytes[];
   C* weights = reinterpret_cast<C*>(shared_bytes);
   for (int64_t item = blockIdx.x; item < batch * tq; item += gridDim.x) {
     const int64_t b = item / tq, i = item % tq;
-    attention_weights(q + item * d, k + b * tk * d, weights, i, tk, d, causal, scale);
+    const C row_lse = attention_weights(q + item * d, k + b * tk * d, weights, i, tk, d, causal,
+                                        scale);
+    if (threadIdx.x == 0) lse[item] = row_lse;
     const T* v0 = v + b * tk * dv;
     for (int64_t c = threadIdx.x; c < dv; c += blockDim.x) {
       C acc = 0;
@@ -998,9 +1024,11 @@ __global__ void attention_kernel(const T* q, const T* k, const T* v, T* out, int
 __device__ inline void atomic_add_acc(float* p, float v) { atomicAdd(p, v); }
 __device__ inline void atomic_add_acc(double* p, double v) { atomicAdd(p, v); }
 
-// dq directly; dk and dv summed over queries with atomics into the accumulators.
+// dq directly; dk and dv summed over queries with atomics into the accumulators. P from the
+// given lse, D_i = dout_i . out_i from the given out (the op's definition).
 template <class T>
-__global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const T* dout, T* dq,
+__global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const T* out,
+                                      const T* dout, const typename Num<T>::C* lse, T* dq,
                                       typename Num<T>::C* dk_acc, typename Num<T>::C* dv_acc,
                                       int64_t batch, int64_t tq, int64_t tk, int64_t d,
                                       int64_t dv, bool causal, double scale) {
@@ -1011,16 +1039,17 @@ __global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const 
   for (int64_t item = blockIdx.x; item < batch * tq; item += gridDim.x) {
     const int64_t b = item / tq, i = item % tq;
     const T *q_row = q + item * d, *k0 = k + b * tk * d, *v0 = v + b * tk * dv;
-    const T* g_row = dout + item * dv;
-    attention_weights(q_row, k0, weights, i, tk, d, causal, scale);
-    C weighted = 0;  // sum_j P_j dP_j, dP_j = dout_i . v_j
+    const T *g_row = dout + item * dv, *o_row = out + item * dv;
+    attention_weights_from_lse(q_row, k0, weights, lse[item], i, tk, d, causal, scale);
+    C weighted = 0;  // D_i = dout_i . out_i
+    for (int64_t c = threadIdx.x; c < dv; c += blockDim.x)
+      weighted += Num<T>::load(g_row[c]) * Num<T>::load(o_row[c]);
+    weighted = block_sum(weighted);
     for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
-      C dp = 0;
+      C dp = 0;  // dP_j = dout_i . v_j
       for (int64_t c = 0; c < dv; ++c) dp += Num<T>::load(g_row[c]) * Num<T>::load(v0[j * dv + c]);
       ds[j] = dp;
-      weighted += weights[j] * dp;
     }
-    weighted = block_sum(weighted);
     for (int64_t j = threadIdx.x; j < tk; j += blockDim.x)
       ds[j] = weights[j] * (ds[j] - weighted) * C(scale);
     __syncthreads();
@@ -1427,9 +1456,9 @@ void allow_shared(Kernel kernel, size_t bytes) {
 }
 
 void launch_attention(ElemType type, const void* q, const void* k, const void* v, void* out,
-                      int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
-                      double scale, cudaStream_t stream) {
-  if (batch * tq * dv == 0) return;
+                      void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
+                      bool causal, double scale, cudaStream_t stream) {
+  if (batch * tq == 0) return;
   KILN_CHECK(tk >= 1 && tk <= kMaxKeys, "cuda generic attention: tk = {}, expected 1..{}", tk,
              kMaxKeys);
   visit_float(type, [&](auto tag) {
@@ -1438,13 +1467,15 @@ void launch_attention(ElemType type, const void* q, const void* k, const void* v
     allow_shared(attention_kernel<T>, shared);
     attention_kernel<T><<<grid_items(batch * tq), kThreads, shared, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<T*>(out), batch, tq, tk, d, dv, causal, scale);
+        static_cast<T*>(out), static_cast<typename Num<T>::C*>(lse), batch, tq, tk, d, dv, causal,
+        scale);
     check_launch();
   });
 }
 
 void launch_attention_grad(ElemType type, const void* q, const void* k, const void* v,
-                           const void* dout, void* dq, void* dk, void* dv_out, int64_t batch,
+                           const void* out, const void* dout, const void* lse, void* dq, void* dk,
+                           void* dv_out, int64_t batch,
                            int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
                            double scale, cudaStream_t stream) {
   KILN_CHECK(tk <= kMaxKeys, "cuda generic attention_grad: tk = {}, expected at most {}", tk,
@@ -1462,8 +1493,9 @@ void launch_attention_grad(ElemType type, const void* q, const void* k, const vo
       allow_shared(attention_grad_kernel<T>, shared);
       attention_grad_kernel<T><<<grid_items(batch * tq), kThreads, shared, stream>>>(
           static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          static_cast<const T*>(dout), static_cast<T*>(dq), dk_acc.as<C>(), dv_acc.as<C>(), batch,
-          tq, tk, d, dv, causal, scale);
+          static_cast<const T*>(out), static_cast<const T*>(dout), static_cast<const C*>(lse),
+          static_cast<T*>(dq), dk_acc.as<C>(), dv_acc.as<C>(), batch, tq, tk, d, dv, causal,
+          scale);
       check_launch();
     } else if (batch * tq * d > 0) {
       KILN_CUDA_CHECK(cudaMemsetAsync(dq, 0, batch * tq * d * sizeof(T), stream));

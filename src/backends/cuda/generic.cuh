@@ -163,14 +163,16 @@ void launch_adamw_update(ElemType type, const void* param, const void* grad, con
                          cudaStream_t stream);
 
 // Naive attention: one block per (batch, query); scores live in shared memory, so tk is limited
-// by attention_max_keys(). attention_grad accumulates dk and dv with atomicAdd (not bitwise
-// deterministic) in an f32/f64 scratch buffer.
+// by attention_max_keys(). lse is f32 (f64 for f64 inputs), as the op defines it. attention_grad
+// takes the forward's out and lse (P = exp(s - lse), D = rowsum(dout * out)) and accumulates dk
+// and dv with atomicAdd (not bitwise deterministic) in an f32/f64 scratch buffer.
 int64_t attention_max_keys();
 void launch_attention(ElemType type, const void* q, const void* k, const void* v, void* out,
-                      int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
-                      double scale, cudaStream_t stream);
+                      void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
+                      bool causal, double scale, cudaStream_t stream);
 void launch_attention_grad(ElemType type, const void* q, const void* k, const void* v,
-                           const void* dout, void* dq, void* dk, void* dv_out, int64_t batch,
+                           const void* out, const void* dout, const void* lse, void* dq, void* dk,
+                           void* dv_out, int64_t batch,
                            int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
                            double scale, cudaStream_t stream);
 
