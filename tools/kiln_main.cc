@@ -14,6 +14,7 @@
 #include "ir/text.h"
 #include "ir/verifier.h"
 #include "models/models.h"
+#include "passes/fusion/fusion.h"
 #include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "runtime/memory_plan.h"
@@ -89,6 +90,16 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   for (const kiln::PassRecord& r : records)
     fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
                r.nodes_after, r.changed ? "yes" : "no");
+  // The fusion groups: one line per fused node, then the total.
+  std::vector<kiln::fusion::FusedNodeReport> fused = kiln::fusion::report(graph);
+  int64_t kept_bytes = 0;
+  fmt::print("  fusion: {} fused node{}\n", fused.size(), fused.size() == 1 ? "" : "s");
+  for (const kiln::fusion::FusedNodeReport& f : fused) {
+    kept_bytes += f.bytes_kept;
+    fmt::print("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind,
+               f.bytes_kept / double(1 << 20), fmt::join(f.ops, " "));
+  }
+  fmt::print("  fusion total: {:.3f} MiB kept out of memory\n", kept_bytes / double(1 << 20));
   kiln::MemoryPlan plan = kiln::plan_memory(graph);
   int64_t input_bytes = 0;
   for (const kiln::GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
@@ -150,7 +161,7 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--optimizer", compile_optimizer, "adamw | sgd")->check(CLI::IsMember({"adamw", "sgd"}))->default_val("adamw");
   compile_cmd->add_option("--print-after", print_after, "Print the IR after these passes (or 'all')")->delimiter(',');
   compile_cmd->add_option("--disable-pass", disabled_passes, "Skip these passes")->delimiter(',');
-  compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts");
+  compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept out of memory; and the total) and the memory plan");
   std::string compile_budget;
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");

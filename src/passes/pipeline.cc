@@ -1,5 +1,6 @@
 #include "passes/pipeline.h"
 
+#include "passes/fusion/fusion.h"
 #include "passes/remat.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
@@ -16,18 +17,21 @@ PassManager default_pipeline(PassOptions options) {
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
-  // training-rewrites (decompose cross_entropy_grad / layer_norm_grad into elementwise work and
-  // column sums) is NOT in the default list yet: it only pays off once a fusion pass keeps those
-  // parts in registers; without fusion it adds logits-sized intermediates. It joins the list,
-  // first, together with fusion. (Tests run it directly.)
+  // First: decompose cross_entropy_grad / layer_norm_grad (f32/f64) into elementwise work, a
+  // row softmax and column sums, which fusion below keeps in registers; the simplify passes
+  // then share the parts common with the forward pass.
+  pm.add(std::make_unique<TrainingRewrites>());
   // Local exact rules (x*1, neg(neg), transpose/reshape/cast chains) to a fixed point.
   pm.add(std::make_unique<AlgebraicSimplifier>());
   // Evaluate small all-constant nodes (optimizer and loss-scale scalars) once, at compile time.
   pm.add(std::make_unique<ConstantFolding>());
   // Merge duplicates, including the splats and recomputations the passes above left equal.
   pm.add(std::make_unique<CommonSubexpressionElimination>());
-  // Last: drop everything the passes above (and autodiff) left unused.
+  // Last of the simplify passes: drop everything the passes above (and autodiff) left unused.
   pm.add(std::make_unique<DeadCodeElimination>());
+  // On the final node set: outline groups of nodes that run as one kernel over row tiles into
+  // fused nodes (before remat and schedule, which then see the fused graph's true footprint).
+  pm.add(std::make_unique<FusionPass>());
   // With a memory budget: recompute activations to fit it (after CSE, which would merge the
   // clones back; right before schedule, whose order its peak is measured in).
   if (memory_budget) pm.add(std::make_unique<Rematerialize>(*memory_budget, schedule_enabled));

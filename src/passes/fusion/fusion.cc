@@ -1,0 +1,346 @@
+// The fusion pass: node classification, the partition problem of a graph, outlining of groups
+// into fused nodes, and the per-node report. See passes/fusion/fusion.h for the rules.
+#include "passes/fusion/fusion.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <queue>
+#include <set>
+
+#include "ir/op_def.h"
+#include "passes/simplify/compact.h"
+#include "support/error.h"
+
+namespace kiln {
+namespace fusion {
+namespace {
+
+bool is_fusable_float(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+// (rows, row length) of a shape: a scalar is one row of one element.
+std::pair<int64_t, int64_t> rows_of(const Shape& shape) {
+  if (shape.empty()) return {1, 1};
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  return {rows, shape.back()};
+}
+
+NodeClass make_class(ItemKind kind, const Shape& shape) {
+  auto [rows, length] = rows_of(shape);
+  if (rows * length == 0) return {};  // nothing to compute: no reason to fuse
+  return NodeClass{kind, rows, length};
+}
+
+bool is_cross_entropy(Op op) { return op == Op::kCrossEntropy || op == Op::kCrossEntropyGrad; }
+
+// The dtype rule of fusion.h.
+bool operands_fusable(const Graph& graph, const Node& node) {
+  for (ValueId out : node.outputs)
+    if (!is_fusable_float(graph.type(out).dtype)) return false;
+  for (size_t i = 0; i < node.inputs.size(); ++i) {
+    const DType d = graph.type(node.inputs[i]).dtype;
+    if (is_fusable_float(d)) continue;
+    if (node.op == Op::kWhere && i == 0 && d == DType::kBool) continue;
+    if (is_cross_entropy(node.op) && i == 1 && is_integer(d)) continue;
+    return false;
+  }
+  return true;
+}
+
+// An elementwise input a row tile can read: the full output shape, one element, a row vector
+// [1..., N] or a per-row column [R..., 1].
+bool row_friendly_broadcast(const Shape& input, const Shape& output) {
+  const size_t rank = output.size();
+  if (input.size() > rank) return false;
+  Shape padded(rank - input.size(), 1);
+  padded.insert(padded.end(), input.begin(), input.end());
+  if (padded == output) return true;
+  int64_t n = 1;
+  for (int64_t d : padded) n *= d;
+  if (n == 1) return true;
+  bool row_vector = padded.back() == output.back();
+  bool per_row = padded.back() == 1;
+  for (size_t i = 0; i + 1 < rank; ++i) {
+    row_vector = row_vector && padded[i] == 1;
+    per_row = per_row && padded[i] == output[i];
+  }
+  return row_vector || per_row;
+}
+
+bool is_last_axis(const Graph& graph, const Node& node) {
+  const int rank = graph.type(node.inputs[0]).rank();
+  if (rank == 0) return false;
+  return normalize_axis(node.attrs.i("axis"), rank) == rank - 1;
+}
+
+// The axes a sum/mean/max reduces, as a mask over the input's dimensions.
+std::vector<bool> reduced_mask(const Graph& graph, const Node& node) {
+  const int rank = graph.type(node.inputs[0]).rank();
+  const std::vector<int64_t>& axes = node.attrs.ints("axes");
+  std::vector<bool> reduced(static_cast<size_t>(rank), axes.empty());
+  for (int64_t a : axes) reduced[static_cast<size_t>(normalize_axis(a, rank))] = true;
+  return reduced;
+}
+
+}  // namespace
+
+NodeClass classify_node(const Graph& graph, const Node& node) {
+  if (node.op == Op::kFused || !operands_fusable(graph, node)) return {};
+  const Op op = node.op;
+  if (has_flag(op, kElementwise) && op != Op::kDropout) {
+    const Shape& out = graph.type(node.outputs[0]).shape;
+    for (ValueId in : node.inputs)
+      if (!row_friendly_broadcast(graph.type(in).shape, out)) return {};
+    return make_class(ItemKind::kElementwise, out);
+  }
+  const Shape& in0 = node.inputs.empty() ? Shape{} : graph.type(node.inputs[0]).shape;
+  switch (op) {
+    case Op::kSoftmax:
+    case Op::kLogSoftmax:
+    case Op::kSoftmaxGrad:
+    case Op::kLogSoftmaxGrad:
+      if (!is_last_axis(graph, node)) return {};
+      return make_class(ItemKind::kRowOp, in0);
+    case Op::kLayerNorm:
+    case Op::kRmsNorm:
+      return make_class(ItemKind::kRowOp, in0);
+    case Op::kCrossEntropy:
+    case Op::kCrossEntropyGrad:
+      if (node.attrs.s("reduction") != "none") return {};
+      return make_class(ItemKind::kRowOp, in0);
+    case Op::kSum:
+    case Op::kMean:
+    case Op::kMax: {
+      const size_t rank = in0.size();
+      if (rank == 0) return {};
+      std::vector<bool> reduced = reduced_mask(graph, node);
+      const bool last_only =
+          reduced.back() && std::count(reduced.begin(), reduced.end(), true) == 1;
+      if (last_only) return make_class(ItemKind::kRowOp, in0);
+      const bool all_but_last = rank >= 2 && !reduced.back() &&
+                                std::count(reduced.begin(), reduced.end(), true) ==
+                                    static_cast<long>(rank - 1);
+      if (all_but_last && op != Op::kMax) return make_class(ItemKind::kColumnReduction, in0);
+      return {};
+    }
+    case Op::kMatmul: {
+      if (graph.type(node.inputs[0]).rank() != 2 || graph.type(node.inputs[1]).rank() != 2)
+        return {};
+      return make_class(ItemKind::kGemm, graph.type(node.outputs[0]).shape);
+    }
+    default:
+      return {};
+  }
+}
+
+Problem build_problem(const Graph& graph) {
+  Problem problem;
+  std::map<std::pair<int64_t, int64_t>, int64_t> keys;
+  std::vector<int> value_index(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    NodeClass c = classify_node(graph, node);
+    Item item{c.kind, -1};
+    if (c.kind != ItemKind::kOpaque) {
+      auto [it, inserted] =
+          keys.emplace(std::make_pair(c.rows, c.row_length), static_cast<int64_t>(keys.size()));
+      item.space = it->second;
+    }
+    problem.items.push_back(item);
+    for (ValueId in : node.inputs)
+      if (value_index[in] >= 0) problem.values[value_index[in]].consumers.push_back(static_cast<int>(n));
+    for (ValueId out : node.outputs) {
+      value_index[out] = static_cast<int>(problem.values.size());
+      ValueUse use;
+      use.producer = static_cast<int>(n);
+      use.bytes = static_cast<int64_t>(graph.type(out).bytes());
+      problem.values.push_back(std::move(use));
+    }
+  }
+  for (ValueId id : graph.outputs)
+    if (value_index[id] >= 0) problem.values[value_index[id]].external = true;
+  for (const Update& u : graph.updates)
+    if (value_index[u.value] >= 0) problem.values[value_index[u.value]].external = true;
+  return problem;
+}
+
+namespace {
+
+std::string group_kind(const Graph& graph, const std::vector<int>& members) {
+  bool gemm = false, rows = false;
+  for (int n : members) {
+    ItemKind k = classify_node(graph, graph.nodes[static_cast<size_t>(n)]).kind;
+    gemm = gemm || k == ItemKind::kGemm;
+    rows = rows || k == ItemKind::kRowOp;
+  }
+  return gemm ? "gemm-epilogue" : rows ? "rows" : "elementwise";
+}
+
+std::string describe_group(const Graph& graph, const std::vector<int>& members) {
+  std::vector<std::string> parts;
+  for (int n : members)
+    parts.push_back(fmt::format("{} ({})", n, op_name(graph.nodes[static_cast<size_t>(n)].op)));
+  return fmt::format("{{{}}}", fmt::join(parts, ", "));
+}
+
+}  // namespace
+
+int outline(Graph& graph, const std::vector<int>& group_of) {
+  const size_t n = graph.nodes.size();
+  KILN_CHECK(group_of.size() == n, "fusion: {} group ids given for {} nodes", group_of.size(), n);
+
+  // Units of the contracted graph: one per group id, members in node order.
+  std::map<int, int> unit_of_group;
+  std::vector<std::vector<int>> members;
+  std::vector<int> unit_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto [it, inserted] = unit_of_group.emplace(group_of[i], static_cast<int>(members.size()));
+    if (inserted) members.emplace_back();
+    unit_of[i] = it->second;
+    members[static_cast<size_t>(it->second)].push_back(static_cast<int>(i));
+  }
+  const size_t units = members.size();
+
+  // Producers and readers of every value.
+  std::vector<int> producer(graph.values.size(), -1);
+  std::vector<std::vector<int>> readers(graph.values.size());
+  std::vector<char> external(graph.values.size(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    for (ValueId out : graph.nodes[i].outputs) producer.at(static_cast<size_t>(out)) = static_cast<int>(i);
+    for (ValueId in : graph.nodes[i].inputs) readers.at(static_cast<size_t>(in)).push_back(static_cast<int>(i));
+  }
+  for (ValueId id : graph.outputs) external.at(static_cast<size_t>(id)) = 1;
+  for (const Update& u : graph.updates) external.at(static_cast<size_t>(u.value)) = 1;
+
+  // Topological order of the units, the earliest first node first (Kahn with a heap).
+  std::vector<std::set<int>> succ(units);
+  std::vector<int> indegree(units, 0);
+  for (size_t i = 0; i < n; ++i) {
+    for (ValueId in : graph.nodes[i].inputs) {
+      const int p = producer[static_cast<size_t>(in)];
+      if (p < 0 || unit_of[p] == unit_of[i]) continue;
+      if (succ[static_cast<size_t>(unit_of[p])].insert(unit_of[i]).second) ++indegree[unit_of[i]];
+    }
+  }
+  using Entry = std::pair<int, int>;  // (first node, unit)
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> ready;
+  for (size_t u = 0; u < units; ++u)
+    if (indegree[u] == 0) ready.emplace(members[u][0], static_cast<int>(u));
+  std::vector<int> order;
+  while (!ready.empty()) {
+    const int u = ready.top().second;
+    ready.pop();
+    order.push_back(u);
+    for (int s : succ[static_cast<size_t>(u)])
+      if (--indegree[s] == 0) ready.emplace(members[static_cast<size_t>(s)][0], s);
+  }
+  if (order.size() != units) {
+    std::vector<std::string> stuck;
+    for (size_t u = 0; u < units; ++u)
+      if (indegree[u] > 0 && members[u].size() > 1) stuck.push_back(describe_group(graph, members[u]));
+    fail("fusion: outlining these groups would create a cycle (a path leaves a group and comes "
+         "back into it): {}",
+         fmt::join(stuck, "; "));
+  }
+
+  std::vector<Node> nodes;
+  nodes.reserve(units);
+  int fused_count = 0;
+  for (int u : order) {
+    const std::vector<int>& group = members[static_cast<size_t>(u)];
+    if (group.size() == 1) {
+      nodes.push_back(std::move(graph.nodes[static_cast<size_t>(group[0])]));
+      continue;
+    }
+    auto in_group = [&](int node) { return node >= 0 && unit_of[static_cast<size_t>(node)] == u; };
+    // Names: outer names travel into the body (unique there too); generated input names avoid them.
+    std::set<std::string> used;
+    for (int m : group) {
+      const Node& node = graph.nodes[static_cast<size_t>(m)];
+      for (ValueId id : node.inputs) used.insert(graph.value(id).name);
+      for (ValueId id : node.outputs) used.insert(graph.value(id).name);
+    }
+    auto body = std::make_shared<Graph>();
+    body->name = fmt::format("fused_{}", fused_count);
+    std::map<ValueId, ValueId> to_body;
+    std::vector<ValueId> outer_inputs;
+    int generated = 0;
+    for (int m : group) {
+      for (ValueId id : graph.nodes[static_cast<size_t>(m)].inputs) {
+        if (in_group(producer[static_cast<size_t>(id)]) || to_body.count(id)) continue;
+        std::string name = graph.value(id).name;
+        if (name.empty()) {
+          do name = fmt::format("in{}", generated++);
+          while (used.count(name));
+          used.insert(name);
+        }
+        to_body[id] = body->add_input(name, graph.type(id), Role::kData);
+        outer_inputs.push_back(id);
+      }
+    }
+    std::vector<ValueId> outer_outputs;
+    for (int m : group) {
+      const Node& node = graph.nodes[static_cast<size_t>(m)];
+      KILN_CHECK(node.op != Op::kFused, "fusion: node {} is already fused and cannot join group {}",
+                 m, describe_group(graph, group));
+      std::vector<ValueId> inputs;
+      for (ValueId id : node.inputs) inputs.push_back(to_body.at(id));
+      std::vector<ValueId> outs = body->add_node(node.op, std::move(inputs), node.attrs);
+      for (size_t k = 0; k < outs.size(); ++k) {
+        const ValueId outer = node.outputs[k];
+        body->values[static_cast<size_t>(outs[k])].name = graph.value(outer).name;
+        to_body[outer] = outs[k];
+        const std::vector<int>& r = readers[static_cast<size_t>(outer)];
+        const bool leaves = external[static_cast<size_t>(outer)] || r.empty() ||
+                            std::any_of(r.begin(), r.end(), [&](int c) { return !in_group(c); });
+        if (leaves) {
+          body->outputs.push_back(outs[k]);
+          outer_outputs.push_back(outer);
+        }
+      }
+    }
+    Attributes attrs = normalize_attributes(
+        Op::kFused, Attributes{{"kind", group_kind(graph, group)}});
+    nodes.push_back(Node{Op::kFused, std::move(outer_inputs), std::move(outer_outputs),
+                         std::move(attrs), std::move(body)});
+    ++fused_count;
+  }
+  graph.nodes = std::move(nodes);
+  compact(graph);  // the values that now live only inside bodies
+  return fused_count;
+}
+
+std::vector<FusedNodeReport> report(const Graph& graph) {
+  std::vector<FusedNodeReport> out;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op != Op::kFused || !node.body) continue;
+    const Graph& body = *node.body;
+    FusedNodeReport r;
+    r.node = n;
+    r.kind = node.attrs.s("kind");
+    std::set<ValueId> leaving(body.outputs.begin(), body.outputs.end());
+    for (const Node& inner : body.nodes) {
+      r.ops.emplace_back(op_name(inner.op));
+      for (ValueId id : inner.outputs)
+        if (!leaving.count(id)) r.bytes_kept += static_cast<int64_t>(body.type(id).bytes());
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace fusion
+
+bool FusionPass::run(Graph& graph) {
+  fusion::Problem problem = fusion::build_problem(graph);
+  last_ = options_.optimal ? fusion::partition_optimal(problem, options_.optimal_options)
+                           : fusion::partition_greedy(problem);
+  std::string why;
+  KILN_CHECK(fusion::is_legal(problem, last_.group_of, &why),
+             "fusion: the partitioner returned an illegal partition: {}", why);
+  return fusion::outline(graph, last_.group_of) > 0;
+}
+
+}  // namespace kiln
