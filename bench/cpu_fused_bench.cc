@@ -24,8 +24,10 @@
 #include "backends/backend.h"
 #include "backends/cpu/fused.h"
 #include "ir/graph.h"
+#include "models/models.h"
 #include "runtime/executor.h"
 #include "tensor/tensor.h"
+#include "train/trainer.h"
 
 namespace kiln {
 namespace {
@@ -205,6 +207,43 @@ Graph gemm_bias_gelu(int64_t rows, int64_t k, int64_t n) {
   return g;
 }
 
+// A whole training step of a GPT (the default pipeline, whose fusion pass outlines the groups)
+// against the same step with the fusion pass disabled: ms per step, best of `reps`.
+void training_step(const std::string& model, int reps) {
+  models::GptConfig config = models::gpt_config(model);
+  const Graph forward = models::gpt(config);
+  const std::vector<Tensor> init = models::init_params(forward, 1, config.layers);
+  const std::vector<Tensor> batch = {
+      random_tensor(TensorType{DType::kI64, {config.batch, config.seq}}, 2, 0, config.vocab),
+      random_tensor(TensorType{DType::kI64, {config.batch, config.seq}}, 3, 0, config.vocab)};
+  auto time_steps = [&](PassOptions passes, int* fused_nodes) {
+    std::vector<Tensor> params;
+    for (const Tensor& t : init) params.push_back(t.clone());
+    train::Trainer trainer(forward, train::OptimizerConfig{}, params, {}, std::move(passes));
+    *fused_nodes = 0;
+    for (const Node& node : trainer.program().graph.nodes) *fused_nodes += node.op == Op::kFused;
+    int on_reference = 0;
+    for (const std::string& d : trainer.step_executor().node_dialects())
+      on_reference += d == "reference";
+    fmt::print("  ({} nodes, {} fused, {} on the reference kernels)\n",
+               trainer.program().graph.nodes.size(), *fused_nodes, on_reference);
+    return best_time(reps, [&] { trainer.step(batch); });
+  };
+  try {
+    PassOptions off;
+    off.disabled = {"fusion"};
+    int n_on = 0, n_off = 0;
+    const double t_off = time_steps(off, &n_off);
+    const double t_on = time_steps({}, &n_on);
+    fmt::print("\n{} training step (B={}, T={}, C={}, vocab {}): unfused {:.2f} ms, fused {:.2f} ms "
+               "({} fused nodes): {:.2f}x\n",
+               model, config.batch, config.seq, config.d_model, config.vocab, t_off * 1e3,
+               t_on * 1e3, n_on, t_off / t_on);
+  } catch (const Error& e) {
+    fmt::print("\n{} training step: not measured ({})\n", model, e.what());
+  }
+}
+
 }  // namespace
 }  // namespace kiln
 
@@ -229,5 +268,6 @@ int main(int argc, char** argv) {
   run_case({"gelu_grad + bias grad (column sum)", "elementwise", bias_grad(rows, c)}, reps);
   run_case({"matmul (K=768) + bias + gelu", "gemm-epilogue", gemm_bias_gelu(rows, c, c)},
            quick ? reps : 5);
+  training_step("gpt2-tiny", quick ? 3 : 10);
   return 0;
 }
