@@ -215,6 +215,7 @@ int main(int argc, char** argv) {
   bench->add_flag("--no-cuda-graphs", [&](int64_t) { bench_options.cuda_graphs = false; },
                   "Launch every kernel each step instead of replaying a captured CUDA graph");
   bench->add_flag("--json", bench_options.json, "Also print the numbers as one JSON line, last");
+  bench->add_option("--disable-pass", bench_options.disabled_passes, "Skip these passes of the default pipeline")->delimiter(',');
 
   try {
     app.parse(argc, argv);

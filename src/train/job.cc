@@ -350,7 +350,9 @@ BenchResult run_benchmark(const BenchOptions& o) {
   size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;
   if (on_cuda) cuda::reset_peak_allocated_bytes();
   Clock::time_point t0 = Clock::now();
-  Trainer trainer(forward, config, init, executor_options);
+  PassOptions passes;
+  passes.disabled = {o.disabled_passes.begin(), o.disabled_passes.end()};
+  Trainer trainer(forward, config, init, executor_options, passes);
   r.compile_s = std::chrono::duration<double>(Clock::now() - t0).count();
   init.clear();
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "train/optimizer.h"
 
@@ -58,6 +59,7 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::FILE* out = stdout;        // the report; nullptr = none
   bool json = false;              // also one JSON line with the numbers, last (scripts/gpu-check.sh)
+  std::vector<std::string> disabled_passes;  // passes of the default pipeline to skip
 };
 
 struct BenchResult {

@@ -2,6 +2,7 @@
 #include <cstring>
 #include <utility>
 
+#include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
 #include "passes/pipeline.h"
 #include "support/error.h"
@@ -39,6 +40,8 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   }
   // CUDA: one stream for steps, evaluation and copies; the executor checks that its arena and
   // every input fit before anything is allocated.
+  KILN_CHECK(cuda::built_with_cuda(), "a trainer on cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
+  KILN_CHECK(cuda::device_count() > 0, "a trainer on cuda: no CUDA device ({})", cuda::describe_device(0));
   stream_ = std::make_unique<cuda::Stream>();
   executor_options_.stream = stream_->handle();
   ExecutorOptions step_options = executor_options_;

@@ -123,6 +123,15 @@ graph @g(%x: f32[4] data) {
     expect_contains(e.what(), "graph 'g' asks for device cuda");
     expect_contains(e.what(), cuda::built_with_cuda() ? "no CUDA device" : "no CUDA backend");
   }
+  ExecutorOptions on_cuda;
+  on_cuda.device = Device::kCuda;
+  try {
+    Trainer trainer(models::mlp(models::MlpConfig{4, 8, {8}, 3}), OptimizerConfig{},
+                    models::init_params_fan_in(models::mlp(models::MlpConfig{4, 8, {8}, 3}), 1), on_cuda);
+    FAIL();
+  } catch (const Error& e) {
+    expect_contains(e.what(), cuda::built_with_cuda() ? "no CUDA device" : "no CUDA backend");
+  }
   JobOptions job;
   job.device = "cuda";
   job.out = std::fopen("/dev/null", "w");
