@@ -50,7 +50,8 @@ TensorType f32(Shape shape) { return TensorType{DType::kF32, std::move(shape)}; 
 // The body's nodes as a plain graph: one kernel call per node on preallocated tensors.
 class UnfusedCalls {
  public:
-  UnfusedCalls(const Graph& g, const std::vector<Tensor>& inputs) : g_(g), values_(g.values.size()) {
+  UnfusedCalls(const Graph& g, const std::vector<Tensor>& inputs)
+      : g_(g), values_(g.values.size()) {
     for (size_t i = 0; i < g.inputs.size(); ++i) values_[g.inputs[i].value] = inputs[i];
     for (const Node& node : g.nodes) {
       std::vector<TensorType> in_types, out_types;
@@ -150,7 +151,8 @@ void run_case(const Case& c, int reps) {
              c.name, unfused.dialects(), t_unfused * 1e3, unfused.bytes() / t_unfused / 1e9,
              t_fused * 1e3, fused_bytes / t_fused / 1e9, t_unfused / t_fused, e_unfused * 1e3,
              e_fused * 1e3, e_unfused / e_fused, info.tiles, info.tile_rows);
-  if (impl.dialect != "cpu") fmt::print("  (fused node ran on {}: {})\n", impl.dialect, info.why_not);
+  if (impl.dialect != "cpu")
+    fmt::print("  (fused node ran on {}: {})\n", impl.dialect, info.why_not);
 }
 
 Graph elementwise_chain(int64_t rows, int64_t c) {
@@ -235,8 +237,8 @@ void training_step(const std::string& model, int reps) {
     int n_on = 0, n_off = 0;
     const double t_off = time_steps(off, &n_off);
     const double t_on = time_steps({}, &n_on);
-    fmt::print("\n{} training step (B={}, T={}, C={}, vocab {}): unfused {:.2f} ms, fused {:.2f} ms "
-               "({} fused nodes): {:.2f}x\n",
+    fmt::print("\n{} training step (B={}, T={}, C={}, vocab {}): unfused {:.2f} ms, "
+               "fused {:.2f} ms ({} fused nodes): {:.2f}x\n",
                model, config.batch, config.seq, config.d_model, config.vocab, t_off * 1e3,
                t_on * 1e3, n_on, t_off / t_on);
   } catch (const Error& e) {

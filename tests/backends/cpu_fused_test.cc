@@ -1,13 +1,18 @@
 // The tiled CPU kernel of `fused` nodes (backends/cpu/fused.cc) against the fused op's reference
 // kernel (the whole body with reference kernels, untiled): elementwise chains with broadcasts,
 // row ops, column reductions, a GEMM nucleus with its epilogue, partial last tiles, single
-// rows; bodies it must refuse; a fused node through the executor.
+// rows; bodies it must refuse; a fused node through the executor; gpt2-tiny training steps with
+// the fusion pass against the same steps without it.
 #include <memory>
+#include <set>
 
 #include "backends/cpu/fused.h"
 #include "ir/graph.h"
+#include "models/models.h"
+#include "passes/fusion/fusion.h"
 #include "runtime/executor.h"
 #include "test_util.h"
+#include "train/trainer.h"
 
 namespace kiln {
 namespace {
@@ -307,6 +312,70 @@ TEST(CpuFusedTiles, ExecutorPicksTheTiledKernel) {
   ASSERT_EQ(got.size(), 2u);
   // Same fast kernels on tiles as on whole tensors: equal.
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(testing::all_close(got[i], want[i], 0, 0));
+}
+
+// gpt2-tiny training steps (SGD without momentum, so that an update is lr times the gradient)
+// with the default pipeline, fusion included, equal the same steps with the fusion pass
+// disabled: the losses within 1e-5 relative, and every param's change within 1e-5 of that
+// change's largest magnitude. Every fused node must run on the tiled "cpu" kernel.
+TEST(CpuFusedTraining, Gpt2TinyStepsWithFusionEqualUnfused) {
+  const models::GptConfig config = models::gpt_config("gpt2-tiny");
+  const Graph forward = models::gpt(config);
+  train::OptimizerConfig optimizer;
+  optimizer.name = "sgd";
+  optimizer.momentum = 0.0;
+  optimizer.lr = 0.1;
+  const std::vector<Tensor> init = models::init_params(forward, 5, config.layers);
+  auto copies = [&] {
+    std::vector<Tensor> out;
+    for (const Tensor& t : init) out.push_back(t.clone());
+    return out;
+  };
+  PassOptions no_fusion;
+  no_fusion.disabled = {"fusion"};
+  train::Trainer fused(forward, optimizer, copies());
+  train::Trainer unfused(forward, optimizer, copies(), {}, no_fusion);
+
+  const Graph& step = fused.program().graph;
+  const std::vector<std::string> dialects = fused.step_executor().node_dialects();
+  int fused_nodes = 0;
+  for (size_t n = 0; n < step.nodes.size(); ++n) {
+    if (step.nodes[n].op != Op::kFused) continue;
+    ++fused_nodes;
+    EXPECT_EQ(dialects[n], "cpu") << "fused node " << n << " (" << step.nodes[n].attrs.s("kind")
+                                  << "): " << cpu::fused_plan_info(*step.nodes[n].body).why_not;
+  }
+  EXPECT_GT(fused_nodes, 0);
+  for (const Node& node : unfused.program().graph.nodes) EXPECT_NE(node.op, Op::kFused);
+  // The kinds the CPU kernel must take here: rows, elementwise with column sums, a GEMM.
+  std::set<std::string> kinds;
+  for (const fusion::FusedNodeReport& r : fusion::report(step)) kinds.insert(r.kind);
+  EXPECT_TRUE(kinds.count("rows") && kinds.count("elementwise"))
+      << fmt::format("{}", fmt::join(kinds, ","));
+
+  for (int s = 0; s < 2; ++s) {
+    const double vocab = static_cast<double>(config.vocab);
+    const Shape tokens{config.batch, config.seq};
+    const std::vector<Tensor> batch = {rand(DType::kI64, tokens, 90 + s, 0, vocab),
+                                       rand(DType::kI64, tokens, 95 + s, 0, vocab)};
+    const Tensor a = fused.step(batch)[0], b = unfused.step(batch)[0];
+    EXPECT_LE(max_scaled_error(a, b, 0, 1e-5), 1.0)
+        << "step " << s << ": loss " << a.get(0) << " vs " << b.get(0);
+  }
+  int compared = 0;
+  const std::vector<Tensor> pa = fused.params(), pb = unfused.params();
+  ASSERT_EQ(pa.size(), init.size());
+  for (size_t i = 0; i < init.size(); ++i) {
+    const std::vector<double> before = init[i].to_f64(), x = pa[i].to_f64(), y = pb[i].to_f64();
+    double scale = 0, error = 0;
+    for (size_t j = 0; j < before.size(); ++j) {
+      scale = std::max(scale, std::abs(y[j] - before[j]));
+      error = std::max(error, std::abs(x[j] - y[j]));
+    }
+    EXPECT_LE(error, 1e-5 * scale + 1e-8) << "param " << i << ": change up to " << scale;
+    ++compared;
+  }
+  EXPECT_GT(compared, 10);
 }
 
 }  // namespace

@@ -331,7 +331,8 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
   int64_t row_bytes = 0;
   for (size_t id = 0; id < nv; ++id)
     if (p.values[id].layout == Layout::kRows)
-      row_bytes += p.values[id].row_elems * static_cast<int64_t>(dtype_size(body.values[id].type.dtype));
+      row_bytes += p.values[id].row_elems *
+                   static_cast<int64_t>(dtype_size(body.values[id].type.dtype));
   if (p.gemm) {
     const Node& g = body.nodes[gemm_node];
     const Shape& a = body.type(g.inputs[0]).shape;
@@ -439,8 +440,9 @@ void run_fused_cpu(const KernelArgs& k) {
   const Plan& p = *plan;
   const size_t nv = body.values.size();
 
-  const int64_t chunks =
-      p.gemm || p.rows * p.row_length < 2 * kGrainCheap ? 1 : std::min<int64_t>(max_threads(), p.tiles);
+  const int64_t chunks = p.gemm || p.rows * p.row_length < 2 * kGrainCheap
+                             ? 1
+                             : std::min<int64_t>(max_threads(), p.tiles);
   const size_t n_cols = static_cast<size_t>(p.row_length);
   // partials[chunk * slots + slot]: f64 column sums of the chunk's rows.
   std::vector<std::vector<double>> partials(static_cast<size_t>(chunks * p.column_slots),
@@ -522,8 +524,9 @@ void run_fused_cpu(const KernelArgs& k) {
         const ValueId id = body.outputs[i];
         const ValueInfo& info = p.values[id];
         if (info.layout == Layout::kRows && p.direct_output[id] != static_cast<int>(i)) {
-          const size_t bytes = static_cast<size_t>(r * info.row_elems) * dtype_size(k.outputs[i].dtype());
-          const size_t offset = static_cast<size_t>(r0 * info.row_elems) * dtype_size(k.outputs[i].dtype());
+          const size_t size = dtype_size(k.outputs[i].dtype());
+          const size_t bytes = static_cast<size_t>(r * info.row_elems) * size;
+          const size_t offset = static_cast<size_t>(r0 * info.row_elems) * size;
           std::memcpy(k.outputs[i].raw() + offset, vals[id].raw(), bytes);
         } else if (info.layout == Layout::kWhole && r0 == 0) {
           std::memcpy(k.outputs[i].raw(), vals[id].raw(), k.outputs[i].bytes());
@@ -538,7 +541,8 @@ void run_fused_cpu(const KernelArgs& k) {
     if (np.step != Step::kColumnReduction) continue;
     std::vector<double> total(n_cols, 0.0);
     for (int64_t c = 0; c < chunks; ++c) {
-      const std::vector<double>& part = partials[static_cast<size_t>(c * p.column_slots + np.column_slot)];
+      const std::vector<double>& part =
+          partials[static_cast<size_t>(c * p.column_slots + np.column_slot)];
       for (size_t j = 0; j < n_cols; ++j) total[j] += part[j];
     }
     const ValueId id = body.nodes[n].outputs[0];
