@@ -16,8 +16,8 @@
 // Per tile, the body's nodes run one by one on tile-sized tensors through the registry's best
 // CPU kernel for the tile shapes (the fast "cpu" kernels where they apply; add/sub/mul/div of a
 // tile and a per-row column, which the fast binary kernels refuse, by a loop here; the
-// reference kernel otherwise), chosen once per call for a full tile and once for the last
-// (shorter) tile.
+// reference kernel otherwise), chosen for a full tile and for the last (shorter) tile when the
+// body is planned: once, at kernel selection (supports() caches the plan per body).
 // Intermediate values live in a per-thread scratch arena reused across tiles; a full-size body
 // output is written by its producing node straight into the output's tile rows (no copy).
 //
@@ -49,7 +49,10 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 
 #include "backends/cpu/cpu_kernels.h"
 #include "ir/graph.h"
@@ -88,6 +91,7 @@ struct Plan {
   Shape space;
   int64_t rows = 0, row_length = 0, tile_rows = 0, tiles = 0, last_rows = 0;
   bool gemm = false;
+  int64_t tile_bytes = 0, threads = 0;  // the policy inputs it was made with
   std::vector<ValueInfo> values;
   std::vector<NodePlan> nodes;
   std::vector<int> direct_output;     // per value: the body output its producer writes, or -1
@@ -340,12 +344,13 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
     row_bytes += k * 4;
   }
   const int64_t target = g_tile_bytes.load();
+  p.tile_bytes = target;
+  p.threads = max_threads();
   int64_t r = std::clamp<int64_t>(target / std::max<int64_t>(row_bytes, 1), 1, p.rows);
   if (p.gemm) {
     r = std::max(r, std::min<int64_t>(p.rows, std::max<int64_t>(1, target / 512)));
   } else {
-    const int64_t threads = max_threads();
-    r = std::min(r, std::max<int64_t>(1, (p.rows + threads - 1) / threads));
+    r = std::min(r, std::max<int64_t>(1, (p.rows + p.threads - 1) / p.threads));
   }
   p.tile_rows = r;
   p.tiles = (p.rows + r - 1) / r;
@@ -430,13 +435,45 @@ Tensor row_view(const Tensor& t, const ValueInfo& info, int64_t r0, TensorType t
   return Tensor(std::move(type), unowned(t.raw() + offset), 0);
 }
 
+// Plans made by supports(), by body, so that a kernel call does not re-plan (tens of
+// microseconds a call for a ten-node body: a few percent of a small model's step). Keyed by the
+// body's address and checked through a weak_ptr: a body freed and another allocated at the same
+// address is a miss, never a stale plan. A plan made under another tile target or thread count
+// is a miss too.
+struct CachedPlan {
+  std::weak_ptr<const Graph> body;
+  std::shared_ptr<const Plan> plan;
+};
+std::mutex g_plans_mutex;
+std::unordered_map<const Graph*, CachedPlan> g_plans;
+
+void remember_plan(const std::shared_ptr<const Graph>& body, std::shared_ptr<const Plan> plan) {
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  if (g_plans.size() >= 1024)
+    std::erase_if(g_plans, [](const auto& entry) { return entry.second.body.expired(); });
+  g_plans[body.get()] = CachedPlan{body, std::move(plan)};
+}
+
+std::shared_ptr<const Plan> find_plan(const Graph* body) {
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  const auto it = g_plans.find(body);
+  if (it == g_plans.end() || it->second.body.lock().get() != body) return nullptr;
+  const Plan& p = *it->second.plan;
+  if (p.tile_bytes != g_tile_bytes.load() || p.threads != max_threads()) return nullptr;
+  return it->second.plan;
+}
+
 void run_fused_cpu(const KernelArgs& k) {
   KILN_CHECK(k.body != nullptr, "cpu fused: the kernel was called without the node's body");
   const Graph& body = *k.body;
-  std::string why;
-  const std::optional<Plan> plan = make_plan(body, why);
-  KILN_CHECK(plan.has_value(), "cpu fused: body @{} is not supported ({}); supports() should "
-             "have refused it", body.name, why);
+  std::shared_ptr<const Plan> plan = find_plan(k.body);
+  if (!plan) {
+    std::string why;
+    std::optional<Plan> made = make_plan(body, why);
+    KILN_CHECK(made.has_value(), "cpu fused: body @{} is not supported ({}); supports() should "
+               "have refused it", body.name, why);
+    plan = std::make_shared<const Plan>(std::move(*made));
+  }
   const Plan& p = *plan;
   const size_t nv = body.values.size();
 
@@ -580,7 +617,11 @@ void register_fused_kernels(KernelRegistry& registry) {
                           [](const NodeView& node) {
                             if (node.node.body == nullptr) return false;
                             std::string why;
-                            return make_plan(*node.node.body, why).has_value();
+                            std::optional<Plan> plan = make_plan(*node.node.body, why);
+                            if (!plan) return false;
+                            remember_plan(node.node.body,
+                                          std::make_shared<const Plan>(std::move(*plan)));
+                            return true;
                           },
                           run_fused_cpu});
 }
