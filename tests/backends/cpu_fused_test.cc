@@ -145,7 +145,13 @@ TEST_P(CpuFused, SoftmaxRowOpFollowedByElementwise) {
   ValueId q = g.add(Op::kDiv, {e, row_sum});
   // A per-row output without keepdims: (6, 23).
   ValueId row_mean = g.add(Op::kMean, {x}, {{"axes", std::vector<int64_t>{-1}}});
-  g.outputs = {y, q, row_mean};
+  // where with a per-row bool column and a scalar (the cross-entropy gradient's mask).
+  ValueId keep = g.add_input("keep", TensorType{DType::kBool, {6, 23, 1}}, Role::kData);
+  ValueId other = g.add_input("other", f32({}), Role::kData);
+  ValueId masked = g.add(Op::kWhere, {keep, q, other});
+  g.outputs = {y, q, row_mean, masked};
+  // Every node on a fast kernel or a loop of the fused kernel, none on the reference per tile.
+  EXPECT_EQ(cpu::fused_plan_info(g).reference_ops, std::vector<std::string>{});
   expect_cpu_matches_reference(g, random_inputs(g, 21));
 }
 

@@ -15,7 +15,7 @@
 //            partials are summed in chunk order (chunk 0 first) and rounded to f32 once.
 // Per tile, the body's nodes run one by one on tile-sized tensors through the registry's best
 // CPU kernel for the tile shapes (the fast "cpu" kernels where they apply; add/sub/mul/div of a
-// tile and a per-row column, which the fast binary kernels refuse, by a loop here; the
+// tile and a per-row column, and where, which the fast kernels refuse, by loops here; the
 // reference kernel otherwise), chosen for a full tile and for the last (shorter) tile when the
 // body is planned: once, at kernel selection (supports() caches the plan per body).
 // Intermediate values live in a per-thread scratch arena reused across tiles; a full-size body
@@ -92,6 +92,7 @@ struct Plan {
   int64_t rows = 0, row_length = 0, tile_rows = 0, tiles = 0, last_rows = 0;
   bool gemm = false;
   int64_t tile_bytes = 0, threads = 0;  // the policy inputs it was made with
+  std::vector<std::string> reference_ops;  // body nodes that run the reference kernel per tile
   std::vector<ValueInfo> values;
   std::vector<NodePlan> nodes;
   std::vector<int> direct_output;     // per value: the body output its producer writes, or -1
@@ -182,9 +183,53 @@ void column_binary(const KernelArgs& k) {
   }
 }
 
-// column_binary for this node on these tile types, or nullptr.
-KernelFn column_kernel(const Node& node, const std::vector<TensorType>& in,
-                       const std::vector<TensorType>& out) {
+// How an operand of a (rows, n) tile is indexed: element (r, j) is at r * row + j * col.
+struct Strides {
+  int64_t row = 0, col = 0;
+};
+// The operand's strides when it is the full tile, one element, a per-row column or a row
+// vector of the output `y`; nullopt for anything else.
+std::optional<Strides> tile_strides(const Shape& x, const Shape& y) {
+  const int64_t n = y.back();
+  if (x == y) return Strides{n, 1};
+  if (numel(x) == 1) return Strides{0, 0};
+  Shape column = y;
+  column.back() = 1;
+  if (x == column) return Strides{1, 0};
+  if (!x.empty() && x.back() == n && numel(x) == n) return Strides{0, 1};
+  return std::nullopt;
+}
+
+// where(cond, a, b) in f32 with a bool condition, each operand full, scalar, column or row (the
+// ignore-index mask of the decomposed cross-entropy gradient is a (B, T, 1) column).
+void where_tile(const KernelArgs& k) {
+  const Tensor& out = k.outputs[0];
+  const Shape& y = out.shape();
+  const int64_t n = y.back(), rows = out.numel() / n;
+  const Strides sc = *tile_strides(k.inputs[0].shape(), y);
+  const Strides sa = *tile_strides(k.inputs[1].shape(), y);
+  const Strides sb = *tile_strides(k.inputs[2].shape(), y);
+  const bool* cond = k.inputs[0].data<bool>();
+  const float* a = k.inputs[1].data<float>();
+  const float* b = k.inputs[2].data<float>();
+  float* o = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      o[r * n + j] = cond[r * sc.row + j * sc.col] ? a[r * sa.row + j * sa.col]
+                                                   : b[r * sb.row + j * sb.col];
+}
+
+// A loop of this file for this node on these tile types (column_binary, where_tile), or
+// nullptr.
+KernelFn own_kernel(const Node& node, const std::vector<TensorType>& in,
+                    const std::vector<TensorType>& out) {
+  if (node.op == Op::kWhere && in.size() == 3 && out.size() == 1 && !out[0].shape.empty() &&
+      in[0].dtype == DType::kBool && in[1].dtype == DType::kF32 &&
+      in[2].dtype == DType::kF32 && out[0].dtype == DType::kF32) {
+    for (const TensorType& t : in)
+      if (!tile_strides(t.shape, out[0].shape)) return nullptr;
+    return where_tile;
+  }
   if (in.size() != 2 || out.size() != 1) return nullptr;
   for (const TensorType& t : {in[0], in[1], out[0]})
     if (t.dtype != DType::kF32) return nullptr;
@@ -381,9 +426,13 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
       np.out_types[variant] = expected;
       const KernelImpl& impl =
           registry.select(NodeView{node, in_types, expected}, Device::kCpu, {});
-      np.kernel[variant] = impl.dialect == "reference" ? column_kernel(node, in_types, expected)
+      np.kernel[variant] = impl.dialect == "reference" ? own_kernel(node, in_types, expected)
                                                        : nullptr;
-      if (!np.kernel[variant]) np.kernel[variant] = impl.kernel;
+      if (!np.kernel[variant]) {
+        np.kernel[variant] = impl.kernel;
+        if (variant == 0 && impl.dialect == "reference")
+          p.reference_ops.emplace_back(op_name(node.op));
+      }
     }
   }
 
@@ -604,6 +653,7 @@ FusedPlanInfo fused_plan_info(const Graph& body) {
   info.tiles = plan->tiles;
   info.gemm = plan->gemm;
   info.column_reductions = plan->column_slots;
+  info.reference_ops = plan->reference_ops;
   return info;
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "backends/backend.h"
 
@@ -25,6 +26,9 @@ struct FusedPlanInfo {
   int64_t tiles = 0;
   bool gemm = false;       // holds a GEMM nucleus (tiles then run in order, BLAS threads each)
   int64_t column_reductions = 0;
+  // Body ops that run their reference kernel on each tile (no fast kernel takes the tile
+  // shapes): correct, but slow.
+  std::vector<std::string> reference_ops;
 };
 // How the fused CPU kernel would run `body` (a fused node's body; inputs typed as the node's).
 FusedPlanInfo fused_plan_info(const Graph& body);
