@@ -25,6 +25,7 @@
 #include "ir/op.h"
 #include "models/models.h"
 #include "passes/autodiff.h"
+#include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "train/trainer.h"
 
@@ -124,7 +125,7 @@ std::map<std::string, double> profile(const Graph& g, std::span<const Tensor> in
       for (ValueId id : node.inputs) args_in.push_back(values[id]);
       const auto start = Clock::now();
       for (ValueId id : node.outputs) args_out.push_back(Tensor(g.type(id)));
-      kernels[n]->kernel(KernelArgs{node.attrs, args_in, args_out});
+      kernels[n]->kernel(KernelArgs{node.attrs, args_in, args_out, nullptr, node.body.get()});
       ms[fmt::format("{} [{}]", op_name(node.op), kernels[n]->dialect)] += ms_since(start);
       for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
     }
@@ -137,6 +138,11 @@ void run(const Task& task, int warmup, int steps, int top) {
   train::OptimizerConfig config;  // adamw, lr 1e-3, weight_decay 0, constant schedule
   train::Trainer trainer(task.forward, config, task.params);
   const Stats step = time_calls(warmup, steps, [&] { trainer.step(task.batch); });
+  // The same step with every pass of the pipeline disabled: what the passes are worth.
+  PassOptions no_passes;
+  for (const std::string& name : default_pipeline().names()) no_passes.disabled.insert(name);
+  train::Trainer plain(task.forward, config, task.params, {}, no_passes);
+  const Stats plain_step = time_calls(warmup, steps, [&] { plain.step(task.batch); });
 
   Executor forward(task.forward);
   const std::vector<Tensor> fwd_inputs = bind_inputs(task.forward, task);
@@ -155,6 +161,14 @@ void run(const Task& task, int warmup, int steps, int top) {
   fmt::print("{}: {} nodes in the training graph\n", task.name, g.nodes.size());
   fmt::print("  train step        {:8.3f} ms (min {:.3f}, max {:.3f})\n", step.median, step.min,
              step.max);
+  fmt::print("  train step, no passes {:8.3f} ms (min {:.3f}, max {:.3f}): passes give {:.2f}x\n",
+             plain_step.median, plain_step.min, plain_step.max, plain_step.median / step.median);
+  const auto peak_mib = [](const train::Trainer& t) {
+    const MemoryPlan* plan = t.step_executor().memory_plan();
+    return plan ? static_cast<double>(plan->arena_bytes) / (1 << 20) : 0.0;
+  };
+  fmt::print("  planned peak      {:8.2f} MiB with passes, {:.2f} MiB without\n", peak_mib(trainer),
+             peak_mib(plain));
   fmt::print("  forward           {:8.3f} ms (min {:.3f}, max {:.3f})\n", fwd.median, fwd.min,
              fwd.max);
   fmt::print("  forward+backward  {:8.3f} ms (min {:.3f}, max {:.3f})\n", fwd_bwd.median,

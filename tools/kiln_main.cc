@@ -6,11 +6,15 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "backends/cuda/device.h"
+#ifdef KILN_HAVE_CUDA
+#include "backends/cuda/nvrtc.h"
+#endif
 #include "ir/text.h"
 #include "ir/verifier.h"
 #include "models/models.h"
@@ -60,6 +64,30 @@ void print_outputs(const kiln::Graph& graph, const std::vector<kiln::Tensor>& ou
 
 double seconds_since(std::chrono::steady_clock::time_point start);
 
+// `kiln compile --dump-kernels DIR`: one .cu file per fused node (node index and kind in the
+// name) with the nvrtc dialect's generated source; codegen needs no GPU.
+std::string dump_kernels_dir;
+void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
+#ifdef KILN_HAVE_CUDA
+  std::filesystem::create_directories(dir);
+  int written = 0;
+  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+    const kiln::Node& node = graph.nodes[i];
+    if (node.op != kiln::Op::kFused || !node.body) continue;
+    const std::string& kind = node.attrs.s("kind");
+    const std::string path = fmt::format("{}/node{:04}_{}.cu", dir, i, kind);
+    std::ofstream out(path, std::ios::binary);
+    out << kiln::cuda::fused_kernel_listing(*node.body, kind);
+    KILN_CHECK(out.good(), "cannot write '{}'", path);
+    ++written;
+  }
+  fmt::print("wrote {} fused kernel sources to {}\n", written, dir);
+#else
+  (void)graph;
+  kiln::fail("--dump-kernels {}: this build has no CUDA backend (configure with -DKILN_CUDA=ON)", dir);
+#endif
+}
+
 // `kiln compile`: build the model's training graph, run the pipeline, report.
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
@@ -79,6 +107,7 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   kiln::Graph graph = program.graph;
   size_t nodes_before = graph.nodes.size();
   std::vector<kiln::PassRecord> records = kiln::default_pipeline(options).run(graph);
+  if (!dump_kernels_dir.empty()) dump_kernels(graph, dump_kernels_dir);
   if (!report) return;
   int64_t param_count = 0;
   for (int i : program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
@@ -162,6 +191,8 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--print-after", print_after, "Print the IR after these passes (or 'all')")->delimiter(',');
   compile_cmd->add_option("--disable-pass", disabled_passes, "Skip these passes")->delimiter(',');
   compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept out of memory; and the total) and the memory plan");
+  compile_cmd->add_option("--dump-kernels", dump_kernels_dir,
+                          "Write each fused node's generated CUDA source to DIR (one .cu file per node)");
   std::string compile_budget;
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");

@@ -18,5 +18,6 @@ void register_generic_kernels(KernelRegistry& registry);    // generic.cc
 void register_nn_kernels(KernelRegistry& registry);         // nn.cc
 void register_cublaslt_kernels(KernelRegistry& registry);   // cublaslt.cc
 void register_attention_kernels(KernelRegistry& registry);  // attention.cc
+void register_nvrtc_kernels(KernelRegistry& registry);      // nvrtc.cc (fused nodes)
 
 }  // namespace kiln::cuda

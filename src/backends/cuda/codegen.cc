@@ -1,0 +1,1053 @@
+// CUDA C++ generation for fused nodes: lowering of the body to micro values through one emitter
+// table, then the elementwise or rows kernel text. See codegen.h for the kernel shapes.
+#include "backends/cuda/codegen.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+
+#include "ir/op_def.h"
+#include "support/error.h"
+
+namespace kiln::cuda {
+namespace {
+
+// ---- micro values ----------------------------------------------------------------------------
+
+// Where a micro value lives: one value per row of the iteration space (computed once by every
+// thread of the row's block), or one per element.
+enum class Space : uint8_t { kRow, kFull };
+enum class MKind : uint8_t { kLoad, kExpr, kReduce };
+enum class ReduceOp : uint8_t { kSum, kMax };
+
+struct MVal {
+  MKind kind = MKind::kExpr;
+  Space space = Space::kRow;
+  std::string ctype;  // the C type it is computed in
+  // kLoad: body input `input`, at index expression `text` (over `i`/`e` or `row`), whether
+  // consecutive elements along the row are consecutive in memory (vector loads).
+  int input = -1;
+  bool contiguous = false;
+  int64_t target_last = 1;  // kLoad: the last dim of the shape its index runs over
+  // kExpr: CUDA text with $0.. for args and $t for ctype.
+  std::string text;
+  std::vector<int> args;
+  ReduceOp reduce = ReduceOp::kSum;  // kReduce: over args[0] (a full value) along the row
+  int level = 0;  // reductions on the longest path to it
+};
+
+struct Unsupported {
+  std::string why;
+};
+
+[[noreturn]] void unsupported(std::string why) { throw Unsupported{std::move(why)}; }
+
+std::string ctype_of(DType d) {
+  switch (d) {
+    case DType::kF32: case DType::kF16: case DType::kBF16: return "float";
+    case DType::kF64: return "double";
+    case DType::kI32: return "int";
+    case DType::kI64: return "long long";
+    case DType::kBool: return "bool";
+    case DType::kU8: return "unsigned char";
+  }
+  return "float";
+}
+
+// The C type a tensor of `d` is stored as.
+std::string storage_of(DType d) {
+  switch (d) {
+    case DType::kF16: return "__half";
+    case DType::kBF16: return "__nv_bfloat16";
+    default: return ctype_of(d);
+  }
+}
+
+// Converts the stored element `x` (text) to its compute type, and back.
+std::string load_conversion(DType d, const std::string& x) {
+  if (d == DType::kF16) return "__half2float(" + x + ")";
+  if (d == DType::kBF16) return "__bfloat162float(" + x + ")";
+  return x;
+}
+std::string store_conversion(DType d, const std::string& x) {
+  if (d == DType::kF16) return "__float2half_rn(" + x + ")";
+  if (d == DType::kBF16) return "__float2bfloat16_rn(" + x + ")";
+  return x;
+}
+
+// A literal of C type `ctype`.
+std::string lit(const std::string& ctype, double v) {
+  std::string text;
+  if (std::isnan(v)) {
+    text = "kiln_nan()";
+  } else if (std::isinf(v)) {
+    text = v > 0 ? "kiln_inf()" : "(-kiln_inf())";
+  } else {
+    text = fmt::format("{:.17g}", v);
+    if (text.find_first_of(".e") == std::string::npos) text += ".0";
+  }
+  return "static_cast<" + ctype + ">(" + text + ")";
+}
+std::string lit_int(int64_t v) { return fmt::format("{}LL", v); }
+
+// The offset into a tensor of shape `v` of element `var` (a flat index over `target`), with
+// numpy broadcasting (right-aligned); consecutive target dims that are all present or all
+// broadcast in `v` are merged, so (N,) in (R, N) reads `var % N` and (R, 1) reads `var / N`.
+std::string broadcast_index(const Shape& v, const Shape& target, const std::string& var) {
+  const int r = static_cast<int>(target.size()), rv = static_cast<int>(v.size());
+  struct Group {
+    bool present;
+    int64_t size, inner, stride;
+  };
+  std::vector<Group> groups;
+  int64_t inner = 1, vstride = 1;
+  for (int d = r - 1; d >= 0; --d) {
+    const int64_t t = target[d];
+    const int64_t vd = d >= r - rv ? v[d - (r - rv)] : 1;
+    if (t == 1) continue;
+    const bool present = vd == t;
+    if (!groups.empty() && groups.back().present == present) {
+      groups.back().size *= t;
+    } else {
+      groups.push_back({present, t, inner, vstride});
+    }
+    inner *= t;
+    if (present) vstride *= t;
+  }
+  std::string out;
+  for (const Group& g : groups) {
+    if (!g.present) continue;
+    std::string coord = var;
+    if (g.inner != 1) coord = fmt::format("({} / {})", coord, lit_int(g.inner));
+    if (g.inner * g.size != inner) coord = fmt::format("({} % {})", coord, lit_int(g.size));
+    if (g.stride != 1) coord = fmt::format("{} * {}", coord, lit_int(g.stride));
+    out += (out.empty() ? "" : " + ") + coord;
+  }
+  return out.empty() ? "0" : out;
+}
+
+bool broadcasts_to(const Shape& from, const Shape& to) {
+  if (from.size() > to.size()) return false;
+  for (size_t k = 0; k < from.size(); ++k) {
+    const int64_t f = from[from.size() - 1 - k], t = to[to.size() - 1 - k];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+
+// ---- lowering --------------------------------------------------------------------------------
+
+class Lowering {
+ public:
+  Lowering(const Graph& body, bool rows, Shape s) : body_(body), rows_(rows), s_(std::move(s)) {
+    n_ = s_.empty() ? 1 : s_.back();
+    srow_ = s_.empty() ? Shape{} : Shape(s_.begin(), s_.end() - 1);
+    r_ = numel(srow_);
+  }
+
+  const Graph& body() const { return body_; }
+  bool rows() const { return rows_; }
+  const Shape& s() const { return s_; }
+  int64_t n() const { return n_; }
+  int64_t r() const { return r_; }
+  std::vector<MVal>& vals() { return vals_; }
+  std::map<ValueId, int>& computed() { return computed_; }
+
+  int add(MVal m) {
+    vals_.push_back(std::move(m));
+    return static_cast<int>(vals_.size()) - 1;
+  }
+
+  // Body input `input` read in `space`. For an elementwise consumer, `out` is its output shape
+  // (the input broadcasts against it); row ops pass nullptr (the input spans the space).
+  int load(int input, Space space, const Shape* out) {
+    const ValueId id = body_.inputs[input].value;
+    const Shape& shape = body_.type(id).shape;
+    const Shape& space_shape = space == Space::kFull ? s_ : srow_;
+    const int64_t space_numel = space == Space::kFull ? r_ * n_ : r_;
+    // Broadcast against the consumer's shape when it covers the space element for element
+    // (possibly reshaped), else against the space's own shape.
+    const Shape& target = out != nullptr && numel(*out) == space_numel ? *out : space_shape;
+    if (!broadcasts_to(shape, target))
+      unsupported(fmt::format("input {} {} does not broadcast to the iteration space {}", input,
+                              to_string(shape), to_string(space_shape)));
+    if (out != nullptr && numel(*out) != space_numel && !broadcasts_to(*out, space_shape))
+      unsupported(fmt::format("a value of shape {} does not broadcast to the iteration space {}",
+                              to_string(*out), to_string(space_shape)));
+    const std::string var = space == Space::kFull ? (rows_ ? "e" : "i") : "row";
+    MVal m;
+    m.kind = MKind::kLoad;
+    m.space = space;
+    m.ctype = ctype_of(body_.type(id).dtype);
+    m.input = input;
+    m.text = broadcast_index(shape, target, var);
+    m.contiguous = !shape.empty() && !target.empty() && shape.back() == target.back() &&
+                   target.back() > 1;
+    m.target_last = target.empty() ? 1 : target.back();
+    auto key = std::make_tuple(input, space, m.text);
+    if (auto it = loads_.find(key); it != loads_.end()) return it->second;
+    const int id_m = add(std::move(m));
+    loads_[key] = id_m;
+    return id_m;
+  }
+
+  int expr(std::string ctype, std::string text, std::vector<int> args) {
+    MVal m;
+    m.ctype = std::move(ctype);
+    m.text = std::move(text);
+    m.space = Space::kRow;
+    for (int a : args) {
+      if (vals_[a].space == Space::kFull) m.space = Space::kFull;
+      m.level = std::max(m.level, vals_[a].level);
+    }
+    m.args = std::move(args);
+    return add(std::move(m));
+  }
+
+  int reduce(ReduceOp op, int arg) {
+    if (!rows_) unsupported("a reduction along the row needs a \"rows\" fused node");
+    if (vals_[arg].space != Space::kFull)
+      unsupported("a row reduction of a value that is already one per row");
+    MVal m;
+    m.kind = MKind::kReduce;
+    m.space = Space::kRow;
+    m.ctype = vals_[arg].ctype;
+    m.reduce = op;
+    m.args = {arg};
+    m.level = vals_[arg].level + 1;
+    return add(std::move(m));
+  }
+
+ private:
+  const Graph& body_;
+  bool rows_;
+  Shape s_, srow_;
+  int64_t n_ = 1, r_ = 1;
+  std::vector<MVal> vals_;
+  std::map<ValueId, int> computed_;
+  std::map<std::tuple<int, Space, std::string>, int> loads_;
+};
+
+// What an emitter sees: the node, and access to its inputs as micro values.
+class Ctx {
+ public:
+  Ctx(Lowering& lowering, const Node& node) : l(lowering), node(node) {}
+  Lowering& l;
+  const Node& node;
+
+  const Graph& body() const { return l.body(); }
+  const Attributes& attrs() const { return node.attrs; }
+  const TensorType& in_type(int k) const { return body().type(node.inputs[k]); }
+  const TensorType& out_type(int k = 0) const { return body().type(node.outputs[k]); }
+  std::string ct(int k = 0) const { return ctype_of(out_type(k).dtype); }
+  int64_t n() const { return l.n(); }
+
+  void require(bool ok, const std::string& why) const {
+    if (!ok) unsupported(fmt::format("{}: {}", op_info(node.op).name, why));
+  }
+  void require_float() const {
+    for (size_t k = 0; k < node.inputs.size(); ++k)
+      require(is_float(in_type(static_cast<int>(k)).dtype),
+              fmt::format("input {} is {}, only float dtypes are generated", k,
+                          to_string(in_type(static_cast<int>(k)))));
+  }
+
+  // Input k as a micro value, read in `space` when it is a body input.
+  int x(int k, Space space) {
+    const ValueId id = node.inputs[k];
+    if (auto it = l.computed().find(id); it != l.computed().end()) {
+      const MVal& m = l.vals()[it->second];
+      if (m.space == Space::kRow && space == Space::kFull && l.rows()) {
+        const Shape& shape = body().type(id).shape;
+        require(numel(shape) == 1 ||
+                    (numel(shape) == l.r() && broadcasts_to(shape, l.s()) &&
+                     (shape.empty() || shape.back() == 1)),
+                fmt::format("a per-row value of shape {} is broadcast against {}",
+                            to_string(shape), to_string(l.s())));
+      }
+      return it->second;
+    }
+    const int input = body().input_index(id);
+    require(input >= 0, fmt::format("input {} (%{}) is neither a body input nor computed", k,
+                                    body().value(id).name));
+    const bool elementwise = has_flag(node.op, kElementwise) || node.op == Op::kReshape;
+    return l.load(input, space, elementwise ? &out_type().shape : nullptr);
+  }
+
+  // The space of an elementwise op's operands and output.
+  Space elementwise_space() {
+    if (!l.rows()) return Space::kFull;
+    const Shape& out = out_type().shape;
+    if (numel(out) == l.r() * l.n() && numel(out) != l.r()) return Space::kFull;
+    bool any_row = false;
+    for (ValueId id : node.inputs) {
+      auto it = l.computed().find(id);
+      if (it == l.computed().end()) continue;
+      if (l.vals()[it->second].space == Space::kFull) return Space::kFull;
+      if (body().type(id).shape.size() > 0 && numel(body().type(id).shape) > 1) any_row = true;
+    }
+    if (any_row) return Space::kRow;
+    return broadcasts_to(out, l.s()) && numel(out) != l.r() ? Space::kFull : Space::kRow;
+  }
+  std::vector<int> operands() {
+    const Space space = elementwise_space();
+    std::vector<int> ids;
+    for (size_t k = 0; k < node.inputs.size(); ++k) ids.push_back(x(static_cast<int>(k), space));
+    return ids;
+  }
+
+  int e(const std::string& ctype, std::string text, std::vector<int> args) {
+    return l.expr(ctype, std::move(text), std::move(args));
+  }
+  int sum(int a) { return l.reduce(ReduceOp::kSum, a); }
+  int max(int a) { return l.reduce(ReduceOp::kMax, a); }
+  // The column index j of the element (rows kernels only).
+  int column() {
+    require(l.rows(), "needs the column index, which only \"rows\" kernels have");
+    MVal m;
+    m.space = Space::kFull;
+    m.ctype = "long long";
+    m.text = "static_cast<long long>(j)";
+    return l.add(std::move(m));
+  }
+  // The row op's input x must span the whole iteration space, rows of length N.
+  int row_input(int k) {
+    require(l.rows(), "is a row op: needs a \"rows\" fused node");
+    const Shape& shape = in_type(k).shape;
+    require(!shape.empty() && shape.back() == l.n() && numel(shape) == l.r() * l.n(),
+            fmt::format("input {} has shape {}, not the iteration space {}", k, to_string(shape),
+                        to_string(l.s())));
+    const int id = x(k, Space::kFull);
+    require(l.vals()[id].space == Space::kFull, "its input is per row, not per element");
+    return id;
+  }
+  void require_last_axis(int64_t axis, int rank) {
+    require(rank >= 1 && normalize_axis(axis, rank) == rank - 1,
+            fmt::format("axis {} is not the last axis (rank {})", axis, rank));
+  }
+};
+
+using Emitter = std::function<std::vector<int>(Ctx&)>;
+
+// Table helpers: elementwise ops are one CUDA expression each.
+Emitter unary_float(std::string text) {
+  return [text](Ctx& c) -> std::vector<int> {
+    c.require_float();
+    return {c.e(c.ct(), text, c.operands())};
+  };
+}
+Emitter binary_float(std::string text) { return unary_float(std::move(text)); }
+// Any dtype in, the output's C type out (comparisons: bool).
+Emitter any_types(std::string text) {
+  return [text](Ctx& c) -> std::vector<int> {
+    for (size_t k = 0; k < c.node.inputs.size(); ++k)
+      c.require(c.in_type(static_cast<int>(k)).dtype != DType::kU8 || c.node.op == Op::kWhere,
+                "u8 operands are not generated");
+    return {c.e(c.ct(), text, c.operands())};
+  };
+}
+
+std::vector<int> emit_gelu(Ctx& c) {
+  c.require_float();
+  const bool tanh_form = c.attrs().s("approximate") == "tanh";
+  return {c.e(c.ct(), tanh_form ? "kiln_gelu_tanh($0)" : "kiln_gelu_erf($0)", c.operands())};
+}
+std::vector<int> emit_gelu_grad(Ctx& c) {
+  c.require_float();
+  const bool tanh_form = c.attrs().s("approximate") == "tanh";
+  return {c.e(c.ct(), tanh_form ? "kiln_gelu_grad_tanh($0, $1)" : "kiln_gelu_grad_erf($0, $1)",
+              c.operands())};
+}
+
+std::vector<int> emit_cast(Ctx& c) {
+  const DType from = c.in_type(0).dtype, to = c.out_type().dtype;
+  const std::string ct = c.ct();
+  std::string text;
+  if (to == DType::kBool) {
+    text = "($0 != 0)";
+  } else if (to == DType::kF16) {
+    text = "__half2float(__float2half_rn(static_cast<float>($0)))";
+  } else if (to == DType::kBF16) {
+    text = "__bfloat162float(__float2bfloat16_rn(static_cast<float>($0)))";
+  } else if (is_float(to) || !is_float(from)) {
+    text = "static_cast<$t>($0)";  // to a float, or integer/bool to integer (wraps)
+  } else {
+    // Float to integer: truncate toward zero, saturate, NaN -> 0 (cvt.rzi does all three).
+    const bool dbl = from == DType::kF64;
+    if (to == DType::kI32) text = dbl ? "__double2int_rz($0)" : "__float2int_rz($0)";
+    else if (to == DType::kI64) text = dbl ? "__double2ll_rz($0)" : "__float2ll_rz($0)";
+    else text = dbl ? "static_cast<unsigned char>(min(__double2uint_rz($0), 255u))"
+                    : "static_cast<unsigned char>(min(__float2uint_rz($0), 255u))";
+  }
+  return {c.e(ct, text, c.operands())};
+}
+
+std::vector<int> emit_full(Ctx& c) {
+  return {c.e(c.ct(), lit(c.ct(), c.attrs().f("value")), {})};
+}
+
+std::vector<int> emit_reshape(Ctx& c) {
+  // Flat order is unchanged; only whole-space values may be reshaped (see Lowering::load).
+  c.require(numel(c.in_type(0).shape) == c.l.r() * c.n() || numel(c.in_type(0).shape) == 1,
+            "only reshapes of whole-iteration-space values are generated");
+  return {c.x(0, Space::kFull)};
+}
+
+// sum / mean / max over the last axis (rows kernels).
+std::vector<int> emit_row_reduction(Ctx& c) {
+  c.require_float();
+  const std::vector<int64_t>& axes = c.attrs().ints("axes");
+  const int rank = c.in_type(0).rank();
+  c.require(axes.size() == 1 || (axes.empty() && rank == 1),
+            "only reductions over the last axis are generated");
+  if (!axes.empty()) c.require_last_axis(axes[0], rank);
+  const int x = c.row_input(0);
+  if (c.node.op == Op::kMax) return {c.max(x)};
+  const int s = c.sum(x);
+  if (c.node.op == Op::kSum) return {s};
+  return {c.e(c.ct(), "($0 / " + lit(c.ct(), static_cast<double>(c.n())) + ")", {s})};
+}
+
+std::vector<int> emit_softmax(Ctx& c, bool log) {
+  c.require_float();
+  c.require_last_axis(c.attrs().i("axis"), c.in_type(0).rank());
+  const std::string t = c.ct();
+  const int x = c.row_input(0);
+  const int m = c.max(x);
+  const int ex = c.e(t, "kiln_exp($0 - $1)", {x, m});
+  const int s = c.sum(ex);
+  if (log) return {c.e(t, "($0 - $1 - kiln_log($2))", {x, m, s})};
+  return {c.e(t, "($0 / $1)", {ex, s})};
+}
+
+std::vector<int> emit_softmax_grad(Ctx& c, bool log) {
+  c.require_float();
+  c.require_last_axis(c.attrs().i("axis"), c.in_type(0).rank());
+  const std::string t = c.ct();
+  const int y = c.row_input(0), dy = c.row_input(1);
+  if (log) return {c.e(t, "($0 - kiln_exp($1) * $2)", {dy, y, c.sum(dy)})};
+  return {c.e(t, "($0 * ($1 - $2))", {y, dy, c.sum(c.e(t, "($0 * $1)", {dy, y}))})};
+}
+
+std::vector<int> emit_layer_norm(Ctx& c) {
+  c.require_float();
+  const std::string t = c.ct(), n = lit(t, static_cast<double>(c.n()));
+  const int x = c.row_input(0);
+  const int gamma = c.x(1, Space::kFull), beta = c.x(2, Space::kFull);
+  const int mean = c.e(t, "($0 / " + n + ")", {c.sum(x)});
+  const int d = c.e(t, "($0 - $1)", {x, mean});
+  const int var = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {d}))});
+  const int rstd =
+      c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
+  return {c.e(t, "($0 * $1 * $2 + $3)", {d, rstd, gamma, beta})};
+}
+
+std::vector<int> emit_rms_norm(Ctx& c) {
+  c.require_float();
+  const std::string t = c.ct(), n = lit(t, static_cast<double>(c.n()));
+  const int x = c.row_input(0);
+  const int gamma = c.x(1, Space::kFull);
+  const int ms = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {x}))});
+  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
+  return {c.e(t, "($0 * $1 * $2)", {x, rstd, gamma})};
+}
+
+// logits (R, V) and labels (R,): max, sum of exp, and the label's logit, per row. An
+// out-of-range label (the reference throws) gives NaN: a kernel cannot throw.
+struct CrossEntropyRow {
+  int x, label, m, s, hit, bad;
+};
+CrossEntropyRow cross_entropy_row(Ctx& c) {
+  c.require(is_float(c.in_type(0).dtype), "logits must be float");
+  const std::string t = c.ct();
+  CrossEntropyRow r;
+  r.x = c.row_input(0);
+  r.label = c.x(1, Space::kRow);
+  c.require(c.l.vals()[r.label].space == Space::kRow, "labels must be one per row");
+  r.m = c.max(r.x);
+  r.s = c.sum(c.e(t, "kiln_exp($0 - $1)", {r.x, r.m}));
+  const int j = c.column();
+  r.hit = c.e("bool", "($0 == static_cast<long long>($1))", {j, r.label});
+  const std::string ignore = lit_int(c.attrs().i("ignore_index"));
+  r.bad = c.e("bool",
+              fmt::format("(static_cast<long long>($0) != {} && (static_cast<long long>($0) < 0 "
+                          "|| static_cast<long long>($0) >= {}))",
+                          ignore, lit_int(c.n())),
+              {r.label});
+  return r;
+}
+
+std::vector<int> emit_cross_entropy(Ctx& c) {
+  c.require(c.attrs().s("reduction") == "none",
+            "reduction \"" + c.attrs().s("reduction") +
+                "\" sums over rows (a column reduction); only \"none\" is generated");
+  const std::string t = c.ct(), ignore = lit_int(c.attrs().i("ignore_index"));
+  CrossEntropyRow r = cross_entropy_row(c);
+  const int picked = c.sum(c.e(t, "($0 ? $1 : static_cast<$t>(0))", {r.hit, r.x}));
+  return {c.e(t,
+              "($4 ? kiln_nan() : static_cast<long long>($0) == " + ignore +
+                  " ? static_cast<$t>(0) : $1 + kiln_log($2) - $3)",
+              {r.label, r.m, r.s, picked, r.bad})};
+}
+
+std::vector<int> emit_cross_entropy_grad(Ctx& c) {
+  const std::string& reduction = c.attrs().s("reduction");
+  c.require(reduction == "none" || reduction == "sum",
+            "reduction \"" + reduction +
+                "\" divides by the count of labelled rows (a column reduction); only \"none\" "
+                "and \"sum\" are generated");
+  const std::string t = c.ct(), ignore = lit_int(c.attrs().i("ignore_index"));
+  CrossEntropyRow r = cross_entropy_row(c);
+  const int dloss = c.x(2, Space::kRow);
+  const int p = c.e(t, "(kiln_exp($0 - $1) / $2)", {r.x, r.m, r.s});
+  return {c.e(t,
+              "($4 ? kiln_nan() : static_cast<long long>($0) == " + ignore +
+                  " ? static_cast<$t>(0) : ($1 - ($2 ? static_cast<$t>(1) : static_cast<$t>(0)))"
+                  " * $3)",
+              {r.label, p, r.hit, dloss, r.bad})};
+}
+
+// THE emitter table: one entry per op the nvrtc dialect generates.
+const std::map<Op, Emitter>& emitters() {
+  static const std::map<Op, Emitter> table = {
+      {Op::kAbs, unary_float("kiln_abs($0)")},
+      {Op::kExp, unary_float("kiln_exp($0)")},
+      {Op::kLog, unary_float("kiln_log($0)")},
+      {Op::kNeg, unary_float("(-$0)")},
+      {Op::kReciprocal, unary_float("(static_cast<$t>(1) / $0)")},
+      {Op::kRelu, unary_float("($0 < static_cast<$t>(0) ? static_cast<$t>(0) : $0)")},
+      {Op::kRsqrt, unary_float("kiln_rsqrt($0)")},
+      {Op::kSigmoid, unary_float("kiln_sigmoid($0)")},
+      {Op::kSilu, unary_float("($0 * kiln_sigmoid($0))")},
+      {Op::kSqrt, unary_float("kiln_sqrt($0)")},
+      {Op::kSquare, unary_float("($0 * $0)")},
+      {Op::kTanh, unary_float("kiln_tanh($0)")},
+      {Op::kGelu, emit_gelu},
+      {Op::kGeluGrad, emit_gelu_grad},
+      {Op::kAdd, binary_float("($0 + $1)")},
+      {Op::kSub, binary_float("($0 - $1)")},
+      {Op::kMul, binary_float("($0 * $1)")},
+      {Op::kDiv, binary_float("($0 / $1)")},
+      {Op::kPow, binary_float("kiln_pow($0, $1)")},
+      {Op::kMaximum, any_types("kiln_maximum($0, $1)")},
+      {Op::kMinimum, any_types("kiln_minimum($0, $1)")},
+      {Op::kEq, any_types("($0 == $1)")},
+      {Op::kNe, any_types("($0 != $1)")},
+      {Op::kLt, any_types("($0 < $1)")},
+      {Op::kLe, any_types("($0 <= $1)")},
+      {Op::kGt, any_types("($0 > $1)")},
+      {Op::kGe, any_types("($0 >= $1)")},
+      {Op::kWhere, any_types("($0 ? $1 : $2)")},
+      {Op::kCast, emit_cast},
+      {Op::kFull, emit_full},
+      {Op::kReshape, emit_reshape},
+      {Op::kSum, emit_row_reduction},
+      {Op::kMean, emit_row_reduction},
+      {Op::kMax, emit_row_reduction},
+      {Op::kSoftmax, [](Ctx& c) { return emit_softmax(c, false); }},
+      {Op::kLogSoftmax, [](Ctx& c) { return emit_softmax(c, true); }},
+      {Op::kSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, false); }},
+      {Op::kLogSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, true); }},
+      {Op::kLayerNorm, emit_layer_norm},
+      {Op::kRmsNorm, emit_rms_norm},
+      {Op::kCrossEntropy, emit_cross_entropy},
+      {Op::kCrossEntropyGrad, emit_cross_entropy_grad},
+  };
+  return table;
+}
+
+bool is_row_op(Op op) {
+  switch (op) {
+    case Op::kSum: case Op::kMean: case Op::kMax: case Op::kSoftmax: case Op::kLogSoftmax:
+    case Op::kSoftmaxGrad: case Op::kLogSoftmaxGrad: case Op::kLayerNorm: case Op::kRmsNorm:
+    case Op::kCrossEntropy: case Op::kCrossEntropyGrad:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The iteration space: rows kernels, the first row op's (first) input; elementwise, the largest
+// output.
+Shape iteration_space(const Graph& body, bool rows) {
+  if (rows) {
+    for (const Node& node : body.nodes)
+      if (is_row_op(node.op)) return body.type(node.inputs[0]).shape;
+  }
+  Shape best;
+  int64_t best_numel = -1;
+  for (ValueId id : body.outputs) {
+    const Shape& s = body.type(id).shape;
+    if (numel(s) > best_numel) {
+      best = s;
+      best_numel = numel(s);
+    }
+  }
+  return best;
+}
+
+// ---- kernel text -----------------------------------------------------------------------------
+
+constexpr const char* kPrelude = R"(#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// ---- helpers (identical in every generated kernel) ----
+__device__ __forceinline__ float kiln_nan() { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ float kiln_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float kiln_exp(float x) { return expf(x); }
+__device__ __forceinline__ double kiln_exp(double x) { return exp(x); }
+__device__ __forceinline__ float kiln_log(float x) { return logf(x); }
+__device__ __forceinline__ double kiln_log(double x) { return log(x); }
+__device__ __forceinline__ float kiln_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double kiln_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float kiln_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double kiln_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float kiln_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ double kiln_rsqrt(double x) { return rsqrt(x); }
+__device__ __forceinline__ float kiln_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double kiln_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float kiln_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double kiln_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float kiln_erf(float x) { return erff(x); }
+__device__ __forceinline__ double kiln_erf(double x) { return erf(x); }
+template <typename T> __device__ __forceinline__ T kiln_sigmoid(T x) {
+  return T(1) / (T(1) + kiln_exp(-x));
+}
+// maximum / minimum propagate NaN (numpy, torch).
+template <typename T> __device__ __forceinline__ T kiln_maximum(T a, T b) {
+  return a != a ? a : b != b ? b : (a > b ? a : b);
+}
+template <typename T> __device__ __forceinline__ T kiln_minimum(T a, T b) {
+  return a != a ? a : b != b ? b : (a < b ? a : b);
+}
+// gelu: erf form x Phi(x); tanh form 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+template <typename T> __device__ __forceinline__ T kiln_gelu_erf(T x) {
+  return T(0.5) * x * (T(1) + kiln_erf(x * T(0.70710678118654752440)));
+}
+template <typename T> __device__ __forceinline__ T kiln_gelu_tanh(T x) {
+  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
+  return T(0.5) * x * (T(1) + kiln_tanh(u));
+}
+// dy * gelu'(x).
+template <typename T> __device__ __forceinline__ T kiln_gelu_grad_erf(T x, T dy) {
+  const T cdf = T(0.5) * (T(1) + kiln_erf(x * T(0.70710678118654752440)));
+  const T pdf = kiln_exp(T(-0.5) * x * x) * T(0.39894228040143267794);
+  return dy * (cdf + x * pdf);
+}
+template <typename T> __device__ __forceinline__ T kiln_gelu_grad_tanh(T x, T dy) {
+  const T k = T(0.79788456080286535588), c = T(0.044715);
+  const T t = kiln_tanh(k * (x + c * x * x * x));
+  return dy * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
+}
+// V elements of T as one aligned access.
+template <int V, typename T> struct alignas(sizeof(T) * V) KilnPack { T v[V]; };
+)";
+
+constexpr const char* kBlockReduce = R"(
+// Sum (OP 0) or max (OP 1) of v over the block's THREADS threads, returned to every thread:
+// warp shuffles, then one round through shared memory.
+template <int OP, typename T> __device__ __forceinline__ T kiln_combine(T a, T b) {
+  return OP == 0 ? a + b : (a > b || a != a ? a : b);
+}
+template <int THREADS, int OP, typename T> __device__ __forceinline__ T kiln_block_reduce(T v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = kiln_combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (THREADS == 32) return v;
+  __shared__ T partial[32];
+  __syncthreads();  // the previous reduction's readers are done with `partial`
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  v = lane < THREADS / 32 ? partial[lane] : (OP == 0 ? T(0) : partial[0]);
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = kiln_combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+)";
+
+std::string substitute(const MVal& m, const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t p = 0; p < m.text.size(); ++p) {
+    const char ch = m.text[p];
+    if (ch == '$' && p + 1 < m.text.size()) {
+      const char next = m.text[p + 1];
+      if (next == 't') {
+        out += m.ctype;
+        ++p;
+        continue;
+      }
+      if (next >= '0' && next <= '9') {
+        out += names[m.args[next - '0']];
+        ++p;
+        continue;
+      }
+    }
+    out += ch;
+  }
+  return out;
+}
+
+struct Lowered {
+  std::vector<MVal> vals;
+  std::vector<int> outputs;  // per body output: its micro value
+  Shape s;
+  int64_t rows = 0, n = 1;
+  std::vector<std::string> ops;
+};
+
+Lowered lower(const Graph& body, const std::string& kind) {
+  const bool rows = kind == "rows";
+  if (!rows && kind != "elementwise")
+    unsupported("kind \"" + kind + "\" is not generated (only \"elementwise\" and \"rows\")");
+  if (body.outputs.empty()) unsupported("the body has no outputs");
+  Lowering l(body, rows, iteration_space(body, rows));
+  Lowered out;
+  for (const Node& node : body.nodes) {
+    out.ops.emplace_back(op_info(node.op).name);
+    auto it = emitters().find(node.op);
+    if (it == emitters().end())
+      unsupported(fmt::format("op {} has no emitter", op_info(node.op).name));
+    Ctx c(l, node);
+    std::vector<int> ids = it->second(c);
+    if (ids.size() != node.outputs.size())
+      unsupported(fmt::format("op {}: {} outputs, the emitter gives {}", op_info(node.op).name,
+                              node.outputs.size(), ids.size()));
+    for (size_t k = 0; k < ids.size(); ++k) {
+      // Emitters compute in the output's C type; make the stored dtype's rounding explicit
+      // only where it changes the C type (bool from comparisons is already exact).
+      l.computed()[node.outputs[k]] = ids[k];
+    }
+  }
+  for (ValueId id : body.outputs) {
+    const Shape& shape = body.type(id).shape;
+    int m = -1;
+    if (auto it = l.computed().find(id); it != l.computed().end()) {
+      m = it->second;
+    } else {
+      const int input = body.input_index(id);
+      if (input < 0) unsupported("a body output is neither computed nor an input");
+      m = l.load(input, numel(shape) == l.r() && rows ? Space::kRow : Space::kFull, &shape);
+    }
+    const MVal& v = l.vals()[m];
+    const bool full = v.space == Space::kFull;
+    if (full && numel(shape) != l.r() * l.n())
+      unsupported(fmt::format("output {} has shape {}, not the iteration space {}",
+                              body.value(id).name, to_string(shape), to_string(l.s())));
+    if (!full && numel(shape) != (rows ? l.r() : l.r() * l.n()))
+      unsupported(fmt::format("output {} of shape {} is neither per element nor per row of {}",
+                              body.value(id).name, to_string(shape), to_string(l.s())));
+    out.outputs.push_back(m);
+  }
+  out.vals = std::move(l.vals());
+  out.s = l.s();
+  out.rows = l.r();
+  out.n = l.n();
+  return out;
+}
+
+std::string header(const std::string& kind, const Lowered& low, const Graph& body) {
+  std::string text = fmt::format(
+      "// kiln fused kernel ({}), generated by the nvrtc dialect (backends/cuda/codegen.cc).\n"
+      "// ops: {}\n// iteration space {} = {} rows of {}\n",
+      kind, fmt::join(low.ops, ", "), to_string(low.s), low.rows, low.n);
+  for (size_t k = 0; k < body.inputs.size(); ++k)
+    text += fmt::format("//   in{}: %{} {}\n", k, body.value(body.inputs[k].value).name,
+                        to_string(body.type(body.inputs[k].value)));
+  for (size_t k = 0; k < body.outputs.size(); ++k)
+    text += fmt::format("//   out{}: %{} {}\n", k, body.value(body.outputs[k]).name,
+                        to_string(body.type(body.outputs[k])));
+  return text;
+}
+
+std::string params(const Graph& body) {
+  std::vector<std::string> p;
+  for (size_t k = 0; k < body.inputs.size(); ++k)
+    p.push_back(fmt::format("const {}* __restrict__ in{}",
+                            storage_of(body.type(body.inputs[k].value).dtype), k));
+  for (size_t k = 0; k < body.outputs.size(); ++k)
+    p.push_back(
+        fmt::format("{}* __restrict__ out{}", storage_of(body.type(body.outputs[k]).dtype), k));
+  return fmt::format("{}", fmt::join(p, ", "));
+}
+std::string param_names(const Graph& body) {
+  std::vector<std::string> p;
+  for (size_t k = 0; k < body.inputs.size(); ++k) p.push_back(fmt::format("in{}", k));
+  for (size_t k = 0; k < body.outputs.size(); ++k) p.push_back(fmt::format("out{}", k));
+  return fmt::format("{}", fmt::join(p, ", "));
+}
+
+std::string var(int id) { return fmt::format("v{}", id); }
+
+// Emits, in order, the statements for `targets` and what they need that is not yet in `done`
+// (a value's args first), as `const T vK = ...;`. `load_text` gives a load's expression.
+void emit_closure(const std::vector<MVal>& vals, const std::vector<int>& targets,
+                  std::set<int>& done, const std::function<bool(int)>& include,
+                  const std::function<std::string(int)>& load_text, const std::string& indent,
+                  std::string& out) {
+  std::vector<std::string> names(vals.size());
+  for (size_t k = 0; k < vals.size(); ++k) names[k] = var(static_cast<int>(k));
+  std::function<void(int)> visit = [&](int id) {
+    if (done.count(id) || !include(id)) return;
+    done.insert(id);
+    const MVal& m = vals[id];
+    for (int a : m.args) visit(a);
+    std::string rhs = m.kind == MKind::kLoad ? load_text(id) : substitute(m, names);
+    out += fmt::format("{}const {} {} = {};\n", indent, m.ctype, var(id), rhs);
+  };
+  for (int t : targets) visit(t);
+}
+
+// ---- elementwise kernels ----
+
+GeneratedKernel generate_elementwise(const Graph& body, const Lowered& low) {
+  GeneratedKernel k;
+  k.kind = "elementwise";
+  k.rows = low.rows;
+  k.row_length = low.n;
+  k.ops = low.ops;
+  const int64_t total = low.rows * low.n;
+  // Vector width: 16-byte accesses of the widest stored type, dividing every row length the
+  // loads run along.
+  size_t widest = 1;
+  for (const GraphInput& in : body.inputs) widest = std::max(widest, dtype_size(body.type(in.value).dtype));
+  for (ValueId id : body.outputs) widest = std::max(widest, dtype_size(body.type(id).dtype));
+  int v = static_cast<int>(std::min<size_t>(8, 16 / widest));
+  auto divides_all = [&](int w) {
+    if (low.n % w != 0) return false;
+    for (const MVal& m : low.vals)
+      if (m.kind == MKind::kLoad && m.text != "0" && m.target_last % w != 0) return false;
+    return true;
+  };
+  while (v > 1 && !divides_all(v)) v /= 2;
+  k.vector_width = v;
+  for (const GraphInput& in : body.inputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(in.value).dtype)));
+  for (ValueId id : body.outputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(id).dtype)));
+
+  std::string text = header("elementwise", low, body);
+  text += fmt::format("// {} elements, {} per thread ({}-byte accesses of the widest type)\n",
+                      total, v, v * widest);
+  text += kPrelude;
+  text += fmt::format("\nconstexpr long long kElements = {}LL;\n\n", total);
+  text += "// Elements i .. i + V - 1 (one row segment: V divides every row length).\n";
+  text += "template <int V>\n__device__ __forceinline__ void kiln_elements(long long i, " +
+          params(body) + ") {\n";
+  // Loads: whole vectors where contiguous along the row, one broadcast element otherwise.
+  for (size_t id = 0; id < low.vals.size(); ++id) {
+    const MVal& m = low.vals[id];
+    if (m.kind != MKind::kLoad) continue;
+    const DType d = body.type(body.inputs[m.input].value).dtype;
+    const std::string st = storage_of(d);
+    text += fmt::format("  {} a{}[V];\n", m.ctype, id);
+    if (m.contiguous) {
+      text += fmt::format(
+          "  {{\n    const KilnPack<V, {}> p = *reinterpret_cast<const KilnPack<V, {}>*>(in{} + "
+          "({}));\n    #pragma unroll\n    for (int v = 0; v < V; ++v) a{}[v] = {};\n  }}\n",
+          st, st, m.input, m.text, id, load_conversion(d, "p.v[v]"));
+    } else {
+      text += fmt::format(
+          "  {{\n    const {} s = {};\n    #pragma unroll\n    for (int v = 0; v < V; ++v) "
+          "a{}[v] = s;\n  }}\n",
+          m.ctype, load_conversion(d, fmt::format("in{}[{}]", m.input, m.text)), id);
+    }
+  }
+  for (size_t o = 0; o < body.outputs.size(); ++o)
+    text += fmt::format("  KilnPack<V, {}> r{};\n", storage_of(body.type(body.outputs[o]).dtype),
+                        o);
+  text += "  #pragma unroll\n  for (int v = 0; v < V; ++v) {\n";
+  std::set<int> done;
+  emit_closure(low.vals, low.outputs, done, [](int) { return true; },
+               [](int id) { return fmt::format("a{}[v]", id); }, "    ", text);
+  for (size_t o = 0; o < body.outputs.size(); ++o)
+    text += fmt::format("    r{}.v[v] = {};\n", o,
+                        store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
+  text += "  }\n";
+  for (size_t o = 0; o < body.outputs.size(); ++o) {
+    const std::string st = storage_of(body.type(body.outputs[o]).dtype);
+    text += fmt::format("  *reinterpret_cast<KilnPack<V, {}>*>(out{} + i) = r{};\n", st, o, o);
+  }
+  text += "}\n\n";
+  const std::string args = param_names(body);
+  k.threads = 256;
+  auto entry = [&](const std::string& name, int width) {
+    return fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__(256) {}({}) {{\n"
+        "  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x * {};\n"
+        "  for (long long i = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * "
+        "{};\n       i < kElements; i += stride)\n"
+        "    kiln_elements<{}>(i, {});\n}}\n",
+        name, params(body), width, width, width, args);
+  };
+  auto blocks_for = [&](int width) {
+    const int64_t groups = (total + width - 1) / width;
+    return std::clamp<int64_t>((groups + 255) / 256, 1, int64_t{1} << 20);
+  };
+  k.entry = v > 1 ? "kiln_fused_vec" : "kiln_fused";
+  text += entry(k.entry, v);
+  k.blocks = blocks_for(v);
+  if (v > 1) {
+    text += "\n// For pointers not aligned to V elements.\n";
+    k.scalar_entry = "kiln_fused";
+    text += entry(k.scalar_entry, 1);
+    k.scalar_blocks = blocks_for(1);
+  }
+  k.source = std::move(text);
+  return k;
+}
+
+// ---- rows kernels ----
+
+GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
+  GeneratedKernel k;
+  k.kind = "rows";
+  k.rows = low.rows;
+  k.row_length = low.n;
+  k.ops = low.ops;
+  // Threads per row: about 4 elements each, a whole warp at least, 1024 at most.
+  int threads = 32;
+  while (threads < 1024 && threads * 4 < low.n) threads *= 2;
+  k.threads = threads;
+  k.blocks = low.rows;
+  for (const GraphInput& in : body.inputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(in.value).dtype)));
+  for (ValueId id : body.outputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(id).dtype)));
+
+  const std::vector<MVal>& vals = low.vals;
+  int max_level = 0;
+  for (const MVal& m : vals)
+    if (m.kind == MKind::kReduce) max_level = std::max(max_level, m.level);
+
+  std::string text = header("rows", low, body);
+  text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
+                      max_level + 1);
+  text += kPrelude;
+  text += kBlockReduce;
+  text += fmt::format("\nconstexpr int kThreads = {};\nconstexpr long long kN = {}LL;\n\n",
+                      threads, low.n);
+  k.entry = "kiln_fused_rows";
+  text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", threads,
+                      k.entry, params(body));
+  text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
+
+  auto load_text = [&](int id) {
+    const MVal& m = vals[id];
+    const DType d = body.type(body.inputs[m.input].value).dtype;
+    return load_conversion(d, fmt::format("in{}[{}]", m.input, m.text));
+  };
+  std::set<int> done;
+  auto is_row = [&](int id) { return vals[id].space == Space::kRow; };
+  auto is_full = [&](int id) { return vals[id].space == Space::kFull; };
+  // Row values of level <= `level` that something needs, in order.
+  auto emit_row_values = [&](int level) {
+    std::vector<int> ready;
+    for (size_t id = 0; id < vals.size(); ++id)
+      if (is_row(static_cast<int>(id)) && vals[id].kind != MKind::kReduce &&
+          vals[id].level <= level)
+        ready.push_back(static_cast<int>(id));
+    emit_closure(vals, ready, done,
+                 [&](int id) { return is_row(id) && vals[id].kind != MKind::kReduce; }, load_text,
+                 "  ", text);
+  };
+  const char* loop_head =
+      "  for (int j = threadIdx.x; j < kN; j += kThreads) {\n    const long long e = base + j;\n";
+  for (int level = 1; level <= max_level; ++level) {
+    emit_row_values(level - 1);
+    std::vector<int> reductions;
+    for (size_t id = 0; id < vals.size(); ++id)
+      if (vals[id].kind == MKind::kReduce && vals[id].level == level)
+        reductions.push_back(static_cast<int>(id));
+    text += fmt::format("  // pass {}: {} reduction(s)\n", level, reductions.size());
+    for (int id : reductions)
+      text += fmt::format("  {} acc{} = {};\n", vals[id].ctype, id,
+                          vals[id].reduce == ReduceOp::kSum ? lit(vals[id].ctype, 0.0)
+                                                            : "-" + lit(vals[id].ctype, INFINITY));
+    text += loop_head;
+    std::set<int> pass_done = done;  // full values are recomputed in every pass
+    std::vector<int> args;
+    for (int id : reductions) args.push_back(vals[id].args[0]);
+    emit_closure(vals, args, pass_done, is_full, load_text, "    ", text);
+    for (int id : reductions) {
+      if (vals[id].reduce == ReduceOp::kSum)
+        text += fmt::format("    acc{} += {};\n", id, var(vals[id].args[0]));
+      else
+        text += fmt::format("    acc{} = kiln_combine<1>(acc{}, {});\n", id, id,
+                            var(vals[id].args[0]));
+    }
+    text += "  }\n";
+    for (int id : reductions) {
+      text += fmt::format("  const {} {} = kiln_block_reduce<kThreads, {}>(acc{});\n",
+                          vals[id].ctype, var(id), vals[id].reduce == ReduceOp::kSum ? 0 : 1, id);
+      done.insert(id);
+    }
+  }
+  emit_row_values(max_level);
+  // Final pass: the per-element outputs.
+  std::vector<int> full_outputs;
+  for (int m : low.outputs)
+    if (is_full(m)) full_outputs.push_back(m);
+  if (!full_outputs.empty()) {
+    text += "  // final pass: per-element outputs\n";
+    text += loop_head;
+    std::set<int> pass_done = done;
+    emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
+    for (size_t o = 0; o < body.outputs.size(); ++o)
+      if (is_full(low.outputs[o]))
+        text += fmt::format("    out{}[e] = {};\n", o,
+                            store_conversion(body.type(body.outputs[o]).dtype,
+                                             var(low.outputs[o])));
+    text += "  }\n";
+  }
+  bool any_row_output = false;
+  for (size_t o = 0; o < body.outputs.size(); ++o) {
+    if (is_full(low.outputs[o])) continue;
+    if (!any_row_output) text += "  if (threadIdx.x == 0) {\n";
+    any_row_output = true;
+    text += fmt::format("    out{}[row] = {};\n", o,
+                        store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
+  }
+  if (any_row_output) text += "  }\n";
+  text += "}\n";
+  k.source = std::move(text);
+  return k;
+}
+
+}  // namespace
+
+bool can_generate(const Graph& body, const std::string& kind, std::string* why) {
+  try {
+    (void)lower(body, kind);
+    return true;
+  } catch (const Unsupported& u) {
+    if (why) *why = u.why;
+  } catch (const Error& e) {
+    if (why) *why = e.what();
+  }
+  return false;
+}
+
+GeneratedKernel generate_kernel(const Graph& body, const std::string& kind) {
+  Lowered low;
+  try {
+    low = lower(body, kind);
+  } catch (const Unsupported& u) {
+    fail("nvrtc codegen: cannot generate the {} body @{}: {}", kind, body.name, u.why);
+  }
+  return kind == "rows" ? generate_rows(body, low) : generate_elementwise(body, low);
+}
+
+std::vector<Op> ops_with_emitters() {
+  std::vector<Op> ops;
+  for (const auto& [op, emitter] : emitters()) ops.push_back(op);
+  std::sort(ops.begin(), ops.end(),
+            [](Op a, Op b) { return op_info(a).name < op_info(b).name; });
+  return ops;
+}
+
+}  // namespace kiln::cuda

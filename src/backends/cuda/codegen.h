@@ -1,0 +1,62 @@
+// CUDA C++ source generation for fused nodes (the "nvrtc" dialect's front half; nvrtc.h compiles
+// and launches what this produces). Pure C++20 with no CUDA headers: the CLI's
+// `kiln compile --dump-kernels` and the CPU tests use it on machines without a GPU.
+//
+// A fused node's body (Node::body) is lowered op by op, through ONE table of per-op emitters
+// (codegen.cc, `emitters()`), into "micro values": loads of body inputs, scalar CUDA expressions
+// over other micro values, and (rows kind only) sum/max reductions along the row. Two kernel
+// shapes come out of that:
+//   "elementwise": the body's values all broadcast (numpy rules) to one iteration shape S; one
+//     thread computes V consecutive elements (V in 1/2/4/8: 16-byte accesses of the widest
+//     stored type, V dividing the row length N) with vector loads and stores; inputs of other
+//     shapes are indexed by compile-time index arithmetic (i % N for (N,), i / N for (R, 1), 0
+//     for scalars, the general product otherwise). A second, scalar entry point serves pointers
+//     that are not aligned for V.
+//   "rows": one thread block per row of S = (R, N) (the row op's input); reductions along the row
+//     (max, sum) by warp shuffles and one shared-memory step; the row's elementwise work is
+//     recomputed in each pass over the row, inputs re-read from L1/L2 (rows of up to
+//     16 x threads elements are kept in registers instead).
+// Computation is in f32 for f32/f16/bf16 storage (f64 in f64; integers and bools as themselves),
+// rounding once per stored output, so results differ from the per-op reference (which rounds
+// every intermediate to its storage type) by a few ulps of the storage type.
+//
+// The source is a deterministic function of the body (op sequence, attributes, shapes, dtypes):
+// equal bodies give byte-equal sources, which is the NVRTC cache's key (nvrtc.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace kiln::cuda {
+
+// One generated kernel and how to launch it. Kernel parameters: one pointer per body input, then
+// one per body output, in order (nothing else: every size is a compile-time constant).
+struct GeneratedKernel {
+  std::string kind;    // "elementwise" | "rows"
+  std::string source;  // CUDA C++ for NVRTC (includes only cuda_fp16.h and cuda_bf16.h)
+  std::string entry;   // extern "C" kernel name
+  // Elementwise only: the entry point for any pointer alignment (vector_width 1); empty when
+  // `entry` is already scalar.
+  std::string scalar_entry;
+  int vector_width = 1;  // elements per thread in `entry`
+  // Launch geometry: `blocks` blocks of `threads` threads (the scalar entry: scalar_blocks).
+  int64_t blocks = 0, scalar_blocks = 0;
+  int threads = 0;
+  // Byte sizes of the parameters' element types (for the alignment check before `entry`).
+  std::vector<int> param_element_bytes;
+  int64_t rows = 0, row_length = 0;  // the iteration space (R, N)
+  std::vector<std::string> ops;      // the body's ops, in order (for the header and reports)
+};
+
+// Whether `body` (with the node's `kind`) can be generated; if not, `why` says what is missing
+// (e.g. "op conv2d has no emitter"). Never throws.
+bool can_generate(const Graph& body, const std::string& kind, std::string* why = nullptr);
+// The kernel for `body`. Throws kiln::Error (with can_generate's reason) when it cannot.
+GeneratedKernel generate_kernel(const Graph& body, const std::string& kind);
+// Ops that have an emitter (any kind), sorted by name: for tests and reports.
+std::vector<Op> ops_with_emitters();
+
+}  // namespace kiln::cuda
