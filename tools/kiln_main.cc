@@ -91,12 +91,13 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 // `kiln compile`: build the model's training graph, run the pipeline, report.
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
-             bool report, const std::string& memory_budget) {
+             bool report, const std::string& memory_budget, const std::string& amp) {
   auto start = std::chrono::steady_clock::now();
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
   double build_s = seconds_since(start);
   kiln::train::OptimizerConfig config;
   config.name = optimizer;
+  config.amp = amp;
   auto t0 = std::chrono::steady_clock::now();
   kiln::train::TrainingGraph program = kiln::train::build_training_graph(forward, config);
   double autodiff_s = seconds_since(t0);
@@ -193,6 +194,9 @@ int main(int argc, char** argv) {
   compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept out of memory; and the total) and the memory plan");
   compile_cmd->add_option("--dump-kernels", dump_kernels_dir,
                           "Write each fused node's generated CUDA source to DIR (one .cu file per node)");
+  std::string compile_amp = "off";
+  compile_cmd->add_option("--amp", compile_amp, "Mixed precision: off | bf16 | f16")
+      ->check(CLI::IsMember({"off", "bf16", "f16"}));
   std::string compile_budget;
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
@@ -271,7 +275,7 @@ int main(int argc, char** argv) {
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
       compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,
-              compile_budget);
+              compile_budget, compile_amp);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);

@@ -32,9 +32,10 @@ static_assert(static_cast<int>(DType::kF32) == static_cast<int>(nn::Elem::kF32) 
 nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 
-KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
+KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel,
+                bool in_place_ok = false) {
   return KernelImpl{"cuda-nn", Device::kCuda, kHandWrittenPriority, std::move(supports),
-                    std::move(kernel)};
+                    std::move(kernel), in_place_ok};
 }
 
 bool storage_float(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
@@ -202,7 +203,8 @@ void register_nn_kernels(KernelRegistry& registry) {
                               elem(in[4].dtype()), in[4].raw(), elem(in[5].dtype()), in[5].raw(),
                               args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
                               in[0].numel(), config, stream_of(args));
-           }));
+           },
+           /*in_place_ok=*/true));
   registry.add(Op::kSgdUpdate, impl([](const NodeView& n) { return update_supported(n, 3); },
                                     [](const KernelArgs& args) {
                                       const auto& in = args.inputs;
@@ -215,7 +217,8 @@ void register_nn_kernels(KernelRegistry& registry) {
                                                      in[2].raw(), elem(in[3].dtype()), in[3].raw(),
                                                      args.outputs[0].raw(), args.outputs[1].raw(),
                                                      in[0].numel(), config, stream_of(args));
-                                    }));
+                                    },
+                                    /*in_place_ok=*/true));
 
   registry.add(Op::kGather, impl(nullptr, [](const KernelArgs& args) {
                  const Tensor &table = args.inputs[0], &indices = args.inputs[1];

@@ -820,11 +820,13 @@ dim3 elementwise_grid(int64_t items, int threads) {
 constexpr int kUpdateChunk = 4;
 
 template <typename P, typename G, typename S>
-__global__ void adamw_kernel(const P* __restrict__ param, const G* __restrict__ grad,
-                             const S* __restrict__ m, const S* __restrict__ v, const void* lr_ptr,
+// No __restrict__ on the optimizer kernels: the executor writes the updated param and state
+// over their inputs (in place), and each element is read before it is written by one thread.
+__global__ void adamw_kernel(const P* param, const G* grad,
+                             const S* m, const S* v, const void* lr_ptr,
                              Elem lr_t, const void* step_ptr, Elem step_t,
-                             P* __restrict__ param_out, S* __restrict__ m_out,
-                             S* __restrict__ v_out, int64_t n, AdamwConfig c, bool vec) {
+                             P* param_out, S* m_out,
+                             S* v_out, int64_t n, AdamwConfig c, bool vec) {
   // Bias corrections in f64 (1 - 0.999^t loses digits in f32), once per thread.
   const double t = load_scalar(step_ptr, step_t);
   const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
@@ -863,9 +865,9 @@ __global__ void adamw_kernel(const P* __restrict__ param, const G* __restrict__ 
 }
 
 template <typename P, typename G, typename S>
-__global__ void sgd_kernel(const P* __restrict__ param, const G* __restrict__ grad,
-                           const S* __restrict__ buf, const void* lr_ptr, Elem lr_t,
-                           P* __restrict__ param_out, S* __restrict__ buf_out, int64_t n,
+__global__ void sgd_kernel(const P* param, const G* grad,
+                           const S* buf, const void* lr_ptr, Elem lr_t,
+                           P* param_out, S* buf_out, int64_t n,
                            SgdConfig c, bool vec) {
   const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
   const bool use_buf = c.momentum > 0.0f;

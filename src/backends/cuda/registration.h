@@ -19,5 +19,6 @@ void register_nn_kernels(KernelRegistry& registry);         // nn.cc
 void register_cublaslt_kernels(KernelRegistry& registry);   // cublaslt.cc
 void register_attention_kernels(KernelRegistry& registry);  // attention.cc
 void register_nvrtc_kernels(KernelRegistry& registry);      // nvrtc.cc (fused nodes)
+void register_fused_body_kernels(KernelRegistry& registry); // fused_body.cc (fused fallback)
 
 }  // namespace kiln::cuda
