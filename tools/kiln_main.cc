@@ -133,10 +133,14 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   kiln::MemoryPlan plan = kiln::plan_memory(graph);
   int64_t input_bytes = 0;
   for (const kiln::GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
-  auto gib = [](double bytes) { return bytes / double(1 << 30); };
-  fmt::print("  memory: inputs (params, state, batch) {:.3f} GiB; intermediates planned {:.3f} GiB"
-             " (lower bound {:.3f}, one buffer each {:.3f})\n",
-             gib(input_bytes), gib(plan.arena_bytes), gib(plan.live_peak_bytes), gib(plan.naive_bytes));
+  // MiB below a GiB, so small models show their numbers.
+  auto size = [](double bytes) {
+    return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
+                                   : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
+  };
+  fmt::print("  memory: inputs (params, state, batch) {}; intermediates planned {}"
+             " (lower bound {}, one buffer each {})\n",
+             size(input_bytes), size(plan.arena_bytes), size(plan.live_peak_bytes), size(plan.naive_bytes));
   fmt::print("  total {:.3f} s\n", seconds_since(start));
 }
 

@@ -1,11 +1,14 @@
 // Dialect "cpu", reductions in f32: sum, mean and max{axes, keepdims} when the reduced axes are
 // a suffix of the dims (the last axis, the last few, or all of them: axes=[] means all). The
 // input is then `outer` contiguous rows of `inner` elements and the output is one value per
-// row, whatever keepdims says. Reductions over leading or scattered axes are refused by
-// supports() and served by the reference kernel.
+// row, whatever keepdims says. Also when the reduced axes are a prefix (column reductions: the
+// bias and LayerNorm-parameter gradients, a sum over batch and time): one value per column.
+// Reductions over scattered axes are refused by supports() and served by the reference kernel.
 //
 // Many rows: rows are split across threads. Few long rows (e.g. a sum over everything): each
 // row is split across threads and the per-chunk partial results are combined in chunk order.
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -39,7 +42,61 @@ std::optional<RowShape> suffix_rows(const Shape& shape, const std::vector<int64_
   return rows;
 }
 
+// Rows for a reduction over a proper prefix of the axes (a column reduction): `outer` rows of
+// `inner` columns, one result per column. nullopt otherwise (suffix reductions go above).
+std::optional<RowShape> prefix_rows(const Shape& shape, const std::vector<int64_t>& axes) {
+  const int rank = static_cast<int>(shape.size());
+  if (axes.empty()) return std::nullopt;
+  std::vector<bool> reduced(rank, false);
+  for (int64_t axis : axes) {
+    if (axis < -rank || axis >= rank) return std::nullopt;
+    reduced[axis < 0 ? axis + rank : axis] = true;
+  }
+  int last = 0;
+  while (last < rank && reduced[last]) ++last;
+  if (last == 0 || last == rank) return std::nullopt;
+  for (int d = last; d < rank; ++d)
+    if (reduced[d]) return std::nullopt;
+  RowShape rows{1, 1};
+  for (int d = 0; d < rank; ++d) (d < last ? rows.outer : rows.inner) *= shape[d];
+  return rows;
+}
+
 enum class Reduce { kSum, kMean, kMax };
+
+// Column reduction: each thread folds a contiguous chunk of rows into per-column f64 partials
+// (rows are read contiguously, so this streams memory); the partials are combined in chunk
+// order, so the result does not depend on scheduling (only on the thread count).
+void column_reduce_kernel(Reduce kind, const RowShape& rows, const float* x, float* out) {
+  const int64_t chunks = std::min<int64_t>(
+      num_chunks(rows.outer * rows.inner, kGrainCheap), std::max<int64_t>(1, rows.outer));
+  const size_t width = static_cast<size_t>(rows.inner);
+  std::vector<double> partial(static_cast<size_t>(chunks) * width);
+  parallel_chunks(0, rows.outer, chunks, [&](int64_t c, int64_t lo, int64_t hi) {
+    double* acc = partial.data() + static_cast<size_t>(c) * width;
+    for (size_t j = 0; j < width; ++j)
+      acc[j] = kind == Reduce::kMax ? -std::numeric_limits<double>::infinity() : 0.0;
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = x + r * rows.inner;
+      if (kind == Reduce::kMax) {
+        // std::max would drop a NaN; the reference propagates it.
+        for (size_t j = 0; j < width; ++j)
+          acc[j] = (row[j] > acc[j] || std::isnan(row[j])) ? row[j] : acc[j];
+      } else {
+        for (size_t j = 0; j < width; ++j) acc[j] += row[j];
+      }
+    }
+  });
+  const double scale = kind == Reduce::kMean ? 1.0 / static_cast<double>(rows.outer) : 1.0;
+  for (size_t j = 0; j < width; ++j) {
+    double result = partial[j];
+    for (int64_t c = 1; c < chunks; ++c) {
+      const double p = partial[static_cast<size_t>(c) * width + j];
+      result = kind != Reduce::kMax ? result + p : (p > result || std::isnan(p)) ? p : result;
+    }
+    out[j] = static_cast<float>(result * scale);
+  }
+}
 
 // Reduction of part of a row: the sum (kSum, kMean) or the max (kMax), as a double.
 double reduce_part(Reduce kind, const float* x, int64_t n) {
@@ -48,9 +105,11 @@ double reduce_part(Reduce kind, const float* x, int64_t n) {
 
 void reduce_kernel(Reduce kind, const KernelArgs& args) {
   const Tensor& in = args.inputs[0];
-  const RowShape rows = *suffix_rows(in.shape(), args.attrs.ints("axes"));
   const float* x = in.data<float>();
   float* out = args.outputs[0].data<float>();
+  const std::optional<RowShape> suffix = suffix_rows(in.shape(), args.attrs.ints("axes"));
+  if (!suffix) return column_reduce_kernel(kind, *prefix_rows(in.shape(), args.attrs.ints("axes")), x, out);
+  const RowShape rows = *suffix;
   const double scale = kind == Reduce::kMean ? 1.0 / static_cast<double>(rows.inner) : 1.0;
   const int64_t threads = max_threads();
   if (rows.outer >= threads || rows.inner < 2 * kGrainCheap) {
@@ -80,7 +139,9 @@ bool reduce_supported(const NodeView& node) {
   if (!all_dtype(node, DType::kF32) || node.input_types.size() != 1) return false;
   const Shape& shape = node.input_types[0].shape;
   // Empty inputs (mean of nothing, max of nothing) are the reference's to define.
-  return numel(shape) > 0 && suffix_rows(shape, node.node.attrs.ints("axes")).has_value();
+  const std::vector<int64_t>& axes = node.node.attrs.ints("axes");
+  return numel(shape) > 0 &&
+         (suffix_rows(shape, axes).has_value() || prefix_rows(shape, axes).has_value());
 }
 
 void add_reduction(KernelRegistry& registry, Op op, Reduce kind) {
