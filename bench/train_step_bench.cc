@@ -167,8 +167,10 @@ void run(const Task& task, int warmup, int steps, int top) {
     const MemoryPlan* plan = t.step_executor().memory_plan();
     return plan ? static_cast<double>(plan->arena_bytes) / (1 << 20) : 0.0;
   };
-  fmt::print("  planned peak      {:8.2f} MiB with passes, {:.2f} MiB without\n", peak_mib(trainer),
-             peak_mib(plain));
+  fmt::print("  planned peak      {:8.2f} MiB with passes, {:.2f} MiB without ({} and {} of {} "
+             "updates written in place)\n",
+             peak_mib(trainer), peak_mib(plain), trainer.step_executor().direct_update_count(),
+             plain.step_executor().direct_update_count(), g.updates.size());
   fmt::print("  forward           {:8.3f} ms (min {:.3f}, max {:.3f})\n", fwd.median, fwd.min,
              fwd.max);
   fmt::print("  forward+backward  {:8.3f} ms (min {:.3f}, max {:.3f})\n", fwd_bwd.median,

@@ -65,9 +65,8 @@ Executor::Executor(Graph graph, ExecutorOptions options)
   if (on_cuda) {
     setup_cuda();
   } else if (options_.plan_memory) {
-    plan_ = plan_memory(graph_, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
+    plan_with_direct_updates();
     arena_ = allocate_arena(plan_.arena_bytes, options_.poison_arena);
-    last_use_ = plan_.liveness.last;
   } else {
     last_use_ = compute_liveness(graph_).last;
   }
@@ -90,13 +89,9 @@ void Executor::synchronize() const {
   cuda::check_device_errors();  // a kernel's data error (an index out of range, ...) surfaces here
 }
 
-void Executor::setup_cuda() {
-  if (options_.stream != nullptr) {
-    stream_ = options_.stream;
-  } else {
-    owned_stream_ = std::make_unique<cuda::Stream>();
-    stream_ = owned_stream_->handle();
-  }
+// Which updates a node can write straight into the caller's input (no copy at the end, and no
+// arena bytes held to the end of the step), then the memory plan of the rest.
+void Executor::plan_with_direct_updates() {
   const size_t values = graph_.values.size();
   const Liveness live = compute_liveness(graph_);
   // Updates written in place by their node (see executor.h).
@@ -126,6 +121,17 @@ void Executor::setup_cuda() {
     if (copied_update_[u]) planned.updates.push_back(graph_.updates[u]);
   plan_ = plan_memory(planned, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
   last_use_ = plan_.liveness.last;
+}
+
+void Executor::setup_cuda() {
+  if (options_.stream != nullptr) {
+    stream_ = options_.stream;
+  } else {
+    owned_stream_ = std::make_unique<cuda::Stream>();
+    stream_ = owned_stream_->handle();
+  }
+  plan_with_direct_updates();
+  const size_t values = graph_.values.size();
   if (!options_.plan_memory) {
     // The oracle layout: every arena value its own bytes, nothing shared or reused.
     size_t offset = 0;
@@ -200,7 +206,9 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
     args_out.clear();
     for (ValueId id : node.inputs) args_in.push_back(values[id]);
     for (ValueId id : node.outputs) {
-      if (planned && plan_.in_arena(id)) {
+      if (planned && direct_update_input_[id] >= 0) {
+        args_out.push_back(inputs[static_cast<size_t>(direct_update_input_[id])]);
+      } else if (planned && plan_.in_arena(id)) {
         args_out.push_back(Tensor(graph_.type(id), arena_, static_cast<size_t>(plan_.offsets[id])));
       } else {
         args_out.push_back(Tensor(graph_.type(id)));
@@ -221,8 +229,11 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
   for (size_t i = 0; i < outputs.size(); ++i)
     for (const Update& u : graph_.updates)
       if (graph_.outputs[i] == u.target) outputs[i] = outputs[i].clone();
-  // In-place updates: new param/state values overwrite the caller's input tensors.
-  for (const Update& u : graph_.updates) {
+  // In-place updates: new param/state values overwrite the caller's input tensors (those a
+  // node did not already write there).
+  for (size_t k = 0; k < graph_.updates.size(); ++k) {
+    if (planned && !copied_update_[k]) continue;
+    const Update& u = graph_.updates[k];
     const Tensor& target = inputs[graph_.input_index(u.target)];
     std::memcpy(target.raw(), values[u.value].raw(), target.bytes());
   }

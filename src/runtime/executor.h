@@ -108,6 +108,7 @@ class Executor {
   std::vector<Tensor> run_cuda(std::span<const Tensor> inputs) const;
   void enqueue_cuda(std::span<const Tensor> inputs) const;
   void setup_cuda();
+  void plan_with_direct_updates();
   std::unique_ptr<cuda::Stream> owned_stream_;
   void* stream_ = nullptr;
   size_t device_bytes_ = 0;

@@ -57,8 +57,10 @@ Ints unravel(int64_t index, const Shape& shape) {
   return out;
 }
 
-KernelImpl fast(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
-  return KernelImpl{"cpu", Device::kCpu, kFastPriority, std::move(supports), std::move(kernel)};
+KernelImpl fast(std::function<bool(const NodeView&)> supports, KernelFn kernel,
+                bool in_place_ok = false) {
+  return KernelImpl{"cpu", Device::kCpu, kFastPriority, std::move(supports), std::move(kernel),
+                    in_place_ok};
 }
 
 // Elements per thread chunk for the optimizer updates: they stream 5-7 arrays (memory bound)
@@ -87,24 +89,27 @@ struct AdamwConstants {
 // the passes before and after them stay plain vectorizable loops.
 constexpr int64_t kUpdateBlock = 256;
 
-void adamw_block(const float* __restrict__ p, const float* __restrict__ g,
-                 const float* __restrict__ m, const float* __restrict__ v,
-                 float* __restrict__ p_out, float* __restrict__ m_out, float* __restrict__ v_out,
-                 int64_t n, const AdamwConstants& c) {
-  float scratch[kUpdateBlock];
+// The outputs may lie over their inputs (the executor writes updated params and state in
+// place: KernelImpl::in_place_ok), so no pointer is __restrict__: a block is read into local
+// arrays, computed there, and only then stored.
+void adamw_block(const float* p, const float* g, const float* m, const float* v, float* p_out,
+                 float* m_out, float* v_out, int64_t n, const AdamwConstants& c) {
+  float mn[kUpdateBlock], vn[kUpdateBlock], scratch[kUpdateBlock], pn[kUpdateBlock];
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
-    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
-    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
-    m_out[i] = mi;
-    v_out[i] = vi;
-    scratch[i] = vi * c.inv_correction2;
+    mn[i] = c.b1 * m[i] + c.one_minus_b1 * gi;
+    vn[i] = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
+    scratch[i] = vn[i] * c.inv_correction2;
   }
   sqrt_in_place(scratch, n);
   for (int64_t i = 0; i < n; ++i) {
-    const float update = (m_out[i] * c.inv_correction1) / (scratch[i] + c.eps) + c.wd * p[i];
-    p_out[i] = p[i] - c.lr * update;
+    const float update = (mn[i] * c.inv_correction1) / (scratch[i] + c.eps) + c.wd * p[i];
+    pn[i] = p[i] - c.lr * update;
   }
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  std::memcpy(m_out, mn, bytes);
+  std::memcpy(v_out, vn, bytes);
+  std::memcpy(p_out, pn, bytes);
 }
 
 void adamw_kernel(const KernelArgs& args) {
@@ -150,19 +155,25 @@ bool adamw_supported(const NodeView& node) {
 
 enum class SgdStep { kPlain, kMomentum, kNesterov };
 
+// In place like adamw_block: each block is computed into local arrays, then stored.
 template <SgdStep kStep>
-void sgd_loop(const float* __restrict__ p, const float* __restrict__ g,
-              const float* __restrict__ buf, float* __restrict__ p_out,
-              float* __restrict__ buf_out, int64_t n, float momentum, float wd, float lr) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] + wd * p[i];
-    const float bi = momentum * buf[i] + gi;
-    float step;
-    if constexpr (kStep == SgdStep::kPlain) step = gi;
-    else if constexpr (kStep == SgdStep::kMomentum) step = bi;
-    else step = gi + momentum * bi;
-    p_out[i] = p[i] - lr * step;
-    buf_out[i] = bi;
+void sgd_loop(const float* p, const float* g, const float* buf, float* p_out, float* buf_out,
+              int64_t n, float momentum, float wd, float lr) {
+  float pn[kUpdateBlock], bn[kUpdateBlock];
+  for (int64_t s = 0; s < n; s += kUpdateBlock) {
+    const int64_t k = std::min(kUpdateBlock, n - s);
+    for (int64_t i = 0; i < k; ++i) {
+      const float gi = g[s + i] + wd * p[s + i];
+      const float bi = momentum * buf[s + i] + gi;
+      float step;
+      if constexpr (kStep == SgdStep::kPlain) step = gi;
+      else if constexpr (kStep == SgdStep::kMomentum) step = bi;
+      else step = gi + momentum * bi;
+      pn[i] = p[s + i] - lr * step;
+      bn[i] = bi;
+    }
+    std::memcpy(p_out + s, pn, static_cast<size_t>(k) * sizeof(float));
+    std::memcpy(buf_out + s, bn, static_cast<size_t>(k) * sizeof(float));
   }
 }
 
@@ -572,8 +583,8 @@ KernelImpl openblas(std::function<bool(const NodeView&)> supports, KernelFn kern
 }  // namespace
 
 void register_train_kernels(KernelRegistry& registry) {
-  registry.add(Op::kAdamwUpdate, fast(adamw_supported, adamw_kernel));
-  registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel));
+  registry.add(Op::kAdamwUpdate, fast(adamw_supported, adamw_kernel, /*in_place_ok=*/true));
+  registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel, /*in_place_ok=*/true));
   registry.add(Op::kGeluGrad,
                fast([](const NodeView& node) { return all_dtype(node, DType::kF32); },
                     gelu_grad_kernel));
