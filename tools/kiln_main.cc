@@ -255,6 +255,9 @@ int main(int argc, char** argv) {
                   "Launch every kernel each step instead of replaying a captured CUDA graph");
   bench->add_flag("--json", bench_options.json, "Also print the numbers as one JSON line, last");
   bench->add_option("--disable-pass", bench_options.disabled_passes, "Skip these passes of the default pipeline")->delimiter(',');
+  bench->add_option("--profile", bench_options.profile_path,
+                    "After the timed steps, profile one step (CUDA events around every kernel): print a "
+                    "per-kernel table and write a Chrome trace-event JSON to this file");
 
   try {
     app.parse(argc, argv);

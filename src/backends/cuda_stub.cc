@@ -45,6 +45,11 @@ UploadStaging::UploadStaging(int) { no_cuda(); }
 UploadStaging::~UploadStaging() = default;
 void UploadStaging::upload(std::span<const Tensor>, std::span<const Tensor>, void*) { no_cuda(); }
 
+EventTimer::EventTimer(size_t) { no_cuda(); }
+EventTimer::~EventTimer() = default;
+void EventTimer::record(size_t, void*) { no_cuda(); }
+float EventTimer::elapsed_ms(size_t, size_t) const { no_cuda(); }
+
 CapturedGraph::~CapturedGraph() = default;
 void CapturedGraph::begin_capture(void*) { no_cuda(); }
 void CapturedGraph::end_capture(void*) { no_cuda(); }

@@ -131,6 +131,7 @@ void Executor::setup_cuda() {
     stream_ = owned_stream_->handle();
   }
   plan_with_direct_updates();
+  if (options_.profile) timer_ = std::make_unique<cuda::EventTimer>(2 * graph_.nodes.size());
   const size_t values = graph_.values.size();
   if (!options_.plan_memory) {
     // The oracle layout: every arena value its own bytes, nothing shared or reused.
@@ -177,6 +178,27 @@ void Executor::setup_cuda() {
   for (ValueId id : graph_.outputs)
     if (output_slot_[id] == static_cast<int>(output_tensors_.size()))
       output_tensors_.push_back(Tensor(graph_.type(id), arena_, output_offsets[output_tensors_.size()], Device::kCuda));
+}
+
+std::vector<NodeTiming> Executor::profile() const {
+  KILN_CHECK(timer_ != nullptr, "graph '{}': profile() needs an executor built with ExecutorOptions::profile on "
+             "device cuda (this one: profile {}, device {})", graph_.name, options_.profile,
+             device_name(options_.device));
+  KILN_CHECK(profiled_run_, "graph '{}': profile() before the first run", graph_.name);
+  synchronize();
+  std::vector<NodeTiming> out;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
+    NodeTiming t;
+    t.node = static_cast<int64_t>(n);
+    t.op = std::string(op_name(node.op));
+    t.dialect = kernels_[n]->dialect;
+    if (node.op == Op::kFused && node.attrs.has("kind")) t.kind = node.attrs.s("kind");
+    t.outputs = types_text(types_of(graph_, node.outputs));
+    t.ms = timer_->elapsed_ms(2 * n, 2 * n + 1);
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 std::vector<std::string> Executor::node_dialects() const {
@@ -253,7 +275,7 @@ std::vector<Tensor> Executor::run_cuda(std::span<const Tensor> inputs) const {
   }
   std::vector<Tensor> outputs;
   for (ValueId id : graph_.outputs) outputs.push_back(output_tensors_[static_cast<size_t>(output_slot_[id])]);
-  if (!options_.cuda_graphs) {
+  if (!options_.cuda_graphs || options_.profile) {
     enqueue_cuda(inputs);
     return outputs;
   }
@@ -311,17 +333,20 @@ void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
     KernelArgs args{node.attrs, args_in, args_out};
     args.stream = stream_;
     args.body = node.body.get();
+    if (timer_) timer_->record(2 * n, stream_);
     try {
       kernels_[n]->kernel(args);
     } catch (const Error& e) {
       fail("graph '{}': {} (cuda kernel '{}'): {}", graph_.name, node_text(graph_, n), kernels_[n]->dialect, e.what());
     }
+    if (timer_) timer_->record(2 * n + 1, stream_);
     for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
     for (ValueId id : node.inputs)
       if (last_use_[id] == index) values[id] = Tensor();
     for (ValueId id : node.outputs)
       if (last_use_[id] == index) values[id] = Tensor();
   }
+  if (timer_) profiled_run_ = true;
   for (size_t u = 0; u < graph_.updates.size(); ++u) {
     if (!copied_update_[u]) continue;
     const Update& update = graph_.updates[u];

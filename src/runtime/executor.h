@@ -32,6 +32,10 @@
 //   it; later runs with the same input pointers replay it (one launch per step). Input
 //   pointers that change trigger a new capture. Off: every run launches every kernel (for
 //   debugging, and the oracle of the replay tests).
+// - Profiling (options.profile): every run launches every kernel (no capture), with a timing
+//   event recorded before and after each node's kernel (events created once, at construction,
+//   and reused); profile() reads the last run's per-node times. Off (the default), runs record
+//   no events at all.
 #pragma once
 
 #include <memory>
@@ -42,6 +46,7 @@
 #include "backends/cuda/memory.h"
 #include "ir/graph.h"
 #include "runtime/memory_plan.h"
+#include "runtime/profile.h"
 #include "tensor/tensor.h"
 
 namespace kiln {
@@ -61,6 +66,8 @@ struct ExecutorOptions {
   // Device bytes the caller will still allocate for this graph's inputs (params, state, batch):
   // checked together with the arena so that an out-of-memory error names the whole need.
   size_t device_bytes_to_come = 0;
+  // CUDA only: time every node's kernel with events; no CUDA-graph capture (see above).
+  bool profile = false;
 };
 
 class Executor {
@@ -89,6 +96,9 @@ class Executor {
   int64_t graph_captures() const { return graph_captures_; }
   // CUDA: updates written in place by their node (the rest are copied at the end of a run).
   size_t direct_update_count() const { return direct_update_count_; }
+  // CUDA with options.profile: waits for the last run, then returns one timing per node, in
+  // node order. Throws kiln::Error without options.profile or before the first run.
+  std::vector<NodeTiming> profile() const;
 
   const Graph& graph() const { return graph_; }
   // The dialect chosen for each node, in node order.
@@ -122,6 +132,8 @@ class Executor {
   mutable bool warmed_up_ = false;
   mutable int64_t graph_replays_ = 0;
   mutable int64_t graph_captures_ = 0;
+  std::unique_ptr<cuda::EventTimer> timer_;  // options.profile: events 2n, 2n+1 around node n
+  mutable bool profiled_run_ = false;
 };
 
 }  // namespace kiln

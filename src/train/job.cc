@@ -15,6 +15,7 @@
 #include "backends/cuda/device.h"
 #include "backends/cuda/memory.h"
 #include "models/models.h"
+#include "runtime/profile.h"
 #include "support/error.h"
 #include "train/data/fashion_mnist.h"
 #include "train/data/loader.h"
@@ -307,6 +308,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   }
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
              "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
+  KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
   KILN_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "--batch and --steps must be > 0 and --warmup >= 0, got {}, {}, {}",
              o.batch, o.steps, o.warmup);
   BenchResult r;
@@ -347,12 +349,18 @@ BenchResult run_benchmark(const BenchOptions& o) {
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
   executor_options.cuda_graphs = o.cuda_graphs;
+  // The profiling trainer (--profile) needs the initial params again: the first trainer is gone
+  // by then (two step arenas at once may not fit).
+  std::vector<Tensor> profile_init;
+  if (!o.profile_path.empty())
+    for (const Tensor& t : init) profile_init.push_back(t.clone());
   size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;
   if (on_cuda) cuda::reset_peak_allocated_bytes();
   Clock::time_point t0 = Clock::now();
   PassOptions passes;
   passes.disabled = {o.disabled_passes.begin(), o.disabled_passes.end()};
-  Trainer trainer(forward, config, init, executor_options, passes);
+  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes);
+  Trainer& trainer = *trainer_owner;
   r.compile_s = std::chrono::duration<double>(Clock::now() - t0).count();
   init.clear();
 
@@ -395,6 +403,22 @@ BenchResult run_benchmark(const BenchOptions& o) {
   r.kernels_per_step = static_cast<int64_t>(trainer.step_executor().graph().nodes.size());
   r.updates = trainer.step_executor().graph().updates.size();
   r.mfu = r.peak_flops > 0 ? r.flops_per_step / (r.median_ms / 1e3) / r.peak_flops : 0;
+  // --profile: before the report, so that the report (and its JSON line) stays last.
+  if (!o.profile_path.empty()) {
+    trainer_owner.reset();
+    ExecutorOptions profile_options = executor_options;
+    profile_options.profile = true;
+    Trainer profiling(forward, config, profile_init, profile_options, passes);
+    profile_init.clear();
+    for (int i = 0; i < 3; ++i) profiling.step(batches[static_cast<size_t>(i % 2)]);  // 2 warm-up + 1 profiled
+    std::vector<NodeTiming> timings = profiling.step_executor().profile();  // the last step
+    write_chrome_trace(timings, o.profile_path);
+    if (o.out) {
+      fmt::print(o.out, "profile (one step, each kernel between CUDA events, no CUDA graph):\n{}",
+                 profile_table(timings, 25));
+      fmt::print(o.out, "trace written to {} (open in chrome://tracing or ui.perfetto.dev)\n", o.profile_path);
+    }
+  }
   if (o.out) {
     const std::string unit = is_language_model(o.model) ? "tokens" : "samples";
     fmt::print(o.out, "kiln bench: {} ({:.1f}M params), batch {}{}, amp {}, device {}{}\n", o.model,

@@ -358,6 +358,44 @@ graph @huge(%x: f32[1048576, 1048576] data) {
   EXPECT_EQ(cuda::allocated_bytes(), before);
 }
 
+TEST(CudaExecutor, ProfileTimesEveryNodeAndChangesNoResult) {
+  KILN_REQUIRE_GPU();
+  Graph g = parse(kElementwiseGraph);
+  std::vector<Tensor> inputs = upload(host_inputs(g, 9, 1));
+  Executor plain(g, on_cuda(false));
+  ExecutorOptions options = on_cuda(true);
+  options.profile = true;  // overrides cuda_graphs: every run launches every kernel
+  Executor profiling(g, options);
+  EXPECT_THROW(profiling.profile(), Error);  // no run yet
+  try {
+    plain.profile();
+    FAIL() << "profile() on a non-profiling executor must throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ExecutorOptions::profile"), std::string::npos) << e.what();
+  }
+  std::vector<Tensor> want = download(plain.run(inputs));
+  for (int run = 0; run < 3; ++run) {
+    expect_close(download(profiling.run(inputs)), want, kSameKernels, "profiled run " + std::to_string(run));
+    std::vector<NodeTiming> timings = profiling.profile();
+    ASSERT_EQ(timings.size(), g.nodes.size());
+    std::vector<std::string> dialects = profiling.node_dialects();
+    for (size_t n = 0; n < timings.size(); ++n) {
+      EXPECT_EQ(timings[n].node, static_cast<int64_t>(n));
+      EXPECT_EQ(timings[n].op, std::string(op_name(g.nodes[n].op)));
+      EXPECT_EQ(timings[n].dialect, dialects[n]);
+      EXPECT_FALSE(timings[n].outputs.empty()) << n;
+      EXPECT_GE(timings[n].ms, 0.0) << n;
+      EXPECT_LT(timings[n].ms, 1000.0) << n;  // a 257x33 elementwise kernel, not a second
+    }
+  }
+  EXPECT_EQ(profiling.graph_captures(), 0);
+  EXPECT_EQ(profiling.graph_replays(), 0);
+  EXPECT_NE(profile_table(profiling.profile(), 3).find("exp["), std::string::npos);
+  // A training step (updates written into the inputs) gives what the unprofiled one gives.
+  Graph step = sgd_training_graph(models::mlp(models::MlpConfig{16, 40, {24}, 5})).graph;
+  expect_close(run_steps(step, options, 3, 5), run_steps(step, on_cuda(false), 3, 5), kSameKernels, "mlp sgd");
+}
+
 TEST(CudaMemory, RoundTripsAndAsyncCopies) {
   KILN_REQUIRE_GPU();
   Tensor host = random_tensor({DType::kBF16, {3, 1001}}, 4);

@@ -196,6 +196,34 @@ void UploadStaging::upload(std::span<const Tensor> hosts, std::span<const Tensor
   slot.pending = true;
 }
 
+// ---- event timing ----
+
+EventTimer::EventTimer(size_t count) {
+  events_.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    cudaEvent_t event = nullptr;
+    KILN_CUDA_CHECK(cudaEventCreate(&event));
+    events_.push_back(event);
+  }
+}
+
+EventTimer::~EventTimer() {
+  for (void* event : events_) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void EventTimer::record(size_t i, void* stream) {
+  KILN_CHECK(i < events_.size(), "EventTimer: event {} of {}", i, events_.size());
+  KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[i]), as_stream(stream)));
+}
+
+float EventTimer::elapsed_ms(size_t a, size_t b) const {
+  KILN_CHECK(a < events_.size() && b < events_.size(), "EventTimer: events {} and {} of {}", a, b, events_.size());
+  KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[b])));
+  float ms = 0;
+  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[a]), static_cast<cudaEvent_t>(events_[b])));
+  return ms;
+}
+
 // ---- CUDA graphs ----
 
 CapturedGraph::~CapturedGraph() {

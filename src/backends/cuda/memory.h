@@ -112,6 +112,25 @@ class UploadStaging {
   size_t next_ = 0;
 };
 
+// ---- event timing ----
+
+// `count` timing events, created once and reused (the executor's profiling mode): record(i)
+// enqueues event i on a stream; elapsed_ms(a, b) waits for event b, then returns the
+// milliseconds from event a to event b (both must have been recorded).
+class EventTimer {
+ public:
+  explicit EventTimer(size_t count);
+  ~EventTimer();
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+  size_t size() const { return events_.size(); }
+  void record(size_t i, void* stream);
+  float elapsed_ms(size_t a, size_t b) const;
+
+ private:
+  std::vector<void*> events_;  // cudaEvent_t
+};
+
 // ---- CUDA graphs ----
 
 // One captured stream sequence, replayed with launch(). Usage:

@@ -1,0 +1,148 @@
+// The profiling reports (runtime/profile.h) on hand-made timings: grouping by op, dialect and
+// fused kind, percentages, the top-N list, and the Chrome trace-event JSON (parsed back).
+#include "runtime/profile.h"
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "support/error.h"
+#include "train/job.h"
+
+namespace kiln {
+namespace {
+
+NodeTiming timing(int64_t node, std::string op, std::string dialect, std::string kind, std::string outputs,
+                  double ms) {
+  return NodeTiming{node, std::move(op), std::move(dialect), std::move(kind), std::move(outputs), ms};
+}
+
+// Total 10 ms: matmul[cublaslt] 2 + 3 = 5 (50%), fused:ew[nvrtc] 1 + 1.5 = 2.5 (25%),
+// fused:reduce[nvrtc] 2 (20%), add[cuda] 0.5 (5%).
+std::vector<NodeTiming> sample() {
+  return {timing(0, "matmul", "cublaslt", "", "f32[4,8]", 2.0),
+          timing(1, "fused", "nvrtc", "ew", "f32[4,8]", 1.0),
+          timing(2, "add", "cuda", "", "f32[4,8]", 0.5),
+          timing(3, "fused", "nvrtc", "reduce", "f32[4]", 2.0),
+          timing(4, "matmul", "cublaslt", "", "f32[8,8]", 3.0),
+          timing(5, "fused", "nvrtc", "ew", "bf16[4,8], f32[4]", 1.5)};
+}
+
+TEST(Profile, LabelsNameOpKindAndDialect) {
+  EXPECT_EQ(timing_label(timing(0, "matmul", "cublaslt", "", "", 1)), "matmul[cublaslt]");
+  EXPECT_EQ(timing_label(timing(0, "fused", "nvrtc", "ew", "", 1)), "fused:ew[nvrtc]");
+}
+
+TEST(Profile, GroupsSumCountsAndPercentages) {
+  std::vector<ProfileGroup> groups = group_timings(sample());
+  ASSERT_EQ(groups.size(), 4u);
+  EXPECT_EQ(groups[0].label, "matmul[cublaslt]");
+  EXPECT_EQ(groups[0].count, 2);
+  EXPECT_DOUBLE_EQ(groups[0].total_ms, 5.0);
+  EXPECT_DOUBLE_EQ(groups[0].percent, 50.0);
+  EXPECT_EQ(groups[1].label, "fused:ew[nvrtc]");
+  EXPECT_EQ(groups[1].count, 2);
+  EXPECT_DOUBLE_EQ(groups[1].total_ms, 2.5);
+  EXPECT_DOUBLE_EQ(groups[1].percent, 25.0);
+  EXPECT_EQ(groups[2].label, "fused:reduce[nvrtc]");
+  EXPECT_EQ(groups[2].count, 1);
+  EXPECT_DOUBLE_EQ(groups[2].percent, 20.0);
+  EXPECT_EQ(groups[3].label, "add[cuda]");
+  EXPECT_DOUBLE_EQ(groups[3].total_ms, 0.5);
+  EXPECT_DOUBLE_EQ(groups[3].percent, 5.0);
+  double sum = 0;
+  for (const ProfileGroup& g : groups) sum += g.percent;
+  EXPECT_NEAR(sum, 100.0, 1e-9);
+}
+
+TEST(Profile, SameOpOnTwoDialectsIsTwoGroups) {
+  std::vector<ProfileGroup> groups =
+      group_timings({timing(0, "add", "cuda", "", "", 1.0), timing(1, "add", "nvrtc", "", "", 3.0)});
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].label, "add[nvrtc]");
+  EXPECT_DOUBLE_EQ(groups[0].percent, 75.0);
+  EXPECT_EQ(groups[1].label, "add[cuda]");
+  EXPECT_DOUBLE_EQ(groups[1].percent, 25.0);
+}
+
+TEST(Profile, ZeroTotalGivesZeroPercentNotNan) {
+  std::vector<ProfileGroup> groups = group_timings({timing(0, "add", "cuda", "", "", 0.0)});
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0].percent, 0.0);
+  EXPECT_NE(profile_table({}, 5).find("0 nodes"), std::string::npos);
+}
+
+TEST(Profile, TableShowsTotalGroupsAndTopNodes) {
+  std::string table = profile_table(sample(), 2);
+  EXPECT_NE(table.find("10.000 ms over 6 nodes"), std::string::npos) << table;
+  // matmul group: total 5, 50%, 2 nodes, mean 2.5.
+  EXPECT_NE(table.find("5.000   50.00       2     2.5000  matmul[cublaslt]"), std::string::npos) << table;
+  EXPECT_NE(table.find("fused:reduce[nvrtc]"), std::string::npos) << table;
+  // Top 2 single nodes: node 4 (3 ms, 30%) then node 0 (2 ms, ties with node 3 keep node order).
+  size_t top = table.find("top 2 nodes:");
+  ASSERT_NE(top, std::string::npos) << table;
+  std::string tail = table.substr(top);
+  size_t first = tail.find("3.0000   30.00       4  matmul[cublaslt] -> f32[8,8]");
+  size_t second = tail.find("2.0000   20.00       0  matmul[cublaslt] -> f32[4,8]");
+  EXPECT_NE(first, std::string::npos) << table;
+  EXPECT_NE(second, std::string::npos) << table;
+  EXPECT_LT(first, second);
+  EXPECT_EQ(tail.find("-> f32[4]\n"), std::string::npos) << "node 3 is third, not shown: " << table;
+}
+
+TEST(Profile, ChromeTraceParsesWithBackToBackEvents) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("kiln_profile_test_" + std::to_string(::getpid()) + ".json")).string();
+  write_chrome_trace(sample(), path);
+  std::ifstream in(path);
+  nlohmann::json j = nlohmann::json::parse(in);
+  std::filesystem::remove(path);
+  ASSERT_TRUE(j.contains("traceEvents"));
+  const nlohmann::json& events = j["traceEvents"];
+  ASSERT_EQ(events.size(), 6u);
+  // Durations in microseconds; each event starts where the previous one ends.
+  const double want_ts[] = {0, 2000, 3000, 3500, 5500, 8500};
+  const double want_dur[] = {2000, 1000, 500, 2000, 3000, 1500};
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(events[i]["ph"], "X") << i;
+    EXPECT_NEAR(events[i]["ts"].get<double>(), want_ts[i], 1e-9) << i;
+    EXPECT_NEAR(events[i]["dur"].get<double>(), want_dur[i], 1e-9) << i;
+    EXPECT_EQ(events[i]["args"]["node"].get<int64_t>(), static_cast<int64_t>(i));
+    EXPECT_TRUE(events[i].contains("pid") && events[i].contains("tid")) << i;
+  }
+  EXPECT_EQ(events[0]["name"], "matmul[cublaslt]");
+  EXPECT_EQ(events[5]["name"], "fused:ew[nvrtc]");
+  EXPECT_EQ(events[5]["args"]["outputs"], "bf16[4,8], f32[4]");
+  EXPECT_EQ(events[5]["args"]["kind"], "ew");
+  EXPECT_FALSE(events[0]["args"].contains("kind"));
+}
+
+TEST(Profile, UnwritableTracePathIsAClearError) {
+  try {
+    write_chrome_trace(sample(), "/nonexistent-dir-kiln/trace.json");
+    FAIL() << "expected kiln::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir-kiln/trace.json"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Profile, BenchProfileOnTheCpuIsAClearError) {
+  train::BenchOptions o;
+  o.device = "cpu";
+  o.model = "mlp";
+  o.profile_path = "/tmp/never-written.json";
+  o.out = nullptr;
+  try {
+    train::run_benchmark(o);
+    FAIL() << "expected kiln::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--profile needs --device cuda"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kiln
