@@ -32,6 +32,16 @@ Tensor rand(DType dtype, Shape shape, uint64_t seed, double low = -1.0, double h
 ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double atol,
                                      double rtol);
 
+struct Tolerance {
+  double atol, rtol;
+};
+// Runs `op` through the reference kernel and through `dialect` on the same inputs and expects
+// every output close (a failure names the op, input types, attributes and output).
+void expect_matches_reference(const std::string& dialect, Op op, const std::vector<Tensor>& inputs,
+                              const Attributes& attrs, Tolerance tol);
+// The dialect the CPU registry selects for `op` on inputs of these types.
+std::string selected_dialect(Op op, const std::vector<TensorType>& inputs, Attributes attrs = {});
+
 // The message of the kiln::Error that `fn` throws; records a test failure if it throws none.
 std::string error_of(const std::function<void()>& fn);
 

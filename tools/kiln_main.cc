@@ -66,7 +66,6 @@ double seconds_since(std::chrono::steady_clock::time_point start);
 
 // `kiln compile --dump-kernels DIR`: one .cu file per fused node (node index and kind in the
 // name) with the nvrtc dialect's generated source; codegen needs no GPU.
-std::string dump_kernels_dir;
 void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 #ifdef KILN_HAVE_CUDA
   std::filesystem::create_directories(dir);
@@ -91,7 +90,8 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 // `kiln compile`: build the model's training graph, run the pipeline, report.
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
-             bool report, const std::string& memory_budget, const std::string& amp) {
+             bool report, const std::string& memory_budget, const std::string& amp,
+             const std::string& dump_kernels_dir) {
   auto start = std::chrono::steady_clock::now();
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
   double build_s = seconds_since(start);
@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--print-after", print_after, "Print the IR after these passes (or 'all')")->delimiter(',');
   compile_cmd->add_option("--disable-pass", disabled_passes, "Skip these passes")->delimiter(',');
   compile_cmd->add_flag("--report", compile_report, "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept out of memory; and the total) and the memory plan");
+  std::string dump_kernels_dir;
   compile_cmd->add_option("--dump-kernels", dump_kernels_dir,
                           "Write each fused node's generated CUDA source to DIR (one .cu file per node)");
   std::string compile_amp = "off";
@@ -282,7 +283,7 @@ int main(int argc, char** argv) {
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
       compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,
-              compile_budget, compile_amp);
+              compile_budget, compile_amp, dump_kernels_dir);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);

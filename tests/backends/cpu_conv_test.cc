@@ -12,33 +12,18 @@ namespace kiln {
 namespace {
 
 using testing::all_close;
+using testing::expect_matches_reference;
+using testing::selected_dialect;
+using testing::Tolerance;
 using testing::rand;
 using testing::run_dialect;
 using testing::run_reference;
 using Ints = std::vector<int64_t>;
 
 // f32 against the f64-accumulated reference: GEMM sums of up to ~800 products of O(1) values.
-constexpr double kConvTolerance = 2e-4;
+constexpr Tolerance kConvTolerance{2e-4, 2e-4};
 
-void expect_matches_reference(const std::string& dialect, Op op, const std::vector<Tensor>& inputs,
-                              const Attributes& attrs, double tolerance) {
-  std::string what = std::string(op_name(op)) + " on";
-  for (const Tensor& t : inputs) what += " " + to_string(t.type());
-  for (const auto& [name, value] : attrs.items()) what += " " + name + "=" + to_string(value);
-  SCOPED_TRACE(what);
-  std::vector<Tensor> expected = run_reference(op, inputs, attrs);
-  std::vector<Tensor> actual = run_dialect(dialect, op, inputs, attrs);
-  ASSERT_EQ(actual.size(), expected.size());
-  for (size_t i = 0; i < actual.size(); ++i)
-    EXPECT_TRUE(all_close(actual[i], expected[i], tolerance, tolerance));
-}
 
-std::string selected_dialect(Op op, const std::vector<TensorType>& inputs, Attributes attrs = {}) {
-  attrs = normalize_attributes(op, std::move(attrs));
-  std::vector<TensorType> outputs = infer_types(op, inputs, attrs);
-  Node node{op, {}, {}, attrs};
-  return kernel_registry().select(NodeView{node, inputs, outputs}, Device::kCpu, {}).dialect;
-}
 
 struct ConvCase {
   Shape x, w;
@@ -97,14 +82,14 @@ const std::vector<PoolCase> kPoolCases = {
 
 void check_pool(Op forward, Op backward, const PoolCase& c, const Tensor& x) {
   Attributes attrs{{"kernel", c.kernel}, {"stride", c.stride}, {"padding", c.padding}};
-  expect_matches_reference("cpu", forward, {x}, attrs, 1e-6);
+  expect_matches_reference("cpu", forward, {x}, attrs, {1e-6, 1e-6});
   const Shape y = run_reference(forward, {x}, attrs)[0].shape();
   Tensor dy = rand(DType::kF32, y, 77);
   if (backward == Op::kMaxPool2dGrad) {
-    expect_matches_reference("cpu", backward, {x, dy}, attrs, 1e-6);
+    expect_matches_reference("cpu", backward, {x, dy}, attrs, {1e-6, 1e-6});
   } else {
     attrs.set("input_shape", c.x);
-    expect_matches_reference("cpu", backward, {dy}, attrs, 1e-6);
+    expect_matches_reference("cpu", backward, {dy}, attrs, {1e-6, 1e-6});
   }
 }
 

@@ -21,36 +21,16 @@ namespace kiln {
 namespace {
 
 using testing::all_close;
+using testing::expect_matches_reference;
+using testing::selected_dialect;
+using testing::Tolerance;
 using testing::make;
 using testing::rand;
 using testing::run_dialect;
 using testing::run_reference;
 
-struct Tolerance {
-  double atol, rtol;
-};
 
-void expect_matches_reference(const std::string& dialect, Op op, const std::vector<Tensor>& inputs,
-                              const Attributes& attrs, Tolerance tol) {
-  std::string what = std::string(op_name(op)) + " on";
-  for (const Tensor& t : inputs) what += " " + to_string(t.type());
-  for (const auto& [name, value] : attrs.items()) what += " " + name + "=" + to_string(value);
-  SCOPED_TRACE(what);
-  std::vector<Tensor> expected = run_reference(op, inputs, attrs);
-  std::vector<Tensor> actual = run_dialect(dialect, op, inputs, attrs);
-  ASSERT_EQ(actual.size(), expected.size());
-  for (size_t i = 0; i < actual.size(); ++i) {
-    SCOPED_TRACE("output " + std::to_string(i));
-    EXPECT_TRUE(all_close(actual[i], expected[i], tol.atol, tol.rtol));
-  }
-}
 
-std::string selected_dialect(Op op, const std::vector<TensorType>& inputs, Attributes attrs = {}) {
-  attrs = normalize_attributes(op, std::move(attrs));
-  std::vector<TensorType> outputs = infer_types(op, inputs, attrs);
-  Node node{op, {}, {}, attrs};
-  return kernel_registry().select(NodeView{node, inputs, outputs}, Device::kCpu, {}).dialect;
-}
 
 Tensor scalar(DType dtype, double value) { return make(dtype, {}, {value}); }
 
