@@ -68,15 +68,16 @@ std::vector<Tensor> run_reference(const Body& b, const std::string& kind,
 }
 
 std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
-                              const std::vector<Tensor>& inputs) {
+                              const std::vector<Tensor>& inputs,
+                              const std::string& dialect = "nvrtc") {
   const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", kind}});
   std::vector<TensorType> in_types, out_types;
   for (const Tensor& t : inputs) in_types.push_back(t.type());
   for (ValueId id : b.g->outputs) out_types.push_back(b.g->type(id));
   Node node{Op::kFused, {}, {}, attrs, b.g};
   const KernelImpl& impl =
-      kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {"nvrtc"});
-  EXPECT_EQ(impl.dialect, "nvrtc");
+      kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {dialect});
+  EXPECT_EQ(impl.dialect, dialect);
   std::vector<Tensor> device_inputs, outputs;
   for (const Tensor& t : inputs) device_inputs.push_back(cuda::to_device(t));
   for (const TensorType& t : out_types) {
@@ -118,6 +119,32 @@ Body broadcast_chain(DType d, int64_t rows, int64_t n) {
   ValueId half =
       b.op(Op::kFull, {}, {{"value", 0.5}, {"dtype", d}, {"shape", std::vector<int64_t>{}}});
   return b.out({b.op(Op::kMul, {b.op(Op::kMul, {y, col}), b.op(Op::kAdd, {s, half})})});
+}
+
+// The cuda-body fallback (backends/cuda/fused_body.cc): a body nvrtc cannot generate (a column
+// sum), whose outputs include a body input passed through and one value listed twice, runs op
+// by op on the GPU and matches the fused reference kernel.
+TEST(NvrtcTest, CudaBodyFallbackRunsWhatNvrtcCannot) {
+  KILN_REQUIRE_GPU();
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    Body b;
+    ValueId x = b.in("x", d, {300, 96}), dy = b.in("dy", d, {300, 96});
+    ValueId dx = b.op(Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}});
+    ValueId db = b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}});
+    b.out({dx, db, x, dx});
+    std::string why;
+    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    const std::vector<Tensor> inputs = random_inputs(*b.g, 91);
+    const std::vector<Tensor> expected = run_reference(b, "elementwise", inputs);
+    const std::vector<Tensor> actual = run_nvrtc(b, "elementwise", inputs, "cuda-body");
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t i = 0; i < actual.size(); ++i) {
+      // The column sum adds 300 rounded terms: 4x the elementwise tolerance.
+      const Tolerance tol = tolerance(expected[i].dtype());
+      EXPECT_LE(max_scaled_error(actual[i], expected[i], 4 * tol.atol, 4 * tol.rtol), 1.0)
+          << dtype_name(d) << " output " << i;
+    }
+  }
 }
 
 TEST(NvrtcTest, ElementwiseChainsWithBroadcasts) {
