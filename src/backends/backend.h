@@ -30,9 +30,10 @@ struct KernelImpl {
   int priority = 0;     // higher wins
   std::function<bool(const NodeView&)> supports;  // empty: supports every node of the op
   KernelFn kernel;
-  // The kernel reads element i of every input before writing element i of its output, and its
-  // pointers are not __restrict__, so the memory plan may put an elementwise node's output over
-  // a same-typed input that dies at the node (runtime/memory_plan.h).
+  // The kernel reads element i of every input before writing element i of its output (or, for
+  // a row kernel, a whole row before writing it), and its pointers are not __restrict__, so the
+  // memory plan may put the node's output over a same-typed input that dies at the node
+  // (runtime/memory_plan.h).
   bool in_place_ok = false;
 };
 

@@ -54,7 +54,9 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok) 
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
     const int index = static_cast<int>(n);
-    const bool may_reuse = in_place_ok && has_flag(node.op, kElementwise);
+    // The kernel decides (KernelImpl::in_place_ok): elementwise kernels, the in-place optimizer
+    // updates and the fused classifier, which writes its logits' gradient over the logits.
+    const bool may_reuse = static_cast<bool>(in_place_ok);
     taken.clear();
     for (ValueId out : node.outputs) {
       if (is_output[out]) continue;

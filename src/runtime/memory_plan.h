@@ -13,9 +13,9 @@
 // aligned offset that overlaps no already-placed buffer whose lifetime overlaps its own; two
 // values may share bytes only when they are never live at the same node.
 //
-// In-place reuse: an elementwise node whose output has the same type as an input that dies at
-// that node may write its output over that input, but only where the kernel chosen for the node
-// says it can (KernelImpl::in_place_ok): the fast CPU kernels use __restrict__ loops and must
+// In-place reuse: a node whose output has the same type as an input that dies at that node may
+// write its output over that input, but only where the kernel chosen for the node says it can
+// (KernelImpl::in_place_ok): the fast CPU kernels use __restrict__ loops and must
 // never see aliased buffers.
 #pragma once
 

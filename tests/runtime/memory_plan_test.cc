@@ -160,8 +160,8 @@ TEST(MemoryPlan, NoInPlaceWhenTheKernelRefuses) {
   EXPECT_EQ(plan.arena_bytes, 512u);
 }
 
-TEST(MemoryPlan, NoInPlaceForNonElementwiseOps) {
-  // softmax reads a whole row before writing it: never in place, whatever the predicate says.
+TEST(MemoryPlan, InPlaceIsTheKernelsCall) {
+  // softmax reads a whole row before writing it: its kernel decides whether it may run in place.
   Graph g = parse(R"(
 graph @rows(%x: f32[4,16] data) {
   %a = exp(%x)
@@ -170,9 +170,13 @@ graph @rows(%x: f32[4,16] data) {
   return %s
 }
 )");
-  MemoryPlan plan = plan_memory(g, kAlways);
-  EXPECT_EQ(plan.reuses[id_of(g, "p")], -1);
-  EXPECT_EQ(plan.arena_bytes, 512u);
+  const size_t softmax_node = 1;
+  MemoryPlan refused = plan_memory(g, [&](size_t n, size_t) { return n != softmax_node; });
+  EXPECT_EQ(refused.reuses[id_of(g, "p")], -1);
+  EXPECT_EQ(refused.arena_bytes, 512u);  // %a and %p (256 bytes each) live together
+  MemoryPlan allowed = plan_memory(g, kAlways);
+  EXPECT_EQ(allowed.reuses[id_of(g, "p")], id_of(g, "a"));
+  EXPECT_EQ(allowed.arena_bytes, 256u);
 }
 
 TEST(MemoryPlan, RandomGraphsNeverShareBytesBetweenLiveValues) {
