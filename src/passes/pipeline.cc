@@ -1,6 +1,8 @@
 #include "passes/pipeline.h"
 
+#include "passes/classifier.h"
 #include "passes/fusion/fusion.h"
+#include "passes/multi_tensor.h"
 #include "passes/remat.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
@@ -20,6 +22,9 @@ PassManager default_pipeline(PassOptions options) {
   // First: decompose cross_entropy_grad / layer_norm_grad (f32/f64) into elementwise work, a
   // row softmax and column sums, which fusion below keeps in registers; the simplify passes
   // then share the parts common with the forward pass.
+  // Before training-rewrites, which would decompose it: the loss and its gradient as one fused
+  // node that hand-written kernels run in one pass, writing the gradient over the logits.
+  pm.add(std::make_unique<ClassifierPass>());
   pm.add(std::make_unique<TrainingRewrites>());
   // Local exact rules (x*1, neg(neg), transpose/reshape/cast chains) to a fixed point.
   pm.add(std::make_unique<AlgebraicSimplifier>());
@@ -32,6 +37,8 @@ PassManager default_pipeline(PassOptions options) {
   // On the final node set: outline groups of nodes that run as one kernel over row tiles into
   // fused nodes (before remat and schedule, which then see the fused graph's true footprint).
   pm.add(std::make_unique<FusionPass>());
+  // After fusion (the updates are opaque to it): all optimizer updates as multi-tensor nodes.
+  pm.add(std::make_unique<MultiTensorPass>());
   // With a memory budget: recompute activations to fit it (after CSE, which would merge the
   // clones back; right before schedule, whose order its peak is measured in).
   if (memory_budget) pm.add(std::make_unique<Rematerialize>(*memory_budget, schedule_enabled));

@@ -22,6 +22,8 @@ void register_reduction_kernels(KernelRegistry& registry);    // reduction.cc
 void register_nn_kernels(KernelRegistry& registry);           // nn.cc
 void register_conv_kernels(KernelRegistry& registry);         // conv.cc
 void register_train_kernels(KernelRegistry& registry);        // train_kernels.cc
+void register_classifier_kernels(KernelRegistry& registry);   // classifier.cc (fused loss)
+void register_multi_tensor_kernels(KernelRegistry& registry); // multi_tensor.cc (grouped updates)
 
 // True when every input and output of the node has dtype `dtype`.
 inline bool all_dtype(const NodeView& node, DType dtype) {

@@ -11,6 +11,8 @@ void register_fast_kernels(KernelRegistry& registry) {
   register_nn_kernels(registry);
   register_conv_kernels(registry);
   register_train_kernels(registry);
+  register_classifier_kernels(registry);
+  register_multi_tensor_kernels(registry);
 }
 
 }  // namespace kiln::cpu

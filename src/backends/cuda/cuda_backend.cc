@@ -10,6 +10,9 @@ void register_cuda_kernels(KernelRegistry& registry) {
   cuda::register_attention_kernels(registry);
   cuda::register_nvrtc_kernels(registry);
   cuda::register_fused_body_kernels(registry);
+  cuda::register_movement_kernels(registry);
+  cuda::register_classifier_kernels(registry);
+  cuda::register_multi_tensor_kernels(registry);
 }
 
 }  // namespace kiln

@@ -20,5 +20,8 @@ void register_cublaslt_kernels(KernelRegistry& registry);   // cublaslt.cc
 void register_attention_kernels(KernelRegistry& registry);  // attention.cc
 void register_nvrtc_kernels(KernelRegistry& registry);      // nvrtc.cc (fused nodes)
 void register_fused_body_kernels(KernelRegistry& registry); // fused_body.cc (fused fallback)
+void register_movement_kernels(KernelRegistry& registry);   // movement.cc (copies, casts, sums)
+void register_classifier_kernels(KernelRegistry& registry); // classifier.cc (fused loss)
+void register_multi_tensor_kernels(KernelRegistry& registry); // multi_tensor.cc (grouped updates)
 
 }  // namespace kiln::cuda
