@@ -16,6 +16,11 @@
 //     keys (Tk = 0). lse is f32 for f32/f16/bf16 inputs (the statistic stays f32 under mixed
 //     precision) and f64 for f64. It is the saved statistic the backward needs (FlashAttention,
 //     cuDNN and PyTorch's SDPA return it too); it is differentiable like out.
+//     {layout = "bhtd" | "bthd"}: "bhtd" (the default) is the above, heads among the leading
+//     dims; "bthd" takes q (..., Tq, H, D), k (..., Tk, H, D), v (..., Tk, H, Dv), the layout a
+//     (B, T, C) projection has when reshaped to (B, T, H, D), and gives out (..., Tq, H, Dv) and
+//     lse (..., Tq, H): the same attention per (leading index, head) with no transposes around
+//     it (the simplifier folds them: passes/simplify/algebraic.cc).
 // Backward ops: first-class ops (not compositions) because kernel libraries serve them as such
 // (cuDNN, FlashAttention, Liger, llm.c). None is differentiable itself (no second derivatives).
 //   softmax_grad(y, dy) {axis = -1}: y * (dy - sum(dy * y, axis)), y = softmax(x).
@@ -26,7 +31,7 @@
 //   cross_entropy_grad(logits, labels, dloss) {ignore_index, reduction} -> dlogits:
 //     (softmax(logits) - one_hot(label)) times dloss / counted rows ("mean"), dloss ("sum") or
 //     dloss[row] ("none": dloss has labels' shape); ignored rows get 0.
-//   attention_grad(q, k, v, out, dout, lse) {causal, scale} -> (dq, dk, dv), with out and lse
+//   attention_grad(q, k, v, out, dout, lse) {causal, scale, layout} -> (dq, dk, dv), with out and lse
 //     attention's outputs for q, k, v and these attributes. Defined by the FlashAttention-2
 //     formulas on the GIVEN out and lse, which every kernel follows: P_ij = exp(s_ij - lse_i)
 //     (0 for masked keys), D_i = dout_i . out_i, dP_ij = dout_i . v_j,
@@ -176,38 +181,68 @@ Reduction reduction_of(const Attributes& attrs) {
 // ---- attention ----
 
 struct AttentionDims {
-  int64_t batch;  // product of the leading dims
+  int64_t batch;  // attention problems: the product of the leading dims (and heads, "bthd")
   int64_t tq, tk, d, dv;
+  int64_t heads = 1;  // "bthd": H, the axis between T and D; "bhtd": 1
+  // Flat index of element 0 of row t (of a tensor with `cols` a row and `rows` rows a problem)
+  // of problem b: rows of a problem are contiguous in "bhtd" and H rows apart in "bthd".
+  int64_t row(int64_t b, int64_t t, int64_t rows, int64_t cols) const {
+    return ((b / heads * rows + t) * heads + b % heads) * cols;
+  }
+  // Flat index of lse's entry of row t of problem b: (..., Tq) or (..., Tq, H).
+  int64_t stat(int64_t b, int64_t t) const { return row(b, t, tq, 1); }
 };
 
-AttentionDims attention_dims(const Shape& q, const Shape& k, const Shape& v) {
+bool heads_inside(const Attributes& attrs) {
+  const std::string& layout = attrs.s("layout");
+  if (layout == "bhtd") return false;
+  if (layout == "bthd") return true;
+  fail("layout is \"{}\", expected \"bhtd\" ((..., T, D), heads among the leading dims) or "
+       "\"bthd\" ((..., T, H, D))", layout);
+}
+
+AttentionDims attention_dims(const Shape& q, const Shape& k, const Shape& v,
+                             const Attributes& attrs) {
   const size_t r = q.size();
+  if (heads_inside(attrs)) {
+    AttentionDims dims{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2]};
+    for (size_t i = 0; i + 3 < r; ++i) dims.batch *= q[i];
+    return dims;
+  }
   AttentionDims dims{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
   for (size_t i = 0; i + 2 < r; ++i) dims.batch *= q[i];
   return dims;
 }
 
 // Attention's inputs checked; returns the output type (q's shape with Dv as the last dim).
-TensorType infer_attention(const TensorType& q, const TensorType& k, const TensorType& v) {
+TensorType infer_attention(const TensorType& q, const TensorType& k, const TensorType& v,
+                           const Attributes& attrs) {
   check_float(q, "q");
   check_same_dtype(k, "k", q, "q");
   check_same_dtype(v, "v", q, "q");
-  KILN_CHECK(q.rank() >= 2, "q has shape {}, expected rank >= 2 (..., Tq, D)",
-             to_string(q.shape));
+  const bool bthd = heads_inside(attrs);
+  const int lead_end = bthd ? 3 : 2;  // q (lead..., Tq, [H,] D)
+  KILN_CHECK(q.rank() >= lead_end,
+             "q has shape {}, expected rank >= {} ({})", to_string(q.shape), lead_end,
+             bthd ? "..., Tq, H, D" : "..., Tq, D");
   KILN_CHECK(k.rank() == q.rank() && v.rank() == q.rank(),
              "q, k, v have shapes {}, {}, {}, expected one rank", to_string(q.shape),
              to_string(k.shape), to_string(v.shape));
   const int r = q.rank();
-  const Shape lead(q.shape.begin(), q.shape.end() - 2);
-  KILN_CHECK(Shape(k.shape.begin(), k.shape.end() - 2) == lead &&
-                 Shape(v.shape.begin(), v.shape.end() - 2) == lead,
+  const Shape lead(q.shape.begin(), q.shape.end() - lead_end);
+  KILN_CHECK(Shape(k.shape.begin(), k.shape.end() - lead_end) == lead &&
+                 Shape(v.shape.begin(), v.shape.end() - lead_end) == lead,
              "leading dims differ: q is {}, k is {}, v is {} (they must be equal, no "
              "broadcasting)",
              to_string(q.shape), to_string(k.shape), to_string(v.shape));
+  if (bthd)
+    KILN_CHECK(k.shape[r - 2] == q.shape[r - 2] && v.shape[r - 2] == q.shape[r - 2],
+               "head counts differ: q is {}, k is {}, v is {} (layout bthd: (..., T, H, D))",
+               to_string(q.shape), to_string(k.shape), to_string(v.shape));
   KILN_CHECK(k.shape[r - 1] == q.shape[r - 1],
              "head dims differ: q is {}, k is {} (expected the same D)", to_string(q.shape),
              to_string(k.shape));
-  KILN_CHECK(v.shape[r - 2] == k.shape[r - 2],
+  KILN_CHECK(v.shape[r - lead_end] == k.shape[r - lead_end],
              "key lengths differ: k is {}, v is {} (expected the same Tk)", to_string(k.shape),
              to_string(v.shape));
   Shape out = q.shape;
@@ -226,12 +261,13 @@ TensorType attention_lse_type(const TensorType& q) {
 // j > i; key 0 is never masked).
 void attention_scores(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
                       int64_t i, bool causal, double scale, std::vector<double>& scores) {
-  const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d;
+  const int64_t qi = d.row(b, i, d.tq, d.d);
   for (int64_t j = 0; j < d.tk; ++j) {
     double s = kNegativeInfinity;
     if (!causal || j <= i) {
       s = 0.0;
-      for (int64_t c = 0; c < d.d; ++c) s += q.get(q0 + i * d.d + c) * k.get(k0 + j * d.d + c);
+      const int64_t kj = d.row(b, j, d.tk, d.d);
+      for (int64_t c = 0; c < d.d; ++c) s += q.get(qi + c) * k.get(kj + c);
       s *= scale;
     }
     scores[j] = s;
@@ -557,27 +593,29 @@ void define_nn_ops(OpRegistry& registry) {
       cross_entropy_gradient});
 
   registry.define(Op::kAttention, OpDef{
-      {with_default("causal", false), optional("scale", AttrKind::kFloat)},
+      {with_default("causal", false), optional("scale", AttrKind::kFloat),
+       with_default("layout", std::string("bhtd"))},
       [](std::span<const TensorType> in, const Attributes& attrs) {
-        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2]),
+        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2], attrs),
                                        attention_lse_type(in[0])};
       },
       [](const KernelArgs& args) {
         const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
         Tensor &out = args.outputs[0], &lse = args.outputs[1];
-        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
+        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
         const bool causal = args.attrs.b("causal");
         const double scale = attention_scale(args.attrs, d.d);
         std::vector<double> weights(static_cast<size_t>(d.tk));
         for (int64_t b = 0; b < d.batch; ++b) {
-          const int64_t v0 = b * d.tk * d.dv, o0 = b * d.tq * d.dv;
           for (int64_t i = 0; i < d.tq; ++i) {
-            lse.set(b * d.tq + i, attention_weights(q, k, d, b, i, causal, scale, weights));
+            lse.set(d.stat(b, i), attention_weights(q, k, d, b, i, causal, scale, weights));
             // Weighted sum of the values.
+            const int64_t oi = d.row(b, i, d.tq, d.dv);
             for (int64_t c = 0; c < d.dv; ++c) {
               double acc = 0.0;
-              for (int64_t j = 0; j < d.tk; ++j) acc += weights[j] * v.get(v0 + j * d.dv + c);
-              out.set(o0 + i * d.dv + c, acc);
+              for (int64_t j = 0; j < d.tk; ++j)
+                acc += weights[j] * v.get(d.row(b, j, d.tk, d.dv) + c);
+              out.set(oi + c, acc);
             }
           }
         }
@@ -727,9 +765,10 @@ void define_nn_ops(OpRegistry& registry) {
       nullptr, false});
 
   registry.define(Op::kAttentionGrad, OpDef{
-      {with_default("causal", false), optional("scale", AttrKind::kFloat)},
+      {with_default("causal", false), optional("scale", AttrKind::kFloat),
+       with_default("layout", std::string("bhtd"))},
       [](std::span<const TensorType> in, const Attributes& attrs) {
-        const TensorType out = infer_attention(in[0], in[1], in[2]);
+        const TensorType out = infer_attention(in[0], in[1], in[2], attrs);
         check_grad_input(in[3], "out", out, "attention's output");
         check_grad_input(in[4], "dout", out, "attention's output");
         const TensorType lse = attention_lse_type(in[0]);
@@ -741,39 +780,40 @@ void define_nn_ops(OpRegistry& registry) {
         const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
                      &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
         Tensor &dq = args.outputs[0], &dk = args.outputs[1], &dv = args.outputs[2];
-        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape());
+        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
         const bool causal = args.attrs.b("causal");
         const double scale = attention_scale(args.attrs, d.d);
         // Accumulated in double: dk and dv sum over the queries.
         std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
         std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
         for (int64_t b = 0; b < d.batch; ++b) {
-          const int64_t q0 = b * d.tq * d.d, k0 = b * d.tk * d.d, v0 = b * d.tk * d.dv,
-                        o0 = b * d.tq * d.dv;
           for (int64_t i = 0; i < d.tq; ++i) {
+            const int64_t qi = d.row(b, i, d.tq, d.d), oi = d.row(b, i, d.tq, d.dv);
             // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j (masked: -inf, so P_ij = 0).
             attention_scores(q, k, d, b, i, causal, scale, weights);
-            const double row_lse = lse.get(b * d.tq + i);
+            const double row_lse = lse.get(d.stat(b, i));
             for (int64_t j = 0; j < d.tk; ++j)
               weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - row_lse);
             double weighted = 0.0;  // D_i = dout_i . out_i (= sum_j P_ij dP_ij)
             for (int64_t c = 0; c < d.dv; ++c)
-              weighted += dout.get(o0 + i * d.dv + c) * out.get(o0 + i * d.dv + c);
+              weighted += dout.get(oi + c) * out.get(oi + c);
             for (int64_t j = 0; j < d.tk; ++j) {
               double dp = 0.0;  // dP_ij = dout_i . v_j
+              const int64_t vj = d.row(b, j, d.tk, d.dv);
               for (int64_t c = 0; c < d.dv; ++c) {
-                const double g = dout.get(o0 + i * d.dv + c);
-                dp += g * v.get(v0 + j * d.dv + c);
-                dv_sum[v0 + j * d.dv + c] += weights[j] * g;
+                const double g = dout.get(oi + c);
+                dp += g * v.get(vj + c);
+                dv_sum[vj + c] += weights[j] * g;
               }
               dweights[j] = dp;
             }
             for (int64_t j = 0; j < d.tk; ++j) {
               // Softmax backward; masked keys have P_ij = 0 and get nothing.
               const double ds = weights[j] * (dweights[j] - weighted) * scale;
+              const int64_t kj = d.row(b, j, d.tk, d.d);
               for (int64_t c = 0; c < d.d; ++c) {
-                dq_sum[q0 + i * d.d + c] += ds * k.get(k0 + j * d.d + c);
-                dk_sum[k0 + j * d.d + c] += ds * q.get(q0 + i * d.d + c);
+                dq_sum[qi + c] += ds * k.get(kj + c);
+                dk_sum[kj + c] += ds * q.get(qi + c);
               }
             }
           }

@@ -211,6 +211,7 @@ struct AttentionCase {
   Shape q, k, v;
   bool causal;
   double scale;  // <= 0: the default 1/sqrt(D)
+  bool bthd = false;  // layout "bthd": q (..., Tq, H, D), problems H rows apart
 };
 
 const std::vector<AttentionCase> kAttentionCases = {
@@ -225,11 +226,16 @@ const std::vector<AttentionCase> kAttentionCases = {
     {{4, 4, 64, 16}, {4, 4, 64, 16}, {4, 4, 64, 16}, true, 0},  // gpt2-tiny's attention
     {{1, 1, 129, 33}, {1, 1, 129, 33}, {1, 1, 129, 35}, true, 0},
     {{1, 1, 1, 1}, {1, 1, 1, 1}, {1, 1, 1, 1}, true, 0},
+    {{2, 7, 3, 5}, {2, 7, 3, 5}, {2, 7, 3, 6}, true, 0, true},    // bthd, H = 3
+    {{2, 5, 4, 4}, {2, 9, 4, 4}, {2, 9, 4, 3}, false, 0, true},   // bthd, Tq < Tk
+    {{4, 64, 4, 16}, {4, 64, 4, 16}, {4, 64, 4, 16}, true, 0, true},  // gpt2-tiny, simplified
+    {{9, 2, 4}, {5, 2, 4}, {5, 2, 3}, true, 0.7, true},           // bthd, no batch dims
 };
 
 Attributes attention_attrs(const AttentionCase& c) {
   Attributes attrs{{"causal", c.causal}};
   if (c.scale > 0) attrs.set("scale", c.scale);
+  if (c.bthd) attrs.set("layout", std::string("bthd"));
   return attrs;
 }
 

@@ -100,6 +100,7 @@ struct Case {
   int64_t batch, heads, tq, tk, d, dv;
   bool causal;
   double scale = 0.0;  // 0: the default 1/sqrt(d)
+  bool bthd = false;   // layout "bthd": (B, T, H, D) tensors, lse (B, Tq, H)
 };
 
 std::string describe(const Case& c) {
@@ -107,7 +108,7 @@ std::string describe(const Case& c) {
          " H=" + std::to_string(c.heads) + " Tq=" + std::to_string(c.tq) +
          " Tk=" + std::to_string(c.tk) + " d=" + std::to_string(c.d) +
          " dv=" + std::to_string(c.dv) + (c.causal ? " causal" : "") +
-         (c.scale != 0.0 ? " scale=" + std::to_string(c.scale) : "");
+         (c.scale != 0.0 ? " scale=" + std::to_string(c.scale) : "") + (c.bthd ? " bthd" : "");
 }
 
 double forward_tolerance(DType dtype) {
@@ -121,23 +122,28 @@ constexpr double kLseTolerance = 1e-5;
 void check_case(const Case& c, bool backward, uint64_t seed) {
   SCOPED_TRACE(describe(c));
   // q and k in [-2, 2]: scores of a few units, so the softmax is far from uniform.
-  const Tensor q = rand(c.dtype, {c.batch, c.heads, c.tq, c.d}, seed, -2.0, 2.0);
-  const Tensor k = rand(c.dtype, {c.batch, c.heads, c.tk, c.d}, seed + 1, -2.0, 2.0);
-  const Tensor v = rand(c.dtype, {c.batch, c.heads, c.tk, c.dv}, seed + 2);
+  auto shape = [&](int64_t t, int64_t d) {
+    return c.bthd ? Shape{c.batch, t, c.heads, d} : Shape{c.batch, c.heads, t, d};
+  };
+  const Tensor q = rand(c.dtype, shape(c.tq, c.d), seed, -2.0, 2.0);
+  const Tensor k = rand(c.dtype, shape(c.tk, c.d), seed + 1, -2.0, 2.0);
+  const Tensor v = rand(c.dtype, shape(c.tk, c.dv), seed + 2);
   Attributes attrs{{"causal", c.causal}};
   if (c.scale != 0.0) attrs.set("scale", c.scale);
+  if (c.bthd) attrs.set("layout", std::string("bthd"));
 
   const std::vector<Tensor> ref = run_reference(Op::kAttention, {q, k, v}, attrs);
   const std::vector<Tensor> gpu = run_gpu(Op::kAttention, {q, k, v}, attrs);
   ASSERT_EQ(gpu.size(), 2u);
-  ASSERT_EQ(gpu[1].type(), (TensorType{DType::kF32, {c.batch, c.heads, c.tq}}));
+  ASSERT_EQ(gpu[1].type(), (TensorType{DType::kF32, c.bthd ? Shape{c.batch, c.tq, c.heads}
+                                                            : Shape{c.batch, c.heads, c.tq}}));
   const double err = scaled_error(gpu[0], ref[0]), lse_err = scaled_error(gpu[1], ref[1]);
   std::printf("  attention      %-52s out %.2e lse %.2e\n", describe(c).c_str(), err, lse_err);
   EXPECT_LE(err, forward_tolerance(c.dtype)) << "out";
   EXPECT_LE(lse_err, kLseTolerance) << "lse";
   if (!backward) return;
 
-  const Tensor dout = rand(c.dtype, {c.batch, c.heads, c.tq, c.dv}, seed + 3);
+  const Tensor dout = rand(c.dtype, shape(c.tq, c.dv), seed + 3);
   const std::vector<Tensor> grad_in = {q, k, v, ref[0], dout, ref[1]};
   const std::vector<Tensor> gref = run_reference(Op::kAttentionGrad, grad_in, attrs);
   const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionGrad, grad_in, attrs);
@@ -165,6 +171,19 @@ TEST(CudaAttention, TensorCoresMatchReference) {
     }
   check_case({DType::kBF16, 1, 2, 77, 77, 64, 64, true, 0.3}, true, seed += 10);
   check_case({DType::kBF16, 1, 1, 50, 50, 64, 64, false, -0.2}, true, seed += 10);
+}
+
+// Layout "bthd" ((B, T, H, D), what the simplifier gives a model's heads): problems H rows
+// apart, on the tensor-core path and the simple path.
+TEST(CudaAttention, BthdLayoutMatchesReference) {
+  KILN_REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (bool causal : {false, true}) {
+    check_case({DType::kBF16, 2, 3, 100, 100, 64, 64, causal, 0.0, true}, true, seed += 10);
+    check_case({DType::kF16, 1, 2, 17, 130, 32, 32, causal, 0.0, true}, true, seed += 10);
+    check_case({DType::kBF16, 1, 12, 256, 256, 64, 64, causal, 0.0, true}, true, seed += 10);
+    check_case({DType::kF32, 2, 3, 33, 40, 40, 24, causal, 0.0, true}, true, seed += 10);
+  }
 }
 
 TEST(CudaAttention, LongSequenceMatchesReference) {

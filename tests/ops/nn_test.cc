@@ -523,6 +523,42 @@ TEST(NnAttention, KernelMatchesMatmulSoftmaxCompositionOnRandomInputs) {
   }
 }
 
+TEST(NnAttention, LayoutBthdIsHeadsFirstAttentionOnTransposes) {
+  // q, k, v (B=2, T, H=3, D) in "bthd" against the default layout on (B, H, T, D) transposes:
+  // out transposed back, lse (B, T, H) against (B, H, T); and the gradients the same way.
+  const Attributes swap{{"perm", std::vector<int64_t>{0, 2, 1, 3}}};
+  const Attributes swap_lse{{"perm", std::vector<int64_t>{0, 2, 1}}};
+  auto t = [&](const Tensor& x) { return run_reference(Op::kTranspose, {x}, swap)[0]; };
+  for (bool causal : {false, true}) {
+    Tensor q = testing::rand(DType::kF64, {2, 5, 3, 4}, 1);
+    Tensor k = testing::rand(DType::kF64, {2, 6, 3, 4}, 2);
+    Tensor v = testing::rand(DType::kF64, {2, 6, 3, 7}, 3);
+    Tensor dout = testing::rand(DType::kF64, {2, 5, 3, 7}, 4);
+    Attributes bthd{{"causal", causal}, {"layout", std::string("bthd")}};
+    Attributes bhtd{{"causal", causal}};
+    std::vector<Tensor> got = run_reference(Op::kAttention, {q, k, v}, bthd);
+    std::vector<Tensor> want = run_reference(Op::kAttention, {t(q), t(k), t(v)}, bhtd);
+    ASSERT_EQ(got[1].shape(), (Shape{2, 5, 3}));
+    EXPECT_TRUE(all_close(got[0], t(want[0]), 1e-13, 1e-13));
+    EXPECT_TRUE(all_close(got[1], run_reference(Op::kTranspose, {want[1]}, swap_lse)[0], 1e-13,
+                          1e-13));
+    std::vector<Tensor> dgot =
+        run_reference(Op::kAttentionGrad, {q, k, v, got[0], dout, got[1]}, bthd);
+    std::vector<Tensor> dwant = run_reference(
+        Op::kAttentionGrad, {t(q), t(k), t(v), want[0], t(dout), want[1]}, bhtd);
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(all_close(dgot[i], t(dwant[i]), 1e-13, 1e-13)) << i;
+  }
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 5, 3, 4}), f32({2, 6, 2, 4}), f32({2, 6, 3, 4})},
+                          {{"layout", std::string("bthd")}}),
+                    "head counts differ", "(2, 5, 3, 4)", "(2, 6, 2, 4)");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({5, 4}), f32({5, 4}), f32({5, 4})},
+                          {{"layout", std::string("bthd")}}),
+                    "rank >= 3");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({5, 4}), f32({5, 4}), f32({5, 4})},
+                          {{"layout", std::string("tbhd")}}),
+                    "layout is \"tbhd\"", "bthd");
+}
+
 TEST(NnAttention, KernelInBf16IsCloseToF64) {
   Tensor q = testing::rand(DType::kF64, {2, 5, 8}, 81);
   Tensor k = testing::rand(DType::kF64, {2, 5, 8}, 82);

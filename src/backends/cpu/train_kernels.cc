@@ -443,12 +443,23 @@ void transpose_kernel(const KernelArgs& args) {
 // ---- attention, attention_grad --------------------------------------------------------------
 
 struct AttentionShape {
-  int64_t slices;  // product of the leading dims (batch, heads)
+  int64_t slices;  // attention problems: the product of the leading dims (and heads, "bthd")
   int64_t tq, tk, d, dv;
+  int64_t heads = 1;  // "bthd" ((..., T, H, D)): H, a problem's rows H rows apart; "bhtd": 1
+  // Offset of problem b's first row in a tensor of `rows` rows (of `cols`) a problem.
+  int64_t base(int64_t b, int64_t rows, int64_t cols) const {
+    return (b / heads * rows * heads + b % heads) * cols;
+  }
 };
 
-AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v) {
+AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
+                               const Attributes& attrs) {
   const size_t r = q.size();
+  if (attrs.s("layout") == "bthd") {
+    AttentionShape s{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2]};
+    for (size_t i = 0; i + 3 < r; ++i) s.slices *= q[i];
+    return s;
+  }
   AttentionShape s{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
   for (size_t i = 0; i + 2 < r; ++i) s.slices *= q[i];
   return s;
@@ -459,23 +470,23 @@ float attention_scale(const Attributes& attrs, int64_t head_dim) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
-// C (m x n, row-major, ldc = n) = alpha * op(A) op(B), with op(A) m x k, op(B) k x n.
+// C (m x n, row-major, rows ldc apart) = alpha * op(A) op(B), with op(A) m x k, op(B) k x n and
+// the rows of A and B lda and ldb apart.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, const float* b, float* c) {
-  const int64_t lda = trans_a ? m : k, ldb = trans_b ? k : n;
+           const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
               static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
-              static_cast<blasint>(n));
+              static_cast<blasint>(ldc));
 }
 
 // P (tq x tk) = softmax over each row of S = scale Q K^T, with the causal mask (key j > query i
-// gets exactly 0; key 0 never masked). Written over the scores in place; lse[i] = the row's
-// log-sum-exp of S.
-void attention_probs(const float* q, const float* k, const AttentionShape& s, bool causal,
-                     float scale, float* p, float* lse) {
-  sgemm(false, true, s.tq, s.tk, s.d, scale, q, k, p);
+// gets exactly 0; key 0 never masked). Written over the scores in place; lse[i * lse_stride] =
+// the row's log-sum-exp of S. q and k rows are ld elements apart.
+void attention_probs(const float* q, const float* k, int64_t ld, const AttentionShape& s,
+                     bool causal, float scale, float* p, float* lse, int64_t lse_stride) {
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, ld, k, ld, p, s.tk);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;  // unmasked keys: [0, live)
@@ -485,27 +496,28 @@ void attention_probs(const float* q, const float* k, const AttentionShape& s, bo
     const float inv_sum = static_cast<float>(1.0 / sum);
     for (int64_t j = 0; j < live; ++j) row[j] *= inv_sum;
     std::fill(row + live, row + s.tk, 0.0f);
-    lse[i] = static_cast<float>(static_cast<double>(max) + std::log(sum));
+    lse[i * lse_stride] = static_cast<float>(static_cast<double>(max) + std::log(sum));
   }
 }
 
 // P (tq x tk) = exp(S - lse) with S = scale Q K^T and the saved log-sum-exp of each row; masked
 // keys get exactly 0.
-void attention_probs_from_lse(const float* q, const float* k, const float* lse,
-                              const AttentionShape& s, bool causal, float scale, float* p) {
-  sgemm(false, true, s.tq, s.tk, s.d, scale, q, k, p);
+void attention_probs_from_lse(const float* q, const float* k, int64_t ld, const float* lse,
+                              int64_t lse_stride, const AttentionShape& s, bool causal,
+                              float scale, float* p) {
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, ld, k, ld, p, s.tk);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;
-    const float m = lse[i];
+    const float m = lse[i * lse_stride];
     for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - m);
     std::fill(row + live, row + s.tk, 0.0f);
   }
 }
 
 void attention_kernel(const KernelArgs& args) {
-  const AttentionShape s =
-      attention_shape(args.inputs[0].shape(), args.inputs[1].shape(), args.inputs[2].shape());
+  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
+                                           args.inputs[2].shape(), args.attrs);
   const bool causal = args.attrs.b("causal");
   const float scale = attention_scale(args.attrs, s.d);
   const float* q = args.inputs[0].data<float>();
@@ -513,18 +525,19 @@ void attention_kernel(const KernelArgs& args) {
   const float* v = args.inputs[2].data<float>();
   float* out = args.outputs[0].data<float>();
   float* lse = args.outputs[1].data<float>();
+  const int64_t ld = s.heads * s.d, ldv = s.heads * s.dv;  // between a problem's rows
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
   for (int64_t b = 0; b < s.slices; ++b) {
-    attention_probs(q + b * s.tq * s.d, k + b * s.tk * s.d, s, causal, scale, p.data(),
-                    lse + b * s.tq);
-    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), v + b * s.tk * s.dv,
-          out + b * s.tq * s.dv);
+    attention_probs(q + s.base(b, s.tq, s.d), k + s.base(b, s.tk, s.d), ld, s, causal, scale,
+                    p.data(), lse + s.base(b, s.tq, 1), s.heads);
+    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk, v + s.base(b, s.tk, s.dv), ldv,
+          out + s.base(b, s.tq, s.dv), ldv);
   }
 }
 
 void attention_grad_kernel(const KernelArgs& args) {
-  const AttentionShape s =
-      attention_shape(args.inputs[0].shape(), args.inputs[1].shape(), args.inputs[2].shape());
+  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
+                                           args.inputs[2].shape(), args.attrs);
   const bool causal = args.attrs.b("causal");
   const float scale = attention_scale(args.attrs, s.d);
   const float* q = args.inputs[0].data<float>();
@@ -536,41 +549,46 @@ void attention_grad_kernel(const KernelArgs& args) {
   float* dq = args.outputs[0].data<float>();
   float* dk = args.outputs[1].data<float>();
   float* dv = args.outputs[2].data<float>();
+  const int64_t ld = s.heads * s.d, ldv = s.heads * s.dv;
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk)), dp(p.size());
   for (int64_t b = 0; b < s.slices; ++b) {
-    const float* qb = q + b * s.tq * s.d;
-    const float* kb = k + b * s.tk * s.d;
-    const float* vb = v + b * s.tk * s.dv;
-    const float* ob = out + b * s.tq * s.dv;
-    const float* dob = dout + b * s.tq * s.dv;
-    attention_probs_from_lse(qb, kb, lse + b * s.tq, s, causal, scale, p.data());
-    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), dob, dv + b * s.tk * s.dv);  // P^T dO
-    sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, vb, dp.data());                   // dO V^T
+    const int64_t q0 = s.base(b, s.tq, s.d), k0 = s.base(b, s.tk, s.d);
+    const int64_t v0 = s.base(b, s.tk, s.dv), o0 = s.base(b, s.tq, s.dv);
+    const float* qb = q + q0;
+    const float* kb = k + k0;
+    const float* vb = v + v0;
+    const float* ob = out + o0;
+    const float* dob = dout + o0;
+    attention_probs_from_lse(qb, kb, ld, lse + s.base(b, s.tq, 1), s.heads, s, causal, scale,
+                             p.data());
+    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, ldv, dv + v0, ldv);  // P^T dO
+    sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, ldv, vb, ldv, dp.data(), s.tk);     // dO V^T
     // Softmax backward, row by row, into dp: dS = P (dP - D), D_i = dO_i . O_i (which equals
     // sum_j P_ij dP_ij). Masked keys have P = 0.
     for (int64_t i = 0; i < s.tq; ++i) {
       const float* pr = p.data() + i * s.tk;
-      const float* orow = ob + i * s.dv;
-      const float* dorow = dob + i * s.dv;
+      const float* orow = ob + i * ldv;
+      const float* dorow = dob + i * ldv;
       float* dr = dp.data() + i * s.tk;
       const float weighted =
           static_cast<float>(blocked_sum(s.dv, [&](int64_t c) { return dorow[c] * orow[c]; }));
       for (int64_t j = 0; j < s.tk; ++j) dr[j] = pr[j] * (dr[j] - weighted);
     }
-    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), kb, dq + b * s.tq * s.d);  // dS K
-    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), qb, dk + b * s.tk * s.d);   // dS^T Q
+    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), s.tk, kb, ld, dq + q0, ld);  // dS K
+    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), s.tk, qb, ld, dk + k0, ld);   // dS^T Q
   }
 }
 
 // f32 throughout, every length at least 1 (an empty sum or softmax is left to the reference),
-// and every BLAS dimension within BLAS's int.
+// and every BLAS dimension (leading dimensions included) within BLAS's int.
 bool attention_supported(const NodeView& node) {
   if (!all_dtype(node, DType::kF32) || node.input_types.size() < 3) return false;
   const TensorType& q = node.input_types[0];
-  if (q.rank() < 2) return false;
-  const AttentionShape s =
-      attention_shape(q.shape, node.input_types[1].shape, node.input_types[2].shape);
-  for (int64_t n : {s.tq, s.tk, s.d, s.dv})
+  const bool bthd = node.node.attrs.s("layout") == "bthd";
+  if (q.rank() < (bthd ? 3 : 2)) return false;
+  const AttentionShape s = attention_shape(q.shape, node.input_types[1].shape,
+                                           node.input_types[2].shape, node.node.attrs);
+  for (int64_t n : {s.tq, s.tk, s.d, s.dv, s.heads * s.d, s.heads * s.dv})
     if (n < 1 || n > INT_MAX) return false;
   return s.tq * s.tk <= INT_MAX;
 }

@@ -19,15 +19,18 @@ std::optional<AttentionDType> attention_dtype(DType dtype) {
   }
 }
 
-// Leading dims flattened, as the reference kernel does (ops/nn.cc).
+// Leading dims (and heads) flattened into problems, as the reference kernel does (ops/nn.cc).
 AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
                                const Attributes& attrs) {
   const size_t r = q.size();
+  const bool bthd = attrs.s("layout") == "bthd";
+  const size_t t_axis = bthd ? r - 3 : r - 2;
   AttentionShape s;
-  s.batch = 1;
-  for (size_t i = 0; i + 2 < r; ++i) s.batch *= q[i];
-  s.tq = q[r - 2];
-  s.tk = k[r - 2];
+  s.heads = bthd ? q[r - 2] : 1;
+  s.batch = s.heads;
+  for (size_t i = 0; i < t_axis; ++i) s.batch *= q[i];
+  s.tq = q[t_axis];
+  s.tk = k[t_axis];
   s.d = q[r - 1];
   s.dv = v[r - 1];
   s.causal = attrs.b("causal");
@@ -47,11 +50,15 @@ bool supported(const NodeView& node, bool backward) {
     if (in[i].dtype != in[0].dtype || in[i].rank() != in[0].rank()) return false;
   if (backward && in[5].dtype != DType::kF32) return false;
   const int r = in[0].rank();
+  const bool bthd = node.node.attrs.s("layout") == "bthd";
+  const int t_axis = bthd ? r - 3 : r - 2;
+  if (t_axis < 0) return false;
   const int64_t d = in[0].shape[r - 1], dv = in[2].shape[r - 1];
-  int64_t batch = 1;
-  for (int i = 0; i + 2 < r; ++i) batch *= in[0].shape[i];
-  if (batch > (int64_t{1} << 31) - 1) return false;
-  if ((in[0].shape[r - 2] + 63) / 64 > 65535 || (in[1].shape[r - 2] + 63) / 64 > 65535)
+  int64_t batch = bthd ? in[0].shape[r - 2] : 1;
+  for (int i = 0; i < t_axis; ++i) batch *= in[0].shape[i];
+  if (batch > (int64_t{1} << 31) - 1 || (bthd && in[0].shape[r - 2] > (int64_t{1} << 30)))
+    return false;
+  if ((in[0].shape[t_axis] + 63) / 64 > 65535 || (in[1].shape[t_axis] + 63) / 64 > 65535)
     return false;
   return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
 }

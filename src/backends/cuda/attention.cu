@@ -125,6 +125,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Flat row index of row t of attention problem b, for a tensor of `rows` rows a problem:
+// "bhtd" (heads == 1) keeps a problem's rows together; "bthd" ((..., T, H, D), problem b =
+// (leading index b / H, head b % H)) puts them H rows apart.
+__device__ __forceinline__ int64_t row_index(int64_t b, int64_t t, int64_t rows, int heads) {
+  return (b / heads * rows + t) * heads + b % heads;
+}
+
 // ---- tiles ----
 
 // A kBlock x D tile in shared memory, rows padded by 16 bytes so that the 8 row addresses of
@@ -135,14 +142,16 @@ struct Tile {
   static constexpr int kElems = kBlock * kStride;
 };
 
-// Rows [row0, row0 + kBlock) of a (rows, D) matrix into a tile; rows past the end read as 0.
+// Rows [row0, row0 + kBlock) of a (rows, D) matrix whose rows are `ld` elements apart into a
+// tile; rows past the end read as 0.
 template <typename T, int D>
-__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row0, int64_t rows) {
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row0, int64_t rows,
+                                          int64_t ld) {
   constexpr int kChunks = D / 8;  // 16-byte chunks a row
   for (int c = threadIdx.x; c < kBlock * kChunks; c += kThreads) {
     const int r = c / kChunks, col = (c % kChunks) * 8;
     const bool valid = row0 + r < rows;
-    const T* s = valid ? src + (row0 + r) * D + col : src;
+    const T* s = valid ? src + (row0 + r) * ld + col : src;
     cp_async16(tile + r * Tile<D>::kStride + col, s, valid);
   }
 }
@@ -219,8 +228,9 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
                                                               const float2* __restrict__ stats,
                                                               T* __restrict__ out,
                                                               float* __restrict__ lse_out,
-                                                              int64_t tq, int64_t tk, bool causal,
-                                                              float scale_log2, float scale) {
+                                                              int64_t tq, int64_t tk, int heads,
+                                                              bool causal, float scale_log2,
+                                                              float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);
   T* s_do = s_q + Tile<D>::kElems;  // only kDq
@@ -230,22 +240,24 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   const int64_t b = blockIdx.x;
   const int64_t q0 = (int64_t(gridDim.y) - 1 - blockIdx.y) * kBlock;  // heaviest blocks first
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  q += b * tq * D;
-  k += b * tk * D;
-  v += b * tk * D;
-  if (M != kForward) dout += b * tq * D;
-  if (M == kDq) stats += b * tq;
-  out += b * tq * D;
+  const int64_t qrow0 = row_index(b, 0, tq, heads), krow0 = row_index(b, 0, tk, heads);
+  const int64_t ld = int64_t(heads) * D;  // between a problem's rows (d == dv here)
+  q += qrow0 * D;
+  k += krow0 * D;
+  v += krow0 * D;
+  if (M != kForward) dout += qrow0 * D;
+  if (M == kDq) stats += qrow0;
+  out += qrow0 * D;
 
   int64_t n_kb = (tk + kBlock - 1) / kBlock;
   if (causal) n_kb = min(n_kb, (q0 + kBlock - 1) / kBlock + 1);
 
-  load_tile<T, D>(s_q, q, q0, tq);
-  if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq);
+  load_tile<T, D>(s_q, q, q0, tq, ld);
+  if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq, ld);
   cp_async_commit();
   if (n_kb > 0) {
-    load_tile<T, D>(s_k, k, 0, tk);
-    load_tile<T, D>(s_v, v, 0, tk);
+    load_tile<T, D>(s_k, k, 0, tk, ld);
+    load_tile<T, D>(s_v, v, 0, tk, ld);
   }
   cp_async_commit();
   cp_async_wait<1>();
@@ -262,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (row[h] < tq) {
-        const float2 st = stats[row[h]];
+        const float2 st = stats[row[h] * heads];
         lse[h] = st.x;
         dsum[h] = st.y;
       }
@@ -273,8 +285,8 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   for (int64_t kb = 0; kb < n_kb; ++kb) {
     const int buf = kb & 1;
     if (kb + 1 < n_kb) {
-      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk);
-      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk);
+      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk, ld);
+      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk, ld);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -349,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row[h] >= tq) continue;
-      T* dst = out + row[h] * D;
+      T* dst = out + row[h] * ld;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
         *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
@@ -362,13 +374,14 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
       if (row[h] < tq) {
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        T* dst = out + row[h] * D;
+        T* dst = out + row[h] * ld;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
           *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
               pack2<T>(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
         // log(sum_j e^{s_ij}) = ln 2 * (m + log2 l) in the log2 domain; -inf without keys.
-        if (t == 0) lse_out[b * tq + row[h]] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
+        if (t == 0)
+          lse_out[qrow0 + row[h] * heads] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
       }
     }
   }
@@ -384,7 +397,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
                                                               const float2* __restrict__ stats,
                                                               T* __restrict__ dk,
                                                               T* __restrict__ dv, int64_t tq,
-                                                              int64_t tk, bool causal,
+                                                              int64_t tk, int heads, bool causal,
                                                               float scale_log2, float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_k = reinterpret_cast<T*>(smem_raw);
@@ -396,29 +409,31 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   const int64_t b = blockIdx.x;
   const int64_t k0 = int64_t(blockIdx.y) * kBlock;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  q += b * tq * D;
-  k += b * tk * D;
-  v += b * tk * D;
-  dout += b * tq * D;
-  stats += b * tq;
-  dk += b * tk * D;
-  dv += b * tk * D;
+  const int64_t qrow0 = row_index(b, 0, tq, heads), krow0 = row_index(b, 0, tk, heads);
+  const int64_t ld = int64_t(heads) * D;
+  q += qrow0 * D;
+  k += krow0 * D;
+  v += krow0 * D;
+  dout += qrow0 * D;
+  stats += qrow0;
+  dk += krow0 * D;
+  dv += krow0 * D;
 
   const int64_t n_qb = (tq + kBlock - 1) / kBlock;
   const int64_t qb0 = causal ? k0 / kBlock : 0;
 
   auto load_q_block = [&](int64_t qb, int buf) {
-    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq);
-    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq);
+    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq, ld);
+    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq, ld);
     if (threadIdx.x < kBlock) {
       const int64_t r = qb * kBlock + threadIdx.x;
       const bool valid = r < tq;
-      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r : stats, valid);
+      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r * heads : stats, valid);
     }
   };
 
-  load_tile<T, D>(s_k, k, k0, tk);
-  load_tile<T, D>(s_v, v, k0, tk);
+  load_tile<T, D>(s_k, k, k0, tk, ld);
+  load_tile<T, D>(s_v, v, k0, tk, ld);
   if (qb0 < n_qb) load_q_block(qb0, 0);
   cp_async_commit();
 
@@ -489,8 +504,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (key[h] >= tk) continue;
-    T* dst_k = dk + key[h] * D;
-    T* dst_v = dv + key[h] * D;
+    T* dst_k = dk + key[h] * ld;
+    T* dst_v = dv + key[h] * ld;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       *reinterpret_cast<uint32_t*>(dst_k + n * 8 + 2 * t) =
@@ -589,8 +604,9 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2
   (void)raised;
   const dim3 grid(static_cast<unsigned>(s.batch),
                   static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
-  kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk, s.causal,
-                                           scale_log2, static_cast<float>(s.scale));
+  kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk,
+                                           static_cast<int>(s.heads), s.causal, scale_log2,
+                                           static_cast<float>(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -621,8 +637,9 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
     (void)raised;
     const dim3 grid(static_cast<unsigned>(s.batch),
                     static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
-    kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk, s.causal,
-                                             scale_log2, static_cast<float>(s.scale));
+    kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk,
+                                             static_cast<int>(s.heads), s.causal, scale_log2,
+                                             static_cast<float>(s.scale));
     KILN_CUDA_CHECK(cudaGetLastError());
   }
   launch_rows<T, D, kDq>(q, k, v, dout, stats, dq, nullptr, s, scale_log2, stream);
@@ -664,35 +681,37 @@ __device__ __forceinline__ float dot_row(const float (&x)[kSimplePerLane], const
 template <typename T, int M>
 __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* out, float* lse_out, int64_t batch,
-                                   int64_t tq, int64_t tk, int d, int dv, bool causal,
+                                   int64_t tq, int64_t tk, int heads, int d, int dv, bool causal,
                                    float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tq) return;
   const int lane = threadIdx.x & 31;
   const int64_t b = w / tq, i = w % tq;
-  const T* kb = k + b * tk * d;
-  const T* vb = v + b * tk * dv;
+  const int64_t qr = row_index(b, i, tq, heads), kr0 = row_index(b, 0, tk, heads);
+  const int64_t kld = int64_t(heads) * d, vld = int64_t(heads) * dv;  // between keys
+  const T* kb = k + kr0 * d;
+  const T* vb = v + kr0 * dv;
   float qv[kSimplePerLane], dov[kSimplePerLane], acc[kSimplePerLane];
-  load_row(qv, q + w * d, d);
-  if (M != kForward) load_row(dov, dout + w * dv, dv);
+  load_row(qv, q + qr * d, d);
+  if (M != kForward) load_row(dov, dout + qr * dv, dv);
   for (int u = 0; u < kSimplePerLane; ++u) acc[u] = 0.f;
   float lse = 0.f, dsum = 0.f;
   if (M == kDq) {
-    const float2 st = stats[w];
+    const float2 st = stats[qr];
     lse = st.x;
     dsum = st.y;
   }
   const int64_t n_keys = causal ? min(tk, i + 1) : tk;
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float s = dot_row(qv, kb + j * d, d) * scale_log2;
+    const float s = dot_row(qv, kb + j * kld, d) * scale_log2;
     if (M == kDq) {
-      const float dp = dot_row(dov, vb + j * dv, dv);
+      const float dp = dot_row(dov, vb + j * vld, dv);
       const float ds = exp2f(s - lse) * (dp - dsum);
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
-        if (c < d) acc[u] += ds * to_f32(kb[j * d + c]);
+        if (c < d) acc[u] += ds * to_f32(kb[j * kld + c]);
       }
     } else {
       const float m_new = fmaxf(m, s);
@@ -702,17 +721,17 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
-        acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * dv + c]) : 0.f);
+        acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * vld + c]) : 0.f);
       }
     }
   }
-  if (M == kForward && lane == 0) lse_out[w] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
+  if (M == kForward && lane == 0) lse_out[qr] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
   const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
   const int n = M == kDq ? d : dv;
 #pragma unroll
   for (int u = 0; u < kSimplePerLane; ++u) {
     const int c = lane + 32 * u;
-    if (c < n) out[w * n + c] = from_f32<T>(acc[u] * mul);
+    if (c < n) out[qr * n + c] = from_f32<T>(acc[u] * mul);
   }
 }
 
@@ -720,34 +739,36 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 template <typename T>
 __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* dk, T* dv, int64_t batch, int64_t tq,
-                                   int64_t tk, int d, int dvn, bool causal, float scale_log2,
-                                   float scale) {
+                                   int64_t tk, int heads, int d, int dvn, bool causal,
+                                   float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tk) return;
   const int lane = threadIdx.x & 31;
   const int64_t b = w / tk, j = w % tk;
-  const T* qb = q + b * tq * d;
-  const T* dob = dout + b * tq * dvn;
+  const int64_t kr = row_index(b, j, tk, heads), qr0 = row_index(b, 0, tq, heads);
+  const int64_t qld = int64_t(heads) * d, dold = int64_t(heads) * dvn;  // between queries
+  const T* qb = q + qr0 * d;
+  const T* dob = dout + qr0 * dvn;
   float kv[kSimplePerLane], vv[kSimplePerLane], dk_acc[kSimplePerLane], dv_acc[kSimplePerLane];
-  load_row(kv, k + w * d, d);
-  load_row(vv, v + w * dvn, dvn);
+  load_row(kv, k + kr * d, d);
+  load_row(vv, v + kr * dvn, dvn);
   for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
   for (int64_t i = causal ? j : 0; i < tq; ++i) {
-    const float2 st = stats[b * tq + i];
-    const float p = exp2f(dot_row(kv, qb + i * d, d) * scale_log2 - st.x);
-    const float ds = p * (dot_row(vv, dob + i * dvn, dvn) - st.y);
+    const float2 st = stats[qr0 + i * heads];
+    const float p = exp2f(dot_row(kv, qb + i * qld, d) * scale_log2 - st.x);
+    const float ds = p * (dot_row(vv, dob + i * dold, dvn) - st.y);
 #pragma unroll
     for (int u = 0; u < kSimplePerLane; ++u) {
       const int c = lane + 32 * u;
-      if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dvn + c]);
-      if (c < d) dk_acc[u] += ds * to_f32(qb[i * d + c]);
+      if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dold + c]);
+      if (c < d) dk_acc[u] += ds * to_f32(qb[i * qld + c]);
     }
   }
 #pragma unroll
   for (int u = 0; u < kSimplePerLane; ++u) {
     const int c = lane + 32 * u;
-    if (c < d) dk[w * d + c] = from_f32<T>(dk_acc[u] * scale);
-    if (c < dvn) dv[w * dvn + c] = from_f32<T>(dv_acc[u]);
+    if (c < d) dk[kr * d + c] = from_f32<T>(dk_acc[u] * scale);
+    if (c < dvn) dv[kr * dvn + c] = from_f32<T>(dv_acc[u]);
   }
 }
 
@@ -762,8 +783,8 @@ void simple_forward(const void* q, const void* k, const void* v, void* out, floa
                     const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
-      nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.d), int(s.dv), s.causal,
-      scale_log2, float(s.scale));
+      nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.heads), int(s.d), int(s.dv),
+      s.causal, scale_log2, float(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -779,11 +800,12 @@ void simple_backward(const void* q_, const void* k_, const void* v_, const void*
   const float scale = float(s.scale);
   const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(s.batch * s.tk);
   simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2, scale);
+      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, int(s.heads), d, dvn, s.causal,
+      scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
   simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, d, dvn, s.causal, scale_log2,
-      scale);
+      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, s.causal,
+      scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,7 +1,9 @@
 // Launchers of the flash-attention kernels (attention.cu), callable from C++20 code: plain
-// pointers and sizes only. Layout: q (batch, tq, d), k (batch, tk, d), v (batch, tk, dv),
-// out and dout (batch, tq, dv), lse (batch, tq) f32, all contiguous, `batch` the product of the
-// leading dims; causal masks key j > query i (top-left aligned), like the op's reference kernel.
+// pointers and sizes only. Layout with heads == 1 ("bhtd"): q (batch, tq, d), k (batch, tk, d),
+// v (batch, tk, dv), out and dout (batch, tq, dv), lse (batch, tq) f32, all contiguous, `batch`
+// the product of the leading dims. With heads == H ("bthd"): q (batch / H, tq, H, d), ...,
+// lse (batch / H, tq, H): problem b is head b % H of leading index b / H. Causal masks key
+// j > query i (top-left aligned), like the op's reference kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +16,7 @@ enum class AttentionDType { kF32, kF16, kBF16 };
 
 struct AttentionShape {
   int64_t batch = 0, tq = 0, tk = 0, d = 0, dv = 0;
+  int64_t heads = 1;  // > 1: the "bthd" layout, heads between the sequence and head dims
   bool causal = false;
   double scale = 1.0;
 };

@@ -454,8 +454,10 @@ void register_nn(KernelRegistry& registry) {
                                        stream_of(a));
   });
 
-  // Scores of one query live in shared memory: at most attention_max_keys() keys.
+  // Scores of one query live in shared memory: at most attention_max_keys() keys. Layout
+  // "bhtd" only ("bthd" is cuda-attention's).
   Supports attention_fits = [](const NodeView& node) {
+    if (node.node.attrs.s("layout") != "bhtd") return false;
     const TensorType& k = node.input_types[1];
     return k.shape[k.rank() - 2] <= generic::attention_max_keys();
   };

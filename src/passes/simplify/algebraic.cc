@@ -189,6 +189,68 @@ Replacement sum_one_hot_classes(Rewriter& rw, const Node& n) {
   return {rw.full(out.shape, 1.0, out.dtype)};
 }
 
+// cast(transpose(x)) -> transpose(cast(x)): an elementwise op commutes with a permutation.
+// Mixed precision puts its casts right before the ops that run in 16 bits; this moves the
+// transposes next to those ops (where attention-heads-inside and transpose-transpose meet them).
+Replacement cast_transpose(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kCast) return {};
+  const Node* t = producer_of(rw, n.inputs[0], Op::kTranspose);
+  if (t == nullptr) return {};
+  const Attributes perm = t->attrs;
+  const ValueId cast = rw.emit(Op::kCast, {t->inputs[0]}, n.attrs);
+  return {rw.emit(Op::kTranspose, {cast}, perm)};
+}
+
+// The permutation that swaps axes rank-3 and rank-2: (..., H, T, D) <-> (..., T, H, D).
+Ints heads_swap(int rank) {
+  Ints perm(rank);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::swap(perm[rank - 3], perm[rank - 2]);
+  return perm;
+}
+
+// x when `id` is heads_swap(id's rank) applied to x, else -1.
+ValueId unswapped(Rewriter& rw, ValueId id) {
+  const int rank = rw.type(id).rank();
+  if (rank < 3) return -1;
+  const Node* t = producer_of(rw, id, Op::kTranspose);
+  if (t == nullptr || perm_of(*t, rank) != heads_swap(rank)) return -1;
+  return t->inputs[0];
+}
+
+ValueId swap_last_two(Rewriter& rw, ValueId x) {
+  const int rank = rw.type(x).rank();
+  Ints perm(rank);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::swap(perm[rank - 2], perm[rank - 1]);
+  return rw.emit(Op::kTranspose, {x}, {{"perm", perm}});
+}
+
+// attention{bhtd}(T(q), T(k), T(v)) with T = heads_swap -> T(attention{bthd}(q, k, v)), and
+// attention_grad{bhtd}(T(q), T(k), T(v), out, dout, lse) -> T each of attention_grad{bthd}(q, k,
+// v, T(out), T(dout), lse^T). The transposes emitted meet the ones around (a model's reshape to
+// heads, its reshape back, autodiff's mirror images) and cancel by transpose-transpose.
+Replacement attention_heads_inside(Rewriter& rw, const Node& n) {
+  if ((n.op != Op::kAttention && n.op != Op::kAttentionGrad) || n.attrs.s("layout") != "bhtd")
+    return {};
+  ValueId qkv[3];
+  for (int i = 0; i < 3; ++i)
+    if ((qkv[i] = unswapped(rw, n.inputs[i])) < 0) return {};
+  Attributes attrs = n.attrs;
+  attrs.set("layout", std::string("bthd"));
+  const int rank = rw.type(n.inputs[0]).rank();
+  auto swap = [&](ValueId x) { return rw.emit(Op::kTranspose, {x}, {{"perm", heads_swap(rank)}}); };
+  if (n.op == Op::kAttention) {
+    std::vector<ValueId> out = rw.emit_node(Op::kAttention, {qkv[0], qkv[1], qkv[2]}, attrs);
+    return {swap(out[0]), swap_last_two(rw, out[1])};
+  }
+  std::vector<ValueId> grads = rw.emit_node(
+      Op::kAttentionGrad,
+      {qkv[0], qkv[1], qkv[2], swap(n.inputs[3]), swap(n.inputs[4]), swap_last_two(rw, n.inputs[5])},
+      attrs);
+  return {swap(grads[0]), swap(grads[1]), swap(grads[2])};
+}
+
 // THE table. Every rule is exact (see algebraic.h); its condition says why.
 const std::array kRules = {
     // x * 1 -> x, either side; broadcast_to(x) when the 1 widens x. Exact for every dtype.
@@ -225,6 +287,12 @@ const std::array kRules = {
     // argmax, constants, a where/clamp of those): one_hot gives an all-zero row for an
     // out-of-range index (e.g. ignore_index), whose sum is 0.
     RewriteRule{"sum-one-hot-classes", sum_one_hot_classes},
+    // cast(transpose(x)) -> transpose(cast(x)): exact (elementwise; a permutation of elements).
+    RewriteRule{"cast-transpose", cast_transpose},
+    // attention (and its gradient) on heads-first transposes of (..., T, H, D) tensors -> the
+    // same attention with layout "bthd" on the tensors themselves: a permutation of which
+    // element meets which, so exact; the transposes around then cancel.
+    RewriteRule{"attention-heads-inside", attention_heads_inside},
 };
 
 }  // namespace

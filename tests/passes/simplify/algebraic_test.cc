@@ -2,6 +2,7 @@
 // firing where it would change a result, each negative test named for why; the fixed point;
 // values unchanged bitwise on random inputs.
 #include "passes/simplify/algebraic.h"
+#include "passes/simplify/dead_code.h"
 
 #include <cmath>
 #include <limits>
@@ -29,7 +30,7 @@ std::string simplify(const std::string& params, const std::string& body,
 TEST(Algebraic, TableHasUniqueNames) {
   std::set<std::string> names;
   for (const RewriteRule& rule : algebraic_rules()) EXPECT_TRUE(names.insert(rule.name).second);
-  EXPECT_EQ(names.size(), 14u);
+  EXPECT_EQ(names.size(), 16u);
 }
 
 TEST(Algebraic, MulByOne) {
@@ -351,6 +352,127 @@ TEST(Algebraic, NoFoldOneHotSumOverOtherAxes) {
       "  %2 = sum(%1) : f32[]\n"
       "  return %2\n"
       "}\n");
+}
+
+// q, k, v (B=2, T=5, H=3, D=4) as a model has them after reshaping its projections to heads.
+const char* kHeadsParams = "%q: f32[2,5,3,4] data, %k: f32[2,5,3,4] data, %v: f32[2,5,3,4] data";
+
+TEST(Algebraic, AttentionOnHeadTransposesTakesLayoutBthd) {
+  const std::string text =
+      std::string("graph @g(") + kHeadsParams + ") {\n"
+      "  %tq = transpose(%q) {perm=[0, 2, 1, 3]}\n"
+      "  %tk = transpose(%k) {perm=[0, 2, 1, 3]}\n"
+      "  %tv = transpose(%v) {perm=[0, 2, 1, 3]}\n"
+      "  %o, %lse = attention(%tq, %tk, %tv) {causal=true}\n"
+      "  %y = transpose(%o) {perm=[0, 2, 1, 3]}\n"
+      "  return %y, %lse\n"
+      "}\n";
+  Graph g = parse(text);
+  std::vector<Tensor> inputs = testing::random_inputs(g, 3, 0, 0);
+  std::vector<Tensor> before = testing::run_step(g, inputs);
+  AlgebraicSimplifier pass;
+  ASSERT_TRUE(pass.run(g));
+  EXPECT_EQ(pass.fired().at("attention-heads-inside"), 1);
+  DeadCodeElimination dce;
+  dce.run(g);
+  const std::string after = print(g);
+  EXPECT_TRUE(contains(after, "attention(%q, %k, %v) {causal=true, layout=\"bthd\"}")) << after;
+  // The output's transposes cancelled; lse (B, H, T) is the bthd lse (B, T, H) transposed.
+  EXPECT_TRUE(contains(after, "perm=[0, 2, 1]")) << after;
+  EXPECT_TRUE(lacks(after, "perm=[0, 2, 1, 3]")) << after;
+  // The same arithmetic in the same order, only indexed differently: bitwise the same.
+  EXPECT_TRUE(testing::bitwise_equal(testing::run_step(g, inputs), before));
+}
+
+TEST(Algebraic, AttentionGradOnHeadTransposesTakesLayoutBthd) {
+  const std::string text =
+      std::string("graph @g(") + kHeadsParams + ", %g: f32[2,5,3,4] data) {\n"
+      "  %tq = transpose(%q) {perm=[0, 2, 1, 3]}\n"
+      "  %tk = transpose(%k) {perm=[0, 2, 1, 3]}\n"
+      "  %tv = transpose(%v) {perm=[0, 2, 1, 3]}\n"
+      "  %o, %lse = attention(%tq, %tk, %tv) {causal=true}\n"
+      "  %tg = transpose(%g) {perm=[0, 2, 1, 3]}\n"
+      "  %dq, %dk, %dv = attention_grad(%tq, %tk, %tv, %o, %tg, %lse) {causal=true}\n"
+      "  %gq = transpose(%dq) {perm=[0, 2, 1, 3]}\n"
+      "  %gk = transpose(%dk) {perm=[0, 2, 1, 3]}\n"
+      "  %gv = transpose(%dv) {perm=[0, 2, 1, 3]}\n"
+      "  return %gq, %gk, %gv\n"
+      "}\n";
+  Graph g = parse(text);
+  std::vector<Tensor> inputs = testing::random_inputs(g, 5, 0, 0);
+  std::vector<Tensor> before = testing::run_step(g, inputs);
+  AlgebraicSimplifier pass;
+  ASSERT_TRUE(pass.run(g));
+  EXPECT_EQ(pass.fired().at("attention-heads-inside"), 2);
+  DeadCodeElimination dce;
+  dce.run(g);
+  const std::string after = print(g);
+  EXPECT_TRUE(contains(after, "attention_grad(%q, %k, %v, ")) << after;
+  EXPECT_TRUE(lacks(after, "transpose")) << after;  // every transpose met its inverse
+  EXPECT_TRUE(testing::bitwise_equal(testing::run_step(g, inputs), before));
+}
+
+TEST(Algebraic, CastOfTransposeBecomesTransposeOfCast) {
+  std::string t = simplify("%x: f32[2,3] data",
+                           "  %0 = transpose(%x) {perm=[1, 0]} : f32[3,2]\n"
+                           "  %1 = cast(%0) {dtype=bf16} : bf16[3,2]\n"
+                           "  return %1\n");
+  EXPECT_TRUE(contains(t, "cast(%x) {dtype=bf16} : bf16[2,3]")) << t;
+  EXPECT_TRUE(contains(t, "{perm=[1, 0]} : bf16[3,2]")) << t;
+  // A transpose of a cast is left as it is (the rule only moves casts before transposes).
+  simplify("%x: f32[2,3] data",
+           "  %0 = cast(%x) {dtype=bf16} : bf16[2,3]\n"
+           "  %1 = transpose(%0) {perm=[1, 0]} : bf16[3,2]\n"
+           "  return %1\n",
+           /*expect_change=*/false);
+}
+
+TEST(Algebraic, MixedPrecisionAttentionTakesLayoutBthd) {
+  // As mixed precision leaves it: f32 transposes, then casts to bf16 before attention.
+  const std::string text =
+      std::string("graph @g(") + kHeadsParams + ") {\n"
+      "  %tq = transpose(%q) {perm=[0, 2, 1, 3]}\n"
+      "  %tk = transpose(%k) {perm=[0, 2, 1, 3]}\n"
+      "  %tv = transpose(%v) {perm=[0, 2, 1, 3]}\n"
+      "  %cq = cast(%tq) {dtype=bf16}\n"
+      "  %ck = cast(%tk) {dtype=bf16}\n"
+      "  %cv = cast(%tv) {dtype=bf16}\n"
+      "  %o, %lse = attention(%cq, %ck, %cv) {causal=true}\n"
+      "  %y = transpose(%o) {perm=[0, 2, 1, 3]}\n"
+      "  return %y\n"
+      "}\n";
+  Graph g = parse(text);
+  std::vector<Tensor> inputs = testing::random_inputs(g, 9, 0, 0);
+  std::vector<Tensor> before = testing::run_step(g, inputs);
+  AlgebraicSimplifier pass;
+  ASSERT_TRUE(pass.run(g));
+  DeadCodeElimination dce;
+  dce.run(g);
+  const std::string after = print(g);
+  EXPECT_TRUE(contains(after, "layout=\"bthd\"")) << after;
+  EXPECT_TRUE(lacks(after, "transpose")) << after;
+  EXPECT_TRUE(testing::bitwise_equal(testing::run_step(g, inputs), before));
+}
+
+TEST(Algebraic, NoBthdAttentionUnlessAllOfQkvAreHeadTransposes) {
+  // v not transposed (a reshape to heads-first is not the same element order); or all three
+  // transposed over other axes (the batch axes swapped).
+  const char* cases[] = {
+      "  %tq = transpose(%q) {perm=[0, 2, 1, 3]}\n"
+      "  %tk = transpose(%k) {perm=[0, 2, 1, 3]}\n"
+      "  %tv = reshape(%v) {shape=[2, 3, 5, 4]}\n",
+      "  %tq = transpose(%q) {perm=[1, 0, 2, 3]}\n"
+      "  %tk = transpose(%k) {perm=[1, 0, 2, 3]}\n"
+      "  %tv = transpose(%v) {perm=[1, 0, 2, 3]}\n",
+  };
+  for (const char* lines : cases) {
+    Graph g = parse(std::string("graph @g(") + kHeadsParams + ") {\n" + lines +
+                    "  %o, %lse = attention(%tq, %tk, %tv)\n  return %o\n}\n");
+    AlgebraicSimplifier pass;
+    pass.run(g);
+    EXPECT_FALSE(pass.fired().count("attention-heads-inside")) << lines;
+    EXPECT_TRUE(lacks(print(g), "bthd")) << lines;
+  }
 }
 
 TEST(Algebraic, RewrittenGraphComputesBitwiseTheSame) {
