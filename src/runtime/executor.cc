@@ -94,6 +94,16 @@ void Executor::synchronize() const {
 void Executor::plan_with_direct_updates() {
   const size_t values = graph_.values.size();
   const Liveness live = compute_liveness(graph_);
+  // Reshape views (memory_plan.h), only with a planned arena: a view of a value is a read of it,
+  // so the old value of a target is read as long as any view of it is.
+  const std::vector<ValueId> views =
+      options_.plan_memory ? find_views(graph_) : std::vector<ValueId>(values, -1);
+  std::vector<int> last_read = live.last;  // per value: its last read, through itself or a view
+  for (size_t v = 0; v < values; ++v) {
+    if (views[v] < 0) continue;
+    const ValueId root = view_root(views, static_cast<ValueId>(v));
+    last_read[root] = std::max(last_read[root], live.last[v]);
+  }
   // Updates written in place by their node (see executor.h).
   std::vector<bool> is_output(values, false);
   for (ValueId id : graph_.outputs) is_output[id] = true;
@@ -105,21 +115,26 @@ void Executor::plan_with_direct_updates() {
     if (def < 0 || is_output[update.target] || is_output[update.value]) continue;
     if (direct_update_input_[update.value] >= 0) continue;  // one value, two targets: copy the second
     if (graph_.type(update.value) != graph_.type(update.target)) continue;
-    if (live.last[update.target] > def) continue;  // a later node reads the old value
+    if (last_read[update.target] > def) continue;  // a later node reads the old value
     const Node& node = graph_.nodes[static_cast<size_t>(def)];
-    bool reads_target = std::find(node.inputs.begin(), node.inputs.end(), update.target) != node.inputs.end();
+    bool reads_target = false;
+    for (ValueId in : node.inputs) reads_target |= view_root(views, in) == update.target;
     if (reads_target && !kernels_[static_cast<size_t>(def)]->in_place_ok) continue;
     direct_update_input_[update.value] = graph_.input_index(update.target);
     copied_update_[u] = false;
     ++direct_update_count_;
   }
   // The plan need not keep a value written straight into its input alive to the end (its arena
-  // bytes go unused): plan a copy of the graph without those updates.
+  // bytes go unused): plan a copy of the graph without those updates. Its views are the graph's
+  // (a value written into an input is an update value, so no view: the predicate keeps it so
+  // once it is no longer an update value in the copy); with plan_memory off, none.
   Graph planned = graph_;
   planned.updates.clear();
   for (size_t u = 0; u < graph_.updates.size(); ++u)
     if (copied_update_[u]) planned.updates.push_back(graph_.updates[u]);
-  plan_ = plan_memory(planned, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; });
+  plan_ = plan_memory(
+      planned, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; },
+      [&](size_t node) { return views[static_cast<size_t>(graph_.nodes[node].outputs[0])] >= 0; });
   last_use_ = plan_.liveness.last;
 }
 
@@ -158,7 +173,7 @@ void Executor::setup_cuda() {
   // Every node output needs a home.
   for (const Node& node : graph_.nodes)
     for (ValueId id : node.outputs)
-      KILN_CHECK(plan_.in_arena(id) || output_slot_[id] >= 0 || direct_update_input_[id] >= 0,
+      KILN_CHECK(plan_.in_arena(id) || plan_.is_view(id) || output_slot_[id] >= 0 || direct_update_input_[id] >= 0,
                  "internal: value %{} has no device buffer in graph '{}'", graph_.value(id).name, graph_.name);
   device_bytes_ = std::max<size_t>(total, 1);
   size_t inputs_to_come = options_.device_bytes_to_come;
@@ -195,7 +210,12 @@ std::vector<NodeTiming> Executor::profile() const {
     t.dialect = kernels_[n]->dialect;
     if (node.op == Op::kFused && node.attrs.has("kind")) t.kind = node.attrs.s("kind");
     t.outputs = types_text(types_of(graph_, node.outputs));
-    t.ms = timer_->elapsed_ms(2 * n, 2 * n + 1);
+    if (is_view_node(n)) {
+      t.dialect = "view";  // no kernel ran: its output is its input's bytes
+      t.ms = 0;
+    } else {
+      t.ms = timer_->elapsed_ms(2 * n, 2 * n + 1);
+    }
     out.push_back(std::move(t));
   }
   return out;
@@ -224,6 +244,14 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
     const int index = static_cast<int>(n);
+    if (planned && is_view_node(n)) {
+      // A view: no kernel, its input's bytes seen in the output's shape.
+      const ValueId in = node.inputs[0], out = node.outputs[0];
+      values[out] = values[in].reshaped(graph_.type(out).shape);
+      if (last_use_[in] == index) values[in] = Tensor();
+      if (last_use_[out] == index) values[out] = Tensor();
+      continue;
+    }
     args_in.clear();
     args_out.clear();
     for (ValueId id : node.inputs) args_in.push_back(values[id]);
@@ -318,6 +346,15 @@ void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
     const int index = static_cast<int>(n);
+    if (is_view_node(n)) {
+      // A view: nothing launched (nor captured), its input's bytes seen in the output's shape;
+      // a view of a graph input sees this run's pointer (new pointers are a new capture).
+      const ValueId in = node.inputs[0], out = node.outputs[0];
+      values[out] = values[in].reshaped(graph_.type(out).shape);
+      if (last_use_[in] == index) values[in] = Tensor();
+      if (last_use_[out] == index) values[out] = Tensor();
+      continue;
+    }
     args_in.clear();
     args_out.clear();
     for (ValueId id : node.inputs) args_in.push_back(values[id]);

@@ -21,6 +21,27 @@ bool overlap_in_time(const Buffer& a, const Buffer& b) {
 
 }  // namespace
 
+std::vector<ValueId> find_views(const Graph& graph, const ViewPredicate& view_ok) {
+  std::vector<ValueId> views(graph.values.size(), -1);
+  // A graph output needs its own buffer; an update value is copied over, or written straight
+  // into, its target: both stay copies.
+  std::vector<bool> keep(graph.values.size(), false);
+  for (ValueId id : graph.outputs) keep[id] = true;
+  for (const Update& u : graph.updates) keep[u.value] = true;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op != Op::kReshape || node.inputs.size() != 1 || node.outputs.size() != 1) continue;
+    const ValueId in = node.inputs[0], out = node.outputs[0];
+    if (keep[out]) continue;
+    // Same dtype and element count, so the same bytes in the same (row-major) order.
+    if (graph.type(in).dtype != graph.type(out).dtype || graph.type(in).bytes() != graph.type(out).bytes())
+      continue;
+    if (view_ok && !view_ok(n)) continue;
+    views[out] = in;
+  }
+  return views;
+}
+
 Liveness compute_liveness(const Graph& graph) {
   Liveness l;
   l.def.assign(graph.values.size(), -1);
@@ -36,24 +57,37 @@ Liveness compute_liveness(const Graph& graph) {
   return l;
 }
 
-MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok) {
+MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
+                       const ViewPredicate& view_ok) {
   MemoryPlan plan;
   plan.liveness = compute_liveness(graph);
   const Liveness& live = plan.liveness;
   const size_t num_values = graph.values.size();
   plan.offsets.assign(num_values, MemoryPlan::kNotInArena);
   plan.reuses.assign(num_values, -1);
+  plan.views = find_views(graph, view_ok);
 
   std::vector<bool> is_output(num_values, false);
   for (ValueId id : graph.outputs) is_output[id] = true;
 
-  // Buffers in node order; chains of in-place values share one.
+  // Buffers in node order; chains of in-place values and alias classes (a value and its views)
+  // share one.
   std::vector<Buffer> buffers;
   std::vector<int> buffer_of(num_values, -1);
   std::vector<int> taken;  // buffers claimed in place by the current node's outputs
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
     const int index = static_cast<int>(n);
+    if (node.outputs.size() == 1 && plan.is_view(node.outputs[0])) {
+      // A view joins its input's buffer, which now lives as long as the longest-lived alias; a
+      // view of a value outside the arena stays outside (buffer -1).
+      const ValueId out = node.outputs[0];
+      const int b = buffer_of[node.inputs[0]];
+      buffer_of[out] = b;
+      if (b >= 0) buffers[b].end = std::max(buffers[b].end, live.last[out]);
+      ++plan.view_count;
+      continue;
+    }
     // The kernel decides (KernelImpl::in_place_ok): elementwise kernels, the in-place optimizer
     // updates and the fused classifier, which writes its logits' gradient over the logits.
     const bool may_reuse = static_cast<bool>(in_place_ok);
@@ -67,9 +101,17 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok) 
         const int b = buffer_of[in];
         // The input must die here (so nothing reads it after the output is written) and be the
         // newest value of its buffer (so the buffer is free from here on).
+        // With views, the buffer's end is its whole alias class's: no alias is read later.
         if (b < 0 || live.last[in] != index || buffers[b].end != index) continue;
         if (graph.type(in) != graph.type(out)) continue;
         if (std::find(taken.begin(), taken.end(), b) != taken.end()) continue;
+        // Nor may the node read the same bytes through another alias (a view of `in`, or the
+        // value `in` is a view of), perhaps in another shape: a kernel that allows in place
+        // expects to overwrite each element after reading it at the same position, through
+        // one input.
+        bool aliased_twice = false;
+        for (ValueId other : node.inputs) aliased_twice |= other != in && buffer_of[other] == b;
+        if (aliased_twice) continue;
         if (!in_place_ok(n, k)) continue;
         chosen = b;
         plan.reuses[out] = in;

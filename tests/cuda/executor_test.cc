@@ -1,7 +1,10 @@
 // The executor on CUDA against the CPU executor: small graphs (elementwise, matmul), MLP and
 // gpt2-tiny training steps, CUDA-graph replay against capture-off, updates written into the
 // inputs' device storage, outputs the executor owns, and the clear errors (a host tensor, a
-// node with no CUDA kernel, an arena that cannot fit).
+// node with no CUDA kernel, an arena that cannot fit). Reshape views (no kernel launched): on
+// random graphs bit-identical to the plan-off executor (every reshape a copy) through capture,
+// replay and new input pointers; a view of a param delays its direct update; the profile lists
+// view nodes at 0 ms.
 //
 // Tolerances, as scaled errors |gpu - cpu| / (atol + rtol * |cpu|) <= 1:
 //   f32 elementwise and reductions: atol 1e-5, rtol 1e-4 (different summation orders and
@@ -22,6 +25,7 @@
 #include "ir/text.h"
 #include "models/models.h"
 #include "runtime/executor.h"
+#include "runtime/plan_check.h"
 #include "train/optimizer.h"
 
 namespace kiln {
@@ -394,6 +398,145 @@ TEST(CudaExecutor, ProfileTimesEveryNodeAndChangesNoResult) {
   // A training step (updates written into the inputs) gives what the unprofiled one gives.
   Graph step = sgd_training_graph(models::mlp(models::MlpConfig{16, 40, {24}, 5})).graph;
   expect_close(run_steps(step, options, 3, 5), run_steps(step, on_cuda(false), 3, 5), kSameKernels, "mlp sgd");
+}
+
+// The plan-off oracle on CUDA: every value its own bytes, every reshape its copy kernel.
+ExecutorOptions plan_off_cuda() {
+  ExecutorOptions o = on_cuda(false);
+  o.plan_memory = false;
+  return o;
+}
+
+TEST(CudaExecutor, RandomGraphsWithViewsAreBitIdenticalToPlanOff) {
+  KILN_REQUIRE_GPU();
+  // The random graphs' kernels (elementwise, concat, split, row sums) add in a fixed order, so
+  // the same kernels on the same bytes give the same bits. Inputs a, a, a (warm-up, capture,
+  // replay), b (new pointers: a new capture; views of graph inputs see them), b, a.
+  size_t views = 0, input_views = 0;
+  for (uint64_t seed = 1; seed <= 12; ++seed) {
+    Graph g = testing::random_graph(seed, 60);
+    Executor planned(g, on_cuda(true)), oracle(g, plan_off_cuda());
+    ASSERT_NE(planned.memory_plan(), nullptr);
+    const MemoryPlan& plan = *planned.memory_plan();
+    EXPECT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed;
+    views += plan.view_count;
+    for (size_t v = 0; v < g.values.size(); ++v)
+      if (plan.is_view(static_cast<ValueId>(v)))
+        input_views += g.input_index(view_root(plan.views, static_cast<ValueId>(v))) >= 0;
+    std::vector<Tensor> host_a = host_inputs(g, seed, 1), host_b = host_inputs(g, seed + 100, 1);
+    std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
+    std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
+    int run = 0;
+    for (bool use_a : {true, true, true, false, false, true}) {
+      std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
+      std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
+      std::vector<Tensor> got = download(planned.run(in_planned));
+      std::vector<Tensor> want = download(oracle.run(in_oracle));
+      got.push_back(cuda::to_host(in_planned[2]));  // the updated param
+      want.push_back(cuda::to_host(in_oracle[2]));
+      expect_bitwise(got, want, "seed " + std::to_string(seed) + ", run " + std::to_string(run++));
+    }
+    EXPECT_EQ(planned.graph_captures(), 3) << "seed " << seed;
+    EXPECT_EQ(planned.graph_replays(), 2) << "seed " << seed;
+  }
+  EXPECT_GT(views, 0u);
+  EXPECT_GT(input_views, 0u);
+}
+
+TEST(CudaExecutor, Gpt2TinyStepsWithViewsMatchPlanOff) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig config = models::gpt_config("gpt2-tiny");
+  config.batch = 2;
+  config.seq = 16;
+  Graph g = sgd_training_graph(models::gpt(config)).graph;
+  EXPECT_GT(Executor(g, on_cuda()).memory_plan()->view_count, 0u);  // heads, logits
+  // Same kernels but the reshape copies; the embedding gradient adds with atomics: 1e-6.
+  expect_close(run_steps(g, on_cuda(true), 3, static_cast<double>(config.vocab)),
+               run_steps(g, plan_off_cuda(), 3, static_cast<double>(config.vocab)), kSameKernels, "gpt2-tiny");
+}
+
+TEST(CudaExecutor, AViewOfAParamDelaysItsDirectUpdate) {
+  KILN_REQUIRE_GPU();
+  // %wv views the param %w; its new value %nw reads neither. Read before %nw: neg writes it
+  // straight into %w. Read after: %w keeps its old bytes until then; the update is a copy.
+  const char* before = R"(
+graph @before(%x: f32[4,16] data, %w: f32[4,16] param) {
+  %wv = reshape(%w) {shape=[64]}
+  %t = tanh(%wv)
+  %a = exp(%x)
+  %nw = neg(%a)
+  %s = sum(%t)
+  update %w = %nw
+  return %s
+}
+)";
+  const char* after = R"(
+graph @after(%x: f32[4,16] data, %w: f32[4,16] param) {
+  %wv = reshape(%w) {shape=[64]}
+  %a = exp(%x)
+  %nw = neg(%a)
+  %t = tanh(%wv)
+  %s = sum(%t)
+  update %w = %nw
+  return %s
+}
+)";
+  for (auto [text, direct] : {std::pair{before, 1u}, {after, 0u}}) {
+    Graph g = parse(text);
+    std::vector<Tensor> host = host_inputs(g, 21, 1);
+    for (bool graphs : {false, true}) {
+      Executor e(g, on_cuda(graphs));
+      EXPECT_EQ(e.memory_plan()->view_count, 1u);
+      EXPECT_EQ(e.direct_update_count(), direct) << g.name;
+      for (int run = 0; run < 3; ++run) {  // each run from the same old w
+        std::vector<Tensor> device = upload(host);
+        Tensor s = download(e.run(device))[0];
+        Tensor w = cuda::to_host(device[1]);
+        // By hand: s sums tanh of the OLD w; the new w is -exp(x).
+        double want = 0;
+        for (int64_t i = 0; i < 64; ++i) {
+          want += std::tanh(host[1].get(i));
+          EXPECT_NEAR(w.get(i), -std::exp(host[0].get(i)), 1e-5 * std::exp(host[0].get(i))) << g.name << " " << i;
+        }
+        EXPECT_NEAR(s.get(0), want, 1e-4) << g.name << " graphs " << graphs << " run " << run;
+      }
+    }
+  }
+}
+
+TEST(CudaExecutor, ProfileListsViewsAtZeroMilliseconds) {
+  KILN_REQUIRE_GPU();
+  Graph g = parse(R"(
+graph @views(%x: f32[64,48] data) {
+  %a = exp(%x)
+  %v = reshape(%a) {shape=[48,64]}
+  %xv = reshape(%x) {shape=[3072]}
+  %b = tanh(%v)
+  %c = neg(%xv)
+  %s = sum(%b)
+  %t = sum(%c)
+  %u = add(%s, %t)
+  return %u
+}
+)");
+  ExecutorOptions options = on_cuda(true);
+  options.profile = true;
+  Executor profiling(g, options);
+  EXPECT_EQ(profiling.memory_plan()->view_count, 2u);
+  std::vector<Tensor> inputs = upload(host_inputs(g, 4, 1));
+  Tensor want = download(Executor(g, plan_off_cuda()).run(inputs))[0];
+  expect_bitwise(download(profiling.run(inputs)), {want}, "profiled");
+  std::vector<NodeTiming> timings = profiling.profile();
+  ASSERT_EQ(timings.size(), g.nodes.size());
+  for (size_t n = 0; n < timings.size(); ++n) {
+    const bool view = n == 1 || n == 2;
+    EXPECT_EQ(timings[n].op, std::string(op_name(g.nodes[n].op)));
+    EXPECT_EQ(timings[n].dialect == "view", view) << n << " " << timings[n].dialect;
+    if (view) {
+      EXPECT_EQ(timings[n].ms, 0.0) << n;
+    }
+  }
+  EXPECT_NE(profile_table(timings, 3).find("reshape[view]"), std::string::npos) << profile_table(timings, 3);
 }
 
 TEST(CudaMemory, RoundTripsAndAsyncCopies) {

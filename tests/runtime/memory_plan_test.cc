@@ -1,6 +1,7 @@
 // The memory plan: liveness, arena offsets worked out by hand on small graphs, in-place reuse and
-// the cases that must refuse it, and on random and training graphs that no two values live at
-// one node share bytes.
+// the cases that must refuse it, reshape views (an alias shares its input's bytes; the buffer
+// lives as long as every alias; which reshapes stay copies), and on random and training graphs
+// that no two values live at one node share bytes.
 #include "runtime/memory_plan.h"
 
 #include "ir/text.h"
@@ -179,20 +180,200 @@ graph @rows(%x: f32[4,16] data) {
   EXPECT_EQ(allowed.arena_bytes, 256u);
 }
 
+// Node indices:              0        1        2        3        4        5        6
+const char* kViews = R"(
+graph @views(%x: f32[4,16] data) {
+  %a = exp(%x)
+  %v = reshape(%a) {shape=[64]}
+  %b = neg(%a)
+  %c = tanh(%b)
+  %r = reshape(%c) {shape=[64]}
+  %d = mul(%v, %r)
+  %s = sum(%d)
+  return %s
+}
+)";
+
+TEST(MemoryPlan, AViewSharesItsInputsBytesAndTheBufferOutlivesBoth) {
+  Graph g = parse(kViews);
+  MemoryPlan plan = plan_memory(g);
+  // Every value is 64 f32 = 256 bytes. Views: v of a, r of c. Buffers (alias classes):
+  // {a, v} [0, 5] (a is last read at 2, v at 5), {b} [2, 3], {c, r} [3, 5], {d} [5, 6]. By
+  // start: {a, v} at 0; {b} clashes with it: 256; {c, r} with both: 512; {d} with {a, v} and
+  // {c, r} only (b is dead by 5): the gap at 256.
+  EXPECT_EQ(plan.views[id_of(g, "v")], id_of(g, "a"));
+  EXPECT_EQ(plan.views[id_of(g, "r")], id_of(g, "c"));
+  for (const char* name : {"x", "a", "b", "c", "d", "s"}) EXPECT_FALSE(plan.is_view(id_of(g, name))) << name;
+  EXPECT_EQ(plan.view_count, 2u);
+  EXPECT_EQ(plan.offsets[id_of(g, "a")], 0);
+  EXPECT_EQ(plan.offsets[id_of(g, "v")], 0);
+  EXPECT_EQ(plan.offsets[id_of(g, "b")], 256);
+  EXPECT_EQ(plan.offsets[id_of(g, "c")], 512);
+  EXPECT_EQ(plan.offsets[id_of(g, "r")], 512);
+  // a's own last read is node 2, but its bytes are v's until node 5: d may not take them.
+  EXPECT_EQ(plan.liveness.last[id_of(g, "a")], 2);
+  EXPECT_EQ(plan.offsets[id_of(g, "d")], 256);
+  EXPECT_EQ(plan.arena_bytes, 768u);
+  EXPECT_EQ(plan.naive_bytes, 4 * 256u);     // a, b, c, d: the views have no bytes of their own
+  EXPECT_EQ(plan.live_peak_bytes, 768u);     // nodes 2 to 5 each hold three buffers
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+
+  // Without views every reshape is a copy with its own bytes: v [1, 5] and r [4, 5] besides
+  // a [0, 2], b [2, 3], c [3, 4], d [5, 6]; node 4 holds v, c and r, node 5 v, r and d.
+  MemoryPlan copies = plan_memory(g, {}, kNoViews);
+  EXPECT_EQ(copies.view_count, 0u);
+  for (ValueId v : copies.views) EXPECT_EQ(v, -1);
+  EXPECT_NE(copies.offsets[id_of(g, "v")], copies.offsets[id_of(g, "a")]);
+  EXPECT_EQ(copies.naive_bytes, 6 * 256u);
+  EXPECT_EQ(copies.live_peak_bytes, 768u);
+  EXPECT_TRUE(testing::no_live_overlap(g, copies));
+}
+
+TEST(MemoryPlan, ViewsOfViewsAreOneAliasClass) {
+  Graph g = parse(R"(
+graph @chain(%x: f32[4,16] data) {
+  %a = exp(%x)
+  %v1 = reshape(%a) {shape=[64]}
+  %v2 = reshape(%v1) {shape=[2,32]}
+  %v3 = reshape(%v2) {shape=[8,8]}
+  %b = neg(%x)
+  %c = tanh(%v3)
+  %s = sum(%c)
+  %t = sum(%b)
+  %u = add(%s, %t)
+  return %u
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  EXPECT_EQ(plan.views[id_of(g, "v2")], id_of(g, "v1"));
+  EXPECT_EQ(view_root(plan.views, id_of(g, "v3")), id_of(g, "a"));
+  EXPECT_EQ(plan.view_count, 3u);
+  for (const char* name : {"v1", "v2", "v3"}) EXPECT_EQ(plan.offsets[id_of(g, name)], plan.offsets[id_of(g, "a")]);
+  // a is last read at node 1, but v3 at node 5: b (node 4) may not take a's bytes.
+  EXPECT_NE(plan.offsets[id_of(g, "b")], plan.offsets[id_of(g, "a")]);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, NoInPlaceWhileAnAliasIsAlive) {
+  Graph g = parse(R"(
+graph @alias_alive(%x: f32[4,16] data) {
+  %a = exp(%x)
+  %v = reshape(%a) {shape=[64]}
+  %b = neg(%a)
+  %r = reshape(%b) {shape=[64]}
+  %d = add(%v, %r)
+  %s = sum(%d)
+  return %s
+}
+)");
+  MemoryPlan plan = plan_memory(g, kAlways);
+  // neg(a) is a's last read, but its view v is read at node 4: b may not write over a.
+  EXPECT_EQ(plan.reuses[id_of(g, "b")], -1);
+  EXPECT_NE(plan.offsets[id_of(g, "b")], plan.offsets[id_of(g, "a")]);
+  // add(v, r): v and a, and r and b, are all dead after it: d takes the first input's bytes.
+  EXPECT_EQ(plan.reuses[id_of(g, "d")], id_of(g, "v"));
+  EXPECT_EQ(plan.offsets[id_of(g, "d")], plan.offsets[id_of(g, "a")]);
+  EXPECT_EQ(plan.in_place_count, 1u);
+  EXPECT_EQ(plan.arena_bytes, 512u);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, NoInPlaceOverBytesTheNodeReadsTwice) {
+  // add(a, v) reads the same bytes as (1, 64) and as (64): its output may take neither.
+  Graph g = parse(R"(
+graph @twice(%x: f32[1,64] data) {
+  %a = exp(%x)
+  %v = reshape(%a) {shape=[64]}
+  %d = add(%a, %v)
+  %s = sum(%d)
+  return %s
+}
+)");
+  MemoryPlan plan = plan_memory(g, kAlways);
+  EXPECT_EQ(plan.view_count, 1u);
+  EXPECT_EQ(plan.reuses[id_of(g, "d")], -1);
+  EXPECT_EQ(plan.in_place_count, 0u);
+  EXPECT_NE(plan.offsets[id_of(g, "d")], plan.offsets[id_of(g, "a")]);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, ReshapesOfGraphInputsAndOutputsAndUpdateValues) {
+  Graph g = parse(R"(
+graph @edges(%x: f32[4,16] data, %w: f32[4,16] param) {
+  %xv = reshape(%x) {shape=[64]}
+  %a = exp(%xv)
+  %o = reshape(%a) {shape=[4,16]}
+  %ov = reshape(%o) {shape=[64]}
+  %t = sum(%ov)
+  %wv = reshape(%w) {shape=[64]}
+  %n = neg(%wv)
+  %u = reshape(%n) {shape=[4,16]}
+  update %w = %u
+  return %t, %o
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  // Views of a graph input and of a graph output: their root's bytes, outside the arena.
+  EXPECT_EQ(plan.views[id_of(g, "xv")], id_of(g, "x"));
+  EXPECT_EQ(plan.views[id_of(g, "wv")], id_of(g, "w"));
+  EXPECT_EQ(plan.views[id_of(g, "ov")], id_of(g, "o"));
+  for (const char* name : {"xv", "wv", "ov"}) EXPECT_FALSE(plan.in_arena(id_of(g, name))) << name;
+  // A graph output and an update value stay copies: o gets its own buffer, u arena bytes.
+  EXPECT_FALSE(plan.is_view(id_of(g, "o")));
+  EXPECT_FALSE(plan.is_view(id_of(g, "u")));
+  EXPECT_TRUE(plan.in_arena(id_of(g, "u")));
+  EXPECT_EQ(plan.view_count, 3u);
+  // In the arena: a (256 bytes, [1, 2]), n ([6, 7]) and u ([7, 8]): a and n share offset 0.
+  EXPECT_EQ(plan.naive_bytes, 3 * 256u);
+  EXPECT_EQ(plan.arena_bytes, 512u);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, FindViewsHonoursThePredicate) {
+  Graph g = parse(kViews);
+  const size_t second_reshape = 4;
+  std::vector<ValueId> views = find_views(g, [&](size_t n) { return n != second_reshape; });
+  EXPECT_EQ(views[id_of(g, "v")], id_of(g, "a"));
+  EXPECT_EQ(views[id_of(g, "r")], -1);
+  MemoryPlan plan = plan_memory(g, {}, [&](size_t n) { return n != second_reshape; });
+  EXPECT_EQ(plan.view_count, 1u);
+  EXPECT_FALSE(plan.is_view(id_of(g, "r")));
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
 TEST(MemoryPlan, RandomGraphsNeverShareBytesBetweenLiveValues) {
-  size_t in_place_total = 0;
+  size_t in_place_total = 0, view_total = 0, input_views = 0;
   for (uint64_t seed = 1; seed <= 60; ++seed) {
     Graph g = testing::random_graph(seed, 80);
+    const MemoryPlan copies = plan_memory(g, {}, kNoViews);
+    ASSERT_TRUE(testing::no_live_overlap(g, copies)) << "seed " << seed << " without views";
     for (bool in_place : {false, true}) {
       MemoryPlan plan = in_place ? plan_memory(g, kAlways) : plan_memory(g);
       ASSERT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed << " in_place " << in_place;
       EXPECT_LE(plan.live_peak_bytes, plan.arena_bytes) << "seed " << seed;
       EXPECT_LE(plan.arena_bytes, plan.naive_bytes) << "seed " << seed;
-      if (!in_place) EXPECT_EQ(plan.in_place_count, 0u);
+      if (!in_place) {
+        EXPECT_EQ(plan.in_place_count, 0u);
+        // An alias class is live exactly where one of its values is, and holds one value's
+        // bytes: never more live bytes than the copies would hold.
+        EXPECT_LE(plan.live_peak_bytes, copies.live_peak_bytes) << "seed " << seed;
+        // The copies' one-buffer-each bytes are the views' bytes more.
+        size_t view_bytes = 0;
+        for (size_t v = 0; v < g.values.size(); ++v) {
+          const ValueId id = static_cast<ValueId>(v);
+          if (!plan.is_view(id)) continue;
+          view_bytes += aligned_bytes(g.type(id).bytes());
+          input_views += g.input_index(view_root(plan.views, id)) >= 0;
+        }
+        EXPECT_EQ(plan.naive_bytes + view_bytes, copies.naive_bytes) << "seed " << seed;
+        view_total += plan.view_count;
+      }
       in_place_total += plan.in_place_count;
     }
   }
   EXPECT_GT(in_place_total, 0u);  // the in-place path was exercised
+  EXPECT_GT(view_total, 0u);      // and views, of arena values and of graph inputs
+  EXPECT_GT(input_views, 0u);
 }
 
 TEST(MemoryPlan, TrainingGraphsNeverShareBytesBetweenLiveValues) {
@@ -206,6 +387,10 @@ TEST(MemoryPlan, TrainingGraphsNeverShareBytesBetweenLiveValues) {
         EXPECT_TRUE(testing::no_live_overlap(*graph, plan)) << model;
         EXPECT_LE(plan.live_peak_bytes, plan.arena_bytes) << model;
         EXPECT_LE(plan.arena_bytes, plan.naive_bytes) << model;
+        if (std::string(model) == "gpt2-tiny") {
+          EXPECT_GT(plan.view_count, 0u);  // attention heads, logits
+        }
+        EXPECT_LE(plan.live_peak_bytes, plan_memory(*graph, {}, kNoViews).live_peak_bytes) << model;
       }
     }
   }

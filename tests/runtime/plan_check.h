@@ -14,10 +14,29 @@
 namespace kiln::testing {
 
 // Every arena value is 64-byte aligned and inside the arena, and two values live at one node
-// (overlapping [def, last]) never share a byte, except a value and the input it overwrote in
-// place (the plan says so in `reuses`, and the input dies at that very node).
+// (overlapping [def, last]) never share a byte, except
+//   - two values of one alias class (a value and its views, memory_plan.h: one root), and
+//   - a value and the input it overwrote in place (the plan says so in `reuses`): then every
+//     value of that input's alias class dies at that very node.
+// A view is never a graph output nor an update value, has its input's byte count, and sits
+// at its root's offset (kNotInArena with a root outside the arena).
 inline ::testing::AssertionResult no_live_overlap(const Graph& g, const MemoryPlan& plan) {
   const Liveness& l = plan.liveness;
+  auto root = [&](ValueId v) { return view_root(plan.views, v); };
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    const ValueId id = static_cast<ValueId>(v);
+    if (!plan.is_view(id)) continue;
+    const ValueId in = plan.views[v];
+    if (g.type(in).bytes() != g.type(id).bytes())
+      return ::testing::AssertionFailure() << "view " << v << " of " << in << " differs in bytes";
+    if (plan.offsets[v] != plan.offsets[static_cast<size_t>(root(id))])
+      return ::testing::AssertionFailure() << "view " << v << " at " << plan.offsets[v] << ", its root "
+                                           << root(id) << " at " << plan.offsets[root(id)];
+    for (ValueId out : g.outputs)
+      if (out == id) return ::testing::AssertionFailure() << "view " << v << " is a graph output";
+    for (const Update& u : g.updates)
+      if (u.value == id) return ::testing::AssertionFailure() << "view " << v << " is an update value";
+  }
   std::vector<ValueId> arena;
   for (size_t v = 0; v < g.values.size(); ++v) {
     if (!plan.in_arena(static_cast<ValueId>(v))) continue;
@@ -27,6 +46,13 @@ inline ::testing::AssertionResult no_live_overlap(const Graph& g, const MemoryPl
     if (offset + g.type(static_cast<ValueId>(v)).bytes() > plan.arena_bytes)
       return ::testing::AssertionFailure() << "value " << v << " ends past the arena";
   }
+  // `b`'s alias class was written over `a`'s (its root reuses a value of a's class), and `a`
+  // was dead by then.
+  auto overwrote = [&](ValueId a, ValueId b) {
+    const ValueId rb = root(b);
+    const ValueId reused = plan.reuses[static_cast<size_t>(rb)];
+    return reused >= 0 && root(reused) == root(a) && l.last[a] <= l.def[rb];
+  };
   for (size_t i = 0; i < arena.size(); ++i) {
     for (size_t j = i + 1; j < arena.size(); ++j) {
       const ValueId a = arena[i], b = arena[j];
@@ -34,20 +60,20 @@ inline ::testing::AssertionResult no_live_overlap(const Graph& g, const MemoryPl
       const size_t a0 = static_cast<size_t>(plan.offsets[a]), a1 = a0 + g.type(a).bytes();
       const size_t b0 = static_cast<size_t>(plan.offsets[b]), b1 = b0 + g.type(b).bytes();
       if (a1 <= b0 || b1 <= a0) continue;  // disjoint bytes
-      const bool in_place = (plan.reuses[b] == a && l.last[a] == l.def[b]) ||
-                            (plan.reuses[a] == b && l.last[b] == l.def[a]);
-      if (!in_place)
-        return ::testing::AssertionFailure()
-               << "values " << a << " [" << l.def[a] << ", " << l.last[a] << "] and " << b << " ["
-               << l.def[b] << ", " << l.last[b] << "] share bytes [" << std::max(a0, b0) << ", "
-               << std::min(a1, b1) << ")";
+      if (root(a) == root(b) || overwrote(a, b) || overwrote(b, a)) continue;
+      return ::testing::AssertionFailure()
+             << "values " << a << " [" << l.def[a] << ", " << l.last[a] << "] and " << b << " ["
+             << l.def[b] << ", " << l.last[b] << "] share bytes [" << std::max(a0, b0) << ", "
+             << std::min(a1, b1) << ")";
     }
   }
   return ::testing::AssertionSuccess();
 }
 
 // A random graph over f32 (k, 8) tensors: unary ops, binary ops (same shape or a (1, 8) row
-// broadcast), concat, two-way split, keepdims sums; a few outputs and one param update.
+// broadcast), concat, two-way split, keepdims sums, reshapes (through a (2k, 4) or (8k) shape
+// and back, perhaps with a unary op in the other shape: views, views of views, views of graph
+// inputs and of the updated param); a few outputs and one param update.
 inline Graph random_graph(uint64_t seed, int nodes) {
   std::mt19937_64 rng(seed);
   auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
@@ -67,7 +93,7 @@ inline Graph random_graph(uint64_t seed, int nodes) {
       return rng() % 3 == 0 ? pool[pick(pool.size())] : pool[pool.size() - 1 - pick(window)];
     };
     const ValueId a = operand();
-    switch (rng() % 6) {
+    switch (rng() % 7) {
       case 0:
       case 1:
         pool.push_back(g.add(unary[pick(4)], {a}));
@@ -95,6 +121,15 @@ inline Graph random_graph(uint64_t seed, int nodes) {
           pool.push_back(g.add(unary[pick(4)], {a}));
         }
         break;
+      case 5: {
+        const Shape shape = g.type(a).shape;
+        auto reshape = [&](ValueId v, Shape to) { return g.add(Op::kReshape, {v}, {{"shape", to}}); };
+        ValueId mid = reshape(a, rng() % 2 ? Shape{rows(a) * 2, 4} : Shape{rows(a) * 8});
+        if (rng() % 3 == 0) mid = g.add(unary[pick(4)], {mid});
+        if (rng() % 3 == 0) mid = reshape(mid, Shape{rows(a) * 8});
+        pool.push_back(reshape(mid, shape));
+        break;
+      }
       default:
         pool.push_back(g.add(Op::kSum, {a}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}}));
         break;
