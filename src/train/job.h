@@ -80,6 +80,8 @@ struct BenchResult {
   double mfu = 0;
   double first_step_s = 0;        // process start to the end of the first step
   double compile_s = 0;           // trainer construction: passes, kernel choice, memory plan
+  double setup_s = 0;             // process start to the trainer's construction (model, init)
+  double first_run_s = 0;         // the first step itself: kernel compiles, capture, the step
   double final_loss = 0;
   // CUDA memory: what kiln allocated (params + state, the step's arena and outputs, anything
   // else through cuda::allocate such as kernel workspaces), its peak, and cudaMemGetInfo's
