@@ -256,6 +256,10 @@ int main(int argc, char** argv) {
                   "Launch every kernel each step instead of replaying a captured CUDA graph");
   bench->add_flag("--json", bench_options.json, "Also print the numbers as one JSON line, last");
   bench->add_option("--disable-pass", bench_options.disabled_passes, "Skip these passes of the default pipeline")->delimiter(',');
+  std::string bench_budget;
+  bench->add_option("--memory-budget", bench_budget,
+                    "Recompute activations so the step's planned arena fits, e.g. 12GiB (a larger batch "
+                    "in the same memory)");
   bench->add_option("--profile", bench_options.profile_path,
                     "After the timed steps, profile one step (CUDA events around every kernel): print a "
                     "per-kernel table and write a Chrome trace-event JSON to this file");
@@ -290,6 +294,7 @@ int main(int argc, char** argv) {
       kiln::train::run_training_job(job);
     } else if (app.got_subcommand(bench)) {
       bench_options.peak_flops = bench_peak_tflops * 1e12;
+      if (!bench_budget.empty()) bench_options.memory_budget = kiln::parse_byte_size(bench_budget);
       kiln::train::run_benchmark(bench_options);
     }
   } catch (const kiln::Error& e) {

@@ -345,6 +345,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   OptimizerConfig config;
   config.amp = o.amp;
   config.lr = 1e-4;
+  config.memory_budget = o.memory_budget;
   validate(config);
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
@@ -439,6 +440,9 @@ BenchResult run_benchmark(const BenchOptions& o) {
       fmt::print(o.out, "  device memory    kiln peak {} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
                  cuda::format_bytes(r.kiln_peak_bytes), cuda::format_bytes(r.param_state_bytes),
                  cuda::format_bytes(r.arena_bytes), cuda::format_bytes(r.device_used_delta_bytes));
+    if (o.memory_budget > 0)
+      fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
+                 cuda::format_bytes(o.memory_budget));
     fmt::print(o.out,
                "  first step       {:.2f} s after process start (setup {:.2f} s, trainer build {:.2f} s, "
                "first step {:.2f} s)\n",
