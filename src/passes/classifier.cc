@@ -1,7 +1,190 @@
 #include "passes/classifier.h"
 
-namespace kiln {
+#include <algorithm>
+#include <memory>
+#include <vector>
 
-bool ClassifierPass::run(Graph&) { return false; }  // stub: filled in by its owner
+#include "passes/fusion/fusion.h"
+#include "support/error.h"
+
+namespace kiln {
+namespace {
+
+bool is_16bit_float(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+// Readers of every value: (node index) per input slot, plus whether it leaves the graph.
+struct Uses {
+  std::vector<std::vector<int>> readers;  // one entry per input slot that reads the value
+  std::vector<int> producer;              // node index, -1 for graph inputs
+  std::vector<char> escapes;              // graph output or update value
+};
+
+Uses uses_of(const Graph& graph) {
+  Uses u;
+  u.readers.assign(graph.values.size(), {});
+  u.producer.assign(graph.values.size(), -1);
+  u.escapes.assign(graph.values.size(), 0);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    for (ValueId in : graph.nodes[n].inputs) u.readers[static_cast<size_t>(in)].push_back(static_cast<int>(n));
+    for (ValueId out : graph.nodes[n].outputs) u.producer[static_cast<size_t>(out)] = static_cast<int>(n);
+  }
+  for (ValueId id : graph.outputs) u.escapes[static_cast<size_t>(id)] = 1;
+  for (const Update& up : graph.updates) u.escapes[static_cast<size_t>(up.value)] = 1;
+  return u;
+}
+
+// The nodes of one match, in node order: [cast in], cross_entropy, cross_entropy_grad, [cast out].
+struct Match {
+  std::vector<int> members;
+};
+
+// Whether outlining `members` into one node would create a cycle: a path that leaves the group
+// and comes back into it. Nodes are in topological order, so one sweep finds every node
+// downstream of the group through outside nodes.
+bool would_cycle(const Graph& graph, const Uses& uses, const std::vector<int>& members) {
+  std::vector<char> member(graph.nodes.size(), 0), downstream(graph.nodes.size(), 0);
+  for (int m : members) member[static_cast<size_t>(m)] = 1;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    bool reads_group = false;
+    for (ValueId in : graph.nodes[n].inputs) {
+      const int p = uses.producer[static_cast<size_t>(in)];
+      if (p < 0) continue;
+      reads_group = reads_group || (member[static_cast<size_t>(p)] && !member[n]) ||
+                    downstream[static_cast<size_t>(p)];
+    }
+    if (!reads_group) continue;
+    if (member[n]) return true;  // a member reads something computed from the group outside it
+    downstream[n] = 1;
+  }
+  return false;
+}
+
+std::optional<Match> match_at(const Graph& graph, const Uses& uses, int ce_index) {
+  const Node& ce = graph.nodes[static_cast<size_t>(ce_index)];
+  const ValueId logits = ce.inputs[0], labels = ce.inputs[1];
+  if (graph.type(logits).dtype != DType::kF32) return std::nullopt;
+  // Exactly one gradient of this loss: same logits, labels and attributes.
+  int grad_index = -1;
+  for (int reader : uses.readers[static_cast<size_t>(logits)]) {
+    const Node& node = graph.nodes[static_cast<size_t>(reader)];
+    if (node.op != Op::kCrossEntropyGrad || node.inputs[0] != logits || node.inputs[1] != labels ||
+        !same_values(node.attrs, ce.attrs))
+      continue;
+    if (grad_index >= 0 && grad_index != reader) return std::nullopt;  // two gradients
+    grad_index = reader;
+  }
+  // The loss first: the body's outputs are (loss, gradient) in node order.
+  if (grad_index < ce_index) return std::nullopt;
+  const Node& grad = graph.nodes[static_cast<size_t>(grad_index)];
+  Match match;
+  // The cast of 16-bit logits to f32, when the two loss ops are its only readers.
+  const int cast_in = uses.producer[static_cast<size_t>(logits)];
+  if (cast_in >= 0) {
+    const Node& cast = graph.nodes[static_cast<size_t>(cast_in)];
+    const std::vector<int>& readers = uses.readers[static_cast<size_t>(logits)];
+    const bool only_loss_ops =
+        !uses.escapes[static_cast<size_t>(logits)] && readers.size() == 2 &&
+        std::all_of(readers.begin(), readers.end(),
+                    [&](int r) { return r == ce_index || r == grad_index; }) &&
+        readers[0] != readers[1];
+    if (cast.op == Op::kCast && is_16bit_float(graph.type(cast.inputs[0]).dtype) && only_loss_ops)
+      match.members.push_back(cast_in);
+  }
+  match.members.push_back(ce_index);
+  match.members.push_back(grad_index);
+  // The cast of the gradient back to 16 bits, when it is the gradient's only reader.
+  const ValueId g = grad.outputs[0];
+  const std::vector<int>& g_readers = uses.readers[static_cast<size_t>(g)];
+  if (!uses.escapes[static_cast<size_t>(g)] && g_readers.size() == 1) {
+    const Node& cast = graph.nodes[static_cast<size_t>(g_readers[0])];
+    if (cast.op == Op::kCast && is_16bit_float(graph.type(cast.outputs[0]).dtype))
+      match.members.push_back(g_readers[0]);
+  }
+  std::sort(match.members.begin(), match.members.end());
+  if (would_cycle(graph, uses, match.members)) return std::nullopt;
+  return match;
+}
+
+}  // namespace
+
+bool ClassifierPass::run(Graph& graph) {
+  int fired = 0;
+  for (;;) {
+    const Uses uses = uses_of(graph);
+    std::optional<Match> match;
+    for (size_t n = 0; n < graph.nodes.size() && !match; ++n)
+      if (graph.nodes[n].op == Op::kCrossEntropy) match = match_at(graph, uses, static_cast<int>(n));
+    if (!match) break;
+    // One group id per node: the match shares one, every other node has its own.
+    std::vector<int> group_of(graph.nodes.size());
+    for (size_t n = 0; n < group_of.size(); ++n) group_of[n] = static_cast<int>(n);
+    for (int m : match->members) group_of[static_cast<size_t>(m)] = match->members.front();
+    const int first = match->members.front();
+    // outline() keeps the other nodes in their order; the new node is the only fused node
+    // whose body holds this cross_entropy: find it by its first member's position in order.
+    std::vector<const Graph*> before;
+    for (const Node& node : graph.nodes)
+      if (node.op == Op::kFused) before.push_back(node.body.get());
+    KILN_CHECK(fusion::outline(graph, group_of) == 1,
+               "classifier: outlining the loss at node {} did not make one fused node", first);
+    for (Node& node : graph.nodes) {
+      if (node.op != Op::kFused ||
+          std::find(before.begin(), before.end(), node.body.get()) != before.end())
+        continue;
+      auto body = std::make_shared<Graph>(*node.body);
+      body->name = fmt::format("classifier_{}", fired);
+      node.body = std::move(body);
+      node.attrs.set("kind", std::string("classifier"));
+      KILN_CHECK(match_classifier_body(*node.body).has_value(),
+                 "classifier: the outlined body is not of the classifier form");
+    }
+    ++fired;
+  }
+  return fired > 0;
+}
+
+std::optional<ClassifierBody> match_classifier_body(const Graph& body) {
+  if (body.inputs.size() != 3 || body.outputs.size() != 2 || body.nodes.size() < 2 ||
+      body.nodes.size() > 4 || !body.updates.empty())
+    return std::nullopt;
+  const ValueId x = body.inputs[0].value, labels = body.inputs[1].value,
+                dloss = body.inputs[2].value;
+  size_t n = 0;
+  ValueId logits = x;
+  if (body.nodes[n].op == Op::kCast) {
+    const Node& cast = body.nodes[n++];
+    if (cast.inputs[0] != x || !is_16bit_float(body.type(x).dtype)) return std::nullopt;
+    logits = cast.outputs[0];
+  }
+  if (n + 2 > body.nodes.size()) return std::nullopt;
+  const Node& ce = body.nodes[n++];
+  const Node& grad = body.nodes[n++];
+  if (ce.op != Op::kCrossEntropy || grad.op != Op::kCrossEntropyGrad) return std::nullopt;
+  if (ce.inputs != std::vector<ValueId>{logits, labels} ||
+      grad.inputs != std::vector<ValueId>{logits, labels, dloss} ||
+      !same_values(ce.attrs, grad.attrs))
+    return std::nullopt;
+  ValueId g = grad.outputs[0];
+  if (n < body.nodes.size()) {
+    const Node& cast = body.nodes[n++];
+    if (cast.op != Op::kCast || cast.inputs[0] != g ||
+        !is_16bit_float(body.type(cast.outputs[0]).dtype))
+      return std::nullopt;
+    g = cast.outputs[0];
+  }
+  if (body.outputs[0] != ce.outputs[0] || body.outputs[1] != g) return std::nullopt;
+  const TensorType& logits_type = body.type(logits);
+  if (logits_type.dtype != DType::kF32) return std::nullopt;
+  ClassifierBody out;
+  out.logits = body.type(x).dtype;
+  out.labels = body.type(labels).dtype;
+  out.grad = body.type(g).dtype;
+  out.ignore_index = ce.attrs.i("ignore_index");
+  out.reduction = ce.attrs.s("reduction");
+  out.vocab = logits_type.shape.back();
+  out.rows = 1;
+  for (int64_t d : body.type(labels).shape) out.rows *= d;
+  return out;
+}
 
 }  // namespace kiln

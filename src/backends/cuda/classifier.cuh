@@ -1,0 +1,58 @@
+// Launcher of the fused classifier kernel (backends/cuda/classifier.cu; registered by
+// classifier.cc for `fused` nodes of kind "classifier", passes/classifier.h). C++17-clean:
+// plain pointers, int64_t, cudaStream_t.
+//
+// One call computes, for logits (rows, vocab) and labels (rows):
+//   loss      logsumexp(row) - row[label] per row ("none"), or their sum ("sum") or mean over
+//             the rows whose label is not ignore_index ("mean"; 0 when there is none), f32;
+//   dlogits   (softmax(row) - one_hot(label)) * scale in grad_t, scale = dloss[row] ("none"),
+//             dloss[0] ("sum"), dloss[0] / counted rows ("mean"); 0 in ignored rows.
+// dloss is read on the device. dlogits may be the logits' own buffer (same type): each row is
+// read whole before any of it is written. loss may be dloss's buffer ("none": each row's dloss
+// is read before its loss is written). A label outside [0, vocab) that is not ignore_index is
+// recorded as a device data error (device_errors.h) and gives a NaN loss and a NaN row.
+// Deterministic: per-row losses reduced in a fixed order, no floating-point atomics.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kiln::cuda::classifier {
+
+enum class Float : int { kF32, kF16, kBF16 };
+enum class Reduction : int { kMean, kSum, kNone };
+
+struct Problem {
+  Float logits_t = Float::kF32;
+  const void* logits = nullptr;  // (rows, vocab)
+  Float grad_t = Float::kF32;    // logits_t, or 16 bits for f32 logits
+  void* dlogits = nullptr;       // (rows, vocab); may be `logits` when the types agree
+  bool labels64 = true;          // i64 labels, else i32
+  const void* labels = nullptr;  // (rows)
+  const float* dloss = nullptr;  // rows values ("none") or one
+  float* loss = nullptr;         // rows values ("none") or one; may be dloss
+  int64_t rows = 0, vocab = 0, ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+};
+
+void fused_classifier(const Problem& problem, cudaStream_t stream);
+
+// How fused_classifier runs a problem of this shape (for the benchmark's report): threads per
+// block, and whether the row is kept in shared memory between its two passes (else read twice).
+struct LaunchInfo {
+  int threads = 0;
+  bool row_in_shared_memory = false;
+  int64_t shared_bytes = 0;
+};
+LaunchInfo launch_info(Float logits_t, int64_t vocab);
+
+// How a row travels between the kernel's two passes. kReread (the default): read twice from
+// global memory (the second time mostly from L2). kShared: copied once into shared memory
+// (cp.async) when it fits (kMaxSharedRowBytes in classifier.cu), so DRAM sees it once; measured
+// slower on an H200 at GPT-2 size (bf16, V = 50304: 6.4 ms vs 4.8 ms, before the store fix of
+// classifier.cu), kept for the benchmark to re-measure. Not thread-safe against running launches.
+enum class RowPath : int { kReread, kShared };
+void set_row_path(RowPath path);
+
+}  // namespace kiln::cuda::classifier
