@@ -1,18 +1,24 @@
 // The nvrtc dialect's code generation (backends/cuda/codegen.h) without a GPU: what the
 // generated source must contain for known bodies (vector width, broadcast index arithmetic,
-// reductions), which bodies are refused and why, determinism, the GEMM-epilogue matcher, and
-// every generated source compiled by NVRTC (a host library: no device needed), so that syntax
-// errors in generated code fail CI. Only in builds with the CUDA backend.
+// reductions, column reductions and their finish kernel), which bodies are refused and why,
+// determinism, the GEMM-epilogue matcher (cuBLASLt epilogues, and a product followed by a
+// generated epilogue), that no fused node of gpt2-tiny's training graph falls to the cuda-body
+// fallback, and every generated source compiled by NVRTC (a host library: no device needed), so
+// that syntax errors in generated code fail CI. Only in builds with the CUDA backend.
 #ifdef KILN_HAVE_CUDA
 
 #include <gtest/gtest.h>
 
 #include <memory>
 
+#include "backends/backend.h"
 #include "backends/cuda/codegen.h"
 #include "backends/cuda/nvrtc.h"
 #include "ir/graph.h"
+#include "models/models.h"
+#include "passes/pipeline.h"
 #include "test_util.h"
+#include "train/optimizer.h"
 
 namespace kiln {
 namespace {
@@ -213,9 +219,9 @@ TEST(NvrtcCodegenTest, RefusesWhatItCannotGenerate) {
     EXPECT_TRUE(contains(why, "column reduction")) << why;
   }
   {
-    Body b;  // a column reduction (over rows)
-    ValueId x = b.in("x", DType::kF32, {6, 32});
-    b.out({b.op(Op::kSum, {b.op(Op::kExp, {x})}, {{"axes", std::vector<int64_t>{0}}})});
+    Body b;  // a reduction over a middle axis (neither along the row nor over the rows)
+    ValueId x = b.in("x", DType::kF32, {6, 4, 32});
+    b.out({b.op(Op::kSum, {b.op(Op::kExp, {x})}, {{"axes", std::vector<int64_t>{1}}})});
     EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
     EXPECT_TRUE(contains(why, "last axis")) << why;
   }
@@ -288,6 +294,337 @@ TEST(NvrtcCodegenTest, GemmEpiloguePatterns) {
     EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
     EXPECT_TRUE(contains(why, "exp")) << why;
   }
+}
+
+// ---- column reductions ----
+
+// GPT-2's MLP backward: dy through gelu_grad at the pre-activation x, the bias gradient (sum
+// over the leading axes) and the gradient; under bf16 amp (dy bf16, x f32), dy is cast to f32
+// first and the gradient back to bf16.
+Body gelu_grad_bias(DType dy_type, DType x_type, Shape shape) {
+  Body b;
+  ValueId dy = b.in("dy", dy_type, shape), x = b.in("x", x_type, shape);
+  std::vector<int64_t> axes;
+  for (size_t d = 0; d + 1 < shape.size(); ++d) axes.push_back(static_cast<int64_t>(d));
+  if (dy_type != x_type) dy = b.op(Op::kCast, {dy}, {{"dtype", x_type}});
+  ValueId dx = b.op(Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}});
+  ValueId db = b.op(Op::kSum, {dx}, {{"axes", axes}});
+  if (dy_type != x_type) dx = b.op(Op::kCast, {dx}, {{"dtype", dy_type}});
+  return b.out({db, dx});
+}
+
+TEST(NvrtcCodegenTest, ColumnSumElementwiseKernelStructure) {
+  // 4 x 64 = 256 rows of 3072, bf16 dy and f32 x: 4-wide (16 bytes of f32), a warp of 32
+  // threads x 4 columns = 128 columns per strip, 24 strips; 1024 / 24 = 42 tiles wanted, so
+  // ceil(256 / 42) = 7 rows, rounded up to a multiple of kTY = 8: 8-row tiles, 32 of them.
+  Body b = gelu_grad_bias(DType::kBF16, DType::kF32, {4, 64, 3072});
+  std::string why;
+  ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  EXPECT_EQ(k.column_outputs, std::vector<int>{0});
+  EXPECT_EQ(k.vector_width, 4);
+  EXPECT_EQ(k.threads, 256);
+  EXPECT_EQ(k.blocks, 24);
+  EXPECT_EQ(k.blocks_y, 32);
+  EXPECT_EQ(k.partial_tiles, 32);
+  EXPECT_EQ(k.partials_bytes, size_t{32} * 3072 * 4);
+  EXPECT_EQ(k.entry, "kiln_fused_columns_vec");
+  EXPECT_EQ(k.scalar_entry, "kiln_fused_columns");
+  EXPECT_EQ(k.finish_entry, "kiln_fused_columns_finish");
+  EXPECT_EQ(k.finish_blocks, 96);  // 3072 columns / 32 per block
+  // One parameter per body tensor, then the partials.
+  EXPECT_EQ(k.param_element_bytes, (std::vector<int>{2, 4, 4, 2}));
+  EXPECT_TRUE(contains(k.source, "constexpr long long kRows = 256LL, kN = 3072LL, kRowTile = 8LL;"))
+      << k.source;
+  EXPECT_TRUE(contains(k.source, "constexpr int kTX = 32, kTY = 8, kV = 4, kStrip = 128;"))
+      << k.source;
+  EXPECT_TRUE(contains(k.source, "float* __restrict__ kiln_partials")) << k.source;
+  // The per-element output is stored as a vector; the column term accumulates in registers.
+  EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<kV, __nv_bfloat16>*>(out1 + i) = r1;"))
+      << k.source;
+  EXPECT_TRUE(contains(k.source, "c0[v] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_gelu_grad_tanh(")) << k.source;
+  // The block's partial goes to tile blockIdx.y of the scratch buffer; the finish kernel adds
+  // tiles in a fixed order; no atomics anywhere.
+  EXPECT_TRUE(contains(k.source, "kiln_partials[(0LL + blockIdx.y) * kN")) << k.source;
+  EXPECT_TRUE(contains(k.source, "for (long long t = ty; t < 32LL; t += 8)")) << k.source;
+  EXPECT_TRUE(contains(k.source, "out0[c] = s;")) << k.source;
+  EXPECT_FALSE(contains(k.source, "atomic")) << k.source;
+  EXPECT_TRUE(contains(k.source, "// ops: cast, gelu_grad, sum, cast")) << k.source;
+  expect_compiles(k);
+  // Deterministic text.
+  EXPECT_EQ(cuda::generate_kernel(*b.g, "elementwise").source, k.source);
+}
+
+TEST(NvrtcCodegenTest, ColumnSumGeometryForOddAndNarrowShapes) {
+  {
+    // 37 rows of 33 (odd): scalar only; 33 columns -> a warp per strip of 32 columns, 2 strips.
+    Body b = gelu_grad_bias(DType::kF32, DType::kF32, {37, 33});
+    GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+    EXPECT_EQ(k.vector_width, 1);
+    EXPECT_EQ(k.entry, "kiln_fused_columns");
+    EXPECT_TRUE(k.scalar_entry.empty());
+    EXPECT_EQ(k.blocks, 2);
+    // 1024 / 2 = 512 tiles wanted: 1-row tiles rounded up to kTY = 8 rows: ceil(37 / 8) = 5.
+    EXPECT_EQ(k.blocks_y, 5);
+    EXPECT_TRUE(contains(k.source, "kTX = 32, kTY = 8, kV = 1, kStrip = 32;")) << k.source;
+    expect_compiles(k);
+  }
+  {
+    // bf16 only, rows of 64: 8 wide, 8 threads across the row, 32 rows of threads.
+    Body b = gelu_grad_bias(DType::kBF16, DType::kBF16, {100, 64});
+    GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+    EXPECT_EQ(k.vector_width, 8);
+    EXPECT_EQ(k.blocks, 1);
+    EXPECT_TRUE(contains(k.source, "kTX = 8, kTY = 32, kV = 8, kStrip = 64;")) << k.source;
+    expect_compiles(k);
+  }
+}
+
+TEST(NvrtcCodegenTest, ColumnMeanKeepdimsAndBodiesOfOnlyColumnOutputs) {
+  // Only column outputs (the iteration space comes from the reductions' input), one a mean
+  // with keepdims (divided by the 6 * 5 = 30 rows in the finish kernel), over a (6, 5, 40) x
+  // times a (40,) row.
+  Body b;
+  ValueId x = b.in("x", DType::kF32, {6, 5, 40}), w = b.in("w", DType::kF32, {40});
+  ValueId p = b.op(Op::kMul, {x, w});
+  ValueId s = b.op(Op::kSum, {p}, {{"axes", std::vector<int64_t>{0, 1}}});
+  ValueId m = b.op(Op::kMean, {x}, {{"axes", std::vector<int64_t>{1, 0}}, {"keepdims", true}});
+  b.out({s, m});
+  std::string why;
+  ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  EXPECT_EQ(k.rows, 30);
+  EXPECT_EQ(k.row_length, 40);
+  EXPECT_EQ(k.column_outputs, (std::vector<int>{0, 1}));
+  EXPECT_EQ(k.vector_width, 4);
+  EXPECT_TRUE(contains(k.source, "in1 + ((i % 40LL))")) << k.source;
+  EXPECT_TRUE(contains(k.source, "c1[v] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "(s / static_cast<float>(30.0))")) << k.source;
+  EXPECT_EQ(k.partials_bytes, size_t{2} * static_cast<size_t>(k.partial_tiles) * 40 * 4);
+  expect_compiles(k);
+}
+
+TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
+  // training-rewrites' LayerNorm backward: a row pass (two means) with dgamma and dbeta as
+  // column sums, 2 x 700 = 1400 rows of 96: a grid of 1024 blocks looping over rows.
+  Body b;
+  ValueId dy = b.in("dy", DType::kBF16, {2, 700, 96}), g = b.in("gamma", DType::kF32, {96});
+  ValueId xhat = b.in("xhat", DType::kF32, {2, 700, 96});
+  ValueId rstd = b.in("rstd", DType::kF32, {2, 700, 1});
+  const Attributes mean_last{{"axes", std::vector<int64_t>{-1}}, {"keepdims", true}};
+  const Attributes lead{{"axes", std::vector<int64_t>{0, 1}}};
+  ValueId d = b.op(Op::kCast, {dy}, {{"dtype", DType::kF32}});
+  ValueId dg = b.op(Op::kMul, {d, g});
+  ValueId m1 = b.op(Op::kMean, {dg}, mean_last);
+  ValueId m2 = b.op(Op::kMean, {b.op(Op::kMul, {dg, xhat})}, mean_last);
+  ValueId centred = b.op(Op::kSub, {b.op(Op::kSub, {dg, m1}), b.op(Op::kMul, {xhat, m2})});
+  ValueId dx = b.op(Op::kMul, {rstd, centred});
+  ValueId dgamma = b.op(Op::kSum, {b.op(Op::kMul, {d, xhat})}, lead);
+  ValueId dbeta = b.op(Op::kSum, {d}, lead);
+  b.out({dx, dgamma, dbeta});
+  std::string why;
+  ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+  EXPECT_EQ(k.column_outputs, (std::vector<int>{1, 2}));
+  EXPECT_EQ(k.blocks, 1024);
+  EXPECT_EQ(k.partial_tiles, 1024);
+  EXPECT_EQ(k.partials_bytes, size_t{2} * 1024 * 96 * 4);
+  EXPECT_EQ(k.finish_entry, "kiln_fused_columns_finish");
+  EXPECT_EQ(k.finish_blocks, 3);
+  EXPECT_TRUE(contains(k.source, "__shared__ float kiln_col[192LL];")) << k.source;
+  EXPECT_TRUE(contains(k.source, "for (long long row = blockIdx.x; row < 1400LL; row += 1024LL)"))
+      << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_col[0LL + j] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_col[96LL + j] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
+  EXPECT_TRUE(contains(k.source, "out0[e] = ")) << k.source;
+  EXPECT_FALSE(contains(k.source, "atomic")) << k.source;
+  expect_compiles(k);
+  // Fewer rows than 1024: one block per row.
+  Body small;
+  ValueId x = small.in("x", DType::kF32, {5, 40});
+  ValueId sm = small.op(Op::kSoftmax, {x});
+  small.out({sm, small.op(Op::kSum, {sm}, {{"axes", std::vector<int64_t>{0}}})});
+  GeneratedKernel ks = cuda::generate_kernel(*small.g, "rows");
+  EXPECT_EQ(ks.blocks, 5);
+  EXPECT_EQ(ks.column_outputs, std::vector<int>{1});
+  expect_compiles(ks);
+}
+
+TEST(NvrtcCodegenTest, RefusesColumnReductionsItCannotGenerate) {
+  std::string why;
+  {
+    // A column sum read inside the body (x - colsum(x)): complete only after the whole kernel.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {6, 32});
+    ValueId s = b.op(Op::kSum, {x}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}});
+    b.out({b.op(Op::kSub, {x, s})});
+    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_TRUE(contains(why, "column reduction's result")) << why;
+  }
+  {
+    // Rows kernels keep column sums in 32 KiB of shared memory: 3 of 4096 f32 columns do not fit.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {4, 4096});
+    ValueId sm = b.op(Op::kSoftmax, {x});
+    const Attributes lead{{"axes", std::vector<int64_t>{0}}};
+    b.out({b.op(Op::kSum, {sm}, lead), b.op(Op::kSum, {x}, lead),
+           b.op(Op::kSum, {b.op(Op::kExp, {x})}, lead)});
+    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_TRUE(contains(why, "shared memory")) << why;
+    EXPECT_TRUE(contains(why, "4096")) << why;
+  }
+  {
+    // A middle-axis sum is neither a row nor a column reduction.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {6, 4, 32});
+    b.out({b.op(Op::kSum, {x}, {{"axes", std::vector<int64_t>{1}}})});
+    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+  }
+}
+
+// ---- GEMM products with a cast to f32, addends, and generated epilogues ----
+
+TEST(NvrtcCodegenTest, GemmCastToF32AndAddendMapOntoCublasLt) {
+  std::string why;
+  {
+    // GPT-2's weight gradient under amp: x^T dy in bf16, cast to f32.
+    Body b;
+    ValueId x = b.in("x", DType::kBF16, {512, 256}), dy = b.in("dy", DType::kBF16, {512, 64});
+    ValueId mm = b.op(Op::kMatmul, {x, dy}, {{"transpose_a", true}});
+    b.out({b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}})});
+    ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
+    const std::string d = cuda::describe_gemm_epilogue(*b.g);
+    EXPECT_TRUE(contains(d, "(m 256, n 64, k 512) transpose_a bf16->f32")) << d;
+    EXPECT_FALSE(contains(d, "epilogue")) << d;
+    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, "gemm-epilogue"));
+  }
+  {
+    // ... plus the f32 gradient of the tied embedding (an addend of the product's shape: C).
+    Body b;
+    ValueId x = b.in("x", DType::kBF16, {512, 96}), dy = b.in("dy", DType::kBF16, {512, 64});
+    ValueId other = b.in("other", DType::kF32, {96, 64});
+    ValueId mm = b.op(Op::kMatmul, {x, dy}, {{"transpose_a", true}});
+    b.out({b.op(Op::kAdd, {b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}}), other})});
+    ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
+  }
+  {
+    // Forward linear layer under amp: bf16 product, cast, f32 bias: the BIAS epilogue in f32.
+    Body b;
+    ValueId x = b.in("x", DType::kBF16, {8, 784}), w = b.in("w", DType::kBF16, {784, 256});
+    ValueId bias = b.in("bias", DType::kF32, {256});
+    ValueId mm = b.op(Op::kMatmul, {x, w});
+    b.out({b.op(Op::kAdd, {b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}}), bias})});
+    ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
+    EXPECT_TRUE(contains(cuda::describe_gemm_epilogue(*b.g), "bf16->f32 epilogue bias"));
+  }
+  {
+    // A bf16 bias after a cast to f32 is in neither dtype the epilogue takes.
+    Body b;
+    ValueId x = b.in("x", DType::kBF16, {8, 16}), w = b.in("w", DType::kBF16, {16, 32});
+    ValueId bias = b.in("bias", DType::kBF16, {32});
+    ValueId mm = b.op(Op::kMatmul, {x, w});
+    ValueId c = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+    b.out({b.op(Op::kAdd, {c, b.op(Op::kCast, {bias}, {{"dtype", DType::kF32}})})});
+    EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
+  }
+}
+
+TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGeneratedKernel) {
+  std::string why;
+  {
+    // f16 amp's weight gradient: cast to f32, then two loss-scale multiplies.
+    Body b;
+    ValueId x = b.in("x", DType::kF16, {64, 48}), dy = b.in("dy", DType::kF16, {64, 40});
+    ValueId s1 = b.in("s1", DType::kF32, {}), s2 = b.in("s2", DType::kF32, {});
+    ValueId mm = b.op(Op::kMatmul, {x, dy}, {{"transpose_a", true}});
+    ValueId c = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+    b.out({b.op(Op::kMul, {b.op(Op::kMul, {c, s1}), s2})});
+    EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
+    EXPECT_TRUE(contains(why, "mul")) << why;
+    ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
+    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, "gemm-epilogue", &why)) << why;
+    const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
+    EXPECT_TRUE(contains(listing, "runs as a cuBLASLt product into a scratch buffer")) << listing;
+    EXPECT_TRUE(contains(listing, "(m 48, n 40, k 64) transpose_a f16->f32")) << listing;
+    // The epilogue reads the product (f32, the cast absorbed) as its last input, in4.
+    EXPECT_TRUE(contains(listing, "const float* __restrict__ in4")) << listing;
+    EXPECT_TRUE(contains(listing, "// ops: mul, mul")) << listing;
+    if (headers_available()) EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+  }
+  {
+    // mlp under bf16 amp: dgelu in f32 with the bias gradient and a bf16 cast: the product,
+    // then a column-sum kernel.
+    Body b;
+    ValueId dy = b.in("dy", DType::kBF16, {8, 10}), w = b.in("w", DType::kBF16, {256, 10});
+    ValueId pre = b.in("pre", DType::kF32, {8, 256});
+    ValueId mm = b.op(Op::kMatmul, {dy, w}, {{"transpose_b", true}});
+    ValueId c = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+    ValueId dx = b.op(Op::kGeluGrad, {pre, c}, {{"approximate", std::string("tanh")}});
+    ValueId db = b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}});
+    b.out({db, b.op(Op::kCast, {dx}, {{"dtype", DType::kBF16}})});
+    EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
+    ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
+    const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
+    EXPECT_TRUE(contains(listing, "kiln_fused_columns_finish")) << listing;
+    if (headers_available()) EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+  }
+  {
+    // An epilogue with an op that has no emitter is refused both ways, with both reasons.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {8, 8}), w = b.in("w", DType::kF32, {8, 8});
+    ValueId mm = b.op(Op::kMatmul, {x, w});
+    b.out({b.op(Op::kMatmul, {mm, w})});
+    EXPECT_FALSE(cuda::nvrtc_supports(*b.g, "gemm-epilogue", &why));
+    EXPECT_TRUE(contains(why, "more than one matmul")) << why;
+  }
+}
+
+// The dialect the CUDA registry picks for every fused node of gpt2-tiny's training graph: the
+// fusion kinds nvrtc covers (elementwise, rows, gemm-epilogue) must never fall to cuda-body.
+// supports() needs no GPU, so this runs on CPU-only machines.
+void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
+  SCOPED_TRACE("amp " + amp + (training_rewrites ? "" : ", training-rewrites disabled"));
+  train::OptimizerConfig config;
+  config.amp = amp;
+  Graph graph = train::build_training_graph(models::by_name("gpt2-tiny", 2), config).graph;
+  PassOptions options;
+  if (!training_rewrites) options.disabled = {"training-rewrites"};
+  default_pipeline(options).run(graph);
+  int checked = 0, columns = 0, gemms = 0;
+  for (const Node& node : graph.nodes) {
+    if (node.op != Op::kFused || !node.body) continue;
+    const std::string& kind = node.attrs.s("kind");
+    if (kind != "elementwise" && kind != "rows" && kind != "gemm-epilogue") continue;
+    std::vector<TensorType> in, out;
+    for (ValueId id : node.inputs) in.push_back(graph.type(id));
+    for (ValueId id : node.outputs) out.push_back(graph.type(id));
+    const KernelImpl& impl =
+        kernel_registry().select(NodeView{node, in, out}, Device::kCuda, {});
+    std::string why;
+    EXPECT_EQ(impl.dialect, "nvrtc")
+        << kind << " node " << node.body->name << ": "
+        << (cuda::nvrtc_supports(*node.body, kind, &why) ? "" : why);
+    ++checked;
+    for (const Node& n : node.body->nodes) {
+      if (n.op != Op::kSum) continue;
+      const int rank = node.body->type(n.inputs[0]).rank();
+      if (rank >= 2 && n.attrs.ints("axes").size() + 1 == static_cast<size_t>(rank)) ++columns;
+    }
+    gemms += kind == "gemm-epilogue";
+  }
+  // The graph has what the profile showed on cuda-body: column sums and GEMM epilogues.
+  EXPECT_GT(checked, 10);
+  EXPECT_GT(columns, 0);
+  EXPECT_GT(gemms, 0);
+}
+
+TEST(NvrtcCodegenTest, NoFusedNodeOfGpt2TinyTrainingFallsToCudaBody) {
+  expect_no_cuda_body("bf16", true);
+  expect_no_cuda_body("bf16", false);
+  expect_no_cuda_body("off", true);
+  expect_no_cuda_body("f16", true);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // cuBLASLt GEMMs (backends/cuda/cublaslt.h): the "cublaslt" matmul dialect against the CPU
 // reference matmul computed in f64 (every transpose combination, odd sizes, batches and
 // broadcasts, GPT-2's shapes, f32 exact and TF32, bf16, f16); every epilogue of cuda::Gemm against
-// a host computation; the plan cache; and (printed, not asserted) the TFLOP/s reached.
+// a host computation, and bf16/f16 products written as f32 (with a bias and a C addend); the
+// plan cache; and (printed, not asserted) the TFLOP/s reached.
 //
 // Error measure: |gpu - exact| / sum_p |op(A)[i,p] op(B)[p,j]| per element (the scale of the
 // standard GEMM error bound, computed by the same reference on |A| and |B|). Tolerances per dtype:
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <optional>
 #include <random>
 
 #include "backends/cuda/cublaslt.h"
@@ -295,12 +297,16 @@ struct EpilogueResult {
 };
 
 // Runs one epilogue GEMM (batch products, each with its own bias / bias_grad) and compares D,
-// the aux output and the bias gradient with a host computation in double.
+// the aux output and the bias gradient with a host computation in double. `out` is the dtype of
+// D, C, bias, bias_grad and aux (default: the inputs'); with_c adds a random C (beta 1).
 EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64_t k, bool ta,
-                            bool tb, int64_t batch = 1) {
+                            bool tb, int64_t batch = 1, std::optional<DType> out_type = {},
+                            bool with_c = false) {
+  const DType od = out_type.value_or(dtype);
   Gemm g;
   g.m = m, g.n = n, g.k = k, g.transpose_a = ta, g.transpose_b = tb;
-  g.a_type = g.d_type = dtype;
+  g.a_type = dtype;
+  g.d_type = od;
   g.epilogue = e;
   const int64_t bias_len = e == Epilogue::kBGradA ? m : n;
   if (batch > 1) {
@@ -309,14 +315,20 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
   const uint64_t seed = 1000 + static_cast<uint64_t>(e) * 17 + m * 3 + n * 5 + k * 7 + ta * 2 + tb;
   Tensor a = testing::rand(dtype, ta ? Shape{batch, k, m} : Shape{batch, m, k}, seed);
   Tensor b = testing::rand(dtype, tb ? Shape{batch, n, k} : Shape{batch, k, n}, seed + 1);
-  Tensor bias = testing::rand(dtype, {batch, bias_len}, seed + 2);
-  Tensor aux_in = testing::rand(dtype, {batch, m, n}, seed + 3, -3.0, 3.0);
-  const TensorType out{dtype, {batch, m, n}};
+  Tensor bias = testing::rand(od, {batch, bias_len}, seed + 2);
+  Tensor aux_in = testing::rand(od, {batch, m, n}, seed + 3, -3.0, 3.0);
+  Tensor c_in = testing::rand(od, {batch, m, n}, seed + 4);
+  const TensorType out{od, {batch, m, n}};
 
   Tensor da = upload(a), db = upload(b), dbias = upload(bias), dd = poisoned(out);
   Tensor daux = cuda::epilogue_reads_aux(e) ? upload(aux_in) : poisoned(out);
-  Tensor dbias_grad = poisoned(TensorType{dtype, {batch, bias_len}});
+  Tensor dbias_grad = poisoned(TensorType{od, {batch, bias_len}});
+  Tensor dc = upload(c_in);
   GemmOperands ops{da.raw(), db.raw(), nullptr, dd.raw()};
+  if (with_c) {
+    ops.c = dc.raw();
+    ops.beta = 1.0;
+  }
   if (cuda::epilogue_reads_bias(e)) ops.bias = dbias.raw();
   if (cuda::epilogue_writes_bias(e)) ops.bias_grad = dbias_grad.raw();
   if (cuda::epilogue_reads_aux(e) || cuda::epilogue_writes_aux(e)) ops.aux = daux.raw();
@@ -327,7 +339,7 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
                             bias_grad = download(dbias_grad).to_f64();
 
   const std::vector<double> av = a.to_f64(), bv = b.to_f64(), biasv = bias.to_f64(),
-                            auxv = aux_in.to_f64();
+                            auxv = aux_in.to_f64(), cv = c_in.to_f64();
   std::vector<double> want_d(out.numel()), scale_d(out.numel()), want_aux(out.numel());
   std::vector<double> want_bg(batch * bias_len, 0.0), scale_bg(batch * bias_len, 0.0);
   EpilogueResult r;
@@ -349,6 +361,10 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
         const double bj = cuda::epilogue_reads_bias(e) ? biasv[t * n + j] : 0.0;
         pre += bj;
         s += std::abs(bj);
+        if (with_c) {
+          pre += cv[o];
+          s += std::abs(cv[o]);
+        }
         double want = pre;
         switch (e) {
           case Epilogue::kGelu:
@@ -391,7 +407,7 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
           scale_bg[t * n + j] += std::abs(opb(p, j));
         }
   }
-  const double atol = dtype == DType::kF16 ? kF16HalfSubnormal : 0.0;
+  const double atol = od == DType::kF16 ? kF16HalfSubnormal : 0.0;
   r.d_error = worst_error(d, want_d, scale_d, nullptr, atol);
   if (cuda::epilogue_writes_aux(e)) {
     std::vector<double> scale_aux(scale_d.size());
@@ -437,6 +453,48 @@ TEST(CublasLtEpilogue, ForwardAndDGeluEveryTranspose) {
     for (Epilogue e : kForwardAndDGelu)
       for (bool ta : {false, true})
         for (bool tb : {false, true}) expect_epilogue(p, e, 33, 64, 40, ta, tb);
+}
+
+// bf16 / f16 inputs with f32 outputs (a product cast to f32 under amp): D, C and the bias in
+// f32, accumulated in f32 and not rounded to 16 bits: f32's tolerance. The epilogues the nvrtc
+// dialect maps for such products (none, bias; a C addend) are asserted; the others are probed
+// and printed.
+TEST(CublasLtEpilogue, SixteenBitInputsF32Output) {
+  KILN_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const EpiloguePrecision p{dtype, 2e-5, dtype == DType::kBF16 ? "bf16->f32" : "f16->f32"};
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (Epilogue e : {Epilogue::kNone, Epilogue::kBias})
+          for (bool with_c : {false, true}) {
+            SCOPED_TRACE(fmt::format("{} {} ta {} tb {} c {}", p.name, cuda::epilogue_name(e), ta,
+                                     tb, with_c));
+            EpilogueResult r;
+            try {
+              r = run_epilogue(e, dtype, 37, 24, 150, ta, tb, 1, DType::kF32, with_c);
+            } catch (const Error& error) {
+              ADD_FAILURE() << error.what();
+              continue;
+            }
+            EXPECT_LE(r.d_error, p.tol);
+          }
+    // GPT-2's largest: the tied embedding's gradient (50304 x 768, k = tokens) on a slice.
+    EpilogueResult r = run_epilogue(Epilogue::kNone, dtype, 96, 768, 512, true, false, 1,
+                                    DType::kF32, true);
+    EXPECT_LE(r.d_error, p.tol) << p.name << " wte-like";
+    for (Epilogue e : {Epilogue::kGeluAuxBias, Epilogue::kDGelu, Epilogue::kDGeluBGrad,
+                       Epilogue::kBGradA, Epilogue::kBGradB}) {
+      std::string outcome;
+      try {
+        EpilogueResult q = run_epilogue(e, dtype, 64, 96, 40, true, false, 1, DType::kF32);
+        outcome = fmt::format("d error {:.2e}, aux {:.2e}, bias_grad {:.2e}", q.d_error,
+                              q.aux_error, q.bias_grad_error);
+      } catch (const Error& error) {
+        outcome = std::string("unsupported: ") + error.what();
+      }
+      fmt::print("[probe] {} {}: {}\n", p.name, cuda::epilogue_name(e), outcome);
+    }
+  }
 }
 
 TEST(CublasLtEpilogue, Batched) {

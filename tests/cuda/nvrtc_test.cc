@@ -3,14 +3,20 @@
 // tensors) on random inputs, outputs poisoned with 0xFF bytes first (an unwritten element reads
 // as NaN). Bodies: elementwise chains with (N,), (R, 1), scalar and middle-axis broadcasts in
 // f32/bf16/f16 (vector widths 8, 4, 2, 1), residual + layer_norm, softmax of a scaled input,
-// cross-entropy rows (with ignored labels) and its gradient, a mean-centred row reduction, and
-// GEMM epilogues (bias, tanh gelu, gelu aux, dgelu + bias gradient) through cuBLASLt.
+// cross-entropy rows (with ignored labels) and its gradient, a mean-centred row reduction,
+// column reductions (bias gradients, LayerNorm dgamma/dbeta) in elementwise and rows kernels, and
+// GEMM epilogues (bias, tanh gelu, gelu aux, dgelu + bias gradient, a bf16/f16 product cast to
+// f32 with a bias or an addend) through cuBLASLt, and products followed by a generated epilogue.
 //
 // Tolerances (max_scaled_error <= 1): the generated kernels compute in f32 and round once per
 // output; the reference computes each op in f64 and rounds every intermediate to its storage
 // type. So f32: 1e-5 / 1e-4; f16: 4e-3 / 8e-3 and bf16: 3e-2 / 3e-2 (a chain's intermediates
 // rounded by the reference and not by us differ by up to an ulp or two of the storage type:
 // 2^-11 and 2^-8 relative). GEMMs: the same, f32 without TF32.
+// Column sums of R terms: |got - want| <= rel * R * (bound on |term|) per column, rel = 1e-5 for
+// f32 (blocked f32 accumulation: each term goes through at most ~150 additions, 2^-24 each),
+// 2^-9 for f16 and 2^-7 for bf16 (the reference rounds each term to the storage type before
+// summing and we do not, 2^-9 for bf16; both round the sum once, differently).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -122,16 +128,16 @@ Body broadcast_chain(DType d, int64_t rows, int64_t n) {
 }
 
 // The cuda-body fallback (backends/cuda/fused_body.cc): a body nvrtc cannot generate (a column
-// sum), whose outputs include a body input passed through and one value listed twice, runs op
-// by op on the GPU and matches the fused reference kernel.
+// sum read inside the body), whose outputs include a body input passed through and one value
+// listed twice, runs op by op on the GPU and matches the fused reference kernel.
 TEST(NvrtcTest, CudaBodyFallbackRunsWhatNvrtcCannot) {
   KILN_REQUIRE_GPU();
   for (DType d : {DType::kF32, DType::kBF16}) {
     Body b;
     ValueId x = b.in("x", d, {300, 96}), dy = b.in("dy", d, {300, 96});
     ValueId dx = b.op(Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}});
-    ValueId db = b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}});
-    b.out({dx, db, x, dx});
+    ValueId db = b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}});
+    b.out({dx, b.op(Op::kSub, {dx, db}), x, dx});
     std::string why;
     EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
     const std::vector<Tensor> inputs = random_inputs(*b.g, 91);
@@ -289,6 +295,255 @@ TEST(NvrtcTest, CompilesEachDistinctBodyOnce) {
   Body c = broadcast_chain(DType::kF32, 5, 256);  // another shape: another kernel
   expect_matches(c, "elementwise", random_inputs(*c.g, 3), "another shape");
   EXPECT_EQ(cuda::nvrtc_cache_size(), after_first + 1);
+}
+
+// ---- column reductions ----
+
+// Column outputs (listed in `columns`) within rel * rows * term_bound of the reference; every
+// other output within the per-dtype elementwise tolerance.
+void expect_columns_match(const Body& b, const std::string& kind, const std::vector<Tensor>& inputs,
+                          const std::vector<int>& columns, int64_t rows, double term_bound,
+                          DType compute, const std::string& what) {
+  SCOPED_TRACE(what);
+  std::string why;
+  ASSERT_TRUE(cuda::can_generate(*b.g, kind, &why)) << why;
+  EXPECT_EQ(cuda::generate_kernel(*b.g, kind).column_outputs, columns);
+  const std::vector<Tensor> expected = run_reference(b, kind, inputs);
+  const std::vector<Tensor> actual = run_nvrtc(b, kind, inputs);
+  ASSERT_EQ(actual.size(), expected.size());
+  const double rel =
+      compute == DType::kBF16 ? 1.0 / 128 : compute == DType::kF16 ? 1.0 / 512 : 1e-5;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const bool column =
+        std::find(columns.begin(), columns.end(), static_cast<int>(i)) != columns.end();
+    const Tolerance tol = tolerance(expected[i].dtype());
+    const double err =
+        column ? max_scaled_error(actual[i], expected[i],
+                                  rel * static_cast<double>(rows) * term_bound, 0.0)
+               : max_scaled_error(actual[i], expected[i], tol.atol, tol.rtol);
+    EXPECT_LE(err, 1.0) << "output " << i << (column ? " (column sum)" : "") << ": "
+                        << summarize(actual[i]) << " vs expected " << summarize(expected[i]);
+  }
+}
+
+// dx = gelu_grad(x, dy) and its bias gradient db = sum over the leading axes, in one dtype; or,
+// as GPT-2 under bf16 amp, dy cast from bf16 to f32 first and dx cast back to bf16.
+Body gelu_grad_bias(DType d, Shape shape, bool amp) {
+  Body b;
+  std::vector<int64_t> axes;
+  for (size_t k = 0; k + 1 < shape.size(); ++k) axes.push_back(static_cast<int64_t>(k));
+  ValueId dy = b.in("dy", amp ? DType::kBF16 : d, shape), x = b.in("x", d, shape);
+  if (amp) dy = b.op(Op::kCast, {dy}, {{"dtype", DType::kF32}});
+  ValueId dx = b.op(Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}});
+  ValueId db = b.op(Op::kSum, {dx}, {{"axes", axes}});
+  if (amp) dx = b.op(Op::kCast, {dx}, {{"dtype", DType::kBF16}});
+  return b.out({db, dx});
+}
+
+TEST(NvrtcTest, ColumnSumsInElementwiseKernels) {
+  KILN_REQUIRE_GPU();
+  // |gelu'| <= 1.13 and |dy| <= 1: every term is below 1.2.
+  const std::vector<Shape> shapes = {{300, 96}, {37, 33}, {3, 50, 3072}, {1000, 64}, {5, 8},
+                                     {2, 129, 200}};
+  for (const Shape& shape : shapes) {
+    const int64_t rows = numel(shape) / shape.back();
+    for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+      Body b = gelu_grad_bias(d, shape, false);
+      expect_columns_match(b, "elementwise", random_inputs(*b.g, 70 + rows), {0}, rows, 1.2, d,
+                           fmt::format("{} {}", dtype_name(d), to_string(shape)));
+    }
+    Body amp = gelu_grad_bias(DType::kF32, shape, true);
+    expect_columns_match(amp, "elementwise", random_inputs(*amp.g, 80 + rows), {0}, rows, 1.2,
+                         DType::kF32, fmt::format("bf16 amp {}", to_string(shape)));
+  }
+  {
+    // Only column outputs: a sum of x * w (w a row) and a keepdims mean (|x| <= 1).
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {6, 51, 40}), w = b.in("w", DType::kF32, {40});
+    ValueId s = b.op(Op::kSum, {b.op(Op::kMul, {x, w})}, {{"axes", std::vector<int64_t>{0, 1}}});
+    ValueId m = b.op(Op::kMean, {x}, {{"axes", std::vector<int64_t>{0, 1}}, {"keepdims", true}});
+    b.out({s, m});
+    expect_columns_match(b, "elementwise", random_inputs(*b.g, 90), {0, 1}, 306, 1.0,
+                         DType::kF32, "sum and mean");
+  }
+}
+
+TEST(NvrtcTest, ColumnSumsAreDeterministicAndAlignmentIndependent) {
+  KILN_REQUIRE_GPU();
+  // The same inputs twice, and once through pointers one element off 16-byte alignment (the
+  // scalar entry, same geometry): bit-equal column sums.
+  Body b = gelu_grad_bias(DType::kF32, {700, 96}, false);
+  const std::vector<Tensor> inputs = random_inputs(*b.g, 5);
+  const std::vector<Tensor> first = run_nvrtc(b, "elementwise", inputs);
+  const std::vector<Tensor> second = run_nvrtc(b, "elementwise", inputs);
+  ASSERT_EQ(first[0].bytes(), second[0].bytes());
+  EXPECT_EQ(std::memcmp(first[0].raw(), second[0].raw(), first[0].bytes()), 0);
+  // Misaligned copies: allocate one element more and view from element 1.
+  std::vector<Tensor> device_inputs, outputs;
+  std::vector<std::shared_ptr<std::byte[]>> keep;
+  auto misaligned = [&](const TensorType& t) {
+    void* p = nullptr;
+    KILN_CUDA_CHECK(cudaMalloc(&p, t.bytes() + 16));
+    std::shared_ptr<std::byte[]> storage(static_cast<std::byte*>(p),
+                                         [](std::byte* q) { cudaFree(q); });
+    return Tensor(t, storage, dtype_size(t.dtype), Device::kCuda);
+  };
+  for (const Tensor& t : inputs) {
+    Tensor d = misaligned(t.type());
+    KILN_CUDA_CHECK(cudaMemcpy(d.raw(), t.raw(), t.bytes(), cudaMemcpyHostToDevice));
+    device_inputs.push_back(d);
+  }
+  for (ValueId id : b.g->outputs) outputs.push_back(misaligned(b.g->type(id)));
+  const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", std::string("elementwise")}});
+  cuda::Stream stream;
+  cuda::launch_generated(cuda::generate_kernel(*b.g, "elementwise"),
+                         KernelArgs{attrs, device_inputs, outputs, stream.handle(), b.g.get()});
+  stream.synchronize();
+  const Tensor third = cuda::to_host(outputs[0]), dx = cuda::to_host(outputs[1]);
+  EXPECT_EQ(std::memcmp(first[0].raw(), third.raw(), first[0].bytes()), 0);
+  EXPECT_EQ(std::memcmp(first[1].raw(), dx.raw(), first[1].bytes()), 0);
+}
+
+// training-rewrites' LayerNorm backward: dx from two row means, dgamma = sum(dy * xhat) and
+// dbeta = sum(dy) over the rows, with the residual gradient added.
+Body layer_norm_backward(DType dy_type, Shape shape) {
+  Body b;
+  const int64_t c = shape.back();
+  Shape col = shape;
+  col.back() = 1;
+  ValueId dy = b.in("dy", dy_type, shape), g = b.in("gamma", DType::kF32, {c});
+  ValueId xhat = b.in("xhat", DType::kF32, shape), rstd = b.in("rstd", DType::kF32, col);
+  ValueId res = b.in("res", DType::kF32, shape);
+  const Attributes mean_last{{"axes", std::vector<int64_t>{-1}}, {"keepdims", true}};
+  std::vector<int64_t> lead;
+  for (size_t k = 0; k + 1 < shape.size(); ++k) lead.push_back(static_cast<int64_t>(k));
+  ValueId d = dy_type == DType::kF32 ? dy : b.op(Op::kCast, {dy}, {{"dtype", DType::kF32}});
+  ValueId dg = b.op(Op::kMul, {d, g});
+  ValueId m1 = b.op(Op::kMean, {dg}, mean_last);
+  ValueId m2 = b.op(Op::kMean, {b.op(Op::kMul, {dg, xhat})}, mean_last);
+  ValueId dx = b.op(Op::kMul,
+                    {rstd, b.op(Op::kSub, {b.op(Op::kSub, {dg, m1}), b.op(Op::kMul, {xhat, m2})})});
+  ValueId dgamma = b.op(Op::kSum, {b.op(Op::kMul, {d, xhat})}, {{"axes", lead}});
+  ValueId dbeta = b.op(Op::kSum, {d}, {{"axes", lead}});
+  return b.out({dgamma, dbeta, b.op(Op::kAdd, {res, dx})});
+}
+
+TEST(NvrtcTest, ColumnSumsInRowsKernels) {
+  KILN_REQUIRE_GPU();
+  // Terms dy * xhat and dy: |.| <= 1. 1400 and 2100 rows loop over the 1024-block grid.
+  for (const Shape& shape : {Shape{2, 700, 96}, Shape{3, 5, 33}, Shape{2100, 768}, Shape{7, 1000}})
+    for (DType d : {DType::kF32, DType::kBF16}) {
+      Body b = layer_norm_backward(d, shape);
+      expect_columns_match(b, "rows", random_inputs(*b.g, 30), {0, 1},
+                           numel(shape) / shape.back(), 1.0, DType::kF32,
+                           fmt::format("dy {} {}", dtype_name(d), to_string(shape)));
+    }
+  // The mlp's softmax-gradient rows under amp: a column sum (bias gradient) next to a row op.
+  Body b;
+  ValueId logits = b.in("logits", DType::kF32, {45, 10});
+  ValueId onehot = b.in("onehot", DType::kF32, {45, 10});
+  ValueId g = b.op(Op::kSub, {b.op(Op::kSoftmax, {logits}), onehot});
+  b.out({b.op(Op::kSum, {g}, {{"axes", std::vector<int64_t>{0}}}),
+         b.op(Op::kCast, {g}, {{"dtype", DType::kBF16}})});
+  expect_columns_match(b, "rows", random_inputs(*b.g, 31), {0}, 45, 2.0, DType::kF32, "softmax");
+}
+
+// ---- GEMM-epilogue bodies beyond the cuBLASLt epilogues of one dtype ----
+
+// Output i within tols[i] (or tols[0] for all) of the fused reference.
+void expect_gemm_close(const Body& b, const std::vector<Tensor>& inputs,
+                       const std::vector<Tolerance>& tols, bool split, const std::string& what) {
+  SCOPED_TRACE(what + ": " + cuda::fused_kernel_listing(*b.g, "gemm-epilogue").substr(0, 400));
+  std::string why;
+  if (split) {
+    EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g));
+    ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
+  } else {
+    ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
+  }
+  const std::vector<Tensor> expected = run_reference(b, "gemm-epilogue", inputs);
+  const std::vector<Tensor> actual = run_nvrtc(b, "gemm-epilogue", inputs);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i)
+    EXPECT_LE(max_scaled_error(actual[i], expected[i], tols[tols.size() == 1 ? 0 : i].atol,
+                               tols[tols.size() == 1 ? 0 : i].rtol),
+              1.0)
+        << "output " << i << ": " << summarize(actual[i]) << " vs expected "
+        << summarize(expected[i]);
+}
+
+TEST(NvrtcTest, GemmCastToF32BiasAndAddend) {
+  KILN_REQUIRE_GPU();
+  cuda::set_matmul_allow_tf32(false);
+  // The reference rounds the 16-bit product before the cast; cuBLASLt writes the f32
+  // accumulator: they differ by the product's rounding (2^-9 bf16, 2^-12 f16 relative), and the
+  // values are sums of k products of |.| <= 1: atol k * 2^-9 / 4 covers cancellation.
+  for (DType d : {DType::kBF16, DType::kF16}) {
+    const double rel = d == DType::kBF16 ? 1.0 / 256 : 1.0 / 2048;
+    for (int variant = 0; variant < 3; ++variant) {
+      // 0: weight gradient x^T dy; 1: + an f32 addend (C); 2: forward x w + an f32 bias.
+      Body b;
+      const int64_t k = variant == 2 ? 72 : 150;
+      ValueId x = variant == 2 ? b.in("x", d, {3, 11, k}) : b.in("x", d, {k, 40});
+      ValueId w = variant == 2 ? b.in("w", d, {k, 56}) : b.in("dy", d, {k, 24});
+      ValueId mm = b.op(Op::kMatmul, {x, w}, {{"transpose_a", variant != 2}});
+      ValueId out = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+      if (variant == 1) out = b.op(Op::kAdd, {b.in("other", DType::kF32, {40, 24}), out});
+      if (variant == 2) out = b.op(Op::kAdd, {out, b.in("bias", DType::kF32, {56})});
+      b.out({out});
+      expect_gemm_close(b, random_inputs(*b.g, 200 + variant), {{rel * k / 4, rel}}, false,
+                        fmt::format("{} variant {}: {}", dtype_name(d), variant,
+                                    cuda::describe_gemm_epilogue(*b.g)));
+    }
+  }
+  // f32: the tied embedding's gradient, product + addend in one GEMM (beta 1).
+  Body b;
+  ValueId x = b.in("x", DType::kF32, {64, 40}), dy = b.in("dy", DType::kF32, {64, 33});
+  ValueId mm = b.op(Op::kMatmul, {x, dy}, {{"transpose_a", true}});
+  b.out({b.op(Op::kAdd, {mm, b.in("other", DType::kF32, {40, 33})})});
+  expect_gemm_close(b, random_inputs(*b.g, 210), {{1e-5, 1e-4}}, false, "f32 addend");
+}
+
+TEST(NvrtcTest, GemmWithAGeneratedEpilogue) {
+  KILN_REQUIRE_GPU();
+  cuda::set_matmul_allow_tf32(false);
+  {
+    // f16 amp's weight gradient: cast to f32, then the loss-scale multiplies.
+    Body b;
+    ValueId x = b.in("x", DType::kF16, {96, 48}), dy = b.in("dy", DType::kF16, {96, 40});
+    ValueId s1 = b.in("s1", DType::kF32, {}), s2 = b.in("s2", DType::kF32, {});
+    ValueId mm = b.op(Op::kMatmul, {x, dy}, {{"transpose_a", true}});
+    ValueId c = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+    b.out({b.op(Op::kMul, {b.op(Op::kMul, {c, s1}), s2})});
+    expect_gemm_close(b, random_inputs(*b.g, 220), {{96.0 / 2048 / 4, 1.0 / 2048}}, true,
+                      "f16 scaled");
+  }
+  {
+    // mlp's backward under bf16 amp: dgelu in f32, its bias gradient, a bf16 copy; 37 rows.
+    Body b;
+    ValueId dy = b.in("dy", DType::kBF16, {37, 10}), w = b.in("w", DType::kBF16, {72, 10});
+    ValueId pre = b.in("pre", DType::kF32, {37, 72});
+    ValueId mm = b.op(Op::kMatmul, {dy, w}, {{"transpose_b", true}});
+    ValueId c = b.op(Op::kCast, {mm}, {{"dtype", DType::kF32}});
+    ValueId dx = b.op(Op::kGeluGrad, {pre, c}, {{"approximate", std::string("tanh")}});
+    b.out({b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}}),
+           b.op(Op::kCast, {dx}, {{"dtype", DType::kBF16}})});
+    // |dx| <= 1.13 * 10 (k = 10 products of |.| <= 1): db sums 37 terms off by up to 2^-8
+    // relative; dx differs by the product's rounding and its own (2^-9 each, relative).
+    expect_gemm_close(b, random_inputs(*b.g, 221), {{37 * 11.3 / 256, 0.0}, {1e-2, 3e-2}}, true,
+                      "mlp dgelu");
+  }
+  {
+    // f32: the product is an output itself (written in place, read back by the epilogue) and
+    // its column sum and exp are others.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {2, 45, 24}), w = b.in("w", DType::kF32, {24, 19});
+    ValueId mm = b.op(Op::kMatmul, {x, w});
+    b.out({b.op(Op::kExp, {mm}), mm, b.op(Op::kSum, {mm}, {{"axes", std::vector<int64_t>{0, 1}}})});
+    // exp of sums of 24 products: |mm| <= 24; the column sum adds 90 rows of them.
+    expect_gemm_close(b, random_inputs(*b.g, 222),
+                      {{1e-5, 1e-4}, {1e-5, 1e-4}, {90 * 24 * 1e-6, 0.0}}, true, "f32 exp");
+  }
 }
 
 }  // namespace

@@ -20,9 +20,10 @@ namespace {
 // ---- micro values ----------------------------------------------------------------------------
 
 // Where a micro value lives: one value per row of the iteration space (computed once by every
-// thread of the row's block), or one per element.
-enum class Space : uint8_t { kRow, kFull };
-enum class MKind : uint8_t { kLoad, kExpr, kReduce };
+// thread of the row's block), one per element, or one per column (a column reduction: a sum over
+// every row, complete only after the whole kernel; never read inside the body).
+enum class Space : uint8_t { kRow, kFull, kColumn };
+enum class MKind : uint8_t { kLoad, kExpr, kReduce, kColumn };
 enum class ReduceOp : uint8_t { kSum, kMax };
 
 struct MVal {
@@ -38,6 +39,7 @@ struct MVal {
   std::string text;
   std::vector<int> args;
   ReduceOp reduce = ReduceOp::kSum;  // kReduce: over args[0] (a full value) along the row
+  int64_t divisor = 1;               // kColumn: the sum of args[0] over the rows, divided by this
   int level = 0;  // reductions on the longest path to it
 };
 
@@ -223,6 +225,20 @@ class Lowering {
     return add(std::move(m));
   }
 
+  // The sum of the full value `arg` over every row (divided by `divisor`: a mean).
+  int column(int arg, int64_t divisor) {
+    if (vals_[arg].space != Space::kFull)
+      unsupported("a column reduction of a value that is one per row, not one per element");
+    MVal m;
+    m.kind = MKind::kColumn;
+    m.space = Space::kColumn;
+    m.ctype = vals_[arg].ctype;
+    m.args = {arg};
+    m.divisor = divisor;
+    m.level = vals_[arg].level;
+    return add(std::move(m));
+  }
+
  private:
   const Graph& body_;
   bool rows_;
@@ -257,11 +273,16 @@ class Ctx {
                           to_string(in_type(static_cast<int>(k)))));
   }
 
-  // Input k as a micro value, read in `space` when it is a body input.
-  int x(int k, Space space) {
+  // Input k as a micro value, read in `space` when it is a body input (indexed as `as` when
+  // given: a value that spans the space in its own shape).
+  int x(int k, Space space, const Shape* as = nullptr) {
     const ValueId id = node.inputs[k];
     if (auto it = l.computed().find(id); it != l.computed().end()) {
       const MVal& m = l.vals()[it->second];
+      require(m.kind != MKind::kColumn,
+              fmt::format("input {} is a column reduction's result, which is complete only after "
+                          "the whole kernel; it cannot be read inside the body",
+                          k));
       if (m.space == Space::kRow && space == Space::kFull && l.rows()) {
         const Shape& shape = body().type(id).shape;
         require(numel(shape) == 1 ||
@@ -276,7 +297,7 @@ class Ctx {
     require(input >= 0, fmt::format("input {} (%{}) is neither a body input nor computed", k,
                                     body().value(id).name));
     const bool elementwise = has_flag(node.op, kElementwise) || node.op == Op::kReshape;
-    return l.load(input, space, elementwise ? &out_type().shape : nullptr);
+    return l.load(input, space, as != nullptr ? as : elementwise ? &out_type().shape : nullptr);
   }
 
   // The space of an elementwise op's operands and output.
@@ -398,11 +419,37 @@ std::vector<int> emit_reshape(Ctx& c) {
   return {c.x(0, Space::kFull)};
 }
 
-// sum / mean / max over the last axis (rows kernels).
+// Whether `axes` are every axis but the last of a rank-`rank` value (a column reduction: bias
+// gradients, LayerNorm's dgamma / dbeta).
+bool column_axes(const std::vector<int64_t>& axes, int rank) {
+  if (rank < 2 || static_cast<int>(axes.size()) != rank - 1) return false;
+  std::vector<bool> hit(rank, false);
+  for (int64_t a : axes) {
+    if (a < -rank || a >= rank) return false;
+    hit[normalize_axis(a, rank)] = true;
+  }
+  for (int d = 0; d + 1 < rank; ++d)
+    if (!hit[d]) return false;
+  return true;
+}
+
+// sum / mean over every axis but the last, of a value spanning the iteration space (R, N): one
+// value per column, written as a group output (elementwise and rows kernels).
+std::vector<int> emit_column_reduction(Ctx& c) {
+  const Shape& shape = c.in_type(0).shape;
+  c.require(!shape.empty() && shape.back() == c.n() && numel(shape) == c.l.r() * c.n(),
+            fmt::format("a column reduction of {}, which is not the iteration space {}",
+                        to_string(shape), to_string(c.l.s())));
+  const int x = c.x(0, Space::kFull, &shape);
+  return {c.l.column(x, c.node.op == Op::kMean ? c.l.r() : 1)};
+}
+
+// sum / mean / max over the last axis (rows kernels), or sum / mean over the leading axes.
 std::vector<int> emit_row_reduction(Ctx& c) {
   c.require_float();
   const std::vector<int64_t>& axes = c.attrs().ints("axes");
   const int rank = c.in_type(0).rank();
+  if (c.node.op != Op::kMax && column_axes(axes, rank)) return emit_column_reduction(c);
   c.require(axes.size() == 1 || (axes.empty() && rank == 1),
             "only reductions over the last axis are generated");
   if (!axes.empty()) c.require_last_axis(axes[0], rank);
@@ -572,22 +619,30 @@ bool is_row_op(Op op) {
   }
 }
 
+bool is_column_reduction(const Graph& body, const Node& node) {
+  return (node.op == Op::kSum || node.op == Op::kMean) && !node.inputs.empty() &&
+         column_axes(node.attrs.ints("axes"), body.type(node.inputs[0]).rank());
+}
+
 // The iteration space: rows kernels, the first row op's (first) input; elementwise, the largest
-// output.
+// output or column reduction input.
 Shape iteration_space(const Graph& body, bool rows) {
   if (rows) {
     for (const Node& node : body.nodes)
-      if (is_row_op(node.op)) return body.type(node.inputs[0]).shape;
+      if (is_row_op(node.op) && !is_column_reduction(body, node))
+        return body.type(node.inputs[0]).shape;
   }
   Shape best;
   int64_t best_numel = -1;
-  for (ValueId id : body.outputs) {
-    const Shape& s = body.type(id).shape;
+  auto consider = [&](const Shape& s) {
     if (numel(s) > best_numel) {
       best = s;
       best_numel = numel(s);
     }
-  }
+  };
+  for (ValueId id : body.outputs) consider(body.type(id).shape);
+  for (const Node& node : body.nodes)
+    if (is_column_reduction(body, node)) consider(body.type(node.inputs[0]).shape);
   return best;
 }
 
@@ -692,9 +747,13 @@ std::string substitute(const MVal& m, const std::vector<std::string>& names) {
   return out;
 }
 
+constexpr size_t kMaxColumnSharedBytes = 32768;
+
 struct Lowered {
   std::vector<MVal> vals;
   std::vector<int> outputs;  // per body output: its micro value
+  std::vector<int> columns;  // the body outputs that are column reductions
+  std::string column_ctype;  // what they are summed in ("float" or "double")
   Shape s;
   int64_t rows = 0, n = 1;
   std::vector<std::string> ops;
@@ -734,6 +793,20 @@ Lowered lower(const Graph& body, const std::string& kind) {
       m = l.load(input, numel(shape) == l.r() && rows ? Space::kRow : Space::kFull, &shape);
     }
     const MVal& v = l.vals()[m];
+    if (v.kind == MKind::kColumn) {
+      if (numel(shape) != l.n())
+        unsupported(fmt::format("column reduction output {} has shape {}, not one value per "
+                                "column of {}",
+                                body.value(id).name, to_string(shape), to_string(l.s())));
+      if (v.ctype != "float" && v.ctype != "double")
+        unsupported("a column reduction computed in " + v.ctype);
+      if (!out.column_ctype.empty() && out.column_ctype != v.ctype)
+        unsupported("column reductions computed in both float and double");
+      out.column_ctype = v.ctype;
+      out.columns.push_back(static_cast<int>(out.outputs.size()));
+      out.outputs.push_back(m);
+      continue;
+    }
     const bool full = v.space == Space::kFull;
     if (full && numel(shape) != l.r() * l.n())
       unsupported(fmt::format("output {} has shape {}, not the iteration space {}",
@@ -747,6 +820,13 @@ Lowered lower(const Graph& body, const std::string& kind) {
   out.s = l.s();
   out.rows = l.r();
   out.n = l.n();
+  // Rows kernels keep the block's column sums in shared memory (one slot per column).
+  if (rows && !out.columns.empty() &&
+      out.columns.size() * static_cast<size_t>(out.n) * (out.column_ctype == "double" ? 8 : 4) >
+          kMaxColumnSharedBytes)
+    unsupported(fmt::format("{} column reductions of {} columns exceed the {} bytes of shared "
+                            "memory a rows kernel keeps them in",
+                            out.columns.size(), out.n, kMaxColumnSharedBytes));
   return out;
 }
 
@@ -802,9 +882,242 @@ void emit_closure(const std::vector<MVal>& vals, const std::vector<int>& targets
   for (int t : targets) visit(t);
 }
 
+// ---- column reductions (shared by the elementwise and rows kernels) ----
+
+// Kernel parameters when the body has column reductions: the body's tensors, then the scratch
+// buffer of per-tile partial sums.
+std::string column_params(const Graph& body, const Lowered& low) {
+  return params(body) + fmt::format(", {}* __restrict__ kiln_partials", low.column_ctype);
+}
+std::string column_param_names(const Graph& body) { return param_names(body) + ", kiln_partials"; }
+
+// The second kernel: column c of column output o is the sum of the `tiles` partials
+// partials[(o' * tiles + t) * N + c] (o' numbering the column outputs), divided by the count for
+// a mean. Blocks of 32 columns x 8 threads per column: thread y adds tiles y, y + 8, ... in
+// order, then the 8 sums are added in order. A fixed order: the result does not depend on
+// scheduling (no atomics).
+std::string column_finish(const Graph& body, const Lowered& low, int64_t tiles,
+                          GeneratedKernel& k) {
+  k.finish_entry = "kiln_fused_columns_finish";
+  k.finish_threads = 256;
+  k.finish_blocks = std::max<int64_t>(1, (low.n + 31) / 32);
+  const std::string& t = low.column_ctype;
+  std::string text = fmt::format(
+      "\n// Adds each column's {} partial(s) in a fixed order (deterministic) into the column "
+      "outputs.\n"
+      "extern \"C\" __global__ void __launch_bounds__(256) {}({}) {{\n"
+      "  __shared__ {} kiln_sh[8][32];\n"
+      "  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;\n"
+      "  const long long c = static_cast<long long>(blockIdx.x) * 32 + tx;\n",
+      tiles, k.finish_entry, column_params(body, low), t);
+  for (size_t q = 0; q < low.columns.size(); ++q) {
+    const int o = low.columns[q];
+    const MVal& m = low.vals[low.outputs[o]];
+    std::string value = "s";
+    if (m.divisor != 1) value = fmt::format("(s / {})", lit(t, static_cast<double>(m.divisor)));
+    text += fmt::format(
+        "  {{\n"
+        "    {} s = {};\n"
+        "    if (c < {}) for (long long t = ty; t < {}; t += 8) s += kiln_partials[({} + t) * {} "
+        "+ c];\n"
+        "    kiln_sh[ty][tx] = s;\n"
+        "    __syncthreads();\n"
+        "    if (ty == 0 && c < {}) {{\n"
+        "      s = {};\n"
+        "      for (int g = 0; g < 8; ++g) s += kiln_sh[g][tx];\n"
+        "      out{}[c] = {};\n"
+        "    }}\n"
+        "    __syncthreads();\n"
+        "  }}\n",
+        t, lit(t, 0.0), lit_int(low.n), lit_int(tiles), lit_int(static_cast<int64_t>(q) * tiles),
+        lit_int(low.n), lit_int(low.n), lit(t, 0.0), o,
+        store_conversion(body.type(body.outputs[o]).dtype, value));
+  }
+  text += "}\n";
+  return text;
+}
+
+void set_param_bytes(const Graph& body, GeneratedKernel& k) {
+  for (const GraphInput& in : body.inputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(in.value).dtype)));
+  for (ValueId id : body.outputs)
+    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(id).dtype)));
+}
+
+// Elementwise bodies with column reductions: a 2-D grid, block (x, y) handles the strip x of
+// kStrip columns over the tile y of kRowTile rows. Its kTX x kTY threads: kTX along the strip,
+// kV consecutive columns each (vector accesses), kTY rows apart. Each thread computes the body
+// on its rows, writes the per-element outputs, and sums its columns' terms in registers; the
+// block then adds its kTY rows of sums in a fixed order through shared memory and writes one
+// partial per column for its tile; column_finish adds the tiles.
+GeneratedKernel generate_columns(const Graph& body, const Lowered& low) {
+  GeneratedKernel k;
+  k.kind = "elementwise";
+  k.rows = low.rows;
+  k.row_length = low.n;
+  k.ops = low.ops;
+  k.column_outputs = low.columns;
+  const std::set<int> is_column(low.columns.begin(), low.columns.end());
+  const int64_t rows = low.rows, n = low.n;
+  // Vector width: 16-byte accesses of the widest stored per-element type, dividing every row
+  // length the loads run along (the column outputs are written by the second kernel).
+  size_t widest = 1;
+  for (const GraphInput& in : body.inputs)
+    widest = std::max(widest, dtype_size(body.type(in.value).dtype));
+  for (size_t o = 0; o < body.outputs.size(); ++o)
+    if (!is_column.count(static_cast<int>(o)))
+      widest = std::max(widest, dtype_size(body.type(body.outputs[o]).dtype));
+  int v = static_cast<int>(std::min<size_t>(8, 16 / widest));
+  auto divides_all = [&](int w) {
+    if (n % w != 0) return false;
+    for (const MVal& m : low.vals)
+      if (m.kind == MKind::kLoad && m.text != "0" && m.target_last % w != 0) return false;
+    return true;
+  };
+  while (v > 1 && !divides_all(v)) v /= 2;
+  k.vector_width = v;
+  // Geometry: a warp across the strip where the row is that long; about 1024 blocks in all
+  // (several per SM), tiles a multiple of kTY rows.
+  const int64_t groups = std::max<int64_t>(1, n / v);
+  int tx = 1;
+  while (tx < 32 && tx < groups) tx *= 2;
+  const int ty = 256 / tx;
+  const int64_t strip = static_cast<int64_t>(tx) * v;
+  const int64_t strips = std::max<int64_t>(1, (n + strip - 1) / strip);
+  const int64_t want_tiles = std::max<int64_t>(1, 1024 / strips);
+  int64_t row_tile = (rows + want_tiles - 1) / want_tiles;
+  row_tile = std::max<int64_t>(ty, (row_tile + ty - 1) / ty * ty);
+  const int64_t tiles = (rows + row_tile - 1) / row_tile;
+  k.threads = 256;
+  k.blocks = strips;
+  k.blocks_y = tiles;
+  k.scalar_blocks = strips;
+  k.partial_tiles = tiles;
+  k.partials_bytes = low.columns.size() * static_cast<size_t>(tiles) * static_cast<size_t>(n) *
+                     (low.column_ctype == "double" ? 8 : 4);
+  set_param_bytes(body, k);
+
+  const std::string acc_t = low.column_ctype;
+  std::string text = header("elementwise", low, body);
+  text += fmt::format(
+      "// {} column reduction(s) over {} rows: blocks of {} rows x {} columns ({} x {} threads, "
+      "{} columns each), {} x {} blocks; then a second kernel adds the {} tile partials per "
+      "column\n",
+      low.columns.size(), rows, row_tile, strip, tx, ty, v, strips, tiles, tiles);
+  text += kPrelude;
+  text += fmt::format(
+      "\nconstexpr long long kRows = {}, kN = {}, kRowTile = {};\n"
+      "constexpr int kTX = {}, kTY = {}, kV = {}, kStrip = {};\n\n",
+      lit_int(rows), lit_int(n), lit_int(row_tile), tx, ty, v, strip);
+  text += "// VEC: 16-byte vector accesses (every pointer aligned); else element by element, "
+          "same geometry.\ntemplate <bool VEC>\n__device__ __forceinline__ void kiln_tile(" +
+          column_params(body, low) + ") {\n";
+  text += fmt::format("  __shared__ {} kiln_sh[kTY * kStrip];\n", acc_t);
+  text +=
+      "  const int tx = threadIdx.x % kTX, ty = threadIdx.x / kTX;\n"
+      "  const long long col = static_cast<long long>(blockIdx.x) * kStrip + tx * kV;\n"
+      "  const long long row0 = static_cast<long long>(blockIdx.y) * kRowTile;\n"
+      "  const long long row1 = row0 + kRowTile < kRows ? row0 + kRowTile : kRows;\n";
+  for (size_t q = 0; q < low.columns.size(); ++q)
+    text += fmt::format("  {} c{}[kV];\n  #pragma unroll\n  for (int v = 0; v < kV; ++v) c{}[v] "
+                        "= {};\n",
+                        acc_t, q, q, lit(acc_t, 0.0));
+  text += "  if (col < kN) {\n    for (long long r = row0 + ty; r < row1; r += kTY) {\n"
+          "      const long long i = r * kN + col;\n";
+  for (size_t id = 0; id < low.vals.size(); ++id) {
+    const MVal& m = low.vals[id];
+    if (m.kind != MKind::kLoad) continue;
+    const DType d = body.type(body.inputs[m.input].value).dtype;
+    const std::string st = storage_of(d);
+    text += fmt::format("      {} a{}[kV];\n", m.ctype, id);
+    if (m.contiguous) {
+      text += fmt::format(
+          "      if (VEC) {{\n"
+          "        const KilnPack<kV, {}> p = *reinterpret_cast<const KilnPack<kV, {}>*>(in{} + "
+          "({}));\n"
+          "        #pragma unroll\n        for (int v = 0; v < kV; ++v) a{}[v] = {};\n"
+          "      }} else {{\n"
+          "        #pragma unroll\n        for (int v = 0; v < kV; ++v) a{}[v] = {};\n"
+          "      }}\n",
+          st, st, m.input, m.text, id, load_conversion(d, "p.v[v]"), id,
+          load_conversion(d, fmt::format("in{}[({}) + v]", m.input, m.text)));
+    } else {
+      text += fmt::format(
+          "      {{\n        const {} s = {};\n        #pragma unroll\n        for (int v = 0; v < "
+          "kV; ++v) a{}[v] = s;\n      }}\n",
+          m.ctype, load_conversion(d, fmt::format("in{}[{}]", m.input, m.text)), id);
+    }
+  }
+  std::vector<int> targets;
+  for (size_t o = 0; o < body.outputs.size(); ++o) {
+    const MVal& m = low.vals[low.outputs[o]];
+    targets.push_back(m.kind == MKind::kColumn ? m.args[0] : low.outputs[o]);
+    if (!is_column.count(static_cast<int>(o)))
+      text += fmt::format("      KilnPack<kV, {}> r{};\n",
+                          storage_of(body.type(body.outputs[o]).dtype), o);
+  }
+  text += "      #pragma unroll\n      for (int v = 0; v < kV; ++v) {\n";
+  std::set<int> done;
+  emit_closure(low.vals, targets, done, [](int) { return true; },
+               [](int id) { return fmt::format("a{}[v]", id); }, "        ", text);
+  for (size_t o = 0; o < body.outputs.size(); ++o)
+    if (!is_column.count(static_cast<int>(o)))
+      text += fmt::format("        r{}.v[v] = {};\n", o,
+                          store_conversion(body.type(body.outputs[o]).dtype,
+                                           var(low.outputs[o])));
+  for (size_t q = 0; q < low.columns.size(); ++q)
+    text += fmt::format("        c{}[v] += {};\n", q,
+                        var(low.vals[low.outputs[low.columns[q]]].args[0]));
+  text += "      }\n";
+  for (size_t o = 0; o < body.outputs.size(); ++o) {
+    if (is_column.count(static_cast<int>(o))) continue;
+    const std::string st = storage_of(body.type(body.outputs[o]).dtype);
+    text += fmt::format(
+        "      if (VEC) {{\n        *reinterpret_cast<KilnPack<kV, {}>*>(out{} + i) = r{};\n"
+        "      }} else {{\n        #pragma unroll\n        for (int v = 0; v < kV; ++v) out{}[i + "
+        "v] = r{}.v[v];\n      }}\n",
+        st, o, o, o, o);
+  }
+  text += "    }\n  }\n";
+  text += "  // The block's kTY row sums of each column, added in a fixed order.\n";
+  for (size_t q = 0; q < low.columns.size(); ++q) {
+    text += fmt::format(
+        "  #pragma unroll\n  for (int v = 0; v < kV; ++v) kiln_sh[ty * kStrip + tx * kV + v] = "
+        "c{}[v];\n"
+        "  __syncthreads();\n"
+        "  if (threadIdx.x < kStrip && static_cast<long long>(blockIdx.x) * kStrip + threadIdx.x "
+        "< kN) {{\n"
+        "    {} s = {};\n"
+        "    for (int t = 0; t < kTY; ++t) s += kiln_sh[t * kStrip + threadIdx.x];\n"
+        "    kiln_partials[({} + blockIdx.y) * kN + static_cast<long long>(blockIdx.x) * kStrip + "
+        "threadIdx.x] = s;\n"
+        "  }}\n"
+        "  __syncthreads();\n",
+        q, acc_t, lit(acc_t, 0.0), lit_int(static_cast<int64_t>(q) * tiles));
+  }
+  text += "}\n\n";
+  const std::string args = column_param_names(body);
+  auto entry = [&](const std::string& name, bool vec) {
+    return fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__(256) {}({}) {{\n  kiln_tile<{}>({});\n}}\n",
+        name, column_params(body, low), vec ? "true" : "false", args);
+  };
+  k.entry = v > 1 ? "kiln_fused_columns_vec" : "kiln_fused_columns";
+  text += entry(k.entry, v > 1);
+  if (v > 1) {
+    text += "\n// For pointers not aligned to kV elements.\n";
+    k.scalar_entry = "kiln_fused_columns";
+    text += entry(k.scalar_entry, false);
+  }
+  text += column_finish(body, low, tiles, k);
+  k.source = std::move(text);
+  return k;
+}
+
 // ---- elementwise kernels ----
 
 GeneratedKernel generate_elementwise(const Graph& body, const Lowered& low) {
+  if (!low.columns.empty()) return generate_columns(body, low);
   GeneratedKernel k;
   k.kind = "elementwise";
   k.rows = low.rows;
@@ -814,7 +1127,8 @@ GeneratedKernel generate_elementwise(const Graph& body, const Lowered& low) {
   // Vector width: 16-byte accesses of the widest stored type, dividing every row length the
   // loads run along.
   size_t widest = 1;
-  for (const GraphInput& in : body.inputs) widest = std::max(widest, dtype_size(body.type(in.value).dtype));
+  for (const GraphInput& in : body.inputs)
+    widest = std::max(widest, dtype_size(body.type(in.value).dtype));
   for (ValueId id : body.outputs) widest = std::max(widest, dtype_size(body.type(id).dtype));
   int v = static_cast<int>(std::min<size_t>(8, 16 / widest));
   auto divides_all = [&](int w) {
@@ -914,10 +1228,20 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   while (threads < 1024 && threads * 4 < low.n) threads *= 2;
   k.threads = threads;
   k.blocks = low.rows;
-  for (const GraphInput& in : body.inputs)
-    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(in.value).dtype)));
-  for (ValueId id : body.outputs)
-    k.param_element_bytes.push_back(static_cast<int>(dtype_size(body.type(id).dtype)));
+  set_param_bytes(body, k);
+  // Column reductions: a fixed grid of blocks, each taking rows blockIdx.x, + kGrid, ...; a
+  // thread adds its columns' terms (j = threadIdx.x + m kThreads, the same columns in every
+  // row) into the block's shared-memory sums, written out at the end as the block's partials.
+  const bool columns = !low.columns.empty();
+  const int64_t grid = std::min<int64_t>(low.rows, 1024);
+  const std::string acc_t = low.column_ctype;
+  if (columns) {
+    k.blocks = grid;
+    k.column_outputs = low.columns;
+    k.partial_tiles = grid;
+    k.partials_bytes = low.columns.size() * static_cast<size_t>(grid) *
+                       static_cast<size_t>(low.n) * (acc_t == "double" ? 8 : 4);
+  }
 
   const std::vector<MVal>& vals = low.vals;
   int max_level = 0;
@@ -925,16 +1249,35 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     if (m.kind == MKind::kReduce) max_level = std::max(max_level, m.level);
 
   std::string text = header("rows", low, body);
-  text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
-                      max_level + 1);
+  if (columns)
+    text += fmt::format(
+        "// {} blocks of {} threads, each over rows blockIdx.x + m * {}; {} pass(es) over a row; "
+        "{} column reduction(s) summed per block in shared memory, then a second kernel adds "
+        "the {} block partials per column\n",
+        grid, threads, grid, max_level + 1, low.columns.size(), grid);
+  else
+    text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
+                        max_level + 1);
   text += kPrelude;
   text += kBlockReduce;
   text += fmt::format("\nconstexpr int kThreads = {};\nconstexpr long long kN = {}LL;\n\n",
                       threads, low.n);
   k.entry = "kiln_fused_rows";
   text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", threads,
-                      k.entry, params(body));
-  text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
+                      k.entry, columns ? column_params(body, low) : params(body));
+  if (columns) {
+    text += fmt::format(
+        "  __shared__ {} kiln_col[{}];\n"
+        "  for (int j = threadIdx.x; j < {}; j += kThreads) kiln_col[j] = {};\n"
+        "  __syncthreads();\n"
+        "  for (long long row = blockIdx.x; row < {}; row += {}) {{\n"
+        "  const long long base = row * kN;\n",
+        acc_t, lit_int(static_cast<int64_t>(low.columns.size()) * low.n),
+        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit(acc_t, 0.0),
+        lit_int(low.rows), lit_int(grid));
+  } else {
+    text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
+  }
 
   auto load_text = [&](int id) {
     const MVal& m = vals[id];
@@ -988,12 +1331,14 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     }
   }
   emit_row_values(max_level);
-  // Final pass: the per-element outputs.
+  // Final pass: the per-element outputs (and the column reductions' terms).
   std::vector<int> full_outputs;
   for (int m : low.outputs)
     if (is_full(m)) full_outputs.push_back(m);
+  for (int o : low.columns) full_outputs.push_back(vals[low.outputs[o]].args[0]);
   if (!full_outputs.empty()) {
-    text += "  // final pass: per-element outputs\n";
+    text += columns ? "  // final pass: per-element outputs and column sums\n"
+                    : "  // final pass: per-element outputs\n";
     text += loop_head;
     std::set<int> pass_done = done;
     emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
@@ -1002,18 +1347,30 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         text += fmt::format("    out{}[e] = {};\n", o,
                             store_conversion(body.type(body.outputs[o]).dtype,
                                              var(low.outputs[o])));
+    for (size_t q = 0; q < low.columns.size(); ++q)
+      text += fmt::format("    kiln_col[{} + j] += {};\n",
+                          lit_int(static_cast<int64_t>(q) * low.n),
+                          var(vals[low.outputs[low.columns[q]]].args[0]));
     text += "  }\n";
   }
   bool any_row_output = false;
   for (size_t o = 0; o < body.outputs.size(); ++o) {
-    if (is_full(low.outputs[o])) continue;
+    if (is_full(low.outputs[o]) || vals[low.outputs[o]].kind == MKind::kColumn) continue;
     if (!any_row_output) text += "  if (threadIdx.x == 0) {\n";
     any_row_output = true;
     text += fmt::format("    out{}[row] = {};\n", o,
                         store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
   }
   if (any_row_output) text += "  }\n";
+  if (columns) {
+    text += fmt::format(
+        "  }}\n  // this block's partial column sums\n  __syncthreads();\n"
+        "  for (int j = threadIdx.x; j < {}; j += kThreads)\n"
+        "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
+        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit_int(grid));
+  }
   text += "}\n";
+  if (columns) text += column_finish(body, low, grid, k);
   k.source = std::move(text);
   return k;
 }

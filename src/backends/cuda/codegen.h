@@ -16,6 +16,17 @@
 //     (max, sum) by warp shuffles and one shared-memory step; the row's elementwise work is
 //     recomputed in each pass over the row, inputs re-read from L1/L2 (rows of up to
 //     16 x threads elements are kept in registers instead).
+// Column reductions: sum / mean over every axis but the last of a value spanning (R, N) (bias
+// gradients, LayerNorm's dgamma / dbeta), as group outputs never read inside the body, in both
+// kernel shapes. The main kernel writes per-element outputs as above and one f32 (f64 in f64)
+// partial sum per column per tile of rows into a stream-ordered scratch buffer; a second small
+// kernel ("finish") adds each column's partials in tile order. No atomics: the result is the
+// same bit for bit on every run.
+//   elementwise: a 2-D grid; block (x, y) covers a strip of columns (a warp of threads across
+//     it, V columns each, vector accesses) over a tile of rows; each thread sums its columns in
+//     registers, the block adds its threads' row sums through shared memory in a fixed order.
+//   rows: a fixed grid of at most 1024 blocks, block b taking rows b, b + grid, ...; each thread
+//     adds the terms of its columns into the block's sums in shared memory.
 // Computation is in f32 for f32/f16/bf16 storage (f64 in f64; integers and bools as themselves),
 // rounding once per stored output, so results differ from the per-op reference (which rounds
 // every intermediate to its storage type) by a few ulps of the storage type.
@@ -33,7 +44,8 @@
 namespace kiln::cuda {
 
 // One generated kernel and how to launch it. Kernel parameters: one pointer per body input, then
-// one per body output, in order (nothing else: every size is a compile-time constant).
+// one per body output, in order, and with column reductions the partials buffer last (nothing
+// else: every size is a compile-time constant).
 struct GeneratedKernel {
   std::string kind;    // "elementwise" | "rows"
   std::string source;  // CUDA C++ for NVRTC (includes only cuda_fp16.h and cuda_bf16.h)
@@ -49,6 +61,17 @@ struct GeneratedKernel {
   std::vector<int> param_element_bytes;
   int64_t rows = 0, row_length = 0;  // the iteration space (R, N)
   std::vector<std::string> ops;      // the body's ops, in order (for the header and reports)
+  // Column reductions (empty: none). The body outputs `entry` leaves to `finish_entry`; the grid
+  // of `entry` is blocks x blocks_y (both entries); the scratch buffer of partials
+  // (partial_tiles per column per column output) is the last parameter of both kernels, which
+  // run one after the other on the stream.
+  std::vector<int> column_outputs;
+  int64_t blocks_y = 1;
+  int64_t partial_tiles = 0;
+  size_t partials_bytes = 0;
+  std::string finish_entry;
+  int64_t finish_blocks = 0;
+  int finish_threads = 0;
 };
 
 // Whether `body` (with the node's `kind`) can be generated; if not, `why` says what is missing

@@ -10,12 +10,14 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 
 #include "backends/cuda/cublaslt.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/registration.h"
+#include "backends/cuda/scratch.cuh"
 
 namespace kiln::cuda {
 
@@ -115,7 +117,7 @@ struct Compiled {
   std::mutex mutex;  // held while compiling or loading this entry only
   struct Loaded {
     cudaLibrary_t library = nullptr;
-    cudaKernel_t entry = nullptr, scalar_entry = nullptr;
+    cudaKernel_t entry = nullptr, scalar_entry = nullptr, finish_entry = nullptr;
   };
   std::map<std::string, Loaded> loaded;  // arch -> library
 };
@@ -152,6 +154,9 @@ const Compiled::Loaded& load(const GeneratedKernel& kernel) {
   if (!kernel.scalar_entry.empty())
     KILN_CUDA_CHECK(
         cudaLibraryGetKernel(&loaded.scalar_entry, loaded.library, kernel.scalar_entry.c_str()));
+  if (!kernel.finish_entry.empty())
+    KILN_CUDA_CHECK(
+        cudaLibraryGetKernel(&loaded.finish_entry, loaded.library, kernel.finish_entry.c_str()));
   return entry->loaded.emplace(arch, loaded).first->second;
 }
 
@@ -167,68 +172,99 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args) {
   KILN_CHECK(args.inputs.size() + args.outputs.size() == kernel.param_element_bytes.size(),
              "nvrtc: the kernel takes {} tensors, {} inputs and {} outputs were given",
              kernel.param_element_bytes.size(), args.inputs.size(), args.outputs.size());
-  if (kernel.rows == 0 || (kernel.kind == "elementwise" && kernel.row_length == 0)) return;
+  const bool columns = !kernel.column_outputs.empty();
+  if ((kernel.kind == "elementwise" && kernel.row_length == 0) || (kernel.rows == 0 && !columns))
+    return;
+  const auto stream = static_cast<cudaStream_t>(args.stream);
   std::vector<void*> pointers;
   for (const Tensor& t : args.inputs) pointers.push_back(t.raw());
   for (const Tensor& t : args.outputs) pointers.push_back(t.raw());
+  // Column outputs are written by the finish kernel, element by element: their alignment does
+  // not matter.
+  std::vector<bool> checked(pointers.size(), true);
+  for (int o : kernel.column_outputs) checked[args.inputs.size() + static_cast<size_t>(o)] = false;
   bool aligned = true;
   for (size_t k = 0; k < pointers.size(); ++k) {
     const auto bytes = static_cast<uintptr_t>(kernel.vector_width) *
                        static_cast<uintptr_t>(kernel.param_element_bytes[k]);
-    aligned = aligned && reinterpret_cast<uintptr_t>(pointers[k]) % bytes == 0;
+    aligned = aligned && (!checked[k] || reinterpret_cast<uintptr_t>(pointers[k]) % bytes == 0);
   }
   const Compiled::Loaded& loaded = load(kernel);
   const bool vector = aligned || loaded.scalar_entry == nullptr;
+  // The partial sums: stream-ordered, freed after both kernels (legal in graph capture).
+  std::optional<Scratch> partials;
+  if (columns) {
+    partials.emplace(kernel.partials_bytes, stream);
+    pointers.push_back(partials->as<void>());
+  }
   std::vector<void*> params;
   for (void*& p : pointers) params.push_back(&p);
   const int64_t blocks = vector ? kernel.blocks : kernel.scalar_blocks;
   // A cudaKernel_t from cudaLibraryGetKernel is launched like a kernel symbol.
-  KILN_CUDA_CHECK(cudaLaunchKernel(
-      reinterpret_cast<const void*>(vector ? loaded.entry : loaded.scalar_entry),
-      dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(kernel.threads)),
-      params.data(), 0, static_cast<cudaStream_t>(args.stream)));
+  if (kernel.rows > 0) {
+    KILN_CUDA_CHECK(cudaLaunchKernel(
+        reinterpret_cast<const void*>(vector ? loaded.entry : loaded.scalar_entry),
+        dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(kernel.blocks_y)),
+        dim3(static_cast<unsigned>(kernel.threads)), params.data(), 0, stream));
+  }
+  if (columns) {
+    KILN_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(loaded.finish_entry),
+                                     dim3(static_cast<unsigned>(kernel.finish_blocks)),
+                                     dim3(static_cast<unsigned>(kernel.finish_threads)),
+                                     params.data(), 0, stream));
+  }
 }
 
 // ---- GEMM epilogues --------------------------------------------------------------------------
 
 namespace {
 
-struct GemmBinding {
-  Gemm gemm;
-  int a = -1, b = -1, bias = -1, aux_in = -1;  // body input indices
-  int d = -1, aux_out = -1, bias_grad = -1;     // body output indices
-};
-
 struct NoMatch {
   std::string why;
 };
 [[noreturn]] void no_match(std::string why) { throw NoMatch{std::move(why)}; }
 
-GemmBinding match_gemm(const Graph& body) {
-  // Consumers of each value, and which node produces it.
-  std::map<ValueId, std::vector<int>> consumers;
-  std::map<ValueId, int> producer;
-  for (size_t k = 0; k < body.nodes.size(); ++k) {
-    for (ValueId id : body.nodes[k].inputs) consumers[id].push_back(static_cast<int>(k));
-    for (ValueId id : body.nodes[k].outputs) producer[id] = static_cast<int>(k);
+// Who reads each value of a body, and where it is an output.
+struct BodyUses {
+  explicit BodyUses(const Graph& body) : body(body) {
+    for (size_t k = 0; k < body.nodes.size(); ++k)
+      for (ValueId id : body.nodes[k].inputs) consumers[id].push_back(static_cast<int>(k));
   }
-  auto output_index = [&](ValueId id) {
+  int output_index(ValueId id) const {
     for (size_t k = 0; k < body.outputs.size(); ++k)
       if (body.outputs[k] == id) return static_cast<int>(k);
     return -1;
-  };
-  int mm = -1;
+  }
+  // The single node reading `id`, -1 when none; no match when several do.
+  int sole_consumer(ValueId id) const {
+    auto it = consumers.find(id);
+    if (it == consumers.end()) return -1;
+    if (it->second.size() != 1) no_match("a value is read twice in the epilogue");
+    return it->second[0];
+  }
+  const Graph& body;
+  std::map<ValueId, std::vector<int>> consumers;
+};
+
+// The body's one matmul as a Gemm (d_type = a_type, no epilogue) over two body inputs.
+struct GemmCore {
+  int node = -1;
+  Gemm gemm;
+  int a = -1, b = -1;  // body input indices
+};
+
+GemmCore gemm_core(const Graph& body) {
+  GemmCore core;
   for (size_t k = 0; k < body.nodes.size(); ++k) {
     if (body.nodes[k].op != Op::kMatmul) continue;
-    if (mm >= 0) no_match("more than one matmul");
-    mm = static_cast<int>(k);
+    if (core.node >= 0) no_match("more than one matmul");
+    core.node = static_cast<int>(k);
   }
-  if (mm < 0) no_match("no matmul");
-  const Node& matmul = body.nodes[mm];
-  GemmBinding g;
-  g.a = body.input_index(matmul.inputs[0]);
-  g.b = body.input_index(matmul.inputs[1]);
-  if (g.a < 0 || g.b < 0) no_match("a matmul operand is computed inside the group");
+  if (core.node < 0) no_match("no matmul");
+  const Node& matmul = body.nodes[core.node];
+  core.a = body.input_index(matmul.inputs[0]);
+  core.b = body.input_index(matmul.inputs[1]);
+  if (core.a < 0 || core.b < 0) no_match("a matmul operand is computed inside the group");
   const TensorType &at = body.type(matmul.inputs[0]), &bt = body.type(matmul.inputs[1]);
   const DType dtype = at.dtype;
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16)
@@ -236,7 +272,7 @@ GemmBinding match_gemm(const Graph& body) {
   const bool ta = matmul.attrs.b("transpose_a"), tb = matmul.attrs.b("transpose_b");
   if (bt.rank() != 2) no_match("b is batched");
   if (ta && at.rank() != 2) no_match("a is batched and transposed");
-  Gemm& gemm = g.gemm;
+  Gemm& gemm = core.gemm;
   gemm.transpose_a = ta;
   gemm.transpose_b = tb;
   gemm.k = ta ? at.shape[0] : at.shape.back();
@@ -244,48 +280,96 @@ GemmBinding match_gemm(const Graph& body) {
   gemm.n = tb ? bt.shape[0] : bt.shape[1];
   gemm.a_type = gemm.d_type = dtype;
   gemm.tf32 = dtype == DType::kF32 && matmul_allow_tf32();
-  const ValueId mm_out = matmul.outputs[0];
-  const Shape bias_shape{gemm.n};
+  if (gemm.k == 0) no_match("k is 0 (an empty product)");
+  return core;
+}
 
-  // The single consumer of `id` inside the body, or -1.
-  auto sole_consumer = [&](ValueId id) {
-    auto it = consumers.find(id);
-    if (it == consumers.end()) return -1;
-    if (it->second.size() != 1) no_match("a value is read twice in the epilogue");
-    return it->second[0];
-  };
+// A cast of the 16-bit product to f32 that the GEMM can absorb (cuBLASLt then writes f32 from
+// its f32 accumulator: the product is not rounded to 16 bits first): the index of the cast
+// node, or -1.
+int absorbed_cast(const Graph& body, const BodyUses& uses, const GemmCore& core) {
+  const ValueId mm_out = body.nodes[core.node].outputs[0];
+  if (core.gemm.a_type != DType::kBF16 && core.gemm.a_type != DType::kF16) return -1;
+  if (uses.output_index(mm_out) >= 0) return -1;
+  auto it = uses.consumers.find(mm_out);
+  if (it == uses.consumers.end() || it->second.size() != 1) return -1;
+  const Node& cast = body.nodes[it->second[0]];
+  if (cast.op != Op::kCast || cast.attrs.dtype("dtype") != DType::kF32) return -1;
+  return it->second[0];
+}
+
+// A body that is one cuBLASLt product with a fused epilogue.
+struct GemmBinding {
+  Gemm gemm;
+  int a = -1, b = -1, bias = -1, aux_in = -1, c = -1;  // body input indices
+  int d = -1, aux_out = -1, bias_grad = -1;            // body output indices
+};
+
+bool is_rowsum(const Node& n, const Shape& of) {
+  // sum over every leading axis of a (rows, n) value, no keepdims: a bias gradient.
+  if (n.op != Op::kSum || n.attrs.b("keepdims")) return false;
+  std::vector<int64_t> axes = n.attrs.ints("axes");
+  const int rank = static_cast<int>(of.size());
+  if (rank < 2 || static_cast<int>(axes.size()) != rank - 1) return false;
+  std::vector<bool> hit(rank, false);
+  for (int64_t a : axes) hit[normalize_axis(a, rank)] = true;
+  for (int d = 0; d + 1 < rank; ++d)
+    if (!hit[d]) return false;
+  return true;
+}
+
+GemmBinding match_gemm(const Graph& body) {
+  const BodyUses uses(body);
+  const GemmCore core = gemm_core(body);
+  const int mm = core.node;
+  GemmBinding g;
+  g.gemm = core.gemm;
+  g.a = core.a;
+  g.b = core.b;
+  Gemm& gemm = g.gemm;
   auto input_of = [&](ValueId id) { return body.input_index(id); };
-  auto is_rowsum = [&](const Node& n, const Shape& of) {
-    // sum over every leading axis of a (rows, n) value, no keepdims: a bias gradient.
-    if (n.op != Op::kSum || n.attrs.b("keepdims")) return false;
-    std::vector<int64_t> axes = n.attrs.ints("axes");
-    const int rank = static_cast<int>(of.size());
-    if (rank < 2 || static_cast<int>(axes.size()) != rank - 1) return false;
-    std::vector<bool> hit(rank, false);
-    for (int64_t a : axes) hit[normalize_axis(a, rank)] = true;
-    for (int d = 0; d + 1 < rank; ++d)
-      if (!hit[d]) return false;
-    return true;
-  };
+  const ValueId mm_out = body.nodes[mm].outputs[0];
+  const Shape bias_shape{gemm.n};
 
   size_t used_nodes = 1;
   ValueId pre = mm_out;
-  int next = sole_consumer(mm_out);
-  Epilogue epilogue = Epilogue::kNone;
-  if (next >= 0 && body.nodes[next].op == Op::kAdd) {
-    const Node& add = body.nodes[next];
-    const ValueId other = add.inputs[0] == mm_out ? add.inputs[1] : add.inputs[0];
-    g.bias = input_of(other);
-    if (g.bias < 0 || body.type(other).shape != bias_shape || body.type(other).dtype != dtype)
-      no_match("the add after the matmul is not a bias of shape (n,)");
-    pre = add.outputs[0];
-    epilogue = Epilogue::kBias;
+  if (const int cast = absorbed_cast(body, uses, core); cast >= 0) {
+    gemm.d_type = DType::kF32;
+    pre = body.nodes[cast].outputs[0];
     ++used_nodes;
-    next = sole_consumer(pre);
   }
+  const DType dt = gemm.d_type;
+  int next = uses.sole_consumer(pre);
+  Epilogue epilogue = Epilogue::kNone;
+  // Adds: a bias of shape (n,) (the BIAS epilogue) and an addend of the product's shape
+  // (C, with beta 1), each at most once, in the product's dtype.
+  while (next >= 0 && body.nodes[next].op == Op::kAdd) {
+    const Node& add = body.nodes[next];
+    if (add.inputs[0] == add.inputs[1]) no_match("the product is added to itself");
+    const ValueId other = add.inputs[0] == pre ? add.inputs[1] : add.inputs[0];
+    const int in = input_of(other);
+    const TensorType& ot = body.type(other);
+    if (in >= 0 && ot.dtype == dt && ot.shape == body.type(pre).shape && g.c < 0 &&
+        body.type(add.outputs[0]).shape == ot.shape) {
+      g.c = in;
+    } else if (in >= 0 && ot.dtype == dt && ot.shape == bias_shape && g.bias < 0) {
+      g.bias = in;
+      epilogue = Epilogue::kBias;
+    } else {
+      no_match(fmt::format("the add after the matmul is neither a bias of shape ({},) nor an "
+                           "addend of the product's shape {} in {}: it adds {}",
+                           gemm.n, to_string(body.type(pre).shape), dtype_name(dt),
+                           to_string(ot)));
+    }
+    pre = add.outputs[0];
+    ++used_nodes;
+    next = uses.sole_consumer(pre);
+  }
+  auto output_index = [&](ValueId id) { return uses.output_index(id); };
   if (next >= 0 && body.nodes[next].op == Op::kGelu) {
     if (body.nodes[next].attrs.s("approximate") != "tanh")
       no_match("gelu is the erf form; only the tanh form maps onto cuBLASLt's GELU epilogues");
+    if (g.c >= 0) no_match("an addend before gelu (not mapped onto cuBLASLt's GELU epilogues)");
     const ValueId y = body.nodes[next].outputs[0];
     g.d = output_index(y);
     g.aux_out = output_index(pre);
@@ -294,19 +378,22 @@ GemmBinding match_gemm(const Graph& body) {
     epilogue = g.aux_out >= 0 ? (bias ? Epilogue::kGeluAuxBias : Epilogue::kGeluAux)
                               : (bias ? Epilogue::kGeluBias : Epilogue::kGelu);
     ++used_nodes;
-  } else if (next >= 0 && body.nodes[next].op == Op::kGeluGrad && epilogue == Epilogue::kNone) {
+  } else if (next >= 0 && body.nodes[next].op == Op::kGeluGrad && epilogue == Epilogue::kNone &&
+             g.c < 0) {
     const Node& gg = body.nodes[next];
     if (gg.attrs.s("approximate") != "tanh")
       no_match("gelu_grad is the erf form; only the tanh form maps onto DGELU");
-    if (gg.inputs[1] != mm_out) no_match("the matmul is gelu_grad's x, not its dy");
+    if (gg.inputs[1] != pre) no_match("the matmul is gelu_grad's x, not its dy");
     g.aux_in = input_of(gg.inputs[0]);
     if (g.aux_in < 0) no_match("gelu_grad's x is computed inside the group");
+    if (body.type(gg.inputs[0]).dtype != dt)
+      no_match("gelu_grad's x is not in the product's dtype");
     const ValueId dx = gg.outputs[0];
     g.d = output_index(dx);
     if (g.d < 0) no_match("gelu_grad's result is not an output");
     epilogue = Epilogue::kDGelu;
     ++used_nodes;
-    if (auto it = consumers.find(dx); it != consumers.end()) {
+    if (auto it = uses.consumers.find(dx); it != uses.consumers.end()) {
       if (it->second.size() != 1 || !is_rowsum(body.nodes[it->second[0]], body.type(dx).shape))
         no_match("gelu_grad's result is read by something other than a bias-gradient sum");
       g.bias_grad = output_index(body.nodes[it->second[0]].outputs[0]);
@@ -321,23 +408,20 @@ GemmBinding match_gemm(const Graph& body) {
     g.d = output_index(pre);
     if (g.d < 0) no_match("the product is not an output");
   }
-  if (epilogue == Epilogue::kBias) {
-    g.d = output_index(pre);
-    if (g.d < 0) no_match("the biased product is not an output");
-  }
-  // A bias gradient of an operand: sum over rows of B (stored (k, n)) or of A (stored (k, m)).
-  if (epilogue == Epilogue::kNone) {
+  // A bias gradient of an operand: sum over rows of B (stored (k, n)) or of A (stored (k, m)),
+  // in the product's dtype.
+  if (epilogue == Epilogue::kNone && g.c < 0) {
     for (size_t k = 0; k < body.nodes.size(); ++k) {
       const Node& n = body.nodes[k];
       if (static_cast<int>(k) == mm || n.op != Op::kSum) continue;
       const int which = input_of(n.inputs[0]);
       const int out = output_index(n.outputs[0]);
       if (out < 0 || !is_rowsum(n, body.type(n.inputs[0]).shape) ||
-          body.type(n.inputs[0]).rank() != 2)
+          body.type(n.inputs[0]).rank() != 2 || body.type(n.outputs[0]).dtype != dt)
         no_match("a sum that is not a bias gradient of a matmul operand");
-      if (which == g.b && !tb) {
+      if (which == g.b && !gemm.transpose_b) {
         epilogue = Epilogue::kBGradB;
-      } else if (which == g.a && ta) {
+      } else if (which == g.a && gemm.transpose_a) {
         epilogue = Epilogue::kBGradA;
       } else {
         no_match("the summed operand has no BGRAD layout (B must be (k, n), A must be (k, m))");
@@ -361,13 +445,68 @@ GemmBinding match_gemm(const Graph& body) {
     if (body.type(body.inputs[g.aux_in].value).shape != body.type(mm_out).shape)
       no_match("gelu_grad's x does not have the product's shape");
   }
+  // Kept to what the GPU tests cover with a 16-bit product written as f32 (the rest runs as a
+  // product + generated epilogue).
+  if (gemm.d_type != gemm.a_type && epilogue != Epilogue::kNone && epilogue != Epilogue::kBias)
+    no_match(fmt::format("epilogue {} on a product cast to f32 is not mapped (none and bias are)",
+                         epilogue_name(epilogue)));
   gemm.epilogue = epilogue;
   return g;
 }
 
-std::optional<GemmBinding> try_match(const Graph& body, std::string* why) {
+// A body that is a cuBLASLt product (no epilogue, or with a cast to f32 absorbed) followed by a
+// generated kernel over it: the rest of the body, with the product as one more input.
+struct SplitGemm {
+  GemmCore core;
+  ValueId product = -1;      // the value the GEMM writes
+  int product_output = -1;   // the body output it is written to; -1: a scratch buffer
+  std::shared_ptr<Graph> epilogue;
+  std::string kind;          // of the epilogue kernel: "elementwise" or "rows"
+  std::vector<int> outputs;  // per epilogue output: the body output it is
+};
+
+SplitGemm split_gemm(const Graph& body) {
+  const BodyUses uses(body);
+  SplitGemm s;
+  s.core = gemm_core(body);
+  std::set<int> removed{s.core.node};
+  s.product = body.nodes[s.core.node].outputs[0];
+  if (const int cast = absorbed_cast(body, uses, s.core); cast >= 0) {
+    s.core.gemm.d_type = DType::kF32;
+    s.product = body.nodes[cast].outputs[0];
+    removed.insert(cast);
+  }
+  s.product_output = uses.output_index(s.product);
+  auto e = std::make_shared<Graph>();
+  e->name = body.name + "_epilogue";
+  e->values = body.values;
+  e->inputs = body.inputs;
+  e->inputs.push_back(GraphInput{s.product, Role::kData});
+  for (size_t k = 0; k < body.nodes.size(); ++k)
+    if (!removed.count(static_cast<int>(k))) e->nodes.push_back(body.nodes[k]);
+  for (size_t k = 0; k < body.outputs.size(); ++k) {
+    if (static_cast<int>(k) == s.product_output) continue;
+    e->outputs.push_back(body.outputs[k]);
+    s.outputs.push_back(static_cast<int>(k));
+  }
+  if (e->outputs.empty()) no_match("nothing but the product is computed");
+  std::string why_elementwise, why_rows;
+  if (can_generate(*e, "elementwise", &why_elementwise)) {
+    s.kind = "elementwise";
+  } else if (can_generate(*e, "rows", &why_rows)) {
+    s.kind = "rows";
+  } else {
+    no_match(fmt::format("the epilogue after the product cannot be generated: {}",
+                         why_elementwise));
+  }
+  s.epilogue = std::move(e);
+  return s;
+}
+
+template <class T, class F>
+std::optional<T> try_match(F&& match, const Graph& body, std::string* why) {
   try {
-    return match_gemm(body);
+    return match(body);
   } catch (const NoMatch& m) {
     if (why) *why = m.why;
   } catch (const Error& e) {
@@ -376,34 +515,96 @@ std::optional<GemmBinding> try_match(const Graph& body, std::string* why) {
   return std::nullopt;
 }
 
+std::optional<GemmBinding> try_binding(const Graph& body, std::string* why) {
+  return try_match<GemmBinding>(match_gemm, body, why);
+}
+std::optional<SplitGemm> try_split(const Graph& body, std::string* why) {
+  return try_match<SplitGemm>(split_gemm, body, why);
+}
+
+void run_binding(const GemmBinding& g, const KernelArgs& args) {
+  GemmOperands ops;
+  ops.a = args.inputs[g.a].raw();
+  ops.b = args.inputs[g.b].raw();
+  ops.d = args.outputs[g.d].raw();
+  if (g.bias >= 0) ops.bias = args.inputs[g.bias].raw();
+  if (g.c >= 0) {
+    ops.c = args.inputs[g.c].raw();
+    ops.beta = 1.0;
+  }
+  if (g.aux_in >= 0) ops.aux = args.inputs[g.aux_in].raw();
+  if (g.aux_out >= 0) ops.aux = args.outputs[g.aux_out].raw();
+  if (g.bias_grad >= 0) ops.bias_grad = args.outputs[g.bias_grad].raw();
+  if (g.gemm.m == 0 || g.gemm.n == 0) return;
+  g.gemm.run(ops, static_cast<cudaStream_t>(args.stream));
+}
+
+void run_split(const SplitGemm& s, const KernelArgs& args) {
+  const auto stream = static_cast<cudaStream_t>(args.stream);
+  const TensorType& type = s.epilogue->type(s.product);
+  Tensor product;
+  if (s.product_output >= 0) {
+    product = args.outputs[s.product_output];
+  } else {
+    void* base = nullptr;
+    KILN_CUDA_CHECK(cudaMallocAsync(&base, std::max<size_t>(type.bytes(), 16), stream));
+    // Freed on the stream after the epilogue kernel, when the last copy of `product` goes.
+    std::shared_ptr<std::byte[]> storage(static_cast<std::byte*>(base),
+                                         [stream](std::byte* p) { cudaFreeAsync(p, stream); });
+    product = Tensor(type, storage, 0, Device::kCuda);
+  }
+  GemmOperands ops;
+  ops.a = args.inputs[s.core.a].raw();
+  ops.b = args.inputs[s.core.b].raw();
+  ops.d = product.raw();
+  if (s.core.gemm.m > 0 && s.core.gemm.n > 0) s.core.gemm.run(ops, stream);
+  std::vector<Tensor> inputs(args.inputs.begin(), args.inputs.end());
+  inputs.push_back(product);
+  std::vector<Tensor> outputs;
+  for (int o : s.outputs) outputs.push_back(args.outputs[o]);
+  launch_generated(generate_kernel(*s.epilogue, s.kind),
+                   KernelArgs{args.attrs, inputs, outputs, args.stream, s.epilogue.get()});
+}
+
 void run_gemm_epilogue(const KernelArgs& args) {
   KILN_CHECK(args.body != nullptr, "nvrtc: a gemm-epilogue fused node without its body");
-  std::string why;
-  std::optional<GemmBinding> g = try_match(*args.body, &why);
-  KILN_CHECK(g.has_value(), "nvrtc: the gemm-epilogue body is not supported: {}", why);
-  GemmOperands ops;
-  ops.a = args.inputs[g->a].raw();
-  ops.b = args.inputs[g->b].raw();
-  ops.d = args.outputs[g->d].raw();
-  if (g->bias >= 0) ops.bias = args.inputs[g->bias].raw();
-  if (g->aux_in >= 0) ops.aux = args.inputs[g->aux_in].raw();
-  if (g->aux_out >= 0) ops.aux = args.outputs[g->aux_out].raw();
-  if (g->bias_grad >= 0) ops.bias_grad = args.outputs[g->bias_grad].raw();
-  if (g->gemm.m == 0 || g->gemm.n == 0) return;
-  g->gemm.run(ops, static_cast<cudaStream_t>(args.stream));
+  std::string why_binding, why_split;
+  if (std::optional<GemmBinding> g = try_binding(*args.body, &why_binding)) {
+    run_binding(*g, args);
+    return;
+  }
+  std::optional<SplitGemm> s = try_split(*args.body, &why_split);
+  KILN_CHECK(s.has_value(), "nvrtc: the gemm-epilogue body is not supported: {}; {}", why_binding,
+             why_split);
+  run_split(*s, args);
 }
 
 }  // namespace
 
 bool gemm_epilogue_supported(const Graph& body, std::string* why) {
-  return try_match(body, why).has_value();
+  return try_binding(body, why).has_value();
+}
+
+bool gemm_split_supported(const Graph& body, std::string* why) {
+  return try_split(body, why).has_value();
 }
 
 std::string describe_gemm_epilogue(const Graph& body) {
   std::string why;
-  std::optional<GemmBinding> g = try_match(body, &why);
+  std::optional<GemmBinding> g = try_binding(body, &why);
   KILN_CHECK(g.has_value(), "nvrtc: the gemm-epilogue body is not supported: {}", why);
   return g->gemm.to_string();
+}
+
+bool nvrtc_supports(const Graph& body, const std::string& kind, std::string* why) {
+  if (kind != "gemm-epilogue") return can_generate(body, kind, why);
+  std::string why_binding, why_split;
+  if (gemm_epilogue_supported(body, &why_binding) || gemm_split_supported(body, &why_split))
+    return true;
+  if (why)
+    *why = fmt::format("no cuBLASLt epilogue: {}; no product + generated epilogue: {}",
+                       why_binding, why_split);
+  return false;
 }
 
 std::string fused_kernel_listing(const Graph& body, const std::string& kind) {
@@ -411,11 +612,25 @@ std::string fused_kernel_listing(const Graph& body, const std::string& kind) {
   for (const Node& node : body.nodes)
     ops += (ops.empty() ? "" : ", ") + std::string(op_info(node.op).name);
   std::string why;
+  if (kind != "gemm-epilogue" && kind != "elementwise" && kind != "rows")
+    return fmt::format("// kiln fused node ({}): ops {}\n// not a kind the nvrtc dialect runs: a "
+                       "dialect of its own runs it\n",
+                       kind, ops);
   if (kind == "gemm-epilogue") {
-    if (gemm_epilogue_supported(body, &why))
+    if (gemm_epilogue_supported(body))
       return fmt::format("// kiln fused node (gemm-epilogue): ops {}\n// runs as one cuBLASLt "
                          "product with a fused epilogue, no generated source:\n//   {}\n",
                          ops, describe_gemm_epilogue(body));
+    if (std::optional<SplitGemm> s = try_split(body, nullptr))
+      return fmt::format(
+          "// kiln fused node (gemm-epilogue): ops {}\n// runs as a cuBLASLt product into {}:\n"
+          "//   {}\n// then the generated epilogue kernel below, which reads the product as its "
+          "last input:\n{}",
+          ops,
+          s->product_output >= 0 ? fmt::format("output {}", s->product_output)
+                                 : std::string("a scratch buffer"),
+          s->core.gemm.to_string(), generate_kernel(*s->epilogue, s->kind).source);
+    (void)nvrtc_supports(body, kind, &why);
   } else if (can_generate(body, kind, &why)) {
     return generate_kernel(body, kind).source;
   }
@@ -433,9 +648,7 @@ void register_nvrtc_kernels(KernelRegistry& registry) {
                  [](const NodeView& view) {
                    const Node& node = view.node;
                    if (!node.body || !node.attrs.has("kind")) return false;
-                   const std::string& kind = node.attrs.s("kind");
-                   if (kind == "gemm-epilogue") return gemm_epilogue_supported(*node.body);
-                   return can_generate(*node.body, kind);
+                   return nvrtc_supports(*node.body, node.attrs.s("kind"));
                  },
                  [](const KernelArgs& args) {
                    KILN_CHECK(args.body != nullptr, "nvrtc: a fused node without its body");

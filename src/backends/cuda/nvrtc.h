@@ -1,6 +1,8 @@
 // The "nvrtc" dialect's back half: compiles generated kernels (codegen.h) with NVRTC, loads them
-// with the runtime's library API and launches them on the kernel's stream; and binds "gemm-epilogue" fused
-// nodes to cuda::Gemm with the matching cuBLASLt epilogue (cublaslt.h).
+// with the runtime's library API and launches them on the kernel's stream (with column
+// reductions: the main kernel, then the finish kernel, sharing a stream-ordered scratch buffer of
+// partial sums); and binds "gemm-epilogue" fused nodes to cuda::Gemm with the matching cuBLASLt
+// epilogue (cublaslt.h), or to a product followed by a generated epilogue kernel.
 //
 // Compilation needs no GPU (NVRTC is a host library): nvrtc_compile() works on a machine without
 // one, which is how CI catches syntax errors in generated code. Loading and launching need one.
@@ -46,15 +48,31 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args);
 // Distinct sources compiled so far (for tests).
 size_t nvrtc_cache_size();
 
-// GEMM-epilogue bodies: whether `body` is matmul (+ bias add) (+ gelu tanh, with or without the
-// pre-activation as a second output), gelu_grad{tanh}(aux, matmul) (+ its bias gradient, a sum
-// over rows), or matmul with the bias gradient of one operand; `why` says why not.
+// GEMM-epilogue bodies, mapped in this order:
+//  1. One cuBLASLt product with a fused epilogue (gemm_epilogue_supported): matmul, then a cast
+//     of a bf16/f16 product to f32 (absorbed: cuBLASLt writes f32 from its f32 accumulator, so
+//     the product is not rounded to 16 bits first), then a bias add ((n,), the BIAS epilogue)
+//     and/or an add of a tensor of the product's shape (C, beta = 1), then gelu{tanh} (with or
+//     without the pre-activation as a second output), or gelu_grad{tanh}(aux, product) (+ its
+//     bias gradient, a sum over rows); or the product with the bias gradient of one operand.
+//  2. Otherwise a product + generated epilogue (gemm_split_supported): the product (with a cast
+//     to f32 absorbed as above) written to its output or to a stream-ordered scratch buffer,
+//     then one generated elementwise or rows kernel (codegen.h; column sums included) over the
+//     rest of the body, which reads the product as one more input: one extra pass over the
+//     product instead of the per-op cuda-body fallback.
+// `why` says why not.
 bool gemm_epilogue_supported(const Graph& body, std::string* why = nullptr);
+bool gemm_split_supported(const Graph& body, std::string* why = nullptr);
+// What the nvrtc dialect's supports() decides for a fused node of `kind` with `body` (needs no
+// GPU); `why` says why not. A node it refuses runs on the cuda-body fallback.
+bool nvrtc_supports(const Graph& body, const std::string& kind, std::string* why = nullptr);
 // What `kiln compile --dump-kernels` writes for a fused node of `kind`: the generated source, a
-// comment naming the cuBLASLt product for "gemm-epilogue" bodies, or a comment saying why the
-// body is not generated (it then runs on a lower-priority dialect). Needs no GPU.
+// comment naming the cuBLASLt product for "gemm-epilogue" bodies (followed by the generated
+// epilogue kernel for a product + generated epilogue), or a comment saying why the body is not
+// generated (it then runs on a lower-priority dialect): `grep -l "not generated" DIR/*` lists
+// the refused nodes. Needs no GPU.
 std::string fused_kernel_listing(const Graph& body, const std::string& kind);
-// A one-line description of the Gemm a supported body binds to ("m 64 n 128 k 32 bf16 gelu_bias").
+// A one-line description of the Gemm a body of case 1 binds to ("gemm (m 64, n 128, k 32) ...").
 std::string describe_gemm_epilogue(const Graph& body);
 
 }  // namespace kiln::cuda
