@@ -1,7 +1,385 @@
 #include "passes/multi_tensor.h"
 
-namespace kiln {
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <map>
+#include <set>
 
-bool MultiTensorPass::run(Graph&) { return false; }  // stub: filled in by its owner
+#include "passes/fusion/fusion.h"
+#include "passes/schedule.h"
+#include "support/error.h"
+
+namespace kiln {
+namespace {
+
+// ---- inlining fusion groups -----------------------------------------------------------------
+
+// The kinds the fusion pass gives its groups: those may be taken apart and outlined again.
+bool is_fusion_group(const Node& node) {
+  if (node.op != Op::kFused || !node.body) return false;
+  const std::string& kind = node.attrs.s("kind");
+  if (kind != "elementwise" && kind != "rows" && kind != "gemm-epilogue") return false;
+  // Inlining maps each body output to one outer value: a body input passed through, or a value
+  // output twice, has no node of its own to produce it (fusion makes neither).
+  std::set<ValueId> seen;
+  for (ValueId id : node.body->outputs)
+    if (node.body->input_index(id) >= 0 || !seen.insert(id).second) return false;
+  return true;
+}
+
+struct Flat {
+  Graph graph;
+  std::vector<int> origin;  // per node: the index of the node of the original graph it came from
+};
+
+// `graph` with the bodies of the nodes `expand` picks put back in their place as plain nodes.
+Flat inline_groups(const Graph& graph, const std::function<bool(size_t)>& expand) {
+  Flat flat;
+  flat.graph = graph;
+  flat.graph.nodes.clear();
+  std::set<std::string> names;
+  for (const Value& v : graph.values)
+    if (!v.name.empty()) names.insert(v.name);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (!expand(n)) {
+      flat.graph.nodes.push_back(node);
+      flat.origin.push_back(static_cast<int>(n));
+      continue;
+    }
+    const Graph& body = *node.body;
+    std::vector<ValueId> outer(body.values.size(), -1);
+    for (size_t i = 0; i < body.inputs.size(); ++i) outer[body.inputs[i].value] = node.inputs[i];
+    for (size_t i = 0; i < body.outputs.size(); ++i) outer[body.outputs[i]] = node.outputs[i];
+    for (const Node& inner : body.nodes) {
+      Node copy{inner.op, {}, {}, inner.attrs, nullptr};
+      for (ValueId id : inner.inputs) copy.inputs.push_back(outer.at(static_cast<size_t>(id)));
+      for (ValueId id : inner.outputs) {
+        if (outer[id] < 0) {
+          // A value that lived only inside the group: a new outer value (its body name if free).
+          const Value& v = body.value(id);
+          const bool keep = !v.name.empty() && names.insert(v.name).second;
+          outer[id] = static_cast<ValueId>(flat.graph.values.size());
+          flat.graph.values.push_back(Value{keep ? v.name : "", v.type});
+        }
+        copy.outputs.push_back(outer[id]);
+      }
+      flat.graph.nodes.push_back(std::move(copy));
+      flat.origin.push_back(static_cast<int>(n));
+    }
+  }
+  return flat;
+}
+
+// Per value: the nodes reading it, and whether it leaves the graph (output or update value).
+struct Uses {
+  std::vector<int> readers;  // count of node-input uses
+  std::vector<bool> external;
+  explicit Uses(const Graph& graph)
+      : readers(graph.values.size(), 0), external(graph.values.size(), false) {
+    for (const Node& node : graph.nodes)
+      for (ValueId id : node.inputs) ++readers[id];
+    for (ValueId id : graph.outputs) external[id] = true;
+    for (const Update& u : graph.updates) external[u.value] = true;
+  }
+  // Read by exactly one node input and nothing else.
+  bool single(ValueId id) const { return readers[id] == 1 && !external[id]; }
+};
+
+std::string fresh_name(std::set<std::string>& used, const std::string& stem) {
+  for (int i = 0;; ++i) {
+    std::string name = fmt::format("{}_{}", stem, i);
+    if (used.insert(name).second) return name;
+  }
+}
+
+// Gives every body not in `before` (made by fusion::outline, which numbers its bodies from
+// fused_0 on each call) a name no other body has; kind_of(node) is the kind to set, or empty to
+// keep the one outline gave (the fusion pass's).
+void rename_new_bodies(Graph& graph, const std::set<const Graph*>& before,
+                       const std::function<std::string(const Node&)>& kind_of) {
+  std::set<std::string> used;
+  for (const Node& node : graph.nodes)
+    if (node.body && before.count(node.body.get())) used.insert(node.body->name);
+  for (Node& node : graph.nodes) {
+    if (!node.body || before.count(node.body.get())) continue;
+    const std::string kind = kind_of(node);
+    if (!kind.empty()) node.attrs.set("kind", kind);
+    auto body = std::make_shared<Graph>(*node.body);
+    std::string stem = kind.empty() ? "fused" : kind;
+    std::replace(stem.begin(), stem.end(), '-', '_');
+    body->name = fresh_name(used, stem);
+    node.body = std::move(body);
+  }
+}
+
+std::set<const Graph*> bodies_of(const Graph& graph) {
+  std::set<const Graph*> out;
+  for (const Node& node : graph.nodes)
+    if (node.body) out.insert(node.body.get());
+  return out;
+}
+
+// ---- the global norm ------------------------------------------------------------------------
+
+bool f32_scalar(const Graph& g, ValueId id) {
+  const TensorType& t = g.type(id);
+  return t.dtype == DType::kF32 && t.rank() == 0;
+}
+
+// The nodes of each exact global-norm pattern of `graph` (see multi_tensor.h), one list per
+// add tree, in node order.
+std::vector<std::vector<int>> find_norms(const Graph& graph) {
+  const Uses uses(graph);
+  const size_t num_values = graph.values.size();
+  std::vector<int> producer(num_values, -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
+  auto produced_by = [&](ValueId id, Op op) {
+    const int p = producer[id];
+    return p >= 0 && graph.nodes[static_cast<size_t>(p)].op == op ? p : -1;
+  };
+  // Per value: the nodes of the term or add tree it is the result of (empty: none).
+  std::vector<std::vector<int>> tree(num_values);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op == Op::kSum && f32_scalar(graph, node.outputs[0])) {
+      const ValueId q = node.inputs[0];
+      const int square = produced_by(q, Op::kSquare);
+      if (square < 0 || !uses.single(q) || graph.type(q).dtype != DType::kF32) continue;
+      std::vector<int> nodes;
+      const ValueId x = graph.nodes[static_cast<size_t>(square)].inputs[0];
+      const int cast = produced_by(x, Op::kCast);
+      if (cast >= 0 && uses.single(x) && is_float(graph.type(graph.nodes[static_cast<size_t>(cast)].inputs[0]).dtype))
+        nodes.push_back(cast);
+      nodes.push_back(square);
+      nodes.push_back(static_cast<int>(n));
+      tree[node.outputs[0]] = std::move(nodes);
+    } else if (node.op == Op::kAdd && f32_scalar(graph, node.outputs[0]) &&
+               node.inputs.size() == 2 && node.inputs[0] != node.inputs[1]) {
+      std::vector<int> nodes;
+      bool ok = true;
+      for (ValueId in : node.inputs) {
+        ok = ok && f32_scalar(graph, in) && !tree[in].empty() && uses.single(in);
+        if (ok) nodes.insert(nodes.end(), tree[in].begin(), tree[in].end());
+      }
+      if (!ok) continue;
+      nodes.push_back(static_cast<int>(n));
+      tree[node.outputs[0]] = std::move(nodes);
+    }
+  }
+  // Roots: add trees whose result is not itself an operand of a larger tree.
+  std::vector<std::vector<int>> out;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op != Op::kAdd) continue;
+    const ValueId y = node.outputs[0];
+    if (tree[y].empty()) continue;
+    bool inner = false;
+    if (uses.single(y)) {
+      for (const Node& reader : graph.nodes) {
+        if (reader.op != Op::kAdd || std::find(reader.inputs.begin(), reader.inputs.end(), y) == reader.inputs.end())
+          continue;
+        inner = !tree[reader.outputs[0]].empty();
+      }
+    }
+    if (inner) continue;
+    std::vector<int> nodes = tree[y];
+    std::sort(nodes.begin(), nodes.end());
+    out.push_back(std::move(nodes));
+  }
+  return out;
+}
+
+bool group_global_norms(Graph& graph) {
+  // Fusion may hold parts of the pattern: look for it with every fusion group inlined, then
+  // inline only the groups that hold part of it.
+  const Flat all = inline_groups(graph, [&](size_t n) { return is_fusion_group(graph.nodes[n]); });
+  std::vector<std::vector<int>> norms = find_norms(all.graph);
+  if (norms.empty()) return false;
+  std::set<int> touched;
+  for (const auto& norm : norms)
+    for (int n : norm) touched.insert(all.origin[static_cast<size_t>(n)]);
+  Flat flat = inline_groups(graph, [&](size_t n) {
+    return touched.count(static_cast<int>(n)) && is_fusion_group(graph.nodes[n]);
+  });
+  norms = find_norms(flat.graph);
+  const int first_new = static_cast<int>(graph.nodes.size());
+  std::vector<int> group_of = flat.origin;
+  // Each tree's root (its last node) gets a name of its own, by which its node is found after
+  // outlining (which renumbers values); an existing name is kept when no other value has it.
+  std::map<std::string, int> name_count;
+  for (const Value& v : flat.graph.values) ++name_count[v.name];
+  std::set<std::string> root_names;
+  for (size_t k = 0; k < norms.size(); ++k) {
+    for (int n : norms[k]) group_of[static_cast<size_t>(n)] = first_new + static_cast<int>(k);
+    const ValueId root = flat.graph.nodes[static_cast<size_t>(norms[k].back())].outputs[0];
+    std::string& name = flat.graph.values[static_cast<size_t>(root)].name;
+    if (name.empty() || name_count[name] > 1) {
+      std::string stem = "grad_sumsq";
+      for (int i = 1; name_count.count(stem); ++i) stem = fmt::format("grad_sumsq_{}", i);
+      name = stem;
+      ++name_count[name];
+    }
+    root_names.insert(name);
+  }
+  // Nodes of an inlined group outside the pattern are outlined again as one group (their
+  // origin); a plain node is its own group.
+  const std::set<const Graph*> before = bodies_of(graph);
+  Graph out = flat.graph;
+  try {
+    fusion::outline(out, group_of);
+  } catch (const Error&) {
+    return false;  // taking the pattern out would make a cycle through a group: leave it
+  }
+  rename_new_bodies(out, before, [&](const Node& node) -> std::string {
+    for (ValueId id : node.outputs)
+      if (root_names.count(out.value(id).name)) return "global-norm";
+    return "";
+  });
+  graph = std::move(out);
+  return true;
+}
+
+// ---- the updates ----------------------------------------------------------------------------
+
+struct UpdateKey {
+  Attributes attrs;
+  std::vector<ValueId> scalars;
+  std::vector<DType> dtypes;
+};
+
+bool same_key(const UpdateKey& a, const UpdateKey& b) {
+  return same_values(a.attrs, b.attrs) && a.scalars == b.scalars && a.dtypes == b.dtypes;
+}
+
+// Peaks of live bytes in the order the schedule pass would pick: [0] with update values live
+// to the end (kiln compile --report's plan), [1] with the updates whose node reads its own
+// target dropped (the executor writes those straight into the caller's tensor and plans them
+// as values that die at their node: their bytes still count there, all at once for a group).
+std::array<size_t, 2> scheduled_peaks(const Graph& graph) {
+  const std::vector<int> order = memory_aware_order(graph);
+  std::vector<int> producer(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
+  Graph direct = graph;
+  direct.updates.clear();
+  for (const Update& u : graph.updates) {
+    const int p = producer[u.value];
+    const bool in_place =
+        p >= 0 && std::find(graph.nodes[static_cast<size_t>(p)].inputs.begin(),
+                            graph.nodes[static_cast<size_t>(p)].inputs.end(),
+                            u.target) != graph.nodes[static_cast<size_t>(p)].inputs.end();
+    if (!in_place) direct.updates.push_back(u);
+  }
+  return {peak_live_bytes(graph, order), peak_live_bytes(direct, order)};
+}
+
+// `graph` with each list of `groups` (node indices) outlined into one node of `kind`.
+Graph outline_updates(const Graph& graph, const std::vector<std::vector<int>>& groups,
+                      const std::string& kind) {
+  std::vector<int> group_of(graph.nodes.size());
+  for (size_t n = 0; n < graph.nodes.size(); ++n) group_of[n] = static_cast<int>(n);
+  const int first_new = static_cast<int>(graph.nodes.size());
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int n : groups[g]) group_of[static_cast<size_t>(n)] = first_new + static_cast<int>(g);
+  const std::set<const Graph*> before = bodies_of(graph);
+  Graph out = graph;
+  fusion::outline(out, group_of);
+  rename_new_bodies(out, before, [&](const Node&) { return kind; });
+  return out;
+}
+
+bool group_updates(Graph& graph, Op op, size_t scalars_from, const std::string& kind) {
+  // Candidates by key, in node order.
+  std::vector<UpdateKey> keys;
+  std::vector<std::vector<int>> by_key;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op != op) continue;
+    UpdateKey key{node.attrs, {node.inputs.begin() + static_cast<ptrdiff_t>(scalars_from), node.inputs.end()}, {}};
+    for (size_t i = 0; i < node.inputs.size(); ++i) key.dtypes.push_back(graph.type(node.inputs[i]).dtype);
+    size_t k = 0;
+    while (k < keys.size() && !same_key(keys[k], key)) ++k;
+    if (k == keys.size()) {
+      keys.push_back(std::move(key));
+      by_key.emplace_back();
+    }
+    by_key[k].push_back(static_cast<int>(n));
+  }
+  std::vector<std::vector<int>> whole;
+  for (auto& members : by_key)
+    if (members.size() >= 2) whole.push_back(members);
+  if (whole.empty()) return false;
+
+  const std::array<size_t, 2> baseline = scheduled_peaks(graph);
+  auto fits = [&](const Graph& g) {
+    const std::array<size_t, 2> peaks = scheduled_peaks(g);
+    return peaks[0] <= baseline[0] && peaks[1] <= baseline[1];
+  };
+  Graph grouped;
+  try {
+    grouped = outline_updates(graph, whole, kind);
+  } catch (const Error&) {
+    return false;  // a path from one update to another (none in an optimizer's graph)
+  }
+  if (fits(grouped)) {
+    graph = std::move(grouped);
+    return true;
+  }
+  // Chunks of consecutive updates of the scheduled order, under a cap on the bytes of their
+  // tensor operands (the gradients a chunk keeps waiting are among them).
+  const std::vector<int> order = memory_aware_order(graph);
+  std::vector<int> position(graph.nodes.size());
+  for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
+  auto operand_bytes = [&](int n) {
+    size_t bytes = 0;
+    const Node& node = graph.nodes[static_cast<size_t>(n)];
+    for (size_t i = 0; i < scalars_from; ++i) bytes += graph.type(node.inputs[i]).bytes();
+    return bytes;
+  };
+  size_t total = 0, largest = 0;
+  for (const auto& members : whole)
+    for (int n : members) {
+      total += operand_bytes(n);
+      largest = std::max(largest, operand_bytes(n));
+    }
+  for (size_t cap = total / 2; cap >= largest && cap > 0; cap /= 2) {
+    std::vector<std::vector<int>> chunks;
+    for (std::vector<int> members : whole) {
+      std::sort(members.begin(), members.end(), [&](int a, int b) { return position[a] < position[b]; });
+      std::vector<int> chunk;
+      size_t bytes = 0;
+      for (int n : members) {
+        if (!chunk.empty() && bytes + operand_bytes(n) > cap) {
+          if (chunk.size() >= 2) chunks.push_back(chunk);
+          chunk.clear();
+          bytes = 0;
+        }
+        chunk.push_back(n);
+        bytes += operand_bytes(n);
+      }
+      if (chunk.size() >= 2) chunks.push_back(chunk);
+    }
+    if (chunks.empty()) break;
+    for (auto& chunk : chunks) std::sort(chunk.begin(), chunk.end());
+    Graph chunked = outline_updates(graph, chunks, kind);
+    if (fits(chunked)) {
+      graph = std::move(chunked);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool MultiTensorPass::run(Graph& graph) {
+  bool changed = group_global_norms(graph);
+  changed = group_updates(graph, Op::kAdamwUpdate, 4, "multi-tensor-adamw") || changed;
+  changed = group_updates(graph, Op::kSgdUpdate, 3, "multi-tensor-sgd") || changed;
+  return changed;
+}
 
 }  // namespace kiln

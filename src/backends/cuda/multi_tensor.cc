@@ -1,8 +1,189 @@
-// Grouped optimizer updates and the global gradient norm on the GPU.
+// Grouped optimizer updates and the global gradient norm on the GPU: the fused nodes the
+// multi-tensor pass makes (passes/multi_tensor.h; bodies in backends/multi_tensor.h), run by
+// the multi-tensor kernels of multi_tensor.cu, dialect "cuda-nn" (hand-written kernels):
+//   "multi-tensor-adamw", "multi-tensor-sgd"  f32 params and state, f32/bf16/f16 grads, any
+//       float scalars: one launch per kMaxTensorsPerLaunch members (GPT-2's 148: one), the
+//       per-tensor kernels' expressions (state bit for bit, params within 2 ulp: see
+//       multi_tensor.cuh). in_place_ok. Members whose results the memory
+//       plan put over another member's operand run in later launches (or read copies of it:
+//       multi_tensor::plan_run_order), so one launch never races with itself.
+//   "global-norm"  f32/bf16/f16 terms, up to kMaxNormTerms: two launches, deterministic.
+// Priority kMultiTensorPriority, above the nvrtc dialect and the cuda-body fallback: nvrtc does
+// not generate these bodies, and cuda-body would run them member by member (148 launches of the
+// per-tensor kernel for GPT-2's updates, 296 reductions and 147 scalar adds for its norm), which
+// is what grouping them is meant to replace.
+#include "backends/cuda/multi_tensor.cuh"
+
+#include <cuda_runtime.h>
+
+#include "backends/cuda/cuda_check.h"
 #include "backends/cuda/registration.h"
+#include "backends/cuda/scratch.cuh"
+#include "backends/multi_tensor.h"
 
 namespace kiln::cuda {
+namespace {
 
-void register_multi_tensor_kernels(KernelRegistry&) {}  // stub: filled in by its owner
+constexpr int kMultiTensorPriority = kGeneratedPriority + 10;
+
+nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
+cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
+size_t aligned_bytes_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+bool has_kind(const NodeView& view, const char* kind) {
+  return view.node.body != nullptr && view.node.attrs.has("kind") && view.node.attrs.s("kind") == kind;
+}
+
+// The members' operand dtypes (param, grad, state) if all members share them and the kernels
+// take them, and every scalar operand is a float.
+bool updates_supported(const NodeView& view, const char* kind, Op op, size_t scalars_from) {
+  if (!has_kind(view, kind)) return false;
+  const std::optional<kiln::multi_tensor::UpdateBody> body =
+      kiln::multi_tensor::update_body(*view.node.body, op);
+  if (!body) return false;
+  const auto& in = view.input_types;
+  const auto& first = body->members[0].inputs;
+  for (const kiln::multi_tensor::Member& m : body->members) {
+    for (size_t i = 0; i < scalars_from; ++i) {
+      // m and v share their dtype (state), like param with param and grad with grad.
+      const size_t same_as = op == Op::kAdamwUpdate && i == 3 ? 2 : i;
+      if (in[static_cast<size_t>(m.inputs[i])].dtype != in[static_cast<size_t>(first[same_as])].dtype)
+        return false;
+    }
+    for (size_t i = scalars_from; i < m.inputs.size(); ++i)
+      if (!is_float(in[static_cast<size_t>(m.inputs[i])].dtype)) return false;
+  }
+  return multi_tensor::adamw_types_supported(elem(in[static_cast<size_t>(first[0])].dtype),
+                                             elem(in[static_cast<size_t>(first[1])].dtype),
+                                             elem(in[static_cast<size_t>(first[2])].dtype));
+}
+
+// The members' operands, with those plan_run_order says to copy replaced by copies in
+// `scratch` (taken on the stream before any update runs).
+struct Operands {
+  std::vector<std::vector<const void*>> pointers;  // per member, per operand
+  std::unique_ptr<Scratch> scratch;
+};
+Operands prepare_operands(const KernelArgs& args, const std::vector<kiln::multi_tensor::Member>& members,
+                          const kiln::multi_tensor::RunOrder& order) {
+  Operands out;
+  for (const kiln::multi_tensor::Member& m : members) {
+    out.pointers.emplace_back();
+    for (int i : m.inputs) out.pointers.back().push_back(args.inputs[static_cast<size_t>(i)].raw());
+  }
+  if (order.copies.empty()) return out;
+  size_t bytes = 0;
+  for (auto [member, operand] : order.copies)
+    bytes += aligned_bytes_256(args.inputs[static_cast<size_t>(members[static_cast<size_t>(member)].inputs[static_cast<size_t>(operand)])].bytes());
+  auto stream = stream_of(args);
+  out.scratch = std::make_unique<Scratch>(bytes, stream);
+  size_t offset = 0;
+  for (auto [member, operand] : order.copies) {
+    const Tensor& t = args.inputs[static_cast<size_t>(members[static_cast<size_t>(member)].inputs[static_cast<size_t>(operand)])];
+    std::byte* copy = out.scratch->as<std::byte>() + offset;
+    KILN_CUDA_CHECK(cudaMemcpyAsync(copy, t.raw(), t.bytes(), cudaMemcpyDeviceToDevice, stream));
+    out.pointers[static_cast<size_t>(member)][static_cast<size_t>(operand)] = copy;
+    offset += aligned_bytes_256(t.bytes());
+  }
+  return out;
+}
+
+void run_updates(const KernelArgs& args, Op op) {
+  KILN_CHECK(args.body != nullptr, "multi-tensor update: the kernel was called without the node's body");
+  std::string why;
+  const std::optional<kiln::multi_tensor::UpdateBody> body =
+      kiln::multi_tensor::update_body(*args.body, op, &why);
+  KILN_CHECK(body.has_value(), "multi-tensor update: body @{} is not one: {}", args.body->name, why);
+  const auto& members = body->members;
+  const kiln::multi_tensor::RunOrder order = kiln::multi_tensor::plan_run_order(
+      kiln::multi_tensor::member_regions(members, args.inputs, args.outputs));
+  // Freed (stream-ordered) after the launches below: it lives to the end of this call.
+  const Operands operands = prepare_operands(args, members, order);
+  const Attributes& a = body->attrs;
+  const auto& first = members[0].inputs;
+  const nn::Elem param_t = elem(args.inputs[static_cast<size_t>(first[0])].dtype());
+  const nn::Elem grad_t = elem(args.inputs[static_cast<size_t>(first[1])].dtype());
+  const nn::Elem state_t = elem(args.inputs[static_cast<size_t>(first[2])].dtype());
+  auto out = [&](const kiln::multi_tensor::Member& m, int k) {
+    return args.outputs[static_cast<size_t>(m.outputs[static_cast<size_t>(k)])].raw();
+  };
+  for (const std::vector<int>& wave : order.waves) {
+    if (op == Op::kAdamwUpdate) {
+      std::vector<multi_tensor::AdamwTensor> tensors;
+      for (int k : wave) {
+        const auto& m = members[static_cast<size_t>(k)];
+        const auto& p = operands.pointers[static_cast<size_t>(k)];
+        tensors.push_back(multi_tensor::AdamwTensor{p[0], p[1], p[2], p[3], out(m, 0), out(m, 1), out(m, 2),
+                                                    args.inputs[static_cast<size_t>(m.inputs[0])].numel()});
+      }
+      const Tensor &lr = args.inputs[static_cast<size_t>(first[4])], &step = args.inputs[static_cast<size_t>(first[5])];
+      const nn::AdamwConfig config{static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
+                                   static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
+      multi_tensor::adamw(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
+                          elem(lr.dtype()), lr.raw(), elem(step.dtype()), step.raw(), config, stream_of(args));
+    } else {
+      std::vector<multi_tensor::SgdTensor> tensors;
+      for (int k : wave) {
+        const auto& m = members[static_cast<size_t>(k)];
+        const auto& p = operands.pointers[static_cast<size_t>(k)];
+        tensors.push_back(multi_tensor::SgdTensor{p[0], p[1], p[2], out(m, 0), out(m, 1),
+                                                  args.inputs[static_cast<size_t>(m.inputs[0])].numel()});
+      }
+      const Tensor& lr = args.inputs[static_cast<size_t>(first[3])];
+      const nn::SgdConfig config{static_cast<float>(a.f("momentum")), static_cast<float>(a.f("weight_decay")),
+                                 a.b("nesterov")};
+      multi_tensor::sgd(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
+                        elem(lr.dtype()), lr.raw(), config, stream_of(args));
+    }
+  }
+}
+
+bool norm_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+bool norm_supported(const NodeView& view) {
+  if (!has_kind(view, "global-norm")) return false;
+  for (const TensorType& t : view.input_types)
+    if (!norm_dtype(t.dtype)) return false;
+  const std::optional<kiln::multi_tensor::NormBody> norm = kiln::multi_tensor::norm_body(*view.node.body);
+  return norm && norm->term_input.size() <= static_cast<size_t>(multi_tensor::kMaxNormTerms);
+}
+
+void run_norm(const KernelArgs& args) {
+  KILN_CHECK(args.body != nullptr, "global-norm: the kernel was called without the node's body");
+  std::string why;
+  const std::optional<kiln::multi_tensor::NormBody> norm = kiln::multi_tensor::norm_body(*args.body, &why);
+  KILN_CHECK(norm.has_value(), "global-norm: body @{} is not one: {}", args.body->name, why);
+  std::vector<multi_tensor::NormTensor> tensors;
+  for (int input : norm->term_input) {
+    const Tensor& x = args.inputs[static_cast<size_t>(input)];
+    tensors.push_back(multi_tensor::NormTensor{x.raw(), elem(x.dtype()), x.numel()});
+  }
+  std::vector<int> adds;
+  for (const auto& operands : norm->adds) adds.insert(adds.end(), operands.begin(), operands.end());
+  multi_tensor::global_norm(tensors.data(), static_cast<int64_t>(tensors.size()), adds.data(),
+                            static_cast<int64_t>(norm->adds.size()), norm->result, args.outputs[0].raw(),
+                            stream_of(args));
+}
+
+}  // namespace
+
+void register_multi_tensor_kernels(KernelRegistry& registry) {
+  registry.add(Op::kFused,
+               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
+                          [](const NodeView& v) {
+                            return updates_supported(v, "multi-tensor-adamw", Op::kAdamwUpdate, 4);
+                          },
+                          [](const KernelArgs& a) { run_updates(a, Op::kAdamwUpdate); },
+                          /*in_place_ok=*/true});
+  registry.add(Op::kFused,
+               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
+                          [](const NodeView& v) {
+                            return updates_supported(v, "multi-tensor-sgd", Op::kSgdUpdate, 3);
+                          },
+                          [](const KernelArgs& a) { run_updates(a, Op::kSgdUpdate); },
+                          /*in_place_ok=*/true});
+  registry.add(Op::kFused,
+               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority, norm_supported, run_norm});
+}
 
 }  // namespace kiln::cuda

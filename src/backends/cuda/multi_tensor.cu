@@ -1,0 +1,461 @@
+// Kernels and launchers of the multi-tensor ops (declared in multi_tensor.cuh): AdamW and SGD
+// over a table of tensors, and the global sum of squares. See the header for the table layout.
+//
+// Updates: 256 threads per block, kChunk elements of one tensor per block, in 4-element chunks
+// (16 bytes of f32; the per-tensor kernels of nn.cu use the same 4-element chunks, since a
+// group may mix 16- and 32-bit operands) when every pointer of the tensor is aligned to its
+// chunk, else element by element; the tensor's last < 4 elements element by element.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/multi_tensor.cuh"
+#include "backends/cuda/scratch.cuh"
+
+namespace kiln::cuda::multi_tensor {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using f16 = __half;
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunk = 16384;  // elements per block: 16 four-element chunks per thread
+constexpr int kVec = 4;
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(f16 v) { return __half2float(v); }
+// Results are f32 (master weights and moments) only.
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+template <int N, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> c = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f(c.v[i]);
+}
+template <int N, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> c;
+#pragma unroll
+  for (int i = 0; i < N; ++i) c.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = c;
+}
+
+__device__ __forceinline__ double load_scalar(const void* p, Elem t) {
+  switch (t) {
+    case Elem::kF64:
+      return *static_cast<const double*>(p);
+    case Elem::kF16:
+      return __half2float(*static_cast<const f16*>(p));
+    case Elem::kBF16:
+      return __bfloat162float(*static_cast<const bf16*>(p));
+    default:
+      return *static_cast<const float*>(p);
+  }
+}
+
+// ---- the tensor table -----------------------------------------------------------------------
+
+template <int kIn, int kOut>
+struct Table {
+  const void* in[kMaxTensorsPerLaunch][kIn];
+  void* out[kMaxTensorsPerLaunch][kOut];
+  int64_t n[kMaxTensorsPerLaunch];
+  int64_t first_block[kMaxTensorsPerLaunch + 1];  // prefix sums of the blocks per tensor
+  bool vec[kMaxTensorsPerLaunch];
+  int count;
+};
+static_assert(sizeof(Table<4, 3>) + 64 <= 32764, "the AdamW table must fit a kernel parameter");
+
+// The tensor block `b` works on (first_block is sorted; tensors without blocks are skipped).
+template <typename T>
+__device__ __forceinline__ int tensor_of_block(const T& table, int64_t b) {
+  int lo = 0, hi = table.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table.first_block[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Calls fn(i, N-tag) over the block's elements: 4-element chunks when vec, then single ones.
+template <typename Fn>
+__device__ __forceinline__ void for_block_elements(int64_t start, int64_t end, bool vec, Fn&& fn) {
+  int64_t scalar_from = start;
+  if (vec) {
+    const int64_t full = start + (end - start) / kVec * kVec;
+    for (int64_t i = start + static_cast<int64_t>(threadIdx.x) * kVec; i < full;
+         i += static_cast<int64_t>(blockDim.x) * kVec)
+      fn(i, std::integral_constant<int, kVec>{});
+    scalar_from = full;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
+    fn(i, std::integral_constant<int, 1>{});
+}
+
+// ---- AdamW ----------------------------------------------------------------------------------
+
+using AdamwTable = Table<4, 3>;
+
+// No __restrict__: results may be written over their own operands (the executor's in-place
+// updates); each element is read before it is written, by the same thread.
+template <typename P, typename G, typename S>
+__global__ void __launch_bounds__(kThreads)
+    adamw_multi_kernel(const __grid_constant__ AdamwTable table, const void* lr_ptr, Elem lr_t,
+                       const void* step_ptr, Elem step_t, nn::AdamwConfig c) {
+  const int t = tensor_of_block(table, blockIdx.x);
+  const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
+  const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
+  const P* param = static_cast<const P*>(table.in[t][0]);
+  const G* grad = static_cast<const G*>(table.in[t][1]);
+  const S* m = static_cast<const S*>(table.in[t][2]);
+  const S* v = static_cast<const S*>(table.in[t][3]);
+  P* param_out = static_cast<P*>(table.out[t][0]);
+  S* m_out = static_cast<S*>(table.out[t][1]);
+  S* v_out = static_cast<S*>(table.out[t][2]);
+  // From here on, nn.cu's adamw_kernel expression for expression (multi_tensor.cuh: the bits).
+  const double step = load_scalar(step_ptr, step_t);
+  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
+  const float inv_c1 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta1), step)));
+  const float inv_c2 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta2), step)));
+  const float b1 = c.beta1, b2 = c.beta2, ob1 = 1.0f - c.beta1, ob2 = 1.0f - c.beta2;
+  auto update = [&](float p, float g, float& mi, float& vi) {
+    mi = b1 * mi + ob1 * g;
+    vi = b2 * vi + ob2 * g * g;
+    const float u = (mi * inv_c1) / (sqrtf(vi * inv_c2) + c.epsilon) + c.weight_decay * p;
+    return p - lr * u;
+  };
+  for_block_elements(start, end, table.vec[t], [&](int64_t i, auto width) {
+    constexpr int N = decltype(width)::value;
+    if constexpr (N == kVec) {
+      float p[N], g[N], mm[N], vv[N];
+      load<N>(param + i, p);
+      load<N>(grad + i, g);
+      load<N>(m + i, mm);
+      load<N>(v + i, vv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) p[k] = update(p[k], g[k], mm[k], vv[k]);
+      store<N>(param_out + i, p);
+      store<N>(m_out + i, mm);
+      store<N>(v_out + i, vv);
+    } else {
+      float mi = to_f(m[i]), vi = to_f(v[i]);
+      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), mi, vi));
+      m_out[i] = from_f<S>(mi);
+      v_out[i] = from_f<S>(vi);
+    }
+  });
+}
+
+// ---- SGD ------------------------------------------------------------------------------------
+
+using SgdTable = Table<3, 2>;
+
+template <typename P, typename G, typename S>
+__global__ void __launch_bounds__(kThreads)
+    sgd_multi_kernel(const __grid_constant__ SgdTable table, const void* lr_ptr, Elem lr_t,
+                     nn::SgdConfig c) {
+  const int t = tensor_of_block(table, blockIdx.x);
+  const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
+  const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
+  const P* param = static_cast<const P*>(table.in[t][0]);
+  const G* grad = static_cast<const G*>(table.in[t][1]);
+  const S* buf = static_cast<const S*>(table.in[t][2]);
+  P* param_out = static_cast<P*>(table.out[t][0]);
+  S* buf_out = static_cast<S*>(table.out[t][1]);
+  // nn.cu's sgd_kernel expression for expression.
+  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
+  const bool use_buf = c.momentum > 0.0f;
+  auto update = [&](float p, float g, float& b) {
+    g += c.weight_decay * p;
+    b = c.momentum * b + g;
+    const float step = c.nesterov ? g + c.momentum * b : (use_buf ? b : g);
+    return p - lr * step;
+  };
+  for_block_elements(start, end, table.vec[t], [&](int64_t i, auto width) {
+    constexpr int N = decltype(width)::value;
+    if constexpr (N == kVec) {
+      float p[N], g[N], b[N];
+      load<N>(param + i, p);
+      load<N>(grad + i, g);
+      load<N>(buf + i, b);
+#pragma unroll
+      for (int k = 0; k < N; ++k) p[k] = update(p[k], g[k], b[k]);
+      store<N>(param_out + i, p);
+      store<N>(buf_out + i, b);
+    } else {
+      float b = to_f(buf[i]);
+      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), b));
+      buf_out[i] = from_f<S>(b);
+    }
+  });
+}
+
+// ---- global norm ----------------------------------------------------------------------------
+
+struct NormTable {
+  const void* x[kMaxTensorsPerLaunch];
+  int64_t n[kMaxTensorsPerLaunch];
+  int64_t first_block[kMaxTensorsPerLaunch + 1];
+  Elem t[kMaxTensorsPerLaunch];
+  bool vec[kMaxTensorsPerLaunch];
+  int count;
+  int64_t partial_offset;  // this launch's first block in the partials array
+};
+static_assert(sizeof(NormTable) + 64 <= 32764, "the norm table must fit a kernel parameter");
+
+struct NormFinish {
+  int first_partial[kMaxNormTerms + 1];  // per term: its partials [first, next first)
+  int adds[2 * kMaxNormTerms];
+  int count, num_adds, result;
+};
+static_assert(sizeof(NormFinish) + 64 <= 32764, "the norm program must fit a kernel parameter");
+
+// Sum of a double over the block, the same bits in every run: butterfly shuffles per warp,
+// then the warp sums in warp order. Valid in thread 0.
+__device__ double block_sum(double v) {
+  __shared__ double warp_sums[kThreads / kWarp];
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  double total = 0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < static_cast<int>(blockDim.x / kWarp); ++w) total += warp_sums[w];
+  return total;
+}
+
+template <typename T>
+__device__ __forceinline__ double sum_squares(const T* x, int64_t start, int64_t end, bool vec) {
+  constexpr int N = 16 / sizeof(T);
+  double acc = 0;
+  int64_t scalar_from = start;
+  if (vec) {
+    const int64_t full = start + (end - start) / N * N;
+    for (int64_t i = start + static_cast<int64_t>(threadIdx.x) * N; i < full;
+         i += static_cast<int64_t>(blockDim.x) * N) {
+      float v[N];
+      load<N>(x + i, v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc += static_cast<double>(__fmul_rn(v[k], v[k]));
+    }
+    scalar_from = full;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
+    const float v = to_f(x[i]);
+    acc += static_cast<double>(__fmul_rn(v, v));
+  }
+  return acc;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    norm_partials_kernel(const __grid_constant__ NormTable table, double* partials) {
+  const int t = tensor_of_block(table, blockIdx.x);
+  const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
+  const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
+  double acc = 0;
+  switch (table.t[t]) {
+    case Elem::kBF16:
+      acc = sum_squares(static_cast<const bf16*>(table.x[t]), start, end, table.vec[t]);
+      break;
+    case Elem::kF16:
+      acc = sum_squares(static_cast<const f16*>(table.x[t]), start, end, table.vec[t]);
+      break;
+    default:
+      acc = sum_squares(static_cast<const float*>(table.x[t]), start, end, table.vec[t]);
+      break;
+  }
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) partials[table.partial_offset + blockIdx.x] = total;
+}
+
+// One block of 1024 threads: warp w sums the partials of terms w, w + 32, ... (lanes stride,
+// then butterfly), rounds to f32; thread 0 then runs the add tree in f32.
+__global__ void __launch_bounds__(1024)
+    norm_finish_kernel(const __grid_constant__ NormFinish program, const double* partials,
+                       float* out) {
+  __shared__ float terms[kMaxNormTerms];
+  __shared__ float sums[kMaxNormTerms];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  for (int term = warp; term < program.count; term += warps) {
+    double acc = 0;
+    for (int p = program.first_partial[term] + lane; p < program.first_partial[term + 1]; p += kWarp)
+      acc += partials[p];
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) terms[term] = static_cast<float>(acc);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  auto value = [&](int code) { return code >= 0 ? terms[code] : sums[-1 - code]; };
+  for (int a = 0; a < program.num_adds; ++a)
+    sums[a] = __fadd_rn(value(program.adds[2 * a]), value(program.adds[2 * a + 1]));
+  *out = value(program.result);
+}
+
+// ---- launchers ------------------------------------------------------------------------------
+
+bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+int64_t blocks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+template <typename Fn>
+bool visit_update_types(Elem p, Elem g, Elem s, Fn&& fn) {
+  if (p != Elem::kF32 || s != Elem::kF32) return false;
+  switch (g) {
+    case Elem::kF32: fn(float{}); return true;
+    case Elem::kBF16: fn(bf16{}); return true;
+    case Elem::kF16: fn(f16{}); return true;
+    default: return false;
+  }
+}
+
+// Fills tables of at most kMaxTensorsPerLaunch tensors and launches each: fill(table, slot, k)
+// sets tensor k's pointers and vec flag, launch(table, blocks) enqueues the kernel.
+template <typename TableT, typename Fill, typename Launch>
+void launch_tables(int64_t count, const int64_t* sizes, Fill&& fill, Launch&& launch) {
+  for (int64_t first = 0; first < count; first += kMaxTensorsPerLaunch) {
+    TableT table{};
+    const int64_t last = std::min(count, first + kMaxTensorsPerLaunch);
+    int64_t blocks = 0;
+    int slot = 0;
+    for (int64_t k = first; k < last; ++k) {
+      if (sizes[k] == 0) continue;
+      fill(table, slot, k);
+      table.n[slot] = sizes[k];
+      table.first_block[slot] = blocks;
+      blocks += blocks_of(sizes[k]);
+      ++slot;
+    }
+    if (slot == 0) continue;
+    table.first_block[slot] = blocks;
+    table.count = slot;
+    KILN_CHECK(blocks < (int64_t{1} << 31), "multi-tensor: {} blocks in one launch, at most 2^31 - 1",
+               blocks);
+    launch(table, blocks);
+    KILN_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace
+
+bool adamw_types_supported(Elem param, Elem grad, Elem state) {
+  return visit_update_types(param, grad, state, [](auto) {});
+}
+
+void adamw(Elem param_t, Elem grad_t, Elem state_t, const AdamwTensor* tensors, int64_t count,
+           Elem lr_t, const void* lr, Elem step_t, const void* step, nn::AdamwConfig config,
+           cudaStream_t stream) {
+  std::vector<int64_t> sizes(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
+  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
+    using G = decltype(grad_tag);
+    launch_tables<AdamwTable>(
+        count, sizes.data(),
+        [&](AdamwTable& table, int slot, int64_t k) {
+          const AdamwTensor& x = tensors[k];
+          const void* in[4] = {x.param, x.grad, x.m, x.v};
+          void* out[3] = {x.param_out, x.m_out, x.v_out};
+          for (int i = 0; i < 4; ++i) table.in[slot][i] = in[i];
+          for (int i = 0; i < 3; ++i) table.out[slot][i] = out[i];
+          table.vec[slot] = aligned_to(x.param, 16) && aligned_to(x.m, 16) && aligned_to(x.v, 16) &&
+                            aligned_to(x.param_out, 16) && aligned_to(x.m_out, 16) &&
+                            aligned_to(x.v_out, 16) && aligned_to(x.grad, kVec * sizeof(G));
+        },
+        [&](const AdamwTable& table, int64_t blocks) {
+          adamw_multi_kernel<float, G, float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              table, lr, lr_t, step, step_t, config);
+        });
+  });
+  KILN_CHECK(ok, "multi-tensor adamw: unsupported types (param {}, grad {}, state {}); expected f32 "
+             "param and state, f32/bf16/f16 grads", static_cast<int>(param_t), static_cast<int>(grad_t),
+             static_cast<int>(state_t));
+}
+
+void sgd(Elem param_t, Elem grad_t, Elem state_t, const SgdTensor* tensors, int64_t count,
+         Elem lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream) {
+  std::vector<int64_t> sizes(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
+  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
+    using G = decltype(grad_tag);
+    launch_tables<SgdTable>(
+        count, sizes.data(),
+        [&](SgdTable& table, int slot, int64_t k) {
+          const SgdTensor& x = tensors[k];
+          table.in[slot][0] = x.param;
+          table.in[slot][1] = x.grad;
+          table.in[slot][2] = x.buf;
+          table.out[slot][0] = x.param_out;
+          table.out[slot][1] = x.buf_out;
+          table.vec[slot] = aligned_to(x.param, 16) && aligned_to(x.buf, 16) &&
+                            aligned_to(x.param_out, 16) && aligned_to(x.buf_out, 16) &&
+                            aligned_to(x.grad, kVec * sizeof(G));
+        },
+        [&](const SgdTable& table, int64_t blocks) {
+          sgd_multi_kernel<float, G, float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              table, lr, lr_t, config);
+        });
+  });
+  KILN_CHECK(ok, "multi-tensor sgd: unsupported types (param {}, grad {}, state {}); expected f32 "
+             "param and state, f32/bf16/f16 grads", static_cast<int>(param_t), static_cast<int>(grad_t),
+             static_cast<int>(state_t));
+}
+
+void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int64_t num_adds,
+                 int result, void* out, cudaStream_t stream) {
+  KILN_CHECK(count >= 1 && count <= kMaxNormTerms && num_adds < kMaxNormTerms,
+             "global norm: {} terms and {} adds, expected 1 to {} terms", count, num_adds, kMaxNormTerms);
+  NormFinish program{};
+  std::vector<int64_t> sizes(static_cast<size_t>(count));
+  int64_t total_blocks = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    sizes[static_cast<size_t>(k)] = tensors[k].n;
+    program.first_partial[k] = static_cast<int>(total_blocks);
+    total_blocks += blocks_of(tensors[k].n);
+  }
+  program.first_partial[count] = static_cast<int>(total_blocks);
+  KILN_CHECK(total_blocks < (int64_t{1} << 31), "global norm: {} blocks, at most 2^31 - 1", total_blocks);
+  for (int64_t a = 0; a < 2 * num_adds; ++a) program.adds[a] = adds[a];
+  program.count = static_cast<int>(count);
+  program.num_adds = static_cast<int>(num_adds);
+  program.result = result;
+  Scratch partials(static_cast<size_t>(std::max<int64_t>(total_blocks, 1)) * sizeof(double), stream);
+  int64_t offset = 0;
+  launch_tables<NormTable>(
+      count, sizes.data(),
+      [&](NormTable& table, int slot, int64_t k) {
+        const NormTensor& x = tensors[k];
+        table.x[slot] = x.x;
+        table.t[slot] = x.t;
+        table.vec[slot] = aligned_to(x.x, 16);
+      },
+      [&](NormTable& table, int64_t blocks) {
+        table.partial_offset = offset;
+        norm_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(table,
+                                                                                     partials.as<double>());
+        offset += blocks;
+      });
+  norm_finish_kernel<<<1, 1024, 0, stream>>>(program, partials.as<double>(), static_cast<float*>(out));
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kiln::cuda::multi_tensor

@@ -1,0 +1,80 @@
+// Launchers of the multi-tensor kernels (backends/cuda/multi_tensor.cu; registered by
+// multi_tensor.cc): one launch updates or reduces many tensors. C++17-clean: plain pointers,
+// int64_t, cudaStream_t.
+//
+// How a launch covers many tensors: the kernel's parameter struct holds a table of up to
+// kMaxTensorsPerLaunch tensors (pointers, sizes, and the prefix sum of their block counts;
+// passed as a __grid_constant__ parameter, so indexing it reads the parameter bank and copies
+// nothing), and each block takes kChunk elements of one tensor, found by a binary search of the
+// prefix sums. More tensors than a table holds: several launches. Parameter structs of up to
+// 32764 bytes need CUDA 12.1; the tables stay under that (static_asserts in the .cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends/cuda/nn.cuh"
+
+namespace kiln::cuda::multi_tensor {
+
+using nn::Elem;
+
+inline constexpr int kMaxTensorsPerLaunch = 256;
+
+// ---- updates --------------------------------------------------------------------------------
+
+// One tensor of an AdamW update: operands and results (results may be the operands: each
+// element is read before it is written by the same thread).
+struct AdamwTensor {
+  const void* param;
+  const void* grad;
+  const void* m;
+  const void* v;
+  void* param_out;
+  void* m_out;
+  void* v_out;
+  int64_t n;
+};
+// f32 master weights and moments (param and state f32), grads f32, bf16 or f16.
+bool adamw_types_supported(Elem param, Elem grad, Elem state);
+// The arithmetic of nn::adamw_update per element, expression for expression (bias corrections
+// in f64 from the device scalar step). Measured on an H200: m and v bit for bit, the param
+// within 2 ulp (presumably nvcc contracts the same expression into fmas differently in the two
+// kernels). lr, step: device scalars of any float type.
+void adamw(Elem param_t, Elem grad_t, Elem state_t, const AdamwTensor* tensors, int64_t count,
+           Elem lr_t, const void* lr, Elem step_t, const void* step, nn::AdamwConfig config,
+           cudaStream_t stream);
+
+struct SgdTensor {
+  const void* param;
+  const void* grad;
+  const void* buf;
+  void* param_out;
+  void* buf_out;
+  int64_t n;
+};
+// Same types as adamw; the arithmetic of nn::sgd_update (the same caveat on the param).
+void sgd(Elem param_t, Elem grad_t, Elem state_t, const SgdTensor* tensors, int64_t count,
+         Elem lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream);
+
+// ---- global norm ----------------------------------------------------------------------------
+
+inline constexpr int kMaxNormTerms = 2048;
+
+struct NormTensor {
+  const void* x;
+  Elem t;  // f32, bf16 or f16
+  int64_t n;
+};
+// out (a device f32 scalar) = the add tree over the terms t_i = sum over x_i of f32(x^2):
+// `adds` holds 2 codes per add (a term index >= 0, or -1 - the index of an earlier add), in
+// order; `result` is the code of the output. Stage 1: every block sums the squares of its
+// chunk (each square rounded to f32, as the body's f32 square; the sum in f64) into an f64
+// partial in scratch; stage 2 (one block): each term's partials summed in f64 in a fixed order,
+// rounded to f32, then the add tree in f32. Deterministic (no atomics; fixed assignment and
+// order). count <= kMaxNormTerms, num_adds < kMaxNormTerms.
+void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int64_t num_adds,
+                 int result, void* out, cudaStream_t stream);
+
+}  // namespace kiln::cuda::multi_tensor

@@ -1,0 +1,232 @@
+#include "backends/multi_tensor.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "support/error.h"
+
+namespace kiln::multi_tensor {
+namespace {
+
+std::optional<UpdateBody> refuse(std::string* why, std::string reason) {
+  if (why) *why = std::move(reason);
+  return std::nullopt;
+}
+
+// Per body value: the index of the body input holding it, or -1.
+std::vector<int> input_slots(const Graph& body) {
+  std::vector<int> slot(body.values.size(), -1);
+  for (size_t i = 0; i < body.inputs.size(); ++i) slot[body.inputs[i].value] = static_cast<int>(i);
+  return slot;
+}
+
+}  // namespace
+
+std::optional<UpdateBody> update_body(const Graph& body, Op op, std::string* why) {
+  const size_t scalars_from = op == Op::kAdamwUpdate ? 4 : 3;
+  if (body.nodes.empty()) return refuse(why, "the body has no nodes");
+  const std::vector<int> in_slot = input_slots(body);
+  std::vector<int> out_slot(body.values.size(), -1);
+  for (size_t i = 0; i < body.outputs.size(); ++i) {
+    const ValueId id = body.outputs[i];
+    if (out_slot[id] >= 0) return refuse(why, fmt::format("body output {} is listed twice", i));
+    out_slot[id] = static_cast<int>(i);
+  }
+  UpdateBody out;
+  out.op = op;
+  out.attrs = body.nodes[0].attrs;
+  std::vector<int> scalars;
+  size_t results = 0;
+  for (const Node& node : body.nodes) {
+    if (node.op != op) return refuse(why, fmt::format("the body holds a {}", op_name(node.op)));
+    if (!same_values(node.attrs, out.attrs))
+      return refuse(why, "the members' attributes differ");
+    Member m;
+    for (ValueId id : node.inputs) {
+      if (in_slot[id] < 0) return refuse(why, "a member reads another member's result");
+      m.inputs.push_back(in_slot[id]);
+    }
+    const std::vector<int> own_scalars(m.inputs.begin() + static_cast<ptrdiff_t>(scalars_from),
+                                       m.inputs.end());
+    if (scalars.empty()) scalars = own_scalars;
+    if (own_scalars != scalars) return refuse(why, "the members' scalar operands differ");
+    for (ValueId id : node.outputs) {
+      if (out_slot[id] < 0) return refuse(why, "a member's result is not a body output");
+      m.outputs.push_back(out_slot[id]);
+    }
+    results += node.outputs.size();
+    out.members.push_back(std::move(m));
+  }
+  if (results != body.outputs.size())
+    return refuse(why, "a body output is not a member's result");
+  return out;
+}
+
+std::optional<NormBody> norm_body(const Graph& body, std::string* why) {
+  auto no = [&](std::string reason) -> std::optional<NormBody> {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (body.outputs.size() != 1) return no("the body has more than one output");
+  const std::vector<int> in_slot = input_slots(body);
+  // Per body value: what computes it so far (a term code >= 0, an add code < 0, or none).
+  constexpr int kNone = std::numeric_limits<int>::min();
+  std::vector<int> code(body.values.size(), kNone);
+  std::vector<int> square_of(body.values.size(), -1);  // value -> body input it squares
+  std::vector<int> cast_of(body.values.size(), -1);    // value -> body input cast to f32
+  std::vector<int> uses(body.values.size(), 0);
+  for (const Node& node : body.nodes)
+    for (ValueId id : node.inputs) ++uses[id];
+  for (ValueId id : body.outputs) ++uses[id];
+  std::vector<bool> input_taken(body.inputs.size(), false);
+  NormBody out;
+  auto f32_scalar = [&](ValueId id) {
+    const TensorType& t = body.type(id);
+    return t.dtype == DType::kF32 && t.rank() == 0;
+  };
+  for (const Node& node : body.nodes) {
+    const ValueId x = node.inputs.empty() ? -1 : node.inputs[0];
+    const ValueId y = node.outputs.empty() ? -1 : node.outputs[0];
+    if (node.op == Op::kCast) {
+      if (in_slot[x] < 0 || !is_float(body.type(x).dtype) || body.type(y).dtype != DType::kF32)
+        return no("a cast that is not of a body input to f32");
+      cast_of[y] = in_slot[x];
+    } else if (node.op == Op::kSquare) {
+      if (body.type(y).dtype != DType::kF32) return no("a square that is not f32");
+      const int source = in_slot[x] >= 0 && body.type(x).dtype == DType::kF32 ? in_slot[x]
+                                                                                : cast_of[x];
+      if (source < 0 || uses[x] != 1) return no("a square of neither an f32 input nor its cast");
+      square_of[y] = source;
+    } else if (node.op == Op::kSum) {
+      if (square_of[x] < 0 || uses[x] != 1 || !f32_scalar(y))
+        return no("a sum that is not a full f32 sum of a square");
+      const int input = square_of[x];
+      if (input_taken[input]) return no("a body input read by two terms");
+      input_taken[input] = true;
+      code[y] = static_cast<int>(out.term_input.size());
+      out.term_input.push_back(input);
+    } else if (node.op == Op::kAdd) {
+      if (!f32_scalar(y) || node.inputs.size() != 2) return no("an add that is not of f32 scalars");
+      std::array<int, 2> operands{};
+      for (int k = 0; k < 2; ++k) {
+        const ValueId in = node.inputs[k];
+        if (code[in] == kNone || uses[in] != 1)
+          return no("an add operand that is not a term or an add used once");
+        operands[k] = code[in];
+      }
+      code[y] = -1 - static_cast<int>(out.adds.size());
+      out.adds.push_back(operands);
+    } else {
+      return no(fmt::format("the body holds a {}", op_name(node.op)));
+    }
+  }
+  if (out.term_input.empty()) return no("the body has no terms");
+  if (std::find(input_taken.begin(), input_taken.end(), false) != input_taken.end())
+    return no("a body input no term reads");
+  const int result = code[body.outputs[0]];
+  if (result == kNone) return no("the body output is not a term or an add");
+  // Every term and add feeds the result exactly once (each value is used once, and only the
+  // tree's values are counted): the tree has terms - 1 adds.
+  if (out.adds.size() + 1 != out.term_input.size()) return no("a term or add outside the tree");
+  out.result = result;
+  return out;
+}
+
+float combine_terms(const NormBody& norm, const std::vector<float>& terms) {
+  std::vector<float> sums(norm.adds.size());
+  auto value = [&](int c) { return c >= 0 ? terms[static_cast<size_t>(c)] : sums[static_cast<size_t>(-1 - c)]; };
+  for (size_t a = 0; a < norm.adds.size(); ++a)
+    sums[a] = value(norm.adds[a][0]) + value(norm.adds[a][1]);
+  return value(norm.result);
+}
+
+std::vector<MemberRegions> member_regions(const std::vector<Member>& members,
+                                          std::span<const Tensor> inputs,
+                                          std::span<const Tensor> outputs) {
+  std::vector<MemberRegions> out(members.size());
+  for (size_t k = 0; k < members.size(); ++k) {
+    for (int i : members[k].inputs)
+      out[k].reads.push_back(Region{inputs[static_cast<size_t>(i)].raw(), inputs[static_cast<size_t>(i)].bytes()});
+    for (int o : members[k].outputs)
+      out[k].writes.push_back(Region{outputs[static_cast<size_t>(o)].raw(), outputs[static_cast<size_t>(o)].bytes()});
+  }
+  return out;
+}
+
+RunOrder plan_run_order(const std::vector<MemberRegions>& members) {
+  const size_t n = members.size();
+  // Every write, sorted by start: the memory plan never lets two live values overlap, so writes
+  // are disjoint and the ones overlapping a read form one run of this order.
+  struct Write {
+    const std::byte* begin;
+    const std::byte* end;
+    int member;
+  };
+  std::vector<Write> writes;
+  for (size_t k = 0; k < n; ++k)
+    for (const Region& r : members[k].writes)
+      if (r.bytes > 0) writes.push_back(Write{r.begin, r.begin + r.bytes, static_cast<int>(k)});
+  std::sort(writes.begin(), writes.end(), [](const Write& a, const Write& b) { return a.begin < b.begin; });
+  bool disjoint = true;
+  for (size_t w = 1; w < writes.size(); ++w) disjoint = disjoint && writes[w].begin >= writes[w - 1].end;
+  // Per member: the members that overwrite one of its operands (they must run after it), with
+  // the operand. A result over its own operand is fine when it starts at the same byte.
+  std::vector<std::vector<std::pair<int, int>>> overwritten_by(n);
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t op = 0; op < members[j].reads.size(); ++op) {
+      const Region& r = members[j].reads[op];
+      if (r.bytes == 0) continue;
+      const std::byte* end = r.begin + r.bytes;
+      // Disjoint writes have their ends sorted like their starts: the first write ending after
+      // r.begin, then every one starting before r's end. (Overlapping writes, which no plan
+      // makes: all of them.)
+      auto it = disjoint ? std::lower_bound(writes.begin(), writes.end(), r.begin,
+                                            [](const Write& w, const std::byte* p) { return w.end <= p; })
+                         : writes.begin();
+      for (; it != writes.end() && (!disjoint || it->begin < end); ++it) {
+        if (it->end <= r.begin || it->begin >= end) continue;
+        if (it->member == static_cast<int>(j) && it->begin == r.begin && it->end == end) continue;
+        overwritten_by[j].emplace_back(it->member, static_cast<int>(op));
+      }
+    }
+  }
+  RunOrder order;
+  // Kahn's algorithm by levels over the edges j -> k (k overwrites an operand of j).
+  std::vector<int> indegree(n, 0);
+  for (size_t j = 0; j < n; ++j)
+    for (auto [k, op] : overwritten_by[j])
+      if (k != static_cast<int>(j)) ++indegree[static_cast<size_t>(k)];
+  // Self-overlaps that are not exact (never made by the plan) are read from a copy.
+  for (size_t j = 0; j < n; ++j)
+    for (auto [k, op] : overwritten_by[j])
+      if (k == static_cast<int>(j)) order.copies.emplace_back(k, op);
+  std::vector<bool> done(n, false);
+  size_t placed = 0;
+  while (placed < n) {
+    std::vector<int> wave;
+    for (size_t k = 0; k < n; ++k)
+      if (!done[k] && indegree[k] == 0) wave.push_back(static_cast<int>(k));
+    if (wave.empty()) {
+      // A cycle: the rest read copies of every operand an unplaced member overwrites, which
+      // removes their edges; they then run as one wave.
+      for (size_t j = 0; j < n; ++j) {
+        if (done[j]) continue;
+        for (auto [k, op] : overwritten_by[j])
+          if (k != static_cast<int>(j) && !done[static_cast<size_t>(k)])
+            order.copies.emplace_back(static_cast<int>(j), op);
+        wave.push_back(static_cast<int>(j));
+      }
+    }
+    for (int k : wave) done[static_cast<size_t>(k)] = true;
+    for (int j : wave)
+      for (auto [k, op] : overwritten_by[static_cast<size_t>(j)])
+        if (k != j) --indegree[static_cast<size_t>(k)];
+    placed += wave.size();
+    order.waves.push_back(std::move(wave));
+  }
+  std::sort(order.copies.begin(), order.copies.end());
+  order.copies.erase(std::unique(order.copies.begin(), order.copies.end()), order.copies.end());
+  return order;
+}
+
+}  // namespace kiln::multi_tensor
