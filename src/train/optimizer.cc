@@ -154,6 +154,7 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
     update_loss_scale(b, loss_scale, overflow, config.loss_scale);
   }
   out.graph = b.take();
+  if (!config.keep_forward_outputs) out.graph.outputs.resize(1);  // dead-code drops what only they needed
   out.graph.name = forward.name + ".train";
   verify(out.graph);
   return out;

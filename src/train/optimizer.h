@@ -47,6 +47,11 @@ struct OptimizerConfig {
   // Planned arena bytes the step may use (passes/remat.h recomputes activations to fit); 0 = no
   // budget. Trainer passes it to the pipeline unless its PassOptions name one.
   size_t memory_budget = 0;
+  // The step's outputs: false (default) only the loss; true every output of the forward graph
+  // (loss first). An extra output such as GPT-2's logits is kept in its own buffer each step and
+  // pins its producers: at B=32 that is 6.6 GB of f32 logits, and it stops the fused classifier
+  // (passes/classifier.h) from writing the logits' gradient over the logits.
+  bool keep_forward_outputs = false;
 };
 
 // Throws kiln::Error naming the bad field.
@@ -55,7 +60,7 @@ void validate(const OptimizerConfig& config);
 double learning_rate(const OptimizerConfig& config, int64_t step);
 
 struct TrainingGraph {
-  Graph graph;  // outputs: the forward's outputs (loss first)
+  Graph graph;  // outputs: the loss, or (keep_forward_outputs) all the forward's (loss first)
   std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
   // The forward's state, then (f16) amp.scale and amp.good_steps, then per-param
   // moments/buffers, opt.step.

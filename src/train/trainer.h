@@ -37,7 +37,8 @@ class Trainer {
   ~Trainer();
 
   // One training step on the forward's data inputs (host tensors, in order); returns the
-  // forward's outputs (loss first), computed before the update. Advances steps_done(). On CUDA
+  // loss (all the forward's outputs, loss first, with OptimizerConfig::keep_forward_outputs),
+  // computed before the update. Advances steps_done(). On CUDA
   // the outputs are device tensors that the next step overwrites, and may not be computed yet
   // (read the loss with take_losses()).
   std::vector<Tensor> step(const std::vector<Tensor>& data);

@@ -337,8 +337,8 @@ TEST(CpuFusedTraining, Gpt2TinyStepsWithFusionEqualUnfused) {
     for (const Tensor& t : init) out.push_back(t.clone());
     return out;
   };
-  PassOptions no_fusion;
-  no_fusion.disabled = {"fusion"};
+  PassOptions no_fusion;  // nor the passes that outline fused nodes of their own kinds
+  no_fusion.disabled = {"fusion", "classifier", "multi-tensor"};
   train::Trainer fused(forward, optimizer, copies());
   train::Trainer unfused(forward, optimizer, copies(), {}, no_fusion);
 
@@ -347,6 +347,8 @@ TEST(CpuFusedTraining, Gpt2TinyStepsWithFusionEqualUnfused) {
   int fused_nodes = 0;
   for (size_t n = 0; n < step.nodes.size(); ++n) {
     if (step.nodes[n].op != Op::kFused) continue;
+    const std::string& kind = step.nodes[n].attrs.s("kind");
+    if (kind == "classifier" || kind.starts_with("multi-tensor") || kind == "global-norm") continue;
     ++fused_nodes;
     EXPECT_EQ(dialects[n], "cpu") << "fused node " << n << " (" << step.nodes[n].attrs.s("kind")
                                   << "): " << cpu::fused_plan_info(*step.nodes[n].body).why_not;

@@ -294,14 +294,16 @@ TEST(ClassifierPass, FiresOnceOnGpt2TinyBf16TrainingGraph) {
   train::OptimizerConfig config;
   config.amp = "bf16";
   Graph forward = models::gpt(models::gpt_config("gpt2-tiny"));
-  // As built, the step also returns the f32 logits: the node reads them, absorbs the cast back.
+  // With the logits kept as a step output, the node reads the f32 logits and absorbs only the
+  // cast back.
+  config.keep_forward_outputs = true;
   Graph g = train::build_training_graph(forward, config).graph;
   default_pipeline().run(g);
   size_t body_nodes = 0;
   EXPECT_EQ(count_classifiers(g, &body_nodes), 1);
   EXPECT_EQ(body_nodes, 3u);
-  // With the loss as the only output, both casts go in: no f32 copy of the logits at all.
-  forward.outputs.resize(1);
+  // As built by default (the loss the only output), both casts go in: no f32 copy of the logits.
+  config.keep_forward_outputs = false;
   g = train::build_training_graph(forward, config).graph;
   default_pipeline().run(g);
   EXPECT_EQ(count_classifiers(g, &body_nodes), 1);
