@@ -42,9 +42,16 @@ fi
 
 : >"$out/bench.jsonl"
 for b in "${benches[@]}"; do
+  # The whole report (and a --profile table) to bench.log; the JSON line, with the arguments, to
+  # bench.jsonl for the table below.
   # shellcheck disable=SC2086
-  ./build-gpu/kiln bench $b --device cuda --json 2>>"$out/bench.err" | tail -1 >>"$out/bench.jsonl" ||
+  line=$(./build-gpu/kiln bench $b --device cuda --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
+  if [ "${line:0:1}" = "{" ]; then
+    python3 -c 'import json, sys; r = json.loads(sys.argv[2]); r["args"] = sys.argv[1]; print(json.dumps(r))' \
+      "$b" "$line" >>"$out/bench.jsonl"
+  else
     echo "{\"args\": \"$b\", \"error\": \"$(tail -1 "$out/bench.err")\"}" >>"$out/bench.jsonl"
+  fi
 done
 if [ $torch = 1 ] && [ -f .carry/torch_gpt2.py ]; then
   # shellcheck disable=SC2086
@@ -64,10 +71,11 @@ for path, who in ((sys.argv[1], "kiln"), (sys.argv[2], "torch")):
         r = json.loads(line)
         if "error" in r: rows.append((who, r.get("args", "?"), "error: " + r["error"][:90])); continue
         if r.get("oom"): rows.append((who, f'{r["cfg"]} {r["mode"]} B={r["B"]}', "out of memory")); continue
-        name = f'{r.get("cfg", r.get("model"))} {r.get("mode", r.get("amp", ""))} B={r.get("B", r.get("batch"))}'
+        name = r.get("args") or f'{r.get("cfg", r.get("model"))} {r.get("mode", r.get("amp", ""))} B={r.get("B", r.get("batch"))}'
         rows.append((who, name, f'{r.get("ms", r.get("ms_per_step"))} ms  {r.get("tok_s", r.get("tokens_per_s"))} tok/s  '
                      f'MFU {r.get("mfu_vs_989", r.get("mfu"))}  peak {r.get("peak_gib")} GiB  '
                      f'first step {r.get("warm_s", r.get("first_step_s"))} s'))
-print(f'{"":6} {"run":28} result')
-for who, name, res in rows: print(f"{who:6} {name:28} {res}")
+width = max([28] + [len(name) for _, name, _ in rows])
+print(f'{"":6} {"run":{width}} result')
+for who, name, res in rows: print(f"{who:6} {name:{width}} {res}")
 PY

@@ -68,15 +68,32 @@ class Rewriter {
         d = DType::kF32;
       target = target ? promote(*target, d) : d;
     }
+    if (precision == Precision::kFollow && is_linear_bias(node, inputs)) target = options_.low;
     if (target) {
       for (ValueId& id : inputs)
         if (is_float(out_.type(id).dtype)) id = cast_to(id, *target);
     }
     std::vector<ValueId> outputs = out_.add_node(node.op, inputs, node.attrs);
+    if (precision == Precision::kLow) low_results_.insert(outputs.begin(), outputs.end());
     for (size_t i = 0; i < outputs.size(); ++i) {
       map_[node.outputs[i]] = outputs[i];
       name_value(outputs[i], in_.value(node.outputs[i]).name);
     }
+  }
+
+  // add(matmul(x, w), b) with a 1-D float b: a linear layer's bias. It runs in the low dtype, as
+  // under torch.autocast (where the bias rides in the GEMM), so what follows (attention's split,
+  // gelu) stays 16-bit instead of making an f32 round trip, and the bias can ride in the GEMM's
+  // epilogue (cuBLASLt BIAS / GELU_AUX_BIAS) here too.
+  bool is_linear_bias(const Node& node, const std::vector<ValueId>& inputs) const {
+    if (node.op != Op::kAdd) return false;
+    for (int i : {0, 1}) {
+      const TensorType& bias = out_.type(inputs[1 - i]);
+      if (low_results_.count(inputs[i]) && out_.type(inputs[i]).dtype == options_.low &&
+          is_float(bias.dtype) && bias.rank() <= 1)
+        return true;
+    }
+    return false;
   }
 
   // `id` (the new value of an input-graph value, never a cast this pass made, so no cast of a
@@ -132,6 +149,7 @@ class Rewriter {
   Graph out_;
   std::vector<ValueId> map_;  // original value id -> new value id
   std::map<std::pair<ValueId, DType>, ValueId> casts_;
+  std::set<ValueId> low_results_;  // outputs of nodes run in the low dtype (kLow ops)
   std::set<std::string> original_names_;
   std::set<std::string> used_names_;
   bool changed_ = false;

@@ -16,8 +16,9 @@
 //            argmax), softmax, log_softmax, layer_norm, rms_norm (statistics over many elements
 //            lose the most in 16 bits) and cross_entropy (the loss).
 //   kFollow: the op runs in the dtype of its inputs; when its float inputs differ they are all
-//            cast to the widest of them (numpy/torch type promotion), so matmul(x, w) + bias with
-//            an f32 bias adds in f32. Elementwise, shape and every other op.
+//            cast to the widest of them (numpy/torch type promotion). Elementwise, shape and
+//            every other op. One exception: a linear layer's bias, add(low matmul, 1-D bias),
+//            adds in the low dtype (the bias is cast down), as torch.autocast's linear does.
 // Casts are made once per (value, dtype) and reused, and only values of the input graph are
 // cast, so no cast of a cast appears: a bf16 matmul output read by a softmax (cast up) and by
 // the next matmul gives that matmul the bf16 value itself. Params and other graph inputs keep

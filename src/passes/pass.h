@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ir/graph.h"
+#include "tensor/tensor.h"
 
 namespace kiln {
 
@@ -31,6 +32,9 @@ struct PassOptions {
   std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
   // Planned arena bytes a step may use: adds rematerialization (passes/remat.h) to the pipeline.
   std::optional<size_t> memory_budget;
+  // The backend the graph will run on. Most passes pay off everywhere; the pipeline skips those
+  // measured to cost time on a target (pipeline.cc says which and why).
+  Device target = Device::kCpu;
 };
 
 struct PassRecord {

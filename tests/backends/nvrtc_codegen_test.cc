@@ -614,9 +614,11 @@ void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
     }
     gemms += kind == "gemm-epilogue";
   }
-  // The graph has what the profile showed on cuda-body: column sums and GEMM epilogues.
+  // The graph has what the profile showed on cuda-body: column sums and GEMM epilogues. (Under
+  // amp without training-rewrites the bias gradients are plain sums of 16-bit gradients: the
+  // linear bias runs low, passes/mixed_precision.h.)
   EXPECT_GT(checked, 10);
-  EXPECT_GT(columns, 0);
+  if (amp == "off" || training_rewrites) EXPECT_GT(columns, 0);
   EXPECT_GT(gemms, 0);
 }
 

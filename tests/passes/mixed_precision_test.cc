@@ -32,10 +32,11 @@ const char* kMlp =
     "  return %loss, %logits\n"
     "}\n";
 
-TEST(MixedPrecision, MatmulRunsLowBiasAddAndLossStayF32) {
-  // The matmul's inputs (data and the f32 master weight) are cast down; its bf16 output meets
-  // the f32 bias in add, which follows its inputs by promotion, so the add (and the loss, f32 by
-  // policy) run in f32.
+TEST(MixedPrecision, MatmulAndItsBiasRunLowLossStaysF32) {
+  // The matmul's inputs (data and the f32 master weight) are cast down; its bf16 output plus the
+  // 1-D bias is a linear layer's bias add, which runs low (the bias cast down, as under
+  // torch.autocast); cross_entropy (f32 by policy) casts the logits back up, and the graph
+  // output keeps its f32 type and its name.
   bool changed = false;
   EXPECT_EQ(rewrite(kMlp, {}, &changed),
             "graph @mlp(%x: f32[4,8] data, %w: f32[8,3] param, %b: f32[3] param, %labels: i64[4] "
@@ -43,12 +44,31 @@ TEST(MixedPrecision, MatmulRunsLowBiasAddAndLossStayF32) {
             "  %x.bf16 = cast(%x) {dtype=bf16} : bf16[4,8]\n"
             "  %w.bf16 = cast(%w) {dtype=bf16} : bf16[8,3]\n"
             "  %h = matmul(%x.bf16, %w.bf16) : bf16[4,3]\n"
-            "  %h.f32 = cast(%h) {dtype=f32} : f32[4,3]\n"
-            "  %logits = add(%h.f32, %b) : f32[4,3]\n"
+            "  %b.bf16 = cast(%b) {dtype=bf16} : bf16[3]\n"
+            "  %logits.bf16 = add(%h, %b.bf16) : bf16[4,3]\n"
+            "  %logits = cast(%logits.bf16) {dtype=f32} : f32[4,3]\n"
             "  %loss = cross_entropy(%logits, %labels) : f32[]\n"
             "  return %loss, %logits\n"
             "}\n");
   EXPECT_TRUE(changed);
+}
+
+TEST(MixedPrecision, BiasAddStaysF32WhenThePolicySaysF32OrTheAddendIsNotABias) {
+  // add set to kF32 by the user: the exception for a linear bias does not apply.
+  MixedPrecisionOptions options;
+  options.policy[Op::kAdd] = Precision::kF32;
+  std::string out = rewrite(kMlp, options);
+  EXPECT_NE(out.find("  %logits = add(%h.f32, %b) : f32[4,3]\n"), std::string::npos) << out;
+  // A 2-D addend (a residual, not a bias) follows promotion: f32.
+  const std::string residual =
+      "graph @r(%x: f32[4,8] data, %w: f32[8,8] param) {\n"
+      "  %h = matmul(%x, %w) : f32[4,8]\n"
+      "  %y = add(%h, %x) : f32[4,8]\n"
+      "  %loss = sum(%y) {axes=[0, 1]} : f32[]\n"
+      "  return %loss\n"
+      "}\n";
+  out = rewrite(residual, {});
+  EXPECT_NE(out.find("  %y = add(%h.f32, %x) : f32[4,8]\n"), std::string::npos) << out;
 }
 
 TEST(MixedPrecision, F16IsTheSameRewriteInF16) {

@@ -279,7 +279,9 @@ void check_training(const Graph& forward, const std::string& amp, bool expect_gr
     updates += node.attrs.s("kind") == "multi-tensor-adamw";
   }
   EXPECT_EQ(norms, 1);
-  EXPECT_EQ(updates, expect_grouped_updates ? 1 : 0);
+  // Grouped: in one node, or in a few consecutive chunks where one group would raise the peak.
+  if (expect_grouped_updates) EXPECT_GE(updates, 1);
+  else EXPECT_EQ(updates, 0);
   EXPECT_LE(plan_memory(with_pass).arena_bytes, plan_memory(without).arena_bytes);
   Executor a(without), b(with_pass);
   EXPECT_LE(b.memory_plan()->arena_bytes, a.memory_plan()->arena_bytes);

@@ -69,5 +69,25 @@ TEST(PassMatrix, UnknownPassNameIsAClearError) {
   EXPECT_THROW(Trainer(g, OptimizerConfig{}, models::init_params(g, 1), {}, options), Error);
 }
 
+TEST(PassMatrix, TheCudaTargetSkipsTrainingRewrites) {
+  // Measured slower on the GPU (pipeline.cc): disabled for target cuda, run for the CPU; the
+  // name stays known either way (so --disable-pass training-rewrites is no error on cuda).
+  Graph g = build_training_graph(models::by_name("gpt2-tiny", 2), OptimizerConfig{}).graph;
+  auto ran = [&](Device target) {
+    PassOptions options;
+    options.target = target;
+    options.disabled = {"training-rewrites"};
+    EXPECT_NO_THROW(default_pipeline(options));
+    options.disabled.clear();
+    Graph copy = g;
+    for (const PassRecord& r : default_pipeline(options).run(copy))
+      if (r.name == "training-rewrites") return r.ran;
+    ADD_FAILURE() << "no training-rewrites record";
+    return false;
+  };
+  EXPECT_TRUE(ran(Device::kCpu));
+  EXPECT_FALSE(ran(Device::kCuda));
+}
+
 }  // namespace
 }  // namespace kiln::train
