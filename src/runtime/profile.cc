@@ -64,8 +64,12 @@ std::string profile_table(const std::vector<NodeTiming>& timings, int top) {
     out += fmt::format("  {:>10}  {:>6}  {:>6}  {}\n", "ms", "%", "node", "op:kind[dialect] -> outputs");
     for (size_t i = 0; i < shown; ++i) {
       const NodeTiming& t = timings[order[i]];
+      // A multi-tensor node has hundreds of outputs: the line keeps the first ones.
+      constexpr size_t kMaxOutputsText = 100;
+      std::string outputs = t.outputs;
+      if (outputs.size() > kMaxOutputsText) outputs = outputs.substr(0, kMaxOutputsText) + ", ...";
       out += fmt::format("  {:>10.4f}  {:>6.2f}  {:>6}  {} -> {}\n", t.ms, percent(t.ms), t.node, timing_label(t),
-                         t.outputs);
+                         outputs);
     }
   }
   return out;
