@@ -4,6 +4,7 @@
 #include <numeric>
 #include <queue>
 
+#include "runtime/memory_plan.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -11,29 +12,38 @@ namespace {
 
 size_t aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// Facts about the graph that do not depend on the order.
+// Facts about the graph that do not depend on the order. Bytes belong to buffers: a value and
+// its views (reshapes the memory plan gives no bytes of their own: runtime/memory_plan.h) are
+// one buffer, named by its root value, live from the root's node to the last read of any of
+// them.
 struct Dependencies {
   std::vector<int> producer;                 // per value: defining node, or -1
-  std::vector<bool> pinned;                  // per value: live to the end (output, update)
-  std::vector<int64_t> size;                 // per value: aligned bytes
-  std::vector<std::vector<ValueId>> inputs;  // per node: its distinct input values
-  std::vector<std::vector<int>> consumers;   // per value: the distinct nodes reading it
+  std::vector<ValueId> root;                 // per value: the value owning its bytes
+  std::vector<bool> pinned;                  // per root: live to the end (output, update)
+  std::vector<int64_t> size;                 // per value: aligned bytes (0 for a view)
+  std::vector<std::vector<ValueId>> inputs;  // per node: the distinct roots it reads
+  std::vector<std::vector<int>> consumers;   // per root: the distinct nodes reading its buffer
 
   explicit Dependencies(const Graph& graph) {
     const size_t num_values = graph.values.size();
+    const std::vector<ValueId> views = find_views(graph);
     producer.assign(num_values, -1);
+    root.resize(num_values);
     pinned.assign(num_values, false);
     size.resize(num_values);
     consumers.resize(num_values);
-    for (size_t v = 0; v < num_values; ++v) size[v] = static_cast<int64_t>(aligned(graph.values[v].type.bytes()));
-    for (ValueId id : graph.outputs) pinned[id] = true;
-    for (const Update& u : graph.updates) pinned[u.value] = true;
+    for (size_t v = 0; v < num_values; ++v) {
+      root[v] = view_root(views, static_cast<ValueId>(v));
+      size[v] = views[v] >= 0 ? 0 : static_cast<int64_t>(aligned(graph.values[v].type.bytes()));
+    }
+    for (ValueId id : graph.outputs) pinned[root[id]] = true;
+    for (const Update& u : graph.updates) pinned[root[u.value]] = true;
     inputs.resize(graph.nodes.size());
     for (size_t n = 0; n < graph.nodes.size(); ++n) {
       const Node& node = graph.nodes[n];
       for (ValueId id : node.outputs) producer[id] = static_cast<int>(n);
       std::vector<ValueId>& in = inputs[n];
-      in = node.inputs;
+      for (ValueId id : node.inputs) in.push_back(root[id]);
       std::sort(in.begin(), in.end());
       in.erase(std::unique(in.begin(), in.end()), in.end());
       for (ValueId id : in) consumers[id].push_back(static_cast<int>(n));
@@ -47,16 +57,25 @@ struct Dependencies {
 // to the end counts against a node.
 std::vector<int> greedy_order(const Graph& graph, const Dependencies& deps, bool count_pinned) {
   const size_t num_nodes = graph.nodes.size();
-  std::vector<int> remaining(graph.values.size());  // unscheduled readers per value
+  std::vector<int> remaining(graph.values.size());  // unscheduled readers per buffer
   for (size_t v = 0; v < remaining.size(); ++v) remaining[v] = static_cast<int>(deps.consumers[v].size());
   std::vector<int> pending(num_nodes, 0);  // inputs not computed yet, per node
+  std::vector<std::vector<int>> waiting(graph.values.size());  // per value: nodes reading it
   std::vector<int64_t> gain(num_nodes, 0);
   for (size_t n = 0; n < num_nodes; ++n) {
-    for (ValueId id : deps.inputs[n]) {
-      if (deps.producer[id] >= 0) ++pending[n];
+    const Node& node = graph.nodes[n];
+    std::vector<ValueId> read = node.inputs;
+    std::sort(read.begin(), read.end());
+    read.erase(std::unique(read.begin(), read.end()), read.end());
+    for (ValueId id : read)
+      if (deps.producer[id] >= 0) {
+        ++pending[n];
+        waiting[id].push_back(static_cast<int>(n));
+      }
+    for (ValueId id : deps.inputs[n])
       if (deps.freeable(id) && remaining[id] == 1) gain[n] += deps.size[id];
-    }
-    for (ValueId id : graph.nodes[n].outputs) {
+    for (ValueId id : node.outputs) {
+      if (deps.size[id] == 0) continue;  // a view: no bytes of its own
       // A value nobody reads is freed right after its node: no net change.
       if (deps.freeable(id) && remaining[id] == 0) continue;
       if (deps.freeable(id) || count_pinned) gain[n] -= deps.size[id];
@@ -83,7 +102,7 @@ std::vector<int> greedy_order(const Graph& graph, const Dependencies& deps, bool
     order.push_back(n);
     for (ValueId id : deps.inputs[n]) {
       if (--remaining[id] != 1 || !deps.freeable(id)) continue;
-      // The one reader left now frees this value: it gains its bytes.
+      // The one reader left now frees this buffer: it gains its bytes.
       for (int c : deps.consumers[id]) {
         if (scheduled[c]) continue;
         gain[c] += deps.size[id];
@@ -92,7 +111,7 @@ std::vector<int> greedy_order(const Graph& graph, const Dependencies& deps, bool
       }
     }
     for (ValueId id : graph.nodes[n].outputs)
-      for (int c : deps.consumers[id])
+      for (int c : waiting[id])
         if (--pending[c] == 0) ready.push({gain[c], c});
   }
   KILN_CHECK(order.size() == num_nodes,
@@ -107,7 +126,7 @@ size_t peak_of(const Graph& graph, const Dependencies& deps, const std::vector<i
   for (size_t i = 0; i < order.size(); ++i) position[order[i]] = static_cast<int>(i);
   std::vector<int64_t> delta(num_nodes + 2, 0);
   for (size_t v = 0; v < graph.values.size(); ++v) {
-    if (deps.producer[v] < 0) continue;
+    if (deps.producer[v] < 0 || deps.size[v] == 0) continue;
     const int start = position[deps.producer[v]];
     int end = start;
     if (deps.pinned[v]) {
@@ -135,16 +154,36 @@ std::vector<int> memory_aware_order(const Graph& graph) {
   const Dependencies deps(graph);
   std::vector<int> best(graph.nodes.size());
   std::iota(best.begin(), best.end(), 0);
-  size_t best_peak = peak_of(graph, deps, best);
+  // Ranked by the memory plan's arena (what the step allocates), then by the live peak.
+  auto key = [&](const std::vector<int>& order) {
+    return std::make_pair(planned_arena_bytes(graph, order), peak_of(graph, deps, order));
+  };
+  std::pair<size_t, size_t> best_key = key(best);
+  std::vector<std::vector<int>> tried;
   for (bool count_pinned : {true, false}) {
     std::vector<int> order = greedy_order(graph, deps, count_pinned);
-    size_t peak = peak_of(graph, deps, order);
-    if (peak < best_peak) {
-      best_peak = peak;
+    if (std::find(tried.begin(), tried.end(), order) != tried.end()) continue;  // planned already
+    tried.push_back(order);
+    const std::pair<size_t, size_t> k = key(order);
+    if (k < best_key) {
+      best_key = k;
       best = std::move(order);
     }
   }
   return best;
+}
+
+size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order) {
+  KILN_CHECK(order.size() == graph.nodes.size(),
+             "planned_arena_bytes: order has {} nodes, graph {}", order.size(), graph.nodes.size());
+  Graph ordered;
+  ordered.values = graph.values;
+  ordered.inputs = graph.inputs;
+  ordered.outputs = graph.outputs;
+  ordered.updates = graph.updates;
+  ordered.nodes.reserve(order.size());
+  for (int n : order) ordered.nodes.push_back(graph.nodes[static_cast<size_t>(n)]);
+  return plan_memory(ordered).arena_bytes;
 }
 
 bool SchedulePass::run(Graph& graph) {

@@ -37,6 +37,8 @@ class SchedulePass : public Pass {
 // buffer counted from its node to its last reader (graph outputs and update values: to the
 // end); graph inputs are not counted. Sizes are rounded up to 64 bytes, like the arena's.
 size_t peak_live_bytes(const Graph& graph, const std::vector<int>& order);
+// The arena plan_memory (no in-place reuse) gives `graph` with its nodes run in `order`.
+size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order);
 // The order SchedulePass picks (the identity when it finds nothing better).
 std::vector<int> memory_aware_order(const Graph& graph);
 

@@ -204,18 +204,19 @@ TEST(FusionPartitionSmall, OptimalBeatsGreedyOnTheSingleGemmRule) {
   EXPECT_EQ(optimal.components_greedy, 0);
 }
 
-TEST(FusionPartitionSmall, OptimalBeatsGreedyOnTheCycleRule) {
+TEST(FusionPartitionSmall, GreedyComesBackToAMergeTheCycleRuleRefused) {
   // v0: 0 -> {1, 3} 100, v1: 1 -> 2 100, v2: 1 -> {2, 3} 60, v3: 2 -> 3 30, v4: 2 -> 3 100.
   // Greedy's first value is v0 (100 bytes, first of the ties): {0, 1, 3} would leave item 2 on the
-  // path 1 -> 2 -> 3, a cycle, so it is refused, and greedy never comes back to it; v1, v4, v2, v3
-  // then build {1, 2, 3}: 290 bytes. All four items in one group are legal and save every value:
-  // 390.
+  // path 1 -> 2 -> 3, a cycle, so it is refused; v1, v4, v2, v3 then build {1, 2, 3}: 290 bytes
+  // after one pass. The second pass comes back to v0: {0} with {1, 2, 3} is legal now and saves
+  // every value, 390, which is also the optimum. (One pass was the decomposed layer_norm_grad's
+  // trouble: its normalized rows are read before and after a row mean of the same chain.)
   Problem p{{item(kE), item(kE), item(kE), item(kE)},
             {value(0, {1, 3}, 100), value(1, {2}, 100), value(1, {2, 3}, 60), value(2, {3}, 30),
              value(2, {3}, 100)}};
   Partition greedy = partition_greedy(p);
-  EXPECT_EQ(greedy.group_of, (std::vector<int>{0, 1, 1, 1}));
-  EXPECT_EQ(greedy.saved_bytes, 290);
+  EXPECT_EQ(greedy.group_of, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(greedy.saved_bytes, 390);
   Partition optimal = partition_optimal(p);
   EXPECT_EQ(optimal.group_of, (std::vector<int>{0, 0, 0, 0}));
   EXPECT_EQ(optimal.saved_bytes, 390);

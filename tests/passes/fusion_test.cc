@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include "backends/cpu/fused.h"
 #include "models/models.h"
+#include "passes/schedule.h"
+#include "runtime/memory_plan.h"
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/constant_fold.h"
 #include "passes/simplify/cse.h"
@@ -127,6 +130,35 @@ TEST(FusionProblem, ItemsValuesAndSpaces) {
   EXPECT_TRUE(p.values[2].external);  // graph outputs
   EXPECT_TRUE(p.values[3].external);
   EXPECT_TRUE(p.values[3].consumers.empty());
+}
+
+// Per-row work (one value per row, [R, 1]) takes the space of the rows it belongs to: the
+// variance + eps and rsqrt of a decomposed norm can then join the row group (else they are a
+// (4, 1) space of their own, and the centered values and the normalized rows they scale must
+// be written out).
+TEST(FusionProblem, PerRowItemsTakeTheSpaceOfTheirRows) {
+  Graph g = parse(
+      "graph @g(%x: f32[4,8] data, %e: f32[] data, %c: f32[4,1] data, %y: f32[3,1] data) {\n"
+      "  %0 = mean(%x) {axes=[-1], keepdims=true} : f32[4,1]\n"  // row op, space (4, 8)
+      "  %1 = add(%0, %e) : f32[4,1]\n"                          // per row: from its producer
+      "  %2 = rsqrt(%1) : f32[4,1]\n"                            // per row: through %1
+      "  %3 = mul(%x, %2) : f32[4,8]\n"                          // (4, 8)
+      "  %4 = neg(%c) : f32[4,1]\n"                              // per row, input from outside:
+      "  %5 = sub(%x, %4) : f32[4,8]\n"                          //   from its consumer
+      "  %6 = exp(%y) : f32[3,1]\n"                              // nothing with 3 rows: (3, 1)
+      "  %7 = transpose(%2) : f32[1,4]\n"                        // opaque
+      "  return %3, %5, %6, %7\n"
+      "}\n");
+  fusion::Problem p = fusion::build_problem(g);
+  ASSERT_EQ(p.items.size(), 8u);
+  for (int i : {1, 2, 3, 4, 5}) EXPECT_EQ(p.items[i].space, p.items[0].space) << "item " << i;
+  EXPECT_EQ(p.items[1].kind, ItemKind::kElementwise);
+  EXPECT_NE(p.items[6].space, p.items[0].space);
+  EXPECT_EQ(p.items[7].kind, ItemKind::kOpaque);
+  // The classification itself is unchanged: per-row items are (4, 1).
+  fusion::NodeClass c = fusion::classify_node(g, g.nodes[1]);
+  EXPECT_EQ(c.rows, 4);
+  EXPECT_EQ(c.row_length, 1);
 }
 
 TEST(FusionProblem, UpdatesAreExternalAndRepeatedReadsRepeat) {
@@ -339,6 +371,129 @@ TEST(FusionPass, EpilogueGraphFusesAndComputesTheSame) {
     EXPECT_TRUE(bitwise_equal(run_step(fused, inputs), before));
     for (const Node& node : fused.nodes) EXPECT_TRUE(node.op != Op::kFused || node.body->nodes.size() >= 2);
   }
+}
+
+// layer_norm_grad decomposed by training-rewrites (mean, centering, variance + eps, rsqrt, the
+// dx formula, the dgamma column sum) fuses into ONE group: it reads x, gamma and dy and writes
+// dx and dgamma, nothing full-size in between (before per-row items took their rows' space:
+// four groups, with the centered and normalized rows written out and read back; and greedy,
+// which large components get, needs its second pass: see FusionPartitionSmall). Same bits as unfused (reference kernels), and the tiled CPU
+// kernel takes the body.
+TEST(FusionPass, DecomposedLayerNormGradIsOneGroup) {
+  Graph g = parse(
+      "graph @g(%x: f32[6,16] data, %gamma: f32[16] param, %dy: f32[6,16] data) {\n"
+      "  %0, %1, %2 = layer_norm_grad(%x, %gamma, %dy) : f32[6,16], f32[16], f32[16]\n"
+      "  return %0, %1, %2\n"
+      "}\n");
+  std::vector<Tensor> inputs = random_inputs(g, 3, 0, 1);
+  Graph plain = g;
+  TrainingRewrites().run(plain);
+  CommonSubexpressionElimination().run(plain);
+  DeadCodeElimination().run(plain);
+  std::vector<Tensor> expected = run_step(plain, inputs);
+  for (bool optimal : {false, true}) {
+    SCOPED_TRACE(optimal ? "optimal" : "greedy");
+    Graph fused = compile(g, optimal, true);
+    std::vector<const Node*> groups;
+    for (const Node& node : fused.nodes)
+      if (node.op == Op::kFused) groups.push_back(&node);
+    ASSERT_EQ(groups.size(), 1u) << print(fused);
+    const Graph& body = *groups[0]->body;
+    EXPECT_EQ(groups[0]->attrs.s("kind"), "rows");
+    EXPECT_EQ(body.nodes.size(), 17u);
+    EXPECT_EQ(body.outputs.size(), 2u);  // dx, dgamma
+    // Outside the group: the epsilon constant and dbeta = sum(dy), which shares no value with
+    // the group (it would save nothing there).
+    EXPECT_EQ(fused.nodes.size(), 3u) << print(fused);
+    EXPECT_TRUE(bitwise_equal(run_step(fused, inputs), expected));
+    EXPECT_TRUE(cpu::fused_plan_info(body).supported) << cpu::fused_plan_info(body).why_not;
+  }
+}
+
+// A GEMM whose epilogue adds a value made late keeps the GEMM's operand alive until then:
+//   %a = exp(%x) 64 KiB; %g = a @ w 4 KiB; %t = transpose(%a), %u = transpose(%t) 64 KiB each;
+//   %s = slice(%u) 4 KiB; %out = g + s (a graph output: not in the arena).
+// Unfused (this order; the scheduler keeps it): live a+g+t at %t and g+t+u at %u, 132 KiB;
+// planned a@0, t@64K, u@0, g@128K, s@64K: 132 KiB. Fused {g, out} runs after %s, so a lives
+// across t and u: a+t+u = 192 KiB at %u (a@0, t@64K, u@128K, s@64K). The partition saves g
+// either way (4 KiB); the pass takes the group apart.
+constexpr const char* kStretch =
+    "graph @g(%x: f32[64,256] data, %w: f32[256,16] param) {\n"
+    "  %a = exp(%x) : f32[64,256]\n"
+    "  %g = matmul(%a, %w) : f32[64,16]\n"
+    "  %t = transpose(%a) : f32[256,64]\n"
+    "  %u = transpose(%t) : f32[64,256]\n"
+    "  %s = slice(%u) {ends=[64, 16], starts=[0, 0]} : f32[64,16]\n"
+    "  %out = add(%g, %s) : f32[64,16]\n"
+    "  return %out\n"
+    "}\n";
+
+size_t scheduled_arena(Graph g) {
+  SchedulePass().run(g);
+  return plan_memory(g).arena_bytes;
+}
+
+TEST(FusionUnstretch, GroupThatRaisesThePlannedArenaIsTakenApart) {
+  const Graph g = parse(kStretch);
+  EXPECT_EQ(scheduled_arena(g), 132u * 1024);
+  // Without the check: one gemm-epilogue node, and the larger arena.
+  FusionOptions unchecked;
+  unchecked.max_unstretch_candidates = 0;
+  Graph fused = g;
+  EXPECT_TRUE(FusionPass(unchecked).run(fused));
+  ASSERT_EQ(fused.nodes.back().op, Op::kFused);
+  EXPECT_EQ(fused.nodes.back().attrs.s("kind"), "gemm-epilogue");
+  EXPECT_EQ(scheduled_arena(fused), 192u * 1024);
+  // With it (the default): nothing fused, the graph as it was.
+  for (bool optimal : {false, true}) {
+    Graph checked = g;
+    FusionOptions options;
+    options.optimal = optimal;
+    FusionPass pass(options);
+    EXPECT_FALSE(pass.run(checked));
+    EXPECT_EQ(print(checked), print(g));
+    EXPECT_EQ(pass.last_partition().groups_dropped, 1);
+    EXPECT_EQ(pass.last_partition().saved_bytes, 0);
+  }
+  // The function on its own: the group ids of the two members become distinct.
+  std::vector<int> group_of = {0, 1, 2, 3, 4, 1};
+  EXPECT_EQ(fusion::unstretch_groups(g, group_of, 16), 1);
+  EXPECT_NE(group_of[1], group_of[5]);
+  EXPECT_EQ(group_of[0], 0);
+  EXPECT_EQ(group_of[4], 4);
+  // No candidates allowed: nothing taken apart.
+  group_of = {0, 1, 2, 3, 4, 1};
+  EXPECT_EQ(fusion::unstretch_groups(g, group_of, 0), 0);
+  EXPECT_EQ(group_of[1], group_of[5]);
+}
+
+// The same stretch where it does not matter: a 128 KiB value made and dropped first sets the
+// peak (%b + %bs = 132 KiB at %bs); the stretched %a (2 KiB) lives across 2 KiB transposes only
+// (a + t + u + bs = 10 KiB). The group stays.
+TEST(FusionUnstretch, StretchAwayFromThePeakIsKept) {
+  const Graph g = parse(
+      "graph @g(%x: f32[64,8] data, %w: f32[8,16] param, %y: f32[64,512] data) {\n"
+      "  %b = exp(%y) : f32[64,512]\n"
+      "  %bs = slice(%b) {ends=[64, 16], starts=[0, 0]} : f32[64,16]\n"
+      "  %a = exp(%x) : f32[64,8]\n"
+      "  %g = matmul(%a, %w) : f32[64,16]\n"
+      "  %t = transpose(%a) : f32[8,64]\n"
+      "  %u = transpose(%t) : f32[64,8]\n"
+      "  %s = slice(%u) {ends=[64, 8], starts=[0, 0]} : f32[64,8]\n"
+      "  %v = sum(%s) {axes=[-1], keepdims=true} : f32[64,1]\n"
+      "  %out = add(%g, %v) : f32[64,16]\n"
+      "  %out2 = add(%out, %bs) : f32[64,16]\n"
+      "  return %out2\n"
+      "}\n");
+  Graph fused = g;
+  FusionPass pass;
+  EXPECT_TRUE(pass.run(fused));
+  EXPECT_EQ(pass.last_partition().groups_dropped, 0);
+  int gemm_groups = 0;
+  for (const Node& node : fused.nodes)
+    gemm_groups += node.op == Op::kFused && node.attrs.s("kind") == "gemm-epilogue";
+  EXPECT_EQ(gemm_groups, 1) << print(fused);
+  EXPECT_EQ(scheduled_arena(fused), 132u * 1024);
 }
 
 // The training step of `forward` (autodiff, clipping, optimizer), simplified with and without

@@ -9,7 +9,9 @@
 #include <set>
 
 #include "ir/op_def.h"
+#include "passes/schedule.h"
 #include "passes/simplify/compact.h"
+#include "runtime/memory_plan.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -134,18 +136,57 @@ NodeClass classify_node(const Graph& graph, const Node& node) {
   }
 }
 
+namespace {
+
+// An elementwise item computing one value per row (output [R..., 1]; every input one per row
+// or a single element): the per-row statistics of a decomposed norm (var + eps, rsqrt). It runs
+// in the space of the rows it belongs to (fusion.h, "Per-row work").
+bool is_per_row(const Graph& graph, const Node& node, const NodeClass& c) {
+  if (c.kind != ItemKind::kElementwise || c.row_length != 1 || c.rows <= 1) return false;
+  const Shape& out = graph.type(node.outputs[0]).shape;
+  for (ValueId in : node.inputs) {
+    const Shape& s = graph.type(in).shape;
+    if (numel(s) != 1 && s != out) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Problem build_problem(const Graph& graph) {
   Problem problem;
   std::map<std::pair<int64_t, int64_t>, int64_t> keys;
+  auto key_of = [&](int64_t rows, int64_t length) {
+    return keys.emplace(std::make_pair(rows, length), static_cast<int64_t>(keys.size())).first->second;
+  };
   std::vector<int> value_index(graph.values.size(), -1);
+  std::vector<NodeClass> classes(graph.nodes.size());
+  // Per-row items (see fusion.h, "Per-row work") that took no space from a producer yet.
+  std::vector<int> unresolved;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    NodeClass c = classify_node(graph, node);
+    const NodeClass c = classes[n] = classify_node(graph, node);
     Item item{c.kind, -1};
-    if (c.kind != ItemKind::kOpaque) {
-      auto [it, inserted] =
-          keys.emplace(std::make_pair(c.rows, c.row_length), static_cast<int64_t>(keys.size()));
-      item.space = it->second;
+    if (c.kind != ItemKind::kOpaque) item.space = key_of(c.rows, c.row_length);
+    if (is_per_row(graph, node, c)) {
+      // The space of the first fusable producer with the same rows (a row statistic's input,
+      // or another per-row item that took one).
+      int64_t adopted = -1;
+      for (ValueId in : node.inputs) {
+        const int v = value_index[in];
+        if (v < 0) continue;
+        const int p = problem.values[v].producer;
+        if (problem.items[p].kind != ItemKind::kOpaque && classes[p].rows == c.rows &&
+            problem.items[p].space != item.space) {
+          adopted = problem.items[p].space;
+          break;
+        }
+      }
+      if (adopted >= 0) {
+        item.space = adopted;
+      } else {
+        unresolved.push_back(static_cast<int>(n));
+      }
     }
     problem.items.push_back(item);
     for (ValueId in : node.inputs)
@@ -156,6 +197,26 @@ Problem build_problem(const Graph& graph) {
       use.producer = static_cast<int>(n);
       use.bytes = static_cast<int64_t>(graph.type(out).bytes());
       problem.values.push_back(std::move(use));
+    }
+  }
+  // Per-row items with no such producer (their inputs come from outside or are opaque): the
+  // space of the first fusable consumer with the same rows, last items first so a chain of
+  // per-row items takes its space from the item it feeds.
+  for (auto it = unresolved.rbegin(); it != unresolved.rend(); ++it) {
+    const int n = *it;
+    Item& item = problem.items[static_cast<size_t>(n)];
+    for (ValueId out : graph.nodes[static_cast<size_t>(n)].outputs) {
+      bool done = false;
+      for (int consumer : problem.values[static_cast<size_t>(value_index[out])].consumers) {
+        const Item& c = problem.items[static_cast<size_t>(consumer)];
+        if (c.kind != ItemKind::kOpaque && classes[consumer].rows == classes[n].rows &&
+            c.space != item.space) {
+          item.space = c.space;
+          done = true;
+          break;
+        }
+      }
+      if (done) break;
     }
   }
   for (ValueId id : graph.outputs)
@@ -333,6 +394,105 @@ std::vector<FusedNodeReport> report(const Graph& graph) {
 
 }  // namespace fusion
 
+namespace fusion {
+namespace {
+
+// The arena the rest of the pipeline gives `graph` outlined with `group_of`: scheduled (as the
+// schedule pass will) and planned (as `kiln compile --report` does).
+size_t outlined_arena(const Graph& graph, const std::vector<int>& group_of) {
+  Graph g = graph;
+  outline(g, group_of);
+  SchedulePass().run(g);
+  return plan_memory(g).arena_bytes;
+}
+
+// Per group of two or more items: the bytes times node positions (in the graph's order) by
+// which outlining stretches the lifetimes of the values the group reads. The fused node runs
+// once every input exists, so an input that a member reads early and nothing reads later lives
+// on until the group's last input is made (e.g. a weight-gradient GEMM whose epilogue adds a
+// gradient made at the end of the backward pass keeps its two operands alive across it).
+std::map<int, double> stretch_of_groups(const Graph& graph, const std::vector<int>& group_of) {
+  const size_t n = graph.nodes.size();
+  std::vector<int> producer(graph.values.size(), -1), last(graph.values.size(), -1);
+  for (size_t i = 0; i < n; ++i) {
+    for (ValueId in : graph.nodes[i].inputs) last[static_cast<size_t>(in)] = static_cast<int>(i);
+    for (ValueId out : graph.nodes[i].outputs) producer[static_cast<size_t>(out)] = static_cast<int>(i);
+  }
+  std::map<int, std::vector<int>> members;
+  for (size_t i = 0; i < n; ++i) members[group_of[i]].push_back(static_cast<int>(i));
+  std::map<int, double> stretch;
+  for (const auto& [g, m] : members) {
+    if (m.size() < 2) continue;
+    // The fused node's earliest position: after its last member and every input's producer.
+    int at = m.back();
+    for (int i : m)
+      for (ValueId in : graph.nodes[static_cast<size_t>(i)].inputs) {
+        const int p = producer[static_cast<size_t>(in)];
+        if (p >= 0 && group_of[static_cast<size_t>(p)] != g) at = std::max(at, p);
+      }
+    double total = 0;
+    std::set<ValueId> seen;
+    for (int i : m)
+      for (ValueId in : graph.nodes[static_cast<size_t>(i)].inputs) {
+        const int p = producer[static_cast<size_t>(in)];
+        if (p < 0 || group_of[static_cast<size_t>(p)] == g || !seen.insert(in).second) continue;
+        const int end = last[static_cast<size_t>(in)];
+        if (end < at)
+          total += static_cast<double>(graph.type(in).bytes()) * static_cast<double>(at - end);
+      }
+    if (total > 0) stretch[g] = total;
+  }
+  return stretch;
+}
+
+}  // namespace
+
+int unstretch_groups(const Graph& graph, std::vector<int>& group_of, int max_candidates) {
+  constexpr double kMinArenaGain = 0.01;  // of the arena
+  std::map<int, double> stretch = stretch_of_groups(graph, group_of);
+  if (stretch.empty()) return 0;
+  // The most stretching groups first.
+  std::vector<std::pair<double, int>> ranked;
+  for (const auto& [g, s] : stretch) ranked.push_back({-s, g});
+  std::sort(ranked.begin(), ranked.end());
+  if (static_cast<int>(ranked.size()) > max_candidates) ranked.resize(static_cast<size_t>(max_candidates));
+  int next_id = 0;
+  for (int g : group_of) next_id = std::max(next_id, g + 1);
+  // `dropped`: the candidate groups currently taken apart (their items alone).
+  auto with_dropped = [&](const std::vector<bool>& dropped) {
+    std::vector<int> out = group_of;
+    int id = next_id;
+    for (size_t i = 0; i < out.size(); ++i)
+      for (size_t c = 0; c < ranked.size(); ++c)
+        if (dropped[c] && out[i] == ranked[c].second) {
+          out[i] = id++;
+          break;
+        }
+    return out;
+  };
+  const size_t base = outlined_arena(graph, group_of);
+  std::vector<bool> dropped(ranked.size(), true);
+  size_t best = outlined_arena(graph, with_dropped(dropped));
+  // Only for a real gain: a few bytes of placement luck are not worth a kernel's speed.
+  if (best >= base || base - best < static_cast<size_t>(kMinArenaGain * static_cast<double>(base)))
+    return 0;
+  // Every candidate apart lowers the arena; put back, least stretching first, each group whose
+  // return does not raise it again (each kept group keeps its kernel's speed).
+  for (size_t c = ranked.size(); c-- > 0;) {
+    dropped[c] = false;
+    const size_t arena = outlined_arena(graph, with_dropped(dropped));
+    if (arena <= best) {
+      best = arena;
+    } else {
+      dropped[c] = true;
+    }
+  }
+  group_of = with_dropped(dropped);
+  return static_cast<int>(std::count(dropped.begin(), dropped.end(), true));
+}
+
+}  // namespace fusion
+
 bool FusionPass::run(Graph& graph) {
   fusion::Problem problem = fusion::build_problem(graph);
   last_ = options_.optimal ? fusion::partition_optimal(problem, options_.optimal_options)
@@ -340,6 +500,11 @@ bool FusionPass::run(Graph& graph) {
   std::string why;
   KILN_CHECK(fusion::is_legal(problem, last_.group_of, &why),
              "fusion: the partitioner returned an illegal partition: {}", why);
+  if (options_.max_unstretch_candidates > 0) {
+    last_.groups_dropped =
+        fusion::unstretch_groups(graph, last_.group_of, options_.max_unstretch_candidates);
+    if (last_.groups_dropped > 0) last_.saved_bytes = fusion::saved_bytes(problem, last_.group_of);
+  }
   return fusion::outline(graph, last_.group_of) > 0;
 }
 

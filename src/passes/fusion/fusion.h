@@ -3,8 +3,9 @@
 // body (ops/fused.cc), so the values that never leave a group need no memory.
 //
 // How: one fusion::Item per node (classify_node), one ValueUse per node output (build_problem),
-// a partitioner from passes/fusion/partition.h (optimal by default, greedy on request), then
-// outline() with the partition's group ids.
+// a partitioner from passes/fusion/partition.h (optimal by default, greedy on request), the
+// groups that would raise the planned arena taken apart (unstretch_groups), then outline() with
+// the partition's group ids.
 //
 // Iteration space. The fused CPU kernel tiles by rows: rows = product of all dimensions but the
 // last, row length = the last dimension, of the item's full-size operand. Items of one group
@@ -38,6 +39,13 @@
 //                  happens) and their grads mostly come from transposed weight-gradient GEMMs
 //                  whose epilogue would have to carry the whole optimizer; the saving (one
 //                  param-sized read) is small next to activation traffic.
+// Per-row work: an elementwise item whose output is one value per row, [R..., 1] (every input
+// the same shape or a single element), e.g. var + eps and rsqrt of a decomposed layer_norm_grad,
+// is classified (R, 1) but build_problem gives it the space of the first fusable producer with
+// the same R (else of the first such consumer), so it joins the row group it belongs to: the
+// kernels compute it per row inside that group (the CPU tiles hold it as a rows value of length
+// 1; the CUDA rows kernel as a per-row scalar). Without that, the centered and normalized rows
+// of every decomposed norm backward were written out and read back.
 // Dtypes: only f32, bf16 and f16 compute in a fused kernel. Every output of a fusable node must
 // be one of those, and so must every input, except where's bool condition and the labels of
 // the cross-entropy row ops. (f64 runs unfused: it is for checks, not speed.)
@@ -82,6 +90,20 @@ Problem build_problem(const Graph& graph);
 // are for the kernels. Returns the number of fused nodes made.
 int outline(Graph& graph, const std::vector<int>& group_of);
 
+// Takes apart the groups whose outlining raises the step's planned arena. A fused node runs
+// once all of its inputs exist, so a group whose members read values early and whose other
+// members need a value made much later (a weight-gradient GEMM with an epilogue adding a
+// gradient made at the end of the backward pass) keeps the early values alive in between: the
+// partition objective (bytes kept out of memory) does not see that. The groups with such
+// stretched inputs (bytes times positions, in the graph's order), at most `max_candidates` of
+// them, the most stretched first, are measured with the real scheduler and memory plan
+// (SchedulePass, plan_memory without in-place reuse): if taking all of them apart lowers the
+// arena by 1% or more, each is put back, least stretched first, unless that raises the arena
+// again. (Smaller gains are placement luck, not worth the kernels' speed.) Returns
+// the number of groups taken apart (their items get group ids of their own in `group_of`).
+// Costs two schedules and plans, plus one per candidate when some group is taken apart.
+int unstretch_groups(const Graph& graph, std::vector<int>& group_of, int max_candidates);
+
 // Per fused node of a graph: what `kiln compile --report` lists.
 struct FusedNodeReport {
   size_t node = 0;  // index in graph.nodes
@@ -96,6 +118,9 @@ std::vector<FusedNodeReport> report(const Graph& graph);
 struct FusionOptions {
   bool optimal = true;  // false: the greedy partitioner
   fusion::OptimalOptions optimal_options;
+  // Groups checked against the planned arena after partitioning (fusion::unstretch_groups);
+  // 0: none.
+  int max_unstretch_candidates = 16;
 };
 
 class FusionPass : public Pass {

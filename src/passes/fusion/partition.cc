@@ -121,6 +121,7 @@ bool counts_as_saved(const ValueUse& use, const std::vector<int>& group_of) {
 // ------------------------------------------------------------------------------------------
 // Greedy.
 //
+// Values largest first, in passes until a pass merges nothing (at most Greedy::kMaxPasses).
 // Union-find over items; every root keeps its members, its space, whether it holds an opaque
 // item, its GEMM, the items it may never share a group with (a GEMM's producers, a column
 // reduction's consumers) and `ord`, its position in a topological order of the quotient graph.
@@ -136,6 +137,8 @@ bool counts_as_saved(const ValueUse& use, const std::vector<int>& group_of) {
 // linear.
 class Greedy {
  public:
+  static constexpr int kMaxPasses = 4;
+
   Greedy(const Problem& problem, const Adjacency& adj) : problem_(problem), adj_(adj) {
     int n = adj.n;
     parent_.resize(n);
@@ -168,13 +171,20 @@ class Greedy {
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
       return problem_.values[a].bytes > problem_.values[b].bytes;
     });
-    for (int v : order) {
-      const ValueUse& use = problem_.values[v];
-      std::vector<int> roots = {find(use.producer)};
-      for (int c : use.consumers) roots.push_back(find(c));
-      std::sort(roots.begin(), roots.end());
-      roots.erase(std::unique(roots.begin(), roots.end()), roots.end());
-      if (roots.size() > 1) try_merge(roots);
+    // Passes until nothing merges: a merge refused because a path left the groups and came
+    // back (a value read both before and after a row statistic of its consumers' chain) is
+    // often legal once that chain has merged into one group, later in the same pass.
+    for (int pass = 0; pass < kMaxPasses; ++pass) {
+      bool merged = false;
+      for (int v : order) {
+        const ValueUse& use = problem_.values[v];
+        std::vector<int> roots = {find(use.producer)};
+        for (int c : use.consumers) roots.push_back(find(c));
+        std::sort(roots.begin(), roots.end());
+        roots.erase(std::unique(roots.begin(), roots.end()), roots.end());
+        if (roots.size() > 1) merged |= try_merge(roots);
+      }
+      if (!merged) break;
     }
   }
 

@@ -58,6 +58,9 @@ struct Partition {
   // How the components of fusable items were solved (partition_optimal only).
   int components_exact = 0;
   int components_greedy = 0;  // too large or timed out: greedy's answer
+  // Groups the fusion pass took apart afterwards because outlining them raised the planned
+  // arena (passes/fusion/fusion.h, unstretch_groups); saved_bytes is then recounted.
+  int groups_dropped = 0;
 };
 
 // Whether `group_of` (one group id per item) is a legal partition; on false, `why` (if given)
@@ -67,7 +70,8 @@ bool is_legal(const Problem& problem, const std::vector<int>& group_of, std::str
 int64_t saved_bytes(const Problem& problem, const std::vector<int>& group_of);
 
 // Greedy: visits values largest first and merges producer and consumer groups when the merged
-// group stays legal. Fast (near-linear in practice); not optimal.
+// group stays legal; again while a pass merges something (a merge refused early may be legal
+// once other groups have formed). Fast (near-linear per pass in practice); not optimal.
 Partition partition_greedy(const Problem& problem);
 
 struct OptimalOptions {
