@@ -74,10 +74,13 @@ TEST(FusionClassify, OpsMapToItemKindsAndRowSpaces) {
       {"%x: f32[4,8] data", "%0 = max(%x) {axes=[0]}", ItemKind::kOpaque},
       {"%x: f32[4,8] data", "%0 = sum(%x)", ItemKind::kOpaque},  // a full reduction
       {"%x: f32[2,3,8] data", "%0 = sum(%x) {axes=[0]}", ItemKind::kOpaque},
-      // GEMMs: 2-D only.
+      // GEMMs: 2-D, or rows of a sequence times a matrix (the flattened 2-D product).
       {"%a: f32[4,3] data, %b: f32[5,3] param", "%0 = matmul(%a, %b) {transpose_b=true}",
        ItemKind::kGemm, 4, 5},
-      {"%a: f32[2,4,3] data, %b: f32[3,5] param", "%0 = matmul(%a, %b)", ItemKind::kOpaque},
+      {"%a: f32[2,4,3] data, %b: f32[3,5] param", "%0 = matmul(%a, %b)", ItemKind::kGemm, 8, 5},
+      {"%a: f32[2,3,4] data, %b: f32[3,5] param", "%0 = matmul(%a, %b) {transpose_a=true}",
+       ItemKind::kOpaque},
+      {"%a: f32[2,4,3] data, %b: f32[2,3,5] param", "%0 = matmul(%a, %b)", ItemKind::kOpaque},
       // Opaque by nature.
       {"%x: f32[4,8] data", "%0 = transpose(%x)", ItemKind::kOpaque},
       {"%x: f32[4,8] data", "%0 = reshape(%x) {shape=[8, 4]}", ItemKind::kOpaque},

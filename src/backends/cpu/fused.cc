@@ -329,9 +329,11 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
         return refuse("the matmul reads a value computed inside the body");
       const Shape& a = body.type(node.inputs[0]).shape;
       const Shape& b = body.type(node.inputs[1]).shape;
-      if (a.size() != 2 || b.size() != 2 || p.space.size() != 2)
-        return refuse("the matmul is not 2-D");
-      for (int64_t d : {a[0], a[1], b[0], b[1]})
+      // (..., M, K) @ (K, N) without transpose_a is the 2-D product of the flattened rows.
+      const bool ta = node.attrs.b("transpose_a");
+      if (a.size() < 2 || b.size() != 2 || (ta && a.size() != 2) || p.space.size() != a.size())
+        return refuse("the matmul is not 2-D (or rows of a sequence times a matrix)");
+      for (int64_t d : {numel(a) / std::max<int64_t>(a.back(), 1), a.back(), b[0], b[1]})
         if (d > INT_MAX) return refuse("the matmul is too large for BLAS");
       for (ValueId id : {node.inputs[0], node.inputs[1], node.outputs[0]})
         if (body.type(id).dtype != DType::kF32) return refuse("the matmul is not f32");
@@ -385,7 +387,7 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
   if (p.gemm) {
     const Node& g = body.nodes[gemm_node];
     const Shape& a = body.type(g.inputs[0]).shape;
-    const int64_t k = g.attrs.b("transpose_a") ? a[0] : a[1];
+    const int64_t k = g.attrs.b("transpose_a") ? a[0] : a.back();
     row_bytes += k * 4;
   }
   const int64_t target = g_tile_bytes.load();
@@ -564,8 +566,8 @@ void run_fused_cpu(const KernelArgs& k) {
             const Tensor& a = k.inputs[np.gemm_a];
             const Tensor& b = k.inputs[np.gemm_b];
             const bool ta = node.attrs.b("transpose_a"), tb = node.attrs.b("transpose_b");
-            const int64_t lda = a.shape()[1], ldb = b.shape()[1];
-            const int64_t kk = ta ? a.shape()[0] : a.shape()[1];
+            const int64_t lda = a.shape().back(), ldb = b.shape()[1];  // a: rows flattened
+            const int64_t kk = ta ? a.shape()[0] : a.shape().back();
             const int64_t n_out = p.row_length;
             Tensor c = destination(node.outputs[0], TensorType{DType::kF32, {r, n_out}});
             float* c_data = c.data<float>();

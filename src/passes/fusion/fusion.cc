@@ -127,8 +127,11 @@ NodeClass classify_node(const Graph& graph, const Node& node) {
       return {};
     }
     case Op::kMatmul: {
-      if (graph.type(node.inputs[0]).rank() != 2 || graph.type(node.inputs[1]).rank() != 2)
-        return {};
+      // A 2-D product, or a batch of rows times one matrix ((B, T, C) @ (C, D): a linear layer
+      // on a sequence), which is the 2-D product of the flattened rows.
+      const int a_rank = graph.type(node.inputs[0]).rank();
+      if (graph.type(node.inputs[1]).rank() != 2 || a_rank < 2) return {};
+      if (a_rank > 2 && node.attrs.b("transpose_a")) return {};
       return make_class(ItemKind::kGemm, graph.type(node.outputs[0]).shape);
     }
     default:
