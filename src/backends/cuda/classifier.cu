@@ -34,6 +34,7 @@
 
 #include "backends/cuda/classifier.cuh"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/elements.cuh"
 #include "backends/cuda/device_errors.cuh"
 #include "backends/cuda/scratch.cuh"
 
@@ -51,23 +52,7 @@ constexpr int kReduceThreads = 1024;
 
 std::atomic<int> g_row_path{0};  // RowPath: tests and the benchmark choose one
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(f16 v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ bf16 from_f<bf16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ f16 from_f<f16>(float v) {
-  return __float2half_rn(v);
-}
+// to_f / from_f: elements.cuh.
 
 // A vector of W = 16 / sizeof(T) elements moves as one 16-byte access of raw words, packed and
 // unpacked here by hand (W = 1: the scalar fallback). Not through a struct of __nv_bfloat16 /

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/elements.cuh"
 #include "backends/cuda/multi_tensor.cuh"
 #include "backends/cuda/scratch.cuh"
 
@@ -29,34 +30,7 @@ constexpr int64_t kChunk = 16384;  // elements per block: 16 four-element chunks
 constexpr int kVec = 4;
 constexpr int kWarp = 32;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(f16 v) { return __half2float(v); }
-// Results are f32 (master weights and moments) only.
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-template <int N, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Pack<T, N> c = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f(c.v[i]);
-}
-template <int N, typename T>
-__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
-  Pack<T, N> c;
-#pragma unroll
-  for (int i = 0; i < N; ++i) c.v[i] = from_f<T>(in[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = c;
-}
+// to_f / from_f / load / store: elements.cuh.
 
 __device__ __forceinline__ double load_scalar(const void* p, Elem t) {
   switch (t) {

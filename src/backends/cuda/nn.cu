@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/elements.cuh"
 #include "backends/cuda/device_errors.cuh"
 #include "backends/cuda/nn.cuh"
 #include "backends/cuda/scratch.cuh"
@@ -50,36 +51,8 @@ constexpr int kMaxBlockThreads = 512;   // block path: <= 128 registers per thre
 
 // ---- conversions and vector access ----------------------------------------------------------
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(f16 v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ bf16 from_f<bf16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ f16 from_f<f16>(float v) {
-  return __float2half_rn(v);
-}
+// to_f / from_f / load / store: elements.cuh.
 
-// N elements loaded or stored as one access of N * sizeof(T) bytes (p must be that aligned).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Chunk {
-  T v[N];
-};
-
-template <int N, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Chunk<T, N> c = *reinterpret_cast<const Chunk<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f(c.v[i]);
-}
 // Vector access when `vec`, else N scalar loads (a parameter vector read at a row's offset
 // that is not 16-byte aligned).
 template <int N, typename T>
@@ -91,14 +64,6 @@ __device__ __forceinline__ void load_maybe(const T* p, float (&out)[N], bool vec
     for (int i = 0; i < N; ++i) out[i] = to_f(p[i]);
   }
 }
-template <int N, typename T>
-__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
-  Chunk<T, N> c;
-#pragma unroll
-  for (int i = 0; i < N; ++i) c.v[i] = from_f<T>(in[i]);
-  *reinterpret_cast<Chunk<T, N>*>(p) = c;
-}
-
 // A device scalar of any float type (lr, step), read by every thread.
 __device__ __forceinline__ double load_scalar(const void* p, Elem t) {
   switch (t) {
