@@ -551,7 +551,9 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     // The epilogue reads the product (f32, the cast absorbed) as its last input, in4.
     EXPECT_TRUE(contains(listing, "const float* __restrict__ in4")) << listing;
     EXPECT_TRUE(contains(listing, "// ops: mul, mul")) << listing;
-    if (headers_available()) EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+    if (headers_available()) {
+      EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+    }
   }
   {
     // mlp under bf16 amp: dgelu in f32 with the bias gradient and a bf16 cast: the product,
@@ -568,7 +570,9 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
     const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
     EXPECT_TRUE(contains(listing, "kiln_fused_columns_finish")) << listing;
-    if (headers_available()) EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+    if (headers_available()) {
+      EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
+    }
   }
   {
     // An epilogue with an op that has no emitter is refused both ways, with both reasons.
@@ -618,7 +622,9 @@ void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
   // amp without training-rewrites the bias gradients are plain sums of 16-bit gradients: the
   // linear bias runs low, passes/mixed_precision.h.)
   EXPECT_GT(checked, 10);
-  if (amp == "off" || training_rewrites) EXPECT_GT(columns, 0);
+  if (amp == "off" || training_rewrites) {
+    EXPECT_GT(columns, 0);
+  }
   EXPECT_GT(gemms, 0);
 }
 
