@@ -10,7 +10,7 @@ struct GradCheckOptions {
   double atol = 1e-7;
   double rtol = 1e-5;
   int max_elements = 40;     // elements checked per input (spread over the tensor)
-  std::vector<int> skip_inputs;  // input indices not to differentiate (e.g. labels are ints anyway)
+  std::vector<int> skip_inputs = {};  // input indices not to differentiate (e.g. labels are ints anyway)
 };
 
 // Builds loss = sum_k sum(outputs_k * w_k) with random f64 weights w_k over the op's float

@@ -35,6 +35,9 @@ struct KernelImpl {
   // memory plan may put the node's output over a same-typed input that dies at the node
   // (runtime/memory_plan.h).
   bool in_place_ok = false;
+  // Optional one-time work for a node before its first run (compiling a generated kernel): the
+  // executor calls it at construction for every node it bound to this kernel.
+  std::function<void(const Node&)> prepare = nullptr;
 };
 
 inline constexpr int kReferencePriority = 0;

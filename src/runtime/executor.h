@@ -73,6 +73,9 @@ struct ExecutorOptions {
   size_t device_bytes_to_come = 0;
   // CUDA only: time every node's kernel with events; no CUDA-graph capture (see above).
   bool profile = false;
+  // Where kernels are chosen from; nullptr: kernel_registry(), every kernel kiln has (tests
+  // bring their own).
+  const KernelRegistry* registry = nullptr;
 };
 
 class Executor {
@@ -123,6 +126,7 @@ class Executor {
   std::vector<Tensor> run_cuda(std::span<const Tensor> inputs) const;
   void enqueue_cuda(std::span<const Tensor> inputs) const;
   void setup_cuda();
+  void prepare_kernels();
   void plan_with_direct_updates();
   // Whether node n is a reshape planned as a view (memory_plan.h): no kernel runs for it.
   bool is_view_node(size_t n) const {

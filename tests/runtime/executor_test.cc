@@ -8,11 +8,14 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
+#include <mutex>
 
 #include "ir/text.h"
 #include "models/models.h"
 #include "passes/schedule.h"
 #include "runtime/plan_check.h"
+#include "test_util.h"
 
 namespace kiln {
 namespace {
@@ -113,6 +116,50 @@ Graph shuffled(const Graph& g, uint64_t seed) {
         if (--pending[r] == 0) ready.push_back(r);
   }
   return out;
+}
+
+// KernelImpl::prepare runs once for every node bound to its kernel, at construction; an error
+// names the node.
+TEST(ExecutorPrepare, EveryBoundNodeIsPreparedOnceAndErrorsNameTheNode) {
+  Graph g = parse(R"(
+graph @g(%x: f32[4] data) {
+  %a = exp(%x)
+  %b = exp(%a)
+  %c = neg(%b)
+  %d = exp(%c)
+  return %d
+}
+)");
+  std::mutex mutex;
+  std::multiset<std::string> prepared;
+  KernelRegistry registry;
+  register_cpu_kernels(registry);
+  KernelImpl exp_impl{"test-prepare", Device::kCpu, 1000, {}, op_def(Op::kExp).reference};
+  exp_impl.prepare = [&](const Node& node) {
+    std::lock_guard<std::mutex> lock(mutex);
+    prepared.insert(g.value(node.outputs[0]).name);
+  };
+  registry.add(Op::kExp, exp_impl);
+  ExecutorOptions options;
+  options.registry = &registry;
+  Executor e(g, options);
+  EXPECT_EQ(prepared, (std::multiset<std::string>{"a", "b", "d"}));  // not the neg
+  const Tensor x = testing::rand(DType::kF32, {4}, 3);
+  const std::vector<Tensor> inputs = {x};
+  const Tensor d = e.run(inputs)[0];
+  for (int64_t i = 0; i < 4; ++i)
+    EXPECT_FLOAT_EQ(d.get(i), static_cast<float>(std::exp(-std::exp(std::exp(x.get(i))))));
+  EXPECT_EQ(prepared.size(), 3u);  // running prepares nothing again
+
+  KernelRegistry failing;
+  register_cpu_kernels(failing);
+  exp_impl.prepare = [&](const Node& node) {
+    if (g.value(node.outputs[0]).name == "b") fail("no compiler for this one");
+  };
+  failing.add(Op::kExp, exp_impl);
+  options.registry = &failing;
+  EXPECT_KILN_ERROR(Executor(g, options), "preparing", "%b = exp(", "test-prepare",
+                    "no compiler for this one");
 }
 
 TEST(ExecutorPlan, TrainingStepsAreBitIdenticalWithPlanAndSchedule) {

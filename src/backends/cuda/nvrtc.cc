@@ -579,6 +579,20 @@ void run_gemm_epilogue(const KernelArgs& args) {
   run_split(*s, args);
 }
 
+// KernelImpl::prepare: compile (and load) the node's generated kernel ahead of its first run;
+// a cuBLASLt binding has nothing to compile. The cache makes the first run's load() a lookup.
+void prepare_fused(const Node& node) {
+  if (!node.body || !node.attrs.has("kind")) return;
+  const std::string& kind = node.attrs.s("kind");
+  if (kind != "gemm-epilogue") {
+    load(generate_kernel(*node.body, kind));
+    return;
+  }
+  if (try_binding(*node.body, nullptr)) return;
+  if (std::optional<SplitGemm> s = try_split(*node.body, nullptr))
+    load(generate_kernel(*s->epilogue, s->kind));
+}
+
 }  // namespace
 
 bool gemm_epilogue_supported(const Graph& body, std::string* why) {
@@ -658,7 +672,8 @@ void register_nvrtc_kernels(KernelRegistry& registry) {
                      return;
                    }
                    launch_generated(generate_kernel(*args.body, kind), args);
-                 }});
+                 },
+                 /*in_place_ok=*/false, prepare_fused});
 }
 
 }  // namespace kiln::cuda

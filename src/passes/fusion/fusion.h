@@ -117,7 +117,7 @@ std::vector<FusedNodeReport> report(const Graph& graph);
 
 struct FusionOptions {
   bool optimal = true;  // false: the greedy partitioner
-  fusion::OptimalOptions optimal_options;
+  fusion::OptimalOptions optimal_options = {};
   // Groups checked against the planned arena after partitioning (fusion::unstretch_groups);
   // 0: none.
   int max_unstretch_candidates = 16;
