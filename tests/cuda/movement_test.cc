@@ -26,6 +26,8 @@
 namespace kiln {
 namespace {
 
+using testing::time_ms;
+
 using testing::rand;
 
 constexpr const char* kDialect = "cuda-movement";
@@ -489,22 +491,6 @@ TEST(CudaMovement, SumGpt2ShapesAndDeterminism) {
 
 // ---- bandwidth report ------------------------------------------------------------------------
 
-template <typename Fn>
-double time_ms(cudaStream_t stream, int reps, Fn&& fn) {
-  fn();
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < reps; ++i) fn();
-  KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-  KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  return ms / reps;
-}
 
 // Prints, per op at GPT-2 sizes, the time and GB/s (bytes read + written, over the time) of the
 // generic "cuda" kernel and of "cuda-movement". No assertions: timings depend on the machine.

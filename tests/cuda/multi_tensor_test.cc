@@ -30,6 +30,8 @@
 namespace kiln {
 namespace {
 
+using testing::time_ms;
+
 using testing::rand;
 
 struct Group {
@@ -270,21 +272,6 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePass) {
 
 // ---- timing ---------------------------------------------------------------------------------
 
-double time_ms(cudaStream_t stream, int reps, const std::function<void()>& fn) {
-  fn();
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < reps; ++i) fn();
-  KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-  KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  return ms / reps;
-}
 
 // GPT-2 (124M)'s 148 parameter shapes, in the model's order.
 std::vector<Shape> gpt2_shapes() {

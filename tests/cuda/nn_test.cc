@@ -26,6 +26,8 @@
 namespace kiln {
 namespace {
 
+using testing::time_ms;
+
 using testing::rand;
 
 struct Tolerance {
@@ -494,23 +496,6 @@ TEST(CudaNnErrors, OneCheckCoversNnAndGenericKernels) {
 
 // ---- bandwidth report -----------------------------------------------------------------------
 
-// Milliseconds per call of fn (enqueued on `stream`), averaged over `reps` after a warm-up.
-template <typename Fn>
-double time_ms(cudaStream_t stream, int reps, Fn&& fn) {
-  fn();
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < reps; ++i) fn();
-  KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-  KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  return ms / reps;
-}
 
 // Prints GB/s (bytes each call must move at least, over its time) for the ops at GPT-2 sizes
 // and a device-to-device copy for scale. No assertions: timings depend on the machine.
