@@ -165,6 +165,10 @@ int main(int argc, char** argv) {
   CLI::App app{"kiln: a deep-learning training compiler", "kiln"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("kiln ") + KILN_VERSION);
+  app.footer(
+      "Environment:\n"
+      "  KILN_CACHE_DIR  where compiled kernels are cached across runs (default\n"
+      "                  $XDG_CACHE_HOME/kiln or ~/.cache/kiln; 'off' disables the cache)");
 
   app.add_subcommand("version", "Print the version");
 

@@ -4,12 +4,19 @@
 // determinism, the GEMM-epilogue matcher (cuBLASLt epilogues, and a product followed by a
 // generated epilogue), that no fused node of gpt2-tiny's training graph falls to the cuda-body
 // fallback, and every generated source compiled by NVRTC (a host library: no device needed), so
-// that syntax errors in generated code fail CI. Only in builds with the CUDA backend.
+// that syntax errors in generated code fail CI; the on-disk compile cache of CUBINs. Only in
+// builds with the CUDA backend.
 #ifdef KILN_HAVE_CUDA
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
+#include <optional>
+#include <random>
 
 #include "backends/backend.h"
 #include "backends/cuda/codegen.h"
@@ -17,6 +24,7 @@
 #include "ir/graph.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
+#include "runtime/compile_cache.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 
@@ -252,6 +260,77 @@ TEST(NvrtcCodegenTest, CompileErrorsNameTheLine) {
   const std::string message = testing::error_of([&] { cuda::nvrtc_compile(source, "sm_90a"); });
   EXPECT_TRUE(contains(message, "undefined_name")) << message;
   EXPECT_TRUE(contains(message, "source line 3")) << message;
+}
+
+// The on-disk compile cache (runtime/compile_cache.h) through KILN_CACHE_DIR: the second
+// compile of a source is a hit with the first's bytes; another arch is another entry; a compile
+// error stores nothing; a damaged entry is compiled again and rewritten.
+TEST(NvrtcCodegenTest, DiskCacheHitsTheSecondCompileWithTheSameBytes) {
+  if (!headers_available()) GTEST_SKIP() << "no CUDA headers for NVRTC here";
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() /
+      fmt::format("kiln_nvrtc_cache_test_{}_{}", ::getpid(), std::random_device{}());
+  const char* old = std::getenv("KILN_CACHE_DIR");
+  const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;
+  ::setenv("KILN_CACHE_DIR", dir.c_str(), 1);
+  struct Restore {
+    fs::path dir;
+    std::optional<std::string> saved;
+    ~Restore() {
+      if (saved) {
+        ::setenv("KILN_CACHE_DIR", saved->c_str(), 1);
+      } else {
+        ::unsetenv("KILN_CACHE_DIR");
+      }
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } restore{dir, saved};
+
+  CompileCache& cache = CompileCache::global("nvrtc");
+  ASSERT_EQ(cache.dir(), dir / "nvrtc");
+  const std::string source = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g,
+                                                   "elementwise").source;
+  const std::string first = cuda::nvrtc_compile_cached(source, "sm_90a");
+  EXPECT_GT(first.size(), 100u);
+  EXPECT_EQ(cache.stats().misses, 1u);
+  EXPECT_EQ(cache.stats().writes, 1u);
+  EXPECT_EQ(cache.stats().hits, 0u);
+  const std::string second = cuda::nvrtc_compile_cached(source, "sm_90a");
+  EXPECT_EQ(cache.stats().hits, 1u);
+  EXPECT_EQ(cache.stats().writes, 1u);
+  EXPECT_EQ(second, first);
+  EXPECT_TRUE(fs::exists(cache.path_for(cuda::nvrtc_cache_key(source, "sm_90a"))));
+
+  // The key names what determines the CUBIN.
+  const std::string key = cuda::nvrtc_cache_key(source, "sm_90a");
+  EXPECT_TRUE(contains(key, "arch sm_90a")) << key;
+  EXPECT_TRUE(contains(key, "--gpu-architecture=sm_90a")) << key;
+  EXPECT_TRUE(contains(key, "--include-path=" + cuda::cuda_include_dir())) << key;
+  EXPECT_TRUE(contains(key, "\nnvrtc ")) << key;
+  EXPECT_TRUE(contains(key, source)) << key;
+  EXPECT_NE(key, cuda::nvrtc_cache_key(source, "sm_80"));
+
+  // Another arch: another entry.
+  const std::string ampere = cuda::nvrtc_compile_cached(source, "sm_80");
+  EXPECT_EQ(cache.stats().misses, 2u);
+  EXPECT_EQ(cache.stats().writes, 2u);
+  EXPECT_NE(ampere, first);
+
+  // A compile error throws as before and stores nothing.
+  EXPECT_THROW(cuda::nvrtc_compile_cached("__global__ void k() { int x = nope; }\n", "sm_90a"),
+               Error);
+  EXPECT_EQ(cache.stats().writes, 2u);
+
+  // A truncated entry is a miss: compiled again, rewritten whole.
+  const fs::path file = cache.path_for(key);
+  fs::resize_file(file, fs::file_size(file) / 2);
+  EXPECT_EQ(cuda::nvrtc_compile_cached(source, "sm_90a"), first);
+  EXPECT_EQ(cache.stats().corrupt, 1u);
+  EXPECT_EQ(cache.stats().writes, 3u);
+  EXPECT_EQ(cuda::nvrtc_compile_cached(source, "sm_90a"), first);
+  EXPECT_EQ(cache.stats().hits, 2u);
 }
 
 // ---- GEMM epilogues ----

@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <vector>
 
 #include "backends/cuda/cublaslt.h"
 #include "backends/cuda/cuda_check.h"
@@ -78,6 +79,16 @@ std::string error_context(const std::string& log, const std::string& source) {
   return "";
 }
 
+// NVRTC's options for `arch`: one list for the compile and the cache key.
+std::vector<std::string> compile_options(const std::string& arch) {
+  return {"--gpu-architecture=" + arch, "-default-device", "--std=c++17",
+          "--include-path=" + cuda_include_dir()};
+}
+
+// Bump when what a given key compiles to changes in a way the key does not show (e.g. a new
+// post-processing of the CUBIN): older entries then miss.
+constexpr int kNvrtcCacheVersion = 1;
+
 }  // namespace
 
 std::string nvrtc_compile(const std::string& source, const std::string& arch) {
@@ -87,12 +98,11 @@ std::string nvrtc_compile(const std::string& source, const std::string& arch) {
   // Destroyed on every path out.
   std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> guard(
       &program, [](nvrtcProgram* p) { nvrtcDestroyProgram(p); });
-  const std::string arch_option = "--gpu-architecture=" + arch;
-  const std::string include_option = "--include-path=" + cuda_include_dir();
-  const char* options[] = {arch_option.c_str(), "-default-device", "--std=c++17",
-                           include_option.c_str()};
+  const std::vector<std::string> option_text = compile_options(arch);
+  std::vector<const char*> options;
+  for (const std::string& o : option_text) options.push_back(o.c_str());
   const nvrtcResult result =
-      nvrtcCompileProgram(program, static_cast<int>(std::size(options)), options);
+      nvrtcCompileProgram(program, static_cast<int>(options.size()), options.data());
   size_t log_size = 0;
   KILN_NVRTC_CHECK(nvrtcGetProgramLogSize(program, &log_size));
   std::string log(log_size, '\0');
@@ -105,6 +115,25 @@ std::string nvrtc_compile(const std::string& source, const std::string& arch) {
   KILN_NVRTC_CHECK(nvrtcGetCUBINSize(program, &size));
   std::string cubin(size, '\0');
   KILN_NVRTC_CHECK(nvrtcGetCUBIN(program, cubin.data()));
+  return cubin;
+}
+
+std::string nvrtc_cache_key(const std::string& source, const std::string& arch) {
+  int major = 0, minor = 0;
+  KILN_NVRTC_CHECK(nvrtcVersion(&major, &minor));
+  return fmt::format("kiln nvrtc cache key {}\nnvrtc {}.{}\narch {}\noptions {}\nsource\n{}",
+                     kNvrtcCacheVersion, major, minor, arch,
+                     fmt::join(compile_options(arch), " "), source);
+}
+
+std::string nvrtc_compile_cached(const std::string& source, const std::string& arch,
+                                 CompileCache* cache) {
+  CompileCache& disk = cache != nullptr ? *cache : CompileCache::global("nvrtc");
+  if (!disk.enabled()) return nvrtc_compile(source, arch);
+  const std::string key = nvrtc_cache_key(source, arch);
+  if (std::optional<std::string> cubin = disk.load(key)) return std::move(*cubin);
+  std::string cubin = nvrtc_compile(source, arch);
+  disk.store(key, cubin);
   return cubin;
 }
 
@@ -146,7 +175,7 @@ const Compiled::Loaded& load(const GeneratedKernel& kernel) {
   const std::string arch = gpu_architecture(device);
   std::lock_guard<std::mutex> lock(entry->mutex);
   if (auto it = entry->loaded.find(arch); it != entry->loaded.end()) return it->second;
-  const std::string cubin = nvrtc_compile(kernel.source, arch);
+  const std::string cubin = nvrtc_compile_cached(kernel.source, arch);
   Compiled::Loaded loaded;
   KILN_CUDA_CHECK(cudaLibraryLoadData(&loaded.library, cubin.data(), nullptr, nullptr, 0,
                                       nullptr, nullptr, 0));
@@ -673,7 +702,8 @@ void register_nvrtc_kernels(KernelRegistry& registry) {
                    }
                    launch_generated(generate_kernel(*args.body, kind), args);
                  },
-                 /*in_place_ok=*/false, prepare_fused});
+                 /*in_place_ok=*/false,
+                 [](const NodeView& view) { prepare_fused(view.node); }});
 }
 
 }  // namespace kiln::cuda

@@ -8,6 +8,8 @@
 // one, which is how CI catches syntax errors in generated code. Loading and launching need one.
 // Compiled images are cached by source text (one compile per distinct body, thread-safe; two
 // threads asking for the same new source compile it once); modules are loaded once per device.
+// Across processes, CUBINs are kept in the on-disk compile cache (runtime/compile_cache.h), so
+// a second run of a model loads its kernels from disk instead of compiling them.
 #pragma once
 
 #include <nvrtc.h>
@@ -17,6 +19,7 @@
 
 #include "backends/cuda/codegen.h"
 #include "ir/op_def.h"
+#include "runtime/compile_cache.h"
 #include "support/error.h"
 
 // Every NVRTC call goes through this: a failure throws kiln::Error with file:line and the name.
@@ -38,12 +41,22 @@ const std::string& cuda_include_dir();
 std::string gpu_architecture(int device);
 
 // Compiles `source` with NVRTC for `arch` ("sm_90a") to a CUBIN. A compile error throws
-// kiln::Error with NVRTC's log and the source line it names. Uncached.
+// kiln::Error with NVRTC's log and the source line it names. Uncached (nvrtc_compile_cached is
+// the cached path).
 std::string nvrtc_compile(const std::string& source, const std::string& arch);
+// nvrtc_compile through the on-disk compile cache (runtime/compile_cache.h): `cache`, or when
+// null CompileCache::global("nvrtc") ($KILN_CACHE_DIR/nvrtc, ~/.cache/kiln/nvrtc;
+// KILN_CACHE_DIR=off disables it). A hit returns the stored CUBIN without compiling; a miss
+// compiles and stores. The key is nvrtc_cache_key's text. A compile error stores nothing.
+std::string nvrtc_compile_cached(const std::string& source, const std::string& arch,
+                                 CompileCache* cache = nullptr);
+// Everything that determines the CUBIN: kiln's key version, NVRTC's version, the arch, the
+// compile options (the CUDA include folder among them) and the source.
+std::string nvrtc_cache_key(const std::string& source, const std::string& arch);
 
 // Launches `kernel` on args.stream with the node's tensors (device pointers): compiles it on
-// first use (cached by source), loads it on the current device, picks the vectorized entry when
-// every pointer is aligned for it.
+// first use (cached by source in memory, and on disk by nvrtc_compile_cached), loads it on the
+// current device, picks the vectorized entry when every pointer is aligned for it.
 void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args);
 // Distinct sources compiled so far (for tests).
 size_t nvrtc_cache_size();
