@@ -35,9 +35,10 @@ struct KernelImpl {
   // memory plan may put the node's output over a same-typed input that dies at the node
   // (runtime/memory_plan.h).
   bool in_place_ok = false;
-  // Optional one-time work for a node before its first run (compiling a generated kernel): the
-  // executor calls it at construction for every node it bound to this kernel.
-  std::function<void(const Node&)> prepare = nullptr;
+  // Optional one-time work for a node before its first run (compiling a generated kernel,
+  // building a library's plan for these types): the executor calls it at construction for
+  // every node it bound to this kernel, with the node's types as at selection.
+  std::function<void(const NodeView&)> prepare = nullptr;
 };
 
 inline constexpr int kReferencePriority = 0;

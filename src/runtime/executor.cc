@@ -73,14 +73,18 @@ Executor::Executor(Graph graph, ExecutorOptions options)
   }
 }
 
-// The kernels' one-time preparation (KernelImpl::prepare: NVRTC compiles of generated kernels)
-// at construction, so a compile error surfaces here and the first step only runs. (Run on 16
-// threads the compiles did not overlap: GPT-2's took 1.2 s either way on an H200 host.)
+// The kernels' one-time preparation (KernelImpl::prepare: NVRTC compiles of generated kernels,
+// cuDNN's attention graphs) at construction, so a compile error surfaces here and the first step
+// only runs. (Run on 16 threads the compiles did not overlap: GPT-2's took 1.2 s either way on
+// an H200 host.)
 void Executor::prepare_kernels() {
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     if (!kernels_[n]->prepare) continue;
+    const Node& node = graph_.nodes[n];
+    const std::vector<TensorType> in = types_of(graph_, node.inputs);
+    const std::vector<TensorType> out = types_of(graph_, node.outputs);
     try {
-      kernels_[n]->prepare(graph_.nodes[n]);
+      kernels_[n]->prepare(NodeView{node, in, out});
     } catch (const std::exception& e) {
       fail("graph '{}': preparing {} ({} kernel '{}'): {}", graph_.name, node_text(graph_, n),
            device_name(options_.device), kernels_[n]->dialect, e.what());

@@ -135,7 +135,8 @@ graph @g(%x: f32[4] data) {
   KernelRegistry registry;
   register_cpu_kernels(registry);
   KernelImpl exp_impl{"test-prepare", Device::kCpu, 1000, {}, op_def(Op::kExp).reference};
-  exp_impl.prepare = [&](const Node& node) {
+  exp_impl.prepare = [&](const NodeView& view) {
+    const Node& node = view.node;
     std::lock_guard<std::mutex> lock(mutex);
     prepared.insert(g.value(node.outputs[0]).name);
   };
@@ -153,7 +154,8 @@ graph @g(%x: f32[4] data) {
 
   KernelRegistry failing;
   register_cpu_kernels(failing);
-  exp_impl.prepare = [&](const Node& node) {
+  exp_impl.prepare = [&](const NodeView& view) {
+    const Node& node = view.node;
     if (g.value(node.outputs[0]).name == "b") fail("no compiler for this one");
   };
   failing.add(Op::kExp, exp_impl);
