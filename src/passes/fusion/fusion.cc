@@ -503,6 +503,7 @@ bool FusionPass::run(Graph& graph) {
   std::string why;
   KILN_CHECK(fusion::is_legal(problem, last_.group_of, &why),
              "fusion: the partitioner returned an illegal partition: {}", why);
+  if (options_.absorb_readers) last_ = fusion::absorb_readers(problem, last_);
   if (options_.max_unstretch_candidates > 0) {
     last_.groups_dropped =
         fusion::unstretch_groups(graph, last_.group_of, options_.max_unstretch_candidates);

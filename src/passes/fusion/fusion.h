@@ -3,8 +3,9 @@
 // body (ops/fused.cc), so the values that never leave a group need no memory.
 //
 // How: one fusion::Item per node (classify_node), one ValueUse per node output (build_problem),
-// a partitioner from passes/fusion/partition.h (optimal by default, greedy on request), the
-// groups that would raise the planned arena taken apart (unstretch_groups), then outline() with
+// a partitioner from passes/fusion/partition.h (optimal by default, greedy on request), readers
+// merged into their producers' groups for the reads saved (absorb_readers), the groups that
+// would raise the planned arena taken apart (unstretch_groups), then outline() with
 // the partition's group ids.
 //
 // Iteration space. The fused CPU kernel tiles by rows: rows = product of all dimensions but the
@@ -118,6 +119,9 @@ std::vector<FusedNodeReport> report(const Graph& graph);
 struct FusionOptions {
   bool optimal = true;  // false: the greedy partitioner
   fusion::OptimalOptions optimal_options = {};
+  // Then merge consumers into their producers' groups for the reads it saves
+  // (fusion::absorb_readers), before the arena check below.
+  bool absorb_readers = true;
   // Groups checked against the planned arena after partitioning (fusion::unstretch_groups);
   // 0: none.
   int max_unstretch_candidates = 16;

@@ -188,6 +188,55 @@ class Greedy {
     }
   }
 
+  // Takes over a legal partition: each group merged in one step (merging a group piecewise
+  // could pass through a cyclic contraction: {a1, a3} with a1 -> a2 -> a3 before a2 joins).
+  // False if some group is refused (only possible for an illegal partition).
+  bool adopt(const std::vector<int>& group_of) {
+    std::unordered_map<int, std::vector<int>> groups;
+    std::vector<int> first_seen;
+    for (int i = 0; i < adj_.n; ++i) {
+      auto [it, inserted] = groups.try_emplace(group_of[i]);
+      if (inserted) first_seen.push_back(group_of[i]);
+      it->second.push_back(i);
+    }
+    for (int g : first_seen) {
+      const std::vector<int>& items = groups[g];  // sorted: pushed in item order
+      if (items.size() > 1 && !try_merge(items)) return false;
+    }
+    return true;
+  }
+
+  // The reads phase (absorb_readers): values largest first, each consumer's group merged into
+  // the producer's group when legal, in passes until nothing merges.
+  void absorb() {
+    std::vector<int> order;
+    for (size_t v = 0; v < problem_.values.size(); ++v) {
+      const ValueUse& use = problem_.values[v];
+      if (use.bytes > 0 && !use.consumers.empty()) order.push_back(static_cast<int>(v));
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return problem_.values[a].bytes > problem_.values[b].bytes;
+    });
+    for (int pass = 0; pass < kMaxPasses; ++pass) {
+      bool merged = false;
+      for (int v : order) {
+        const ValueUse& use = problem_.values[v];
+        for (int c : use.consumers) {
+          std::vector<int> roots = {find(use.producer), find(c)};
+          if (roots[0] == roots[1]) continue;
+          // A row op joining a GEMM's group makes the epilogue one no library fuses (the
+          // product then goes through memory anyway): nothing saved.
+          if ((gemm_[roots[0]] >= 0 && has_row_op(roots[1])) ||
+              (gemm_[roots[1]] >= 0 && has_row_op(roots[0])))
+            continue;
+          std::sort(roots.begin(), roots.end());
+          merged |= try_merge(roots);
+        }
+      }
+      if (!merged) break;
+    }
+  }
+
   std::vector<int> group_of() {
     std::vector<int> g(adj_.n);
     for (int i = 0; i < adj_.n; ++i) g[i] = find(i);
@@ -201,6 +250,12 @@ class Greedy {
       x = parent_[x];
     }
     return x;
+  }
+
+  bool has_row_op(int root) const {
+    for (int u : members_[root])
+      if (problem_.items[u].kind == ItemKind::kRowOp) return true;
+    return false;
   }
 
   bool try_merge(const std::vector<int>& roots) {
@@ -821,6 +876,22 @@ Partition partition_greedy(const Problem& problem) {
   Greedy greedy(problem, adj);
   greedy.run();
   return finish(problem, greedy.group_of());
+}
+
+Partition absorb_readers(const Problem& problem, const Partition& partition) {
+  Adjacency adj = build_adjacency(problem);
+  Greedy greedy(problem, adj);
+  if (!greedy.adopt(partition.group_of)) return partition;
+  greedy.absorb();
+  std::vector<int> absorbed = greedy.group_of();
+  // Merging keeps every saved value saved; checked anyway (the answer must never be worse).
+  if (!is_legal(problem, absorbed) || saved_bytes(problem, absorbed) < partition.saved_bytes)
+    return partition;
+  Partition p = finish(problem, absorbed);
+  p.components_exact = partition.components_exact;
+  p.components_greedy = partition.components_greedy;
+  p.groups_dropped = partition.groups_dropped;
+  return p;
 }
 
 Partition partition_optimal(const Problem& problem, const OptimalOptions& options) {

@@ -74,6 +74,16 @@ int64_t saved_bytes(const Problem& problem, const std::vector<int>& group_of);
 // once other groups have formed). Fast (near-linear per pass in practice); not optimal.
 Partition partition_greedy(const Problem& problem);
 
+// A second objective after the first: reads kept out of memory. Merges a consumer's group into
+// the group producing a value it reads, where the merged group stays legal, although the value
+// itself stays in memory (another reader outside the group, or a graph output): the consumer
+// then takes it from the producer's registers instead of reading it back (gelu after its GEMM
+// writing the pre-activation for the backward; the cast and bias-gradient sum after a residual
+// gradient add). Values largest first, like greedy. Never merges a row op with a GEMM (no
+// library epilogue does that: the product would go through memory anyway). Never lowers
+// saved_bytes; returns `partition` unchanged if it is not legal.
+Partition absorb_readers(const Problem& problem, const Partition& partition);
+
 struct OptimalOptions {
   int max_component_items = 24;  // larger components get greedy's answer
   double time_limit_seconds = 0.5;  // per component; past it, greedy's answer
