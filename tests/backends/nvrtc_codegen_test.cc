@@ -157,8 +157,10 @@ TEST(NvrtcCodegenTest, RowsLayerNormWithResidual) {
   GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
   EXPECT_EQ(k.rows, 10);
   EXPECT_EQ(k.row_length, 96);
-  EXPECT_EQ(k.blocks, 10);
-  EXPECT_EQ(k.threads, 32);  // 96 / 4 = 24 -> one warp
+  EXPECT_EQ(k.blocks, 2);     // a warp per row, 8 rows per block: 10 rows in 2 blocks
+  EXPECT_EQ(k.threads, 256);
+  EXPECT_TRUE(contains(k.source, "one warp per row")) << k.source;
+  EXPECT_TRUE(contains(k.source, "if (row >= 10LL) return;")) << k.source;
   EXPECT_TRUE(contains(k.source, "// pass 1: 1 reduction(s)")) << k.source;  // mean
   EXPECT_TRUE(contains(k.source, "// pass 2: 1 reduction(s)")) << k.source;  // variance
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
@@ -173,8 +175,21 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     ValueId x = b.in("x", DType::kF32, {3, 1000}), s = b.in("scale", DType::kF32, {});
     b.out({b.op(Op::kSoftmax, {b.op(Op::kMul, {x, s})})});
     GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
-    EXPECT_EQ(k.threads, 256);
+    EXPECT_EQ(k.threads, 256);  // 8 warps, a row each
+    EXPECT_EQ(k.blocks, 1);
     EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 1>")) << k.source;  // max
+    EXPECT_TRUE(contains(k.source, "constexpr int kThreads = 32;")) << k.source;
+    expect_compiles(k);
+  }
+  {
+    // Rows longer than 1024: a block per row, about 4 elements per thread.
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {3, 2000});
+    b.out({b.op(Op::kSoftmax, {x})});
+    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    EXPECT_EQ(k.threads, 512);
+    EXPECT_EQ(k.blocks, 3);
+    EXPECT_TRUE(contains(k.source, "one block of 512 threads per row")) << k.source;
     expect_compiles(k);
   }
   {

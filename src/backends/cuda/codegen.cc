@@ -1223,16 +1223,23 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   k.rows = low.rows;
   k.row_length = low.n;
   k.ops = low.ops;
-  // Threads per row: about 4 elements each, a whole warp at least, 1024 at most.
+  // Threads per row: about 4 elements each, a whole warp at least, 1024 at most. Rows of up to
+  // kWarpRowMax elements (and no column sums) go one warp each, kWarpRowsPerBlock rows to a
+  // block: the row's reductions are warp shuffles only (no __syncthreads, no shared memory),
+  // and each thread has a few dozen loads in flight instead of 3 (GPT-2's LayerNorm rows of 768
+  // ran at a third of the bandwidth with a 256-thread block per row).
+  constexpr int64_t kWarpRowMax = 1024;
+  constexpr int kWarpRowsPerBlock = 8;
+  const bool columns = !low.columns.empty();
+  const bool warp_rows = !columns && low.n <= kWarpRowMax;
   int threads = 32;
-  while (threads < 1024 && threads * 4 < low.n) threads *= 2;
-  k.threads = threads;
-  k.blocks = low.rows;
+  while (!warp_rows && threads < 1024 && threads * 4 < low.n) threads *= 2;
+  k.threads = warp_rows ? 32 * kWarpRowsPerBlock : threads;
+  k.blocks = warp_rows ? (low.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : low.rows;
   set_param_bytes(body, k);
   // Column reductions: a fixed grid of blocks, each taking rows blockIdx.x, + kGrid, ...; a
   // thread adds its columns' terms (j = threadIdx.x + m kThreads, the same columns in every
   // row) into the block's shared-memory sums, written out at the end as the block's partials.
-  const bool columns = !low.columns.empty();
   const int64_t grid = std::min<int64_t>(low.rows, 1024);
   const std::string acc_t = low.column_ctype;
   if (columns) {
@@ -1255,6 +1262,9 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         "{} column reduction(s) summed per block in shared memory, then a second kernel adds "
         "the {} block partials per column\n",
         grid, threads, grid, max_level + 1, low.columns.size(), grid);
+  else if (warp_rows)
+    text += fmt::format("// one warp per row, {} rows per block; {} pass(es) over the row\n",
+                        kWarpRowsPerBlock, max_level + 1);
   else
     text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
                         max_level + 1);
@@ -1263,7 +1273,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   text += fmt::format("\nconstexpr int kThreads = {};\nconstexpr long long kN = {}LL;\n\n",
                       threads, low.n);
   k.entry = "kiln_fused_rows";
-  text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", threads,
+  text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", k.threads,
                       k.entry, columns ? column_params(body, low) : params(body));
   if (columns) {
     text += fmt::format(
@@ -1275,9 +1285,18 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         acc_t, lit_int(static_cast<int64_t>(low.columns.size()) * low.n),
         lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit(acc_t, 0.0),
         lit_int(low.rows), lit_int(grid));
+  } else if (warp_rows) {
+    // A warp past the last row leaves at once: its reductions are warp-only, nobody waits.
+    text += fmt::format(
+        "  const long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5);\n"
+        "  if (row >= {}) return;\n  const long long base = row * kN;\n",
+        kWarpRowsPerBlock, lit_int(low.rows));
   } else {
     text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
   }
+  // The thread's place in its row's group of kThreads.
+  text += warp_rows ? "  const int kiln_t = threadIdx.x & 31;\n"
+                    : "  const int kiln_t = threadIdx.x;\n";
 
   auto load_text = [&](int id) {
     const MVal& m = vals[id];
@@ -1299,7 +1318,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
                  "  ", text);
   };
   const char* loop_head =
-      "  for (int j = threadIdx.x; j < kN; j += kThreads) {\n    const long long e = base + j;\n";
+      "  for (int j = kiln_t; j < kN; j += kThreads) {\n    const long long e = base + j;\n";
   for (int level = 1; level <= max_level; ++level) {
     emit_row_values(level - 1);
     std::vector<int> reductions;
@@ -1356,7 +1375,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   bool any_row_output = false;
   for (size_t o = 0; o < body.outputs.size(); ++o) {
     if (is_full(low.outputs[o]) || vals[low.outputs[o]].kind == MKind::kColumn) continue;
-    if (!any_row_output) text += "  if (threadIdx.x == 0) {\n";
+    if (!any_row_output) text += "  if (kiln_t == 0) {\n";
     any_row_output = true;
     text += fmt::format("    out{}[row] = {};\n", o,
                         store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));

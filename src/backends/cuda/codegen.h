@@ -12,10 +12,10 @@
 //     shapes are indexed by compile-time index arithmetic (i % N for (N,), i / N for (R, 1), 0
 //     for scalars, the general product otherwise). A second, scalar entry point serves pointers
 //     that are not aligned for V.
-//   "rows": one thread block per row of S = (R, N) (the row op's input); reductions along the row
-//     (max, sum) by warp shuffles and one shared-memory step; the row's elementwise work is
-//     recomputed in each pass over the row, inputs re-read from L1/L2 (rows of up to
-//     16 x threads elements are kept in registers instead).
+//   "rows": one warp per row of S = (R, N) (the row op's input), 8 rows to a block, for rows of
+//     up to 1024 elements without column reductions; otherwise a thread block per row. Reductions
+//     along the row (max, sum) by warp shuffles (and one shared-memory step for a block); the
+//     row's elementwise work is recomputed in each pass over the row, inputs re-read from L1/L2.
 // Column reductions: sum / mean over every axis but the last of a value spanning (R, N) (bias
 // gradients, LayerNorm's dgamma / dbeta), as group outputs never read inside the body, in both
 // kernel shapes. The main kernel writes per-element outputs as above and one f32 (f64 in f64)
