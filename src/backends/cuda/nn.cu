@@ -363,15 +363,19 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kLnGrad
                            const T* __restrict__ dy, T* __restrict__ dx,
                            float* __restrict__ partial, int64_t rows, int64_t cols, float eps,
                            bool params_aligned) {
-  extern __shared__ float acc[];  // [groups][2][cols]
+  extern __shared__ float acc[];  // [groups][2][padded], padded = W * ceil(cols / W)
   __shared__ float sh[kWarp];
   __shared__ Sum2 sh2[kWarp];
   const RowGroup<kBlockRow> g;
-  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(g.groups) * 2 * cols; i += blockDim.x)
+  // Column c's accumulator is at (c % W) * stride + c / W: the lanes of a warp, W columns apart,
+  // then touch consecutive banks (indexing by c was a W-way bank conflict on every accumulate).
+  const int64_t stride = (cols + W - 1) / W, padded = stride * W;
+  auto at = [stride](int64_t c) { return (c % W) * stride + c / W; };
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(g.groups) * 2 * padded; i += blockDim.x)
     acc[i] = 0.0f;
   __syncthreads();
-  float* dgamma_acc = acc + static_cast<int64_t>(g.group) * 2 * cols;
-  float* dbeta_acc = dgamma_acc + cols;
+  float* dgamma_acc = acc + static_cast<int64_t>(g.group) * 2 * padded;
+  float* dbeta_acc = dgamma_acc + padded;
   const int64_t total_groups = static_cast<int64_t>(gridDim.x) * g.groups;
   const float inv_cols = 1.0f / static_cast<float>(cols);
 
@@ -417,8 +421,8 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kLnGrad
       const float gg = d * to_f(gamma[c]);
       sums.a += gg;
       sums.b += gg * xh;
-      dgamma_acc[c] += d * xh;
-      dbeta_acc[c] += d;
+      dgamma_acc[at(c)] += d * xh;
+      dbeta_acc[at(c)] += d;
     });
     for_vecs<K, W>(s, g.tid, g.n, [&](int slot, int64_t c0) {
       float v[W], d[W], ga[W];
@@ -430,8 +434,8 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kLnGrad
         const float xh = (v[i] - mean) * rstd, gg = d[i] * ga[i];
         sums.a += gg;
         sums.b += gg * xh;
-        dgamma_acc[c0 + i] += d[i] * xh;
-        dbeta_acc[c0 + i] += d[i];
+        dgamma_acc[at(c0 + i)] += d[i] * xh;
+        dbeta_acc[at(c0 + i)] += d[i];
       }
     });
     sums = group_reduce<kBlockRow>(sums, AddOp{}, sh2);
@@ -464,8 +468,8 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kLnGrad
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     float dg = 0.0f, db = 0.0f;
     for (int k = 0; k < g.groups; ++k) {
-      dg += acc[static_cast<int64_t>(k) * 2 * cols + c];
-      db += acc[static_cast<int64_t>(k) * 2 * cols + cols + c];
+      dg += acc[static_cast<int64_t>(k) * 2 * padded + at(c)];
+      db += acc[static_cast<int64_t>(k) * 2 * padded + padded + at(c)];
     }
     partial[(static_cast<int64_t>(blockIdx.x) * 2) * cols + c] = dg;
     partial[(static_cast<int64_t>(blockIdx.x) * 2 + 1) * cols + c] = db;
@@ -985,7 +989,7 @@ void layer_norm_grad(Elem t, const void* x, const void* gamma, const void* dy, v
       auto kernel = layer_norm_grad_kernel<T, W, K, kBlock>;
       const int threads = kBlock ? block_threads(cols, W, K) : kWarp * kLnGradWarpsPerBlock;
       const int groups = kBlock ? 1 : kLnGradWarpsPerBlock;
-      const size_t smem = static_cast<size_t>(groups) * 2 * cols * sizeof(float);
+      const size_t smem = static_cast<size_t>(groups) * 2 * ceil_div(cols, W) * W * sizeof(float);
       // The default dynamic limit is 48 KiB minus the kernel's static shared memory.
       if (smem + 1024 > 48 * 1024)
         KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
