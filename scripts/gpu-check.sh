@@ -27,7 +27,11 @@ done
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 start=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF >"$out/configure.log" 2>&1 &&
+# The cuDNN frontend's headers (for the cudnn attention dialect) are not installed there: carry a
+# copy in .carry/cudnn_frontend_include (pip nvidia-cudnn-frontend's include/ folder).
+frontend=()
+[ -d .carry/cudnn_frontend_include ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$out/configure.log" 2>&1 &&
   cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests >"$out/build.log" 2>&1
 build_rc=$?
 echo "build: rc=$build_rc in $(( $(date +%s) - start )) s"

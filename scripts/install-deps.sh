@@ -38,4 +38,14 @@ if ((${#need_pip[@]})); then
     python3 -m pip install -q --break-system-packages "${need_pip[@]}" ||
     echo "install-deps: warning: could not pip install ${need_pip[*]}; the interop tests will skip"
 fi
+# The cuDNN frontend (header-only C++ graph API over cuDNN) for the "cudnn" attention dialect:
+# its pip package installs the headers under <site-packages>/include; CMake asks python3 where.
+# Presence is checked through the distribution's metadata: `import cudnn` would load the GPU
+# library.
+if ! python3 -c "import importlib.metadata as m; m.distribution('nvidia-cudnn-frontend')" 2>/dev/null; then
+  echo "install-deps: pip installing nvidia-cudnn-frontend"
+  python3 -m pip install -q nvidia-cudnn-frontend 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages nvidia-cudnn-frontend ||
+    echo "install-deps: warning: could not pip install nvidia-cudnn-frontend; the cudnn dialect is left out"
+fi
 echo "install-deps: ok"

@@ -8,6 +8,7 @@ void register_cuda_kernels(KernelRegistry& registry) {
   cuda::register_nn_kernels(registry);
   cuda::register_cublaslt_kernels(registry);
   cuda::register_attention_kernels(registry);
+  cuda::register_cudnn_attention_kernels(registry);
   cuda::register_nvrtc_kernels(registry);
   cuda::register_fused_body_kernels(registry);
   cuda::register_movement_kernels(registry);

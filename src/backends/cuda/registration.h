@@ -12,12 +12,14 @@ namespace kiln::cuda {
 inline constexpr int kGenericPriority = 10;     // "cuda": one simple kernel per op, every op
 inline constexpr int kHandWrittenPriority = 20; // "cuda-nn": layer norm, softmax, loss, adamw...
 inline constexpr int kLibraryPriority = 30;     // "cublaslt", "cuda-attention"
+inline constexpr int kCudnnPriority = kLibraryPriority + 5;  // "cudnn" attention, over ours
 inline constexpr int kGeneratedPriority = 40;   // "nvrtc": fused groups
 
 void register_generic_kernels(KernelRegistry& registry);    // generic.cc
 void register_nn_kernels(KernelRegistry& registry);         // nn.cc
 void register_cublaslt_kernels(KernelRegistry& registry);   // cublaslt.cc
 void register_attention_kernels(KernelRegistry& registry);  // attention.cc
+void register_cudnn_attention_kernels(KernelRegistry& registry);  // cudnn_attention.cc
 void register_nvrtc_kernels(KernelRegistry& registry);      // nvrtc.cc (fused nodes)
 void register_fused_body_kernels(KernelRegistry& registry); // fused_body.cc (fused fallback)
 void register_movement_kernels(KernelRegistry& registry);   // movement.cc (copies, casts, sums)
