@@ -1,8 +1,9 @@
 // How the nvrtc dialect binds GPT-2's fused nodes when the pipeline targets the GPU (the
 // training graph as `kiln bench --device cuda` builds it): the epilogues kiln counts on are
 // there and map onto ONE cuBLASLt call each (no product through memory): bias + GELU with the
-// pre-activation kept (forward), DGELU + bias gradient (backward); and the residual-gradient
-// add, its cast and the bias-gradient sum run as one elementwise kernel. The reads phase of the
+// pre-activation kept (forward), DGELU (backward; its bias gradient stays a separate sum:
+// DGELU_BGRAD measured 3x slower); and the residual-gradient add, its cast and the
+// bias-gradient sum run as one elementwise kernel. The reads phase of the
 // partitioner (fusion::absorb_readers) makes these groups. Needs no GPU (binding decisions
 // only). Only in builds with the CUDA backend.
 #ifdef KILN_HAVE_CUDA
@@ -39,7 +40,7 @@ TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
     const std::string& kind = node.attrs.s("kind");
     ++bodies[kind + ": " + ops_of(*node.body)];
     const std::string ops = ops_of(*node.body);
-    if (ops != "matmul add gelu" && ops != "matmul gelu_grad sum") continue;
+    if (ops != "matmul add gelu" && ops != "matmul gelu_grad") continue;
     std::string why;
     EXPECT_TRUE(cuda::gemm_epilogue_supported(*node.body, &why))
         << ops << ": " << why;
@@ -49,7 +50,8 @@ TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
   SCOPED_TRACE("fused bodies:\n" + listing);
   // gpt2-tiny has 2 layers: one of each per layer.
   EXPECT_EQ(bodies["gemm-epilogue: matmul add gelu"], 2);
-  EXPECT_EQ(bodies["gemm-epilogue: matmul gelu_grad sum"], 2);
+  EXPECT_EQ(bodies["gemm-epilogue: matmul gelu_grad"], 2);
+  EXPECT_EQ(bodies.count("gemm-epilogue: matmul gelu_grad sum"), 0u);
   EXPECT_GE(bodies["elementwise: add cast sum"], 3);
   EXPECT_EQ(bodies.count("elementwise: add"), 0u);
 }
