@@ -163,15 +163,7 @@ class Greedy {
   }
 
   void run() {
-    std::vector<int> order;
-    for (size_t v = 0; v < problem_.values.size(); ++v) {
-      const ValueUse& use = problem_.values[v];
-      if (!use.external && use.bytes > 0 && !use.consumers.empty())
-        order.push_back(static_cast<int>(v));
-    }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-      return problem_.values[a].bytes > problem_.values[b].bytes;
-    });
+    const std::vector<int> order = values_largest_first(/*external=*/false);
     // Passes until nothing merges: a merge refused because a path left the groups and came
     // back (a value read both before and after a row statistic of its consumers' chain) is
     // often legal once that chain has merged into one group, later in the same pass.
@@ -210,14 +202,7 @@ class Greedy {
   // The reads phase (absorb_readers): values largest first, each consumer's group merged into
   // the producer's group when legal, in passes until nothing merges.
   void absorb() {
-    std::vector<int> order;
-    for (size_t v = 0; v < problem_.values.size(); ++v) {
-      const ValueUse& use = problem_.values[v];
-      if (use.bytes > 0 && !use.consumers.empty()) order.push_back(static_cast<int>(v));
-    }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-      return problem_.values[a].bytes > problem_.values[b].bytes;
-    });
+    const std::vector<int> order = values_largest_first(/*external=*/true);
     for (int pass = 0; pass < kMaxPasses; ++pass) {
       bool merged = false;
       for (int v : order) {
@@ -255,6 +240,20 @@ class Greedy {
       x = parent_[x];
     }
     return x;
+  }
+
+  // Values with bytes and readers (graph outputs and updates too if `external`), largest first.
+  std::vector<int> values_largest_first(bool external) const {
+    std::vector<int> order;
+    for (size_t v = 0; v < problem_.values.size(); ++v) {
+      const ValueUse& use = problem_.values[v];
+      if ((external || !use.external) && use.bytes > 0 && !use.consumers.empty())
+        order.push_back(static_cast<int>(v));
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return problem_.values[a].bytes > problem_.values[b].bytes;
+    });
+    return order;
   }
 
   bool has_kind(int root, std::initializer_list<ItemKind> kinds) const {
