@@ -4,8 +4,11 @@
 // pre-activation kept (forward), DGELU (backward; its bias gradient stays a separate sum:
 // DGELU_BGRAD measured 3x slower); and the residual-gradient add, its cast and the
 // bias-gradient sum run as one elementwise kernel. The reads phase of the
-// partitioner (fusion::absorb_readers) makes these groups. Needs no GPU (binding decisions
-// only). Only in builds with the CUDA backend.
+// partitioner (fusion::absorb_readers) makes these groups. The residual projections (attention
+// proj and fc2: x + f32(y W + b) with a bf16 bias and an f32 residual stream) are one cuBLASLt
+// call each with cuda::set_mixed_bias_gemm(true), f32 D = y W + bf16 bias + x (C), and a
+// product + generated epilogue without (the default until the widened bias has run on a GPU).
+// Needs no GPU (binding decisions only). Only in builds with the CUDA backend.
 #ifdef KILN_HAVE_CUDA
 
 #include <gtest/gtest.h>
@@ -54,6 +57,71 @@ TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
   EXPECT_EQ(bodies.count("gemm-epilogue: matmul gelu_grad sum"), 0u);
   EXPECT_GE(bodies["elementwise: add cast sum"], 3);
   EXPECT_EQ(bodies.count("elementwise: add"), 0u);
+}
+
+// The residual projections' bodies of `model`'s bf16 training graph on the GPU, and how each
+// binds: with mixed_bias_gemm, every one must be ONE cuBLASLt product with the bf16 bias and the
+// f32 residual (C) in its epilogue, no product through memory and no generated kernel; without,
+// a product + generated epilogue.
+void expect_residual_projections(const std::string& model, int64_t batch, int layers,
+                                 bool mixed_bias) {
+  SCOPED_TRACE(model + (mixed_bias ? ", mixed_bias_gemm" : ""));
+  const bool was = cuda::mixed_bias_gemm();
+  cuda::set_mixed_bias_gemm(mixed_bias);
+  struct Restore {
+    bool was;
+    ~Restore() { cuda::set_mixed_bias_gemm(was); }
+  } restore{was};
+  train::OptimizerConfig config;
+  config.amp = "bf16";
+  Graph graph = train::build_training_graph(models::by_name(model, batch), config).graph;
+  PassOptions options;
+  options.target = Device::kCuda;
+  default_pipeline(options).run(graph);
+  int residual = 0;
+  std::map<std::string, int> shapes;  // "k -> n" of each residual projection -> count
+  for (const Node& node : graph.nodes) {
+    if (node.op != Op::kFused || !node.body || node.attrs.s("kind") != "gemm-epilogue") continue;
+    const Graph& body = *node.body;
+    // matmul (bf16), + bias (bf16), cast to f32, + the f32 residual stream.
+    if (ops_of(body) != "matmul add cast add") continue;
+    if (body.type(body.nodes[0].outputs[0]).dtype != DType::kBF16 ||
+        body.type(body.outputs[0]).dtype != DType::kF32)
+      continue;
+    ++residual;
+    std::string why;
+    if (!mixed_bias) {
+      EXPECT_FALSE(cuda::gemm_epilogue_supported(body, &why));
+      EXPECT_NE(why.find("bf16 bias on a product cast to f32"), std::string::npos) << why;
+      EXPECT_TRUE(cuda::gemm_split_supported(body, &why)) << why;
+      continue;
+    }
+    EXPECT_TRUE(cuda::gemm_epilogue_supported(body, &why)) << why;
+    const std::string desc = cuda::describe_gemm_epilogue(body);
+    EXPECT_NE(desc.find("bf16->f32 epilogue bias (bf16 bias) + c (beta 1)"), std::string::npos)
+        << desc;
+    const std::string listing = cuda::fused_kernel_listing(body, "gemm-epilogue");
+    EXPECT_NE(listing.find("runs as one cuBLASLt product with a fused epilogue, no generated"),
+              std::string::npos)
+        << listing;
+    const TensorType& w = body.type(body.nodes[0].inputs[1]);
+    ++shapes[fmt::format("{} -> {}", w.shape[0], w.shape[1])];
+  }
+  // proj and fc2 of every layer.
+  EXPECT_EQ(residual, 2 * layers);
+  if (!mixed_bias) return;
+  std::string listing;
+  for (const auto& [shape, count] : shapes) listing += fmt::format(" {} x{};", shape, count);
+  SCOPED_TRACE("residual projections:" + listing);
+  EXPECT_EQ(shapes.size(), 2u);
+  for (const auto& [shape, count] : shapes) EXPECT_EQ(count, layers) << shape;
+}
+
+TEST(NvrtcGpt2Test, ResidualProjectionsAreOneCublasLtCallEach) {
+  for (bool mixed_bias : {true, false}) {
+    expect_residual_projections("gpt2-tiny", 2, 2, mixed_bias);  // C 64: 64 -> 64, 256 -> 64
+    expect_residual_projections("gpt2", 1, 12, mixed_bias);      // 124M: 768 -> 768, 3072 -> 768
+  }
 }
 
 }  // namespace

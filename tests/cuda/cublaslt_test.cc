@@ -294,20 +294,24 @@ double gelu_erf(double x) { return 0.5 * x * (1.0 + std::erf(x / std::numbers::s
 struct EpilogueResult {
   double d_error = 0, aux_error = 0, bias_grad_error = 0;
   double gelu_vs_tanh = 0, gelu_vs_erf = 0;  // max |D - form(pre)| for kGelu
+  std::string algorithm;                      // the plan's GemmPlan::algorithm()
+  bool widens_bias = false;                   // the plan's GemmPlan::widens_bias()
 };
 
 // Runs one epilogue GEMM (batch products, each with its own bias / bias_grad) and compares D,
 // the aux output and the bias gradient with a host computation in double. `out` is the dtype of
-// D, C, bias, bias_grad and aux (default: the inputs'); with_c adds a random C (beta 1).
+// D, C, bias, bias_grad and aux (default: the inputs'); with_c adds a random C (beta 1);
+// bias_type sets Gemm::bias_type (the bias is then drawn in that dtype).
 EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64_t k, bool ta,
                             bool tb, int64_t batch = 1, std::optional<DType> out_type = {},
-                            bool with_c = false) {
+                            bool with_c = false, std::optional<DType> bias_type = {}) {
   const DType od = out_type.value_or(dtype);
   Gemm g;
   g.m = m, g.n = n, g.k = k, g.transpose_a = ta, g.transpose_b = tb;
   g.a_type = dtype;
   g.d_type = od;
   g.epilogue = e;
+  g.bias_type = bias_type;
   const int64_t bias_len = e == Epilogue::kBGradA ? m : n;
   if (batch > 1) {
     g.batch = batch, g.stride_a = m * k, g.stride_b = k * n, g.stride_bias = bias_len;
@@ -315,7 +319,7 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
   const uint64_t seed = 1000 + static_cast<uint64_t>(e) * 17 + m * 3 + n * 5 + k * 7 + ta * 2 + tb;
   Tensor a = testing::rand(dtype, ta ? Shape{batch, k, m} : Shape{batch, m, k}, seed);
   Tensor b = testing::rand(dtype, tb ? Shape{batch, n, k} : Shape{batch, k, n}, seed + 1);
-  Tensor bias = testing::rand(od, {batch, bias_len}, seed + 2);
+  Tensor bias = testing::rand(bias_type.value_or(od), {batch, bias_len}, seed + 2);
   Tensor aux_in = testing::rand(od, {batch, m, n}, seed + 3, -3.0, 3.0);
   Tensor c_in = testing::rand(od, {batch, m, n}, seed + 4);
   const TensorType out{od, {batch, m, n}};
@@ -335,6 +339,9 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
   Stream stream;
   g.run(ops, stream.s);
   stream.sync();
+  EpilogueResult r;
+  r.algorithm = g.plan(ops, stream.s).algorithm();
+  r.widens_bias = g.plan(ops, stream.s).widens_bias();
   const std::vector<double> d = download(dd).to_f64(), aux = download(daux).to_f64(),
                             bias_grad = download(dbias_grad).to_f64();
 
@@ -342,7 +349,6 @@ EpilogueResult run_epilogue(Epilogue e, DType dtype, int64_t m, int64_t n, int64
                             auxv = aux_in.to_f64(), cv = c_in.to_f64();
   std::vector<double> want_d(out.numel()), scale_d(out.numel()), want_aux(out.numel());
   std::vector<double> want_bg(batch * bias_len, 0.0), scale_bg(batch * bias_len, 0.0);
-  EpilogueResult r;
   for (int64_t t = 0; t < batch; ++t) {
     auto opa = [&](int64_t i, int64_t p) {
       return av[t * m * k + (ta ? p * m + i : i * k + p)];
@@ -497,6 +503,46 @@ TEST(CublasLtEpilogue, SixteenBitInputsF32Output) {
   }
 }
 
+// GPT-2's residual projections under bf16 amp, x (f32) + f32(y W + b) with a bf16 bias b: one
+// product D (f32) = A B + bias (bf16, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE) + C (f32, beta 1),
+// against the exact sum in double from the same inputs. Nothing is rounded to 16 bits, so f32's
+// tolerance (a rounding of the product or of product + bias to bf16 would be ~2^-8 relative:
+// 200x over it). Every transpose at odd sizes, then GPT-2's layouts (A (M, K) row-major, B
+// (K, N)): attention proj (k 768) and fc2 (k 3072) on 256 rows, and a batch of 3 with a bias
+// each. Prints whether cuBLASLt read the 16-bit bias itself or the plan widened it first (the
+// H100 with CUDA 13 refused the 16-bit bias: INVALID_VALUE from the heuristic).
+TEST(CublasLtEpilogue, SixteenBitBiasOnF32OutputWithC) {
+  KILN_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const double tol = 2e-5;
+    auto expect = [&](int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t batch,
+                      bool with_c = true) {
+      SCOPED_TRACE(fmt::format("{}->f32, {} bias, m {} n {} k {}{}{} batch {}{}",
+                               dtype_name(dtype), dtype_name(dtype), m, n, k,
+                               ta ? " transpose_a" : "", tb ? " transpose_b" : "", batch,
+                               with_c ? " + C" : ""));
+      EpilogueResult r;
+      try {
+        r = run_epilogue(Epilogue::kBias, dtype, m, n, k, ta, tb, batch, DType::kF32, with_c,
+                         dtype);
+      } catch (const Error& error) {
+        ADD_FAILURE() << error.what();
+        return;
+      }
+      EXPECT_LE(r.d_error, tol);
+      fmt::print("[bias16] {}->f32 {} bias m {} n {} k {}{}{} batch {}{}: d error {:.2e}; {}\n",
+                 dtype_name(dtype), dtype_name(dtype), m, n, k, ta ? " ta" : "", tb ? " tb" : "",
+                 batch, with_c ? " + C" : "", r.d_error, r.algorithm);
+    };
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) expect(37, 24, 150, ta, tb, 1);
+    expect(37, 24, 150, false, false, 1, /*with_c=*/false);  // a linear layer written as f32
+    expect(256, 768, 768, false, false, 1);   // attention proj
+    expect(256, 768, 3072, false, false, 1);  // fc2
+    expect(17, 24, 40, false, false, 3);
+  }
+}
+
 TEST(CublasLtEpilogue, Batched) {
   KILN_REQUIRE_GPU();
   for (Epilogue e : {Epilogue::kBias, Epilogue::kGeluAuxBias, Epilogue::kDGeluBGrad})
@@ -628,6 +674,31 @@ TEST(CublasLtErrors, BadDescriptionsThrow) {
   msg = testing::error_of([&] { g.run(ops, nullptr); });
   EXPECT_NE(msg.find("transpose_a true"), std::string::npos) << msg;
 
+  // A bias in another dtype than D: only the inputs' 16-bit dtype on an f32 D, read by the
+  // epilogue.
+  Gemm h;
+  h.m = 4, h.n = 8, h.k = 3, h.a_type = DType::kBF16, h.d_type = DType::kBF16;
+  h.epilogue = Epilogue::kBias;
+  h.bias_type = DType::kF32;  // an f32 bias on a bf16 D
+  GemmOperands hops{&x, &x, nullptr, &x};
+  hops.bias = &x;
+  msg = testing::error_of([&] { h.run(hops, nullptr); });
+  EXPECT_NE(msg.find("a f32 bias with bf16 inputs, a bf16 output"), std::string::npos) << msg;
+  h.d_type = DType::kF32;
+  h.bias_type = DType::kF16;  // not the inputs' dtype
+  msg = testing::error_of([&] { h.run(hops, nullptr); });
+  EXPECT_NE(msg.find("a f16 bias with bf16 inputs, a f32 output"), std::string::npos) << msg;
+  h.bias_type = DType::kBF16;
+  h.epilogue = Epilogue::kNone;  // no bias read
+  msg = testing::error_of([&] { h.run(hops, nullptr); });
+  EXPECT_NE(msg.find("epilogue none is not supported"), std::string::npos) << msg;
+  h.epilogue = Epilogue::kBGradB;  // a bias gradient is written in D's dtype
+  hops.bias_grad = &x;
+  msg = testing::error_of([&] { h.run(hops, nullptr); });
+  EXPECT_NE(msg.find("epilogue bgrad_b is not supported"), std::string::npos) << msg;
+  EXPECT_NE(h.to_string().find("bf16->f32 epilogue bgrad_b (bf16 bias)"), std::string::npos)
+      << h.to_string();
+
   EXPECT_STREQ(cuda::cublas_status_name(CUBLAS_STATUS_NOT_SUPPORTED),
                "CUBLAS_STATUS_NOT_SUPPORTED");
 }
@@ -684,6 +755,38 @@ void print_speed(const char* what, Gemm g, int iters) {
              what, g.m, g.n, g.k, cuda::epilogue_name(g.epilogue), flop / heuristic * 1e-9,
              heuristic, flop / tuned * 1e-9, tuned, heuristic_algo,
              g.plan(ops, stream.s).algorithm());
+}
+
+// GPT-2's residual projections at B*T = 32768, C = 768 (attention proj k 768, fc2 k 3072): the
+// bare bf16 product against the one call the nvrtc dialect binds x + f32(y W + b) to (f32 D,
+// bf16 bias, f32 C).
+TEST(CublasLtSpeed, ResidualProjections) {
+  KILN_REQUIRE_GPU();
+  const int64_t m = 32768, n = 768;
+  for (int64_t k : {int64_t{768}, int64_t{3072}}) {
+    auto a = device_alloc(m * k * 2), b = device_alloc(k * n * 2), bias = device_alloc(n * 2);
+    auto c = device_alloc(m * n * 4), d = device_alloc(m * n * 4);
+    fill_random(a.get(), m * k * 2, 1);
+    fill_random(b.get(), k * n * 2, 2);
+    fill_random(bias.get(), n * 2, 3);
+    fill_random(c.get(), m * n * 4, 4);  // pairs of bf16 in [-1, 1): f32 values in [-1, 1)
+    Stream stream;
+    Gemm bare;
+    bare.m = m, bare.n = n, bare.k = k, bare.a_type = bare.d_type = DType::kBF16;
+    const double bare_ms = time_ms(bare, GemmOperands{a.get(), b.get(), nullptr, d.get()},
+                                   stream.s, 50);
+    Gemm fused = bare;
+    fused.d_type = DType::kF32;
+    fused.epilogue = Epilogue::kBias;
+    fused.bias_type = DType::kBF16;
+    GemmOperands ops{a.get(), b.get(), c.get(), d.get()};
+    ops.beta = 1.0;
+    ops.bias = bias.get();
+    const double fused_ms = time_ms(fused, ops, stream.s, 50);
+    fmt::print("[speed] residual projection {}x{}x{}: bf16 product alone {:.1f} us; f32 D = A B + "
+               "bf16 bias + f32 C in one call {:.1f} us\n        {}\n",
+               m, n, k, bare_ms * 1e3, fused_ms * 1e3, fused.plan(ops, stream.s).algorithm());
+  }
 }
 
 TEST(CublasLtSpeed, PrintTflops) {

@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/movement.cuh"
 #include "backends/cuda/registration.h"
+#include "backends/cuda/scratch.cuh"
 
 namespace kiln::cuda {
 
@@ -173,6 +175,7 @@ struct PlanKeyHash {
     mix((uint64_t{g.transpose_a} << 1) | g.transpose_b | (uint64_t{g.tf32} << 2));
     mix((static_cast<uint64_t>(g.a_type) << 16) | (static_cast<uint64_t>(g.d_type) << 8) |
         static_cast<uint64_t>(g.epilogue));
+    mix(g.bias_type ? static_cast<uint64_t>(*g.bias_type) + 1 : 0);
     mix(static_cast<uint64_t>(k.device));
     for (uint32_t v : {k.align_a, k.align_b, k.align_c, k.align_d, k.align_bias, k.align_aux})
       mix(v);
@@ -274,6 +277,7 @@ std::string Gemm::to_string() const {
                               transpose_a ? " transpose_a" : "", transpose_b ? " transpose_b" : "",
                               dtype_name(a_type), dtype_name(d_type), tf32 ? " tf32" : "");
   if (epilogue != Epilogue::kNone) s += fmt::format(" epilogue {}", epilogue_name(epilogue));
+  if (bias_dtype() != d_type) s += fmt::format(" ({} bias)", dtype_name(bias_dtype()));
   if (lda || ldb || ldc || ldd || ld_aux)
     s += fmt::format(" ld (a {}, b {}, c {}, d {}, aux {})", lda, ldb, ldc, ldd, ld_aux);
   if (batch != 1)
@@ -301,9 +305,9 @@ std::string GemmPlan::algorithm() const {
                                        sizeof(stages), &written);
   cublasLtMatmulAlgoConfigGetAttribute(&algo_, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk,
                                        sizeof(splitk), &written);
-  return fmt::format("algo {} tile {} stages {} splitK {} workspace {} B ({} of {} candidates)",
+  return fmt::format("algo {} tile {} stages {} splitK {} workspace {} B ({} of {} candidates){}",
                      id, tile, stages, splitk, workspace_bytes_, tuned_ ? "timed best" : "first",
-                     candidates_);
+                     candidates_, widens_bias_ ? ", bias widened to the output's dtype first" : "");
 }
 
 // Builds plans and runs them; a friend of GemmPlan.
@@ -321,6 +325,10 @@ struct GemmPlanAccess {
                    cudaStream_t stream);
   static std::pair<GemmPlan*, DeviceState*> find(const Gemm& g, const GemmOperands& ops,
                                                  cudaStream_t stream);
+  // `ops`, or (when the plan widens the bias) `ops` with the bias cast to D's dtype into
+  // `scratch` on `stream`.
+  static GemmOperands widened(const GemmPlan& plan, const Gemm& g, const GemmOperands& ops,
+                              cudaStream_t stream, std::optional<Scratch>& scratch);
 };
 
 void GemmPlanAccess::check(const Gemm& g, const GemmOperands& ops) {
@@ -332,6 +340,17 @@ void GemmPlanAccess::check(const Gemm& g, const GemmOperands& ops) {
              g.to_string(), dtype_name(g.a_type), dtype_name(g.d_type));
   KILN_CHECK(!g.tf32 || g.a_type == DType::kF32, "{}: tf32 is set for {} inputs, expected f32",
              g.to_string(), dtype_name(g.a_type));
+  // A bias in another dtype than D: only the inputs' 16-bit dtype on an f32 D (a bf16 linear
+  // layer's bias added to an f32 residual), the one combination the GPU tests cover.
+  const DType bias = g.bias_dtype();
+  KILN_CHECK(bias == g.d_type ||
+                 (epilogue_reads_bias(g.epilogue) && bias == g.a_type &&
+                  (bias == DType::kBF16 || bias == DType::kF16) && g.d_type == DType::kF32),
+             "{}: a {} bias with {} inputs, a {} output and epilogue {} is not supported, "
+             "expected the output's dtype, or the inputs' 16-bit dtype with an f32 output and an "
+             "epilogue that reads a bias",
+             g.to_string(), dtype_name(bias), dtype_name(g.a_type), dtype_name(g.d_type),
+             epilogue_name(g.epilogue));
   KILN_CHECK(g.k > 0,
              "{}: k is 0 (an empty sum); the caller must fill D itself (cuBLASLt needs k >= 1)",
              g.to_string());
@@ -392,6 +411,10 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
   const Epilogue e = g.epilogue;
   if ((epilogue_reads_bias(e) || epilogue_writes_bias(e)) && g.batch > 1)
     set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, g.stride_bias);
+  const bool narrow_bias = epilogue_reads_bias(e) && g.bias_dtype() != g.d_type;
+  if (narrow_bias)
+    set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+             static_cast<int32_t>(cuda_type(g.bias_dtype())));
   if (epilogue_reads_aux(e) || epilogue_writes_aux(e)) {
     set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, r.ld_aux);
     if (g.batch > 1)
@@ -429,16 +452,33 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
     KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
-    constexpr int kRequested = 8;
-    results.resize(kRequested);
-    int returned = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        device.handle, plan->desc_, plan->layout_a_, plan->layout_b_, plan->layout_c_,
-        plan->layout_d_, pref, kRequested, results.data(), &returned);
-    // NOT_SUPPORTED means "no algorithm": reported below with the description.
-    if (status != CUBLAS_STATUS_NOT_SUPPORTED) KILN_CUBLAS_CHECK(status);
-    results.resize(status == CUBLAS_STATUS_SUCCESS ? returned : 0);
-    std::erase_if(results, [](const auto& res) { return res.state != CUBLAS_STATUS_SUCCESS; });
+    auto heuristic = [&] {
+      constexpr int kRequested = 8;
+      results.assign(kRequested, {});
+      int returned = 0;
+      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+          device.handle, plan->desc_, plan->layout_a_, plan->layout_b_, plan->layout_c_,
+          plan->layout_d_, pref, kRequested, results.data(), &returned);
+      // NOT_SUPPORTED means "no algorithm": reported below with the description. So does
+      // INVALID_VALUE for a 16-bit bias on an f32 D (the H100's answer, CUDA 13).
+      const bool refused = status == CUBLAS_STATUS_NOT_SUPPORTED ||
+                           (status == CUBLAS_STATUS_INVALID_VALUE && narrow_bias &&
+                            !plan->widens_bias_);
+      if (!refused) KILN_CUBLAS_CHECK(status);
+      results.resize(status == CUBLAS_STATUS_SUCCESS ? returned : 0);
+      std::erase_if(results, [](const auto& res) { return res.state != CUBLAS_STATUS_SUCCESS; });
+    };
+    heuristic();
+    if (results.empty() && narrow_bias) {
+      // No kernel reads a 16-bit bias into an f32 epilogue here (the H100 with CUDA 13: the
+      // heuristic answers INVALID_VALUE): the bias is read in D's dtype instead, widened by each
+      // run (Gemm::run) into scratch (256-byte aligned, at least the alignment the heuristic
+      // sees from the caller's pointer).
+      set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+               static_cast<int32_t>(cuda_type(g.d_type)));
+      plan->widens_bias_ = true;
+      heuristic();
+    }
   } catch (...) {
     cublasLtMatmulPreferenceDestroy(pref);
     throw;
@@ -572,7 +612,7 @@ std::pair<GemmPlan*, DeviceState*> GemmPlanAccess::find(const Gemm& g, const Gem
   key.align_c = alignment_of(ops.c ? ops.c : ops.d, r.stride_c, out_size, g.batch);
   key.align_d = alignment_of(ops.d, r.stride_d, out_size, g.batch);
   if (epilogue_reads_bias(g.epilogue))
-    key.align_bias = alignment_of(ops.bias, g.stride_bias, out_size, g.batch);
+    key.align_bias = alignment_of(ops.bias, g.stride_bias, dtype_size(g.bias_dtype()), g.batch);
   if (epilogue_writes_bias(g.epilogue))
     key.align_bias = alignment_of(ops.bias_grad, g.stride_bias, out_size, g.batch);
   if (epilogue_reads_aux(g.epilogue) || epilogue_writes_aux(g.epilogue))
@@ -602,9 +642,23 @@ std::pair<GemmPlan*, DeviceState*> GemmPlanAccess::find(const Gemm& g, const Gem
   }
   if (tune_now) {
     std::lock_guard plan_lock(plan->mutex_);
-    tune(*plan, g, ops, state, results, stream);
+    std::optional<Scratch> wide;
+    tune(*plan, g, widened(*plan, g, ops, stream, wide), state, results, stream);
   }
   return {plan, &state};
+}
+
+GemmOperands GemmPlanAccess::widened(const GemmPlan& plan, const Gemm& g, const GemmOperands& ops,
+                                     cudaStream_t stream, std::optional<Scratch>& scratch) {
+  if (!plan.widens_bias_) return ops;
+  const int64_t count = (g.batch - 1) * g.stride_bias + g.n;
+  scratch.emplace(static_cast<size_t>(count) * dtype_size(g.d_type), stream);
+  movement::cast(static_cast<movement::Float>(g.bias_dtype()),
+                 static_cast<movement::Float>(g.d_type), ops.bias, scratch->as<void>(), count,
+                 stream);
+  GemmOperands wide = ops;
+  wide.bias = scratch->as<void>();
+  return wide;
 }
 
 const GemmPlan& Gemm::plan(const GemmOperands& operands, cudaStream_t stream) const {
@@ -614,8 +668,10 @@ const GemmPlan& Gemm::plan(const GemmOperands& operands, cudaStream_t stream) co
 void Gemm::run(const GemmOperands& operands, cudaStream_t stream) const {
   if (m == 0 || n == 0 || batch == 0) return;
   auto [plan, device] = GemmPlanAccess::find(*this, operands, stream);
+  std::optional<Scratch> wide;  // freed on the stream after the product
+  const GemmOperands ops = GemmPlanAccess::widened(*plan, *this, operands, stream, wide);
   std::lock_guard lock(plan->mutex_);
-  KILN_CUBLAS_CHECK(GemmPlanAccess::enqueue(*plan, *this, operands, plan->algo_, *device, stream));
+  KILN_CUBLAS_CHECK(GemmPlanAccess::enqueue(*plan, *this, ops, plan->algo_, *device, stream));
 }
 
 // ---- the matmul dialect ----

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "ir/dtype.h"
@@ -83,7 +84,7 @@ struct GemmOperands {
   void* d = nullptr;
   double alpha = 1.0;
   double beta = 0.0;
-  const void* bias = nullptr;  // epilogue_reads_bias: input, dtype d_type
+  const void* bias = nullptr;  // epilogue_reads_bias: input, dtype Gemm::bias_dtype()
   void* bias_grad = nullptr;   // epilogue_writes_bias: output, dtype d_type
   void* aux = nullptr;         // GELU aux: output (forward) or input (DGELU), dtype d_type
 };
@@ -93,8 +94,13 @@ class GemmPlan;
 // One product D (m, n) = epilogue(alpha op(A) (m, k) op(B) (k, n) + beta C), all row-major,
 // repeated over `batch` matrices at fixed element strides. Dtypes: a_type for A and B, d_type
 // for C, D, bias, bias_grad and aux; supported pairs: f32/f32 (tf32 optional), bf16/bf16,
-// bf16/f32, f16/f16, f16/f32 (all accumulating in f32), f64/f64. Equality and hashing cover every
-// field: the description is the plan cache's key (with the operands' pointer alignments).
+// bf16/f32, f16/f16, f16/f32 (all accumulating in f32), f64/f64. The bias an epilogue reads may
+// instead be in the inputs' 16-bit dtype when D is f32 (bias_type: a bf16 linear layer's bias
+// added to an f32 residual stream): it is added to the f32 accumulator, nothing is rounded to 16
+// bits. cuBLASLt refused that on the H100 (CUDA 13: CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE bf16
+// with an f32 D, INVALID_VALUE from the heuristic); the plan then widens the bias to f32 before
+// each product (GemmPlan::widens_bias). Equality and hashing cover every field: the description is the plan cache's key (with
+// the operands' pointer alignments).
 struct Gemm {
   int64_t m = 0, n = 0, k = 0;
   bool transpose_a = false;  // A stored (k, m) instead of (m, k)
@@ -103,6 +109,9 @@ struct Gemm {
   DType d_type = DType::kF32;
   bool tf32 = false;  // f32 only: inputs rounded to TF32 on the tensor cores (~1e-3 relative)
   Epilogue epilogue = Epilogue::kNone;
+  // The dtype of the bias the epilogue reads; unset: d_type. Set to a_type (bf16 or f16) only
+  // with d_type f32 and an epilogue that reads a bias (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE).
+  std::optional<DType> bias_type;
   // Row strides in elements; 0 means packed (the stored row length).
   int64_t lda = 0, ldb = 0, ldc = 0, ldd = 0, ld_aux = 0;
   // Batching: `batch` products; strides in elements between consecutive matrices. A stride of 0
@@ -113,6 +122,7 @@ struct Gemm {
 
   bool operator==(const Gemm&) const = default;
   std::string to_string() const;
+  DType bias_dtype() const { return bias_type.value_or(d_type); }
 
   // Checks the description and the operands (throws kiln::Error naming what is wrong), finds or
   // builds the cached plan, and enqueues the product on `stream`. Never synchronizes, except
@@ -134,6 +144,10 @@ class GemmPlan {
   std::string algorithm() const;
   // How it was chosen: false by the heuristic's first answer, true by timing candidates.
   bool tuned() const { return tuned_; }
+  // True when cuBLASLt offered no algorithm for a 16-bit bias on an f32 D: each run then widens
+  // the bias to f32 first (a cast kernel of n elements into stream-ordered scratch) and the
+  // product reads that.
+  bool widens_bias() const { return widens_bias_; }
   // Time per run (ms) of the winner when tuned, else 0.
   float tuned_ms() const { return tuned_ms_; }
 
@@ -149,6 +163,7 @@ class GemmPlan {
   size_t workspace_bytes_ = 0;
   int candidates_ = 0;  // how many algorithms the heuristic offered
   bool tuned_ = false;
+  bool widens_bias_ = false;
   float tuned_ms_ = 0.0f;
   // Held while the per-call pointers (bias, aux) are set on desc_ and the product is enqueued:
   // cuBLASLt reads the descriptor when enqueuing, so plans can be shared between threads.

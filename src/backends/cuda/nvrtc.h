@@ -62,12 +62,15 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args);
 size_t nvrtc_cache_size();
 
 // GEMM-epilogue bodies, mapped in this order:
-//  1. One cuBLASLt product with a fused epilogue (gemm_epilogue_supported): matmul, then a cast
-//     of a bf16/f16 product to f32 (absorbed: cuBLASLt writes f32 from its f32 accumulator, so
-//     the product is not rounded to 16 bits first), then a bias add ((n,), the BIAS epilogue)
-//     and/or an add of a tensor of the product's shape (C, beta = 1), then gelu{tanh} (with or
-//     without the pre-activation as a second output), or gelu_grad{tanh}(aux, product) (+ its
-//     bias gradient, a sum over rows); or the product with the bias gradient of one operand.
+//  1. One cuBLASLt product with a fused epilogue (gemm_epilogue_supported): matmul, then a bias
+//     add ((n,), the BIAS epilogue) and/or an add of a tensor of the product's shape (C,
+//     beta = 1), each at most once, with a cast of a bf16/f16 value to f32 absorbed before,
+//     between or after them (cuBLASLt writes f32 from its f32 accumulator: nothing is rounded to
+//     16 bits first; a bias before the cast stays 16-bit, C is read in f32: GPT-2's residual
+//     projection x + f32(y W + b) under amp is one call), then gelu{tanh} (with or without the
+//     pre-activation as a second output), or gelu_grad{tanh}(aux, product) (+ its bias gradient,
+//     a sum over rows); or the product with the bias gradient of one operand. The epilogue is
+//     computed from the f32 accumulator and rounded once per stored output.
 //  2. Otherwise a product + generated epilogue (gemm_split_supported): the product (with a cast
 //     to f32 absorbed as above) written to its output or to a stream-ordered scratch buffer,
 //     then one generated elementwise or rows kernel (codegen.h; column sums included) over the
@@ -85,7 +88,16 @@ bool nvrtc_supports(const Graph& body, const std::string& kind, std::string* why
 // generated (it then runs on a lower-priority dialect): `grep -l "not generated" DIR/*` lists
 // the refused nodes. Needs no GPU.
 std::string fused_kernel_listing(const Graph& body, const std::string& kind);
-// A one-line description of the Gemm a body of case 1 binds to ("gemm (m 64, n 128, k 32) ...").
+// Whether case 1 takes a bias in the product's 16-bit dtype on a product cast to f32 (GPT-2's
+// residual projections under amp, x + f32(y W + b): then one product, D (f32) = y W + b + x).
+// Off by default: cuBLASLt refused the 16-bit bias on an f32 D on the H100 (CUDA 13), so the
+// product widens the bias to f32 first (a cast of n elements, cuda::GemmPlan::widens_bias), a path
+// no GPU has run yet; off, such bodies run as case 2. The environment variable
+// KILN_MIXED_BIAS_GEMM=1 turns it on; this overrides it.
+bool mixed_bias_gemm();
+void set_mixed_bias_gemm(bool on);
+// A one-line description of the Gemm a body of case 1 binds to ("gemm (m 64, n 128, k 32) ...",
+// ending in " + c (beta 1)" when the product adds a C input).
 std::string describe_gemm_epilogue(const Graph& body);
 
 }  // namespace kiln::cuda
