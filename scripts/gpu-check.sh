@@ -3,7 +3,7 @@
 # kiln's GPT-2 training step and PyTorch's (eager and torch.compile) side by side, and print a
 # short table last. Full logs go to $OUT (the device tool brings them back) or ./gpu-out.
 #
-#   bash scripts/gpu-check.sh [--no-tests] [--no-torch] [--bench "ARGS"] ...
+#   bash scripts/gpu-check.sh [--no-tests] [--no-torch] [--bench "[NAME=value ...] ARGS"] ...
 #
 # The PyTorch reference is ../shared/bench/torch_gpt2.py; only the repository travels to the GPU
 # machine, so copy it to .carry/torch_gpt2.py (ignored by git) and carry .carry along.
@@ -48,8 +48,12 @@ fi
 for b in "${benches[@]}"; do
   # The whole report (and a --profile table) to bench.log; the JSON line, with the arguments, to
   # bench.jsonl for the table below.
-  # shellcheck disable=SC2086
-  line=$(./build-gpu/kiln bench $b --device cuda --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
+  # Leading NAME=value words are environment settings for the run (e.g. KILN_GEMM_AUTOTUNE=1).
+  envs=(); args=()
+  for w in $b; do
+    if [ ${#args[@]} -eq 0 ] && [[ "$w" == [A-Z]*=* ]]; then envs+=("$w"); else args+=("$w"); fi
+  done
+  line=$(env "${envs[@]}" ./build-gpu/kiln bench "${args[@]}" --device cuda --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
   if [ "${line:0:1}" = "{" ]; then
     python3 -c 'import json, sys; r = json.loads(sys.argv[2]); r["args"] = sys.argv[1]; print(json.dumps(r))' \
       "$b" "$line" >>"$out/bench.jsonl"

@@ -63,6 +63,11 @@ struct OpDef {
   // Set only for ops that carry a body (`fused`): infer_types calls it with the node's body,
   // and `infer` then just refuses a call without one.
   BodyInferFn infer_with_body = nullptr;
+  // Outputs from this index on are sums over every row of input 0 (rows: all dims but the
+  // last), e.g. LayerNorm's dgamma and dbeta; -1: none. A kernel run on a subset of the rows
+  // computes that subset's share, and the shares add up: fusion puts such an op in a group of
+  // whole-row tiles, the column outputs summed across tiles like a bias gradient.
+  int column_outputs_from = -1;
 };
 
 // The definition of `op`. Throws kiln::Error if the op has none (a half-added op).

@@ -680,7 +680,7 @@ void define_nn_ops(OpRegistry& registry) {
           dbeta.set(c, dbeta_sum[c]);
         }
       },
-      nullptr, false});
+      nullptr, false, nullptr, /*column_outputs_from=*/1});
 
   registry.define(Op::kRmsNormGrad, OpDef{
       {with_default("epsilon", 1e-6)},
@@ -714,7 +714,7 @@ void define_nn_ops(OpRegistry& registry) {
         }
         for (int64_t c = 0; c < cols; ++c) dgamma.set(c, dgamma_sum[c]);
       },
-      nullptr, false});
+      nullptr, false, nullptr, /*column_outputs_from=*/1});
 
   registry.define(Op::kCrossEntropyGrad, OpDef{
       {with_default("ignore_index", int64_t{-100}), with_default("reduction", std::string("mean"))},

@@ -172,6 +172,39 @@ TEST_P(CpuFused, ColumnReductionBesideFullOutput) {
   expect_cpu_matches_reference(g, random_inputs(g, 31), 1e-4, 1e-4);
 }
 
+// GPT-2's backward at a LayerNorm: the norm's gradient (dx per row, dgamma and dbeta summed over
+// every row: tile shares added up), the residual gradient added, and that sum's bias gradient;
+// once on a given dy and once with dy the product of a GEMM nucleus. RMSNorm's gradient too.
+TEST_P(CpuFused, NormGradientColumnOutputsWithResidualAndBiasGradient) {
+  const int64_t rows = 93, c = 40, k = 24;
+  for (bool gemm : {false, true})
+    for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad}) {
+      SCOPED_TRACE(fmt::format("gemm={} op={}", gemm, op_name(op)));
+      Graph g;
+      ValueId x = g.add_input("x", f32({3, rows / 3, c}), Role::kData);
+      ValueId gamma = g.add_input("gamma", f32({c}), Role::kData);
+      ValueId resid = g.add_input("resid", f32({3, rows / 3, c}), Role::kData);
+      ValueId dy;
+      if (gemm) {
+        ValueId a = g.add_input("a", f32({3, rows / 3, k}), Role::kData);
+        ValueId w = g.add_input("w", f32({c, k}), Role::kData);
+        dy = g.add(Op::kMatmul, {a, w}, {{"transpose_b", true}});
+      } else {
+        dy = g.add_input("dy", f32({3, rows / 3, c}), Role::kData);
+      }
+      const std::vector<ValueId> grads = g.add_node(op, {x, gamma, dy});
+      ValueId sum = g.add(Op::kAdd, {grads[0], resid});
+      ValueId bias_grad = g.add(Op::kSum, {sum}, {{"axes", std::vector<int64_t>{0, 1}}});
+      g.outputs = {sum, bias_grad};
+      for (size_t j = 1; j < grads.size(); ++j) g.outputs.push_back(grads[j]);
+      const cpu::FusedPlanInfo info = cpu::fused_plan_info(g);
+      EXPECT_EQ(info.column_reductions, static_cast<int64_t>(grads.size()));
+      EXPECT_EQ(info.gemm, gemm);
+      // Column sums of 93 terms of size ~1.
+      expect_cpu_matches_reference(g, random_inputs(g, 45), 1e-4, 1e-4);
+    }
+}
+
 // gelu(a @ w + bias), in each transpose combination.
 TEST_P(CpuFused, GemmNucleusWithBiasAndGeluEpilogue) {
   const int64_t m = 150, k = 96, n = 80;

@@ -501,7 +501,8 @@ TEST(NvrtcCodegenTest, ColumnMeanKeepdimsAndBodiesOfOnlyColumnOutputs) {
 
 TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   // training-rewrites' LayerNorm backward: a row pass (two means) with dgamma and dbeta as
-  // column sums, 2 x 700 = 1400 rows of 96: a grid of 1024 blocks looping over rows.
+  // column sums, 2 x 700 = 1400 rows of 96: a warp per row, 175 blocks of 8 warps, each lane
+  // summing its 3 columns in registers.
   Body b;
   ValueId dy = b.in("dy", DType::kBF16, {2, 700, 96}), g = b.in("gamma", DType::kF32, {96});
   ValueId xhat = b.in("xhat", DType::kF32, {2, 700, 96});
@@ -521,29 +522,76 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
   GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
   EXPECT_EQ(k.column_outputs, (std::vector<int>{1, 2}));
-  EXPECT_EQ(k.blocks, 1024);
-  EXPECT_EQ(k.partial_tiles, 1024);
-  EXPECT_EQ(k.partials_bytes, size_t{2} * 1024 * 96 * 4);
+  EXPECT_EQ(k.threads, 256);
+  EXPECT_EQ(k.blocks, 175);
+  EXPECT_EQ(k.partial_tiles, 175);
+  EXPECT_EQ(k.partials_bytes, size_t{2} * 175 * 96 * 4);
   EXPECT_EQ(k.finish_entry, "kiln_fused_columns_finish");
   EXPECT_EQ(k.finish_blocks, 3);
   EXPECT_TRUE(contains(k.source, "__shared__ float kiln_col[192LL];")) << k.source;
-  EXPECT_TRUE(contains(k.source, "for (long long row = blockIdx.x; row < 1400LL; row += 1024LL)"))
+  EXPECT_TRUE(contains(k.source, "float kiln_c0[3] = {};")) << k.source;
+  EXPECT_TRUE(contains(k.source, "for (long long row = static_cast<long long>(blockIdx.x) * 8 + "
+                                 "(threadIdx.x >> 5); row < 1400LL; row += 1400LL)"))
       << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_col[0LL + j] += ")) << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_col[96LL + j] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_c0[m] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_c1[m] += ")) << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
   EXPECT_TRUE(contains(k.source, "out0[e] = ")) << k.source;
   EXPECT_FALSE(contains(k.source, "atomic")) << k.source;
   expect_compiles(k);
-  // Fewer rows than 1024: one block per row.
+  // 1400 rows of 3000 (over a warp's 1024): a block of 1024 threads per row, 1024 blocks
+  // looping over the rows, the column sums in shared memory.
+  Body wide;
+  ValueId w = wide.in("w", DType::kF32, {1400, 3000});
+  ValueId sw = wide.op(Op::kSoftmax, {w});
+  wide.out({sw, wide.op(Op::kSum, {sw}, {{"axes", std::vector<int64_t>{0}}})});
+  GeneratedKernel kw = cuda::generate_kernel(*wide.g, "rows");
+  EXPECT_EQ(kw.threads, 1024);
+  EXPECT_EQ(kw.blocks, 1024);
+  EXPECT_EQ(kw.partial_tiles, 1024);
+  EXPECT_TRUE(contains(kw.source, "for (long long row = blockIdx.x; row < 1400LL; row += 1024LL)"))
+      << kw.source;
+  EXPECT_TRUE(contains(kw.source, "kiln_col[0LL + j] += ")) << kw.source;
+  expect_compiles(kw);
+  // Fewer rows than a block's 8 warps: one block.
   Body small;
   ValueId x = small.in("x", DType::kF32, {5, 40});
   ValueId sm = small.op(Op::kSoftmax, {x});
   small.out({sm, small.op(Op::kSum, {sm}, {{"axes", std::vector<int64_t>{0}}})});
   GeneratedKernel ks = cuda::generate_kernel(*small.g, "rows");
-  EXPECT_EQ(ks.blocks, 5);
+  EXPECT_EQ(ks.blocks, 1);
   EXPECT_EQ(ks.column_outputs, std::vector<int>{1});
   expect_compiles(ks);
+}
+
+TEST(NvrtcCodegenTest, NormGradientsAreRowOpsWithColumnOutputs) {
+  // layer_norm_grad and rms_norm_grad generate directly (dgamma, dbeta as column sums), with
+  // GPT-2's residual add, bf16 copy and bias gradient after them.
+  for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad}) {
+    SCOPED_TRACE(op_name(op));
+    Body b;
+    ValueId x = b.in("x", DType::kF32, {4, 256, 768}), g = b.in("gamma", DType::kF32, {768});
+    ValueId dy = b.in("dy", DType::kF32, {4, 256, 768});
+    ValueId res = b.in("res", DType::kF32, {4, 256, 768});
+    std::vector<ValueId> grads = b.g->add_node(op, {x, g, dy});
+    ValueId sum = b.op(Op::kAdd, {grads[0], res});
+    std::vector<ValueId> outs = {sum, b.op(Op::kCast, {sum}, {{"dtype", DType::kBF16}}),
+                                 b.op(Op::kSum, {sum}, {{"axes", std::vector<int64_t>{0, 1}}})};
+    outs.insert(outs.end(), grads.begin() + 1, grads.end());
+    b.out(outs);
+    std::string why;
+    ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
+    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    EXPECT_EQ(k.column_outputs, op == Op::kLayerNormGrad ? (std::vector<int>{2, 3, 4})
+                                                         : (std::vector<int>{2, 3}));
+    EXPECT_EQ(k.rows, 1024);
+    EXPECT_EQ(k.row_length, 768);
+    EXPECT_EQ(k.blocks, 128);  // a warp per row: 1024 / 8
+    EXPECT_TRUE(contains(k.source, "float kiln_c0[24] = {};")) << k.source;
+    // LayerNorm: mean, then the variance and mean(g), then mean(g * x_hat): 3 passes + 1.
+    if (op == Op::kLayerNormGrad) EXPECT_TRUE(contains(k.source, "4 pass(es)")) << k.source;
+    expect_compiles(k);
+  }
 }
 
 TEST(NvrtcCodegenTest, RefusesColumnReductionsItCannotGenerate) {

@@ -2,8 +2,9 @@
 // training graph as `kiln bench --device cuda` builds it): the epilogues kiln counts on are
 // there and map onto ONE cuBLASLt call each (no product through memory): bias + GELU with the
 // pre-activation kept (forward), DGELU (backward; its bias gradient stays a separate sum:
-// DGELU_BGRAD measured 3x slower); and the residual-gradient add, its cast and the
-// bias-gradient sum run as one elementwise kernel. The reads phase of the
+// DGELU_BGRAD measured 3x slower); and each LayerNorm gradient, with the residual-gradient add,
+// its cast and the bias-gradient sum, runs as one generated rows kernel over the input gradient
+// GEMM's product (dgamma, dbeta and the bias gradient its column sums). The reads phase of the
 // partitioner (fusion::absorb_readers) makes these groups. The residual projections (attention
 // proj and fc2: x + f32(y W + b) with a bf16 bias and an f32 residual stream) are one cuBLASLt
 // call each with cuda::set_mixed_bias_gemm(true), f32 D = y W + bf16 bias + x (C), and a
@@ -55,8 +56,19 @@ TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
   EXPECT_EQ(bodies["gemm-epilogue: matmul add gelu"], 2);
   EXPECT_EQ(bodies["gemm-epilogue: matmul gelu_grad"], 2);
   EXPECT_EQ(bodies.count("gemm-epilogue: matmul gelu_grad sum"), 0u);
-  EXPECT_GE(bodies["elementwise: add cast sum"], 3);
   EXPECT_EQ(bodies.count("elementwise: add"), 0u);
+  // Three of gpt2-tiny's four block LayerNorms have a residual gradient to add (the first's
+  // input gradient goes to the embeddings alone): each a product + one rows kernel.
+  EXPECT_EQ(bodies["gemm-epilogue: matmul cast layer_norm_grad add cast sum"], 3);
+  int unfused_norm_grads = 0;
+  for (const Node& node : graph.nodes) {
+    unfused_norm_grads += node.op == Op::kLayerNormGrad;
+    if (node.op != Op::kFused || !node.body) continue;
+    if (ops_of(*node.body).find("layer_norm_grad") == std::string::npos) continue;
+    std::string why;
+    EXPECT_TRUE(cuda::gemm_split_supported(*node.body, &why)) << ops_of(*node.body) << ": " << why;
+  }
+  EXPECT_EQ(unfused_norm_grads, 0);
 }
 
 // The residual projections' bodies of `model`'s bf16 training graph on the GPU, and how each

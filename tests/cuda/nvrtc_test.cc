@@ -448,6 +448,39 @@ TEST(NvrtcTest, ColumnSumsInRowsKernels) {
   expect_columns_match(b, "rows", random_inputs(*b.g, 31), {0}, 45, 2.0, DType::kF32, "softmax");
 }
 
+// The norm gradient ops themselves (not decomposed: training-rewrites off, as on CUDA), with
+// GPT-2's backward around them: the residual gradient added, a bf16 copy for the next GEMMs
+// and the bias gradient of the sum. Outputs: sum, copy, bias gradient, then dgamma (, dbeta).
+Body norm_grad_backward(Op op, Shape shape) {
+  Body b;
+  const int64_t c = shape.back();
+  std::vector<int64_t> lead;
+  for (size_t k = 0; k + 1 < shape.size(); ++k) lead.push_back(static_cast<int64_t>(k));
+  ValueId x = b.in("x", DType::kF32, shape), g = b.in("gamma", DType::kF32, {c});
+  ValueId dy = b.in("dy", DType::kF32, shape), res = b.in("res", DType::kF32, shape);
+  std::vector<ValueId> grads = b.g->add_node(op, {x, g, dy});
+  ValueId sum = b.op(Op::kAdd, {grads[0], res});
+  std::vector<ValueId> outs = {sum, b.op(Op::kCast, {sum}, {{"dtype", DType::kBF16}}),
+                               b.op(Op::kSum, {sum}, {{"axes", lead}})};
+  outs.insert(outs.end(), grads.begin() + 1, grads.end());
+  return std::move(b.out(outs));
+}
+
+TEST(NvrtcTest, NormGradientsInRowsKernels) {
+  KILN_REQUIRE_GPU();
+  // Inputs in [-1, 1): |x_hat| stays below ~2 for these rows, so every column term (dy * x_hat,
+  // dy, the sum's entries up to ~|g| + |res|) is within 4. 2100 rows loop over the grid.
+  for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad})
+    for (const Shape& shape : {Shape{2100, 768}, Shape{3, 5, 33}, Shape{2, 700, 96}}) {
+      Body b = norm_grad_backward(op, shape);
+      const std::vector<int> columns =
+          op == Op::kLayerNormGrad ? std::vector<int>{2, 3, 4} : std::vector<int>{2, 3};
+      expect_columns_match(b, "rows", random_inputs(*b.g, 40), columns,
+                           numel(shape) / shape.back(), 4.0, DType::kF32,
+                           fmt::format("{} {}", op_name(op), to_string(shape)));
+    }
+}
+
 // ---- GEMM-epilogue bodies beyond the cuBLASLt epilogues of one dtype ----
 
 // Output i within tols[i] (or tols[0] for all) of the fused reference.
@@ -532,6 +565,31 @@ TEST(NvrtcTest, GemmWithAGeneratedEpilogue) {
     // relative; dx differs by the product's rounding and its own (2^-9 each, relative).
     expect_gemm_close(b, random_inputs(*b.g, 221), {{37 * 11.3 / 256, 0.0}, {1e-2, 3e-2}}, true,
                       "mlp dgelu");
+  }
+  {
+    // GPT-2's backward under bf16 amp at a LayerNorm: the input gradient of the next projection
+    // (a bf16 GEMM cast to f32) is the norm gradient's dy; then the residual add, the bf16 copy
+    // and the bias gradient: one product and one generated rows kernel.
+    Body b;
+    const int64_t rows = 300, c = 64, k = 48;
+    ValueId dz = b.in("dz", DType::kBF16, {3, rows / 3, k}), w = b.in("w", DType::kBF16, {c, k});
+    ValueId x = b.in("x", DType::kF32, {3, rows / 3, c}), g = b.in("gamma", DType::kF32, {c});
+    ValueId res = b.in("res", DType::kF32, {3, rows / 3, c});
+    ValueId dy = b.op(Op::kCast, {b.op(Op::kMatmul, {dz, w}, {{"transpose_b", true}})},
+                      {{"dtype", DType::kF32}});
+    std::vector<ValueId> grads = b.g->add_node(Op::kLayerNormGrad, {x, g, dy});
+    ValueId sum = b.op(Op::kAdd, {grads[0], res});
+    b.out({sum, b.op(Op::kCast, {sum}, {{"dtype", DType::kBF16}}),
+           b.op(Op::kSum, {sum}, {{"axes", std::vector<int64_t>{0, 1}}}), grads[1], grads[2]});
+    // dy is a sum of k = 48 products of |.| <= 1 (|dy| <= 48), off by its bf16 rounding in the
+    // reference (2^-9 relative); dx is linear in dy with rstd ~ 1.7 (x uniform in [-1, 1)) times
+    // |gamma| <= 1 times at most ~4 (the three terms): within 2^-9 * 48 * 8; column sums of 300
+    // such rows.
+    const double dx_tol = 48.0 / 512 * 8;
+    expect_gemm_close(b, random_inputs(*b.g, 223),
+                      {{dx_tol, 1e-3}, {dx_tol, 1.0 / 128}, {rows * dx_tol, 0.0},
+                       {rows * dx_tol * 2, 0.0}, {rows * dx_tol, 0.0}},
+                      true, "gpt2 layer norm backward");
   }
   {
     // f32: the product is an output itself (written in place, read back by the epilogue) and

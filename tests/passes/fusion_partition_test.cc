@@ -90,8 +90,24 @@ TEST(FusionPartitionLegal, ColumnReductionHasNoConsumerInItsGroup) {
   Problem p{{item(kE), item(kC), item(kE)}, {value(0, {1}, 8), value(1, {2}, 8)}};
   EXPECT_TRUE(legal(p, {0, 0, 1}));
   EXPECT_TRUE(illegal(p, {0, 1, 1},
-                      {"column reduction has no consumer", "column reduction item 1", "value 1",
-                       "read by item 2"}));
+                      {"column value has no consumer", "item 1", "value 1", "read by item 2"}));
+}
+
+TEST(FusionPartitionLegal, ColumnValueOfARowOpHasNoConsumerInItsGroup) {
+  // A norm gradient (row op 1) gives dx (value 1, read by 2) and dgamma (value 2, a column
+  // value read by 3): dx's reader may join it, dgamma's may not.
+  Problem p{{item(kE), item(kR), item(kE), item(kE)},
+            {value(0, {1}, 8), value(1, {2}, 8), value(1, {3}, 8)}};
+  p.values[2].column = true;
+  EXPECT_TRUE(legal(p, {0, 0, 0, 1}));
+  EXPECT_TRUE(illegal(p, {0, 0, 0, 0},
+                      {"column value has no consumer", "item 1", "value 2", "read by item 3"}));
+  // Both partitioners keep dgamma's reader out, and still save dx and x.
+  for (const Partition& part : {partition_greedy(p), partition_optimal(p)}) {
+    EXPECT_TRUE(legal(p, part.group_of));
+    EXPECT_NE(part.group_of[3], part.group_of[1]);
+    EXPECT_EQ(part.saved_bytes, 16);
+  }
 }
 
 TEST(FusionPartitionLegal, PathLeavingAndReenteringAGroup) {
@@ -243,6 +259,8 @@ Problem random_problem(std::mt19937& rng, int n, int window = 0) {
       int reads = uniform(0, 9) == 0 ? 0 : uniform(1, 3);
       for (int r = 0; r < reads; ++r) v.consumers.push_back(uniform(i + 1, hi));
       if (window > 0 && uniform(0, 49) == 0) v.consumers.push_back(uniform(i + 1, n - 1));
+      // Some values of row ops are column values (a norm gradient's dgamma).
+      if (p.items[i].kind == kR && uniform(0, 3) == 0) v.column = true;
       p.values.push_back(std::move(v));
     }
   }
@@ -265,7 +283,7 @@ int64_t brute_force_best(const Problem& p) {
     }
   for (const ValueUse& v : p.values)
     for (int c : v.consumers)
-      if (p.items[c].kind == kG || p.items[v.producer].kind == kC)
+      if (p.items[c].kind == kG || p.items[v.producer].kind == kC || v.column)
         conflict[v.producer][c] = conflict[c][v.producer] = 1;
   std::vector<int> g(n, -1);
   int64_t best = -1;

@@ -67,6 +67,11 @@ TEST(FusionClassify, OpsMapToItemKindsAndRowSpaces) {
       {"%l: f32[6,10] data, %t: i64[6] data", "%0 = cross_entropy(%l, %t)", ItemKind::kOpaque},
       {"%l: f32[6,10] data, %t: i64[6] data, %d: f32[6] data",
        "%0 = cross_entropy_grad(%l, %t, %d) {reduction=\"none\"}", ItemKind::kRowOp, 6, 10},
+      // Norm gradients: rows of x (dgamma, dbeta are column values; see the problem test).
+      {"%x: f32[2,3,8] data, %g: f32[8] param, %d: f32[2,3,8] data",
+       "%0, %1, %2 = layer_norm_grad(%x, %g, %d)", ItemKind::kRowOp, 6, 8},
+      {"%x: bf16[5,8] data, %g: bf16[8] param, %d: bf16[5,8] data",
+       "%0, %1 = rms_norm_grad(%x, %g, %d)", ItemKind::kRowOp, 5, 8},
       // Column reductions: every axis but the last.
       {"%x: f32[4,8] data", "%0 = sum(%x) {axes=[0]}", ItemKind::kColumnReduction, 4, 8},
       {"%x: f32[2,3,8] data", "%0 = mean(%x) {axes=[0, 1], keepdims=true}",
@@ -85,8 +90,7 @@ TEST(FusionClassify, OpsMapToItemKindsAndRowSpaces) {
       {"%x: f32[4,8] data", "%0 = transpose(%x)", ItemKind::kOpaque},
       {"%x: f32[4,8] data", "%0 = reshape(%x) {shape=[8, 4]}", ItemKind::kOpaque},
       {"%t: f32[10,4] param, %i: i64[3] data", "%0 = gather(%t, %i)", ItemKind::kOpaque},
-      {"%x: f32[2,3,8] data, %g: f32[8] param, %d: f32[2,3,8] data",
-       "%0, %1, %2 = layer_norm_grad(%x, %g, %d)", ItemKind::kOpaque},
+
       {"%p: f32[5] param, %g: f32[5] data, %b: f32[5] state, %lr: f32[] data",
        "%0, %1 = sgd_update(%p, %g, %b, %lr) {momentum=0.9}", ItemKind::kOpaque},
       {"%x: f32[0,8] data", "%0 = exp(%x)", ItemKind::kOpaque},  // empty

@@ -10,9 +10,11 @@
 //            and numpy broadcast of the body still means what it meant.
 //   whole    the same for every tile: broadcast inputs (scalars, row vectors [1..., N]) and
 //            values computed only from them (recomputed per tile: they are small).
-//   column   the result of a column reduction (sum/mean over every axis but the last): each
-//            chunk of tiles accumulates its rows into f64 partials; after the last tile the
-//            partials are summed in chunk order (chunk 0 first) and rounded to f32 once.
+//   column   the result of a column reduction (sum/mean over every axis but the last), or a
+//            column output of a row op (OpDef::column_outputs_from: layer_norm_grad's dgamma,
+//            whose kernel on a tile gives the tile's share): each chunk of tiles accumulates its
+//            rows (or tile shares) into f64 partials; after the last tile the partials are summed
+//            in chunk order (chunk 0 first) and rounded to f32 once.
 // Per tile, the body's nodes run one by one on tile-sized tensors through the registry's best
 // CPU kernel for the tile shapes (the fast "cpu" kernels where they apply; add/sub/mul/div of a
 // tile and a per-row column, and where, which the fast kernels refuse, by loops here; the
@@ -56,6 +58,7 @@
 
 #include "backends/cpu/cpu_kernels.h"
 #include "ir/graph.h"
+#include "ir/op_def.h"
 #include "support/parallel.h"
 #include "tensor/tensor.h"
 
@@ -85,6 +88,9 @@ struct NodePlan {
   // kColumnReduction: index of the partial sums, and the factor applied at the end.
   int column_slot = -1;
   double scale = 1.0;
+  // kKernel of an op with column outputs (OpDef::column_outputs_from, e.g. layer_norm_grad's
+  // dgamma): per output, the partial sums its tile results are added to, or -1.
+  std::vector<int> out_column_slot;
 };
 
 struct Plan {
@@ -362,9 +368,29 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
     }
     bool all_whole = true;
     for (ValueId id : node.inputs) all_whole = all_whole && p.values[id].layout == Layout::kWhole;
-    for (ValueId id : node.outputs) {
+    const int column_from = all_whole ? -1 : op_def(node.op).column_outputs_from;
+    if (column_from >= 0) {
+      // Sums over every row of input 0: a tile's kernel gives the tile's share (f32, as every
+      // other partial here), added up across tiles.
+      const ValueInfo& in = p.values[node.inputs[0]];
+      if (in.layout != Layout::kRows || !in.keeps_rank || in.row_elems != p.row_length)
+        return refuse(fmt::format("node {} ({}) sums rows that are not the space's", n,
+                                  op_name(node.op)));
+      np.out_column_slot.assign(node.outputs.size(), -1);
+    }
+    for (size_t j = 0; j < node.outputs.size(); ++j) {
+      const ValueId id = node.outputs[j];
       if (all_whole) {
         p.values[id].layout = Layout::kWhole;
+        continue;
+      }
+      if (column_from >= 0 && static_cast<int>(j) >= column_from) {
+        const TensorType& out = body.type(id);
+        if (out.numel() != p.row_length || out.dtype != DType::kF32)
+          return refuse(fmt::format("node {} ({}) output {} is {}, not one f32 per column", n,
+                                    op_name(node.op), j, to_string(out)));
+        np.out_column_slot[j] = p.column_slots++;
+        p.values[id].layout = Layout::kColumn;
         continue;
       }
       const std::optional<ValueInfo> rows = rows_layout(p.space, body.type(id).shape);
@@ -445,10 +471,14 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
     if (p.values[id].layout == Layout::kRows && !is_input[id] && p.direct_output[id] < 0)
       p.direct_output[id] = static_cast<int>(i);
   }
-  for (const Node& node : body.nodes)
-    for (ValueId id : node.outputs) {
+  for (size_t n = 0; n < body.nodes.size(); ++n)
+    for (ValueId id : body.nodes[n].outputs) {
+      // A column reduction adds straight into the partials; a kernel's column output is
+      // written to scratch first.
       const Layout l = p.values[id].layout;
-      if (l == Layout::kColumn || p.direct_output[id] >= 0) continue;
+      if ((l == Layout::kColumn && p.nodes[n].step == Step::kColumnReduction) ||
+          p.direct_output[id] >= 0)
+        continue;
       p.scratch_offset[id] = p.scratch_bytes;
       const TensorType t = tile_type(p, body, id, p.tile_rows);
       p.scratch_bytes += align64(t.bytes());
@@ -603,6 +633,14 @@ void run_fused_cpu(const KernelArgs& k) {
               outs.push_back(destination(node.outputs[j], np.out_types[variant][j]));
             np.kernel[variant](KernelArgs{node.attrs, ins, outs, nullptr, nullptr});
             for (size_t j = 0; j < node.outputs.size(); ++j) vals[node.outputs[j]] = outs[j];
+            for (size_t j = 0; j < np.out_column_slot.size(); ++j) {
+              if (np.out_column_slot[j] < 0) continue;
+              const float* x = outs[j].data<float>();
+              double* sum = partials[static_cast<size_t>(chunk * p.column_slots +
+                                                         np.out_column_slot[j])]
+                                .data();
+              for (size_t c = 0; c < n_cols; ++c) sum[c] += static_cast<double>(x[c]);
+            }
             break;
           }
         }
@@ -623,22 +661,25 @@ void run_fused_cpu(const KernelArgs& k) {
     }
   });
 
-  // Column reductions: chunk partials summed in chunk order, then scaled and rounded once.
-  for (size_t n = 0; n < body.nodes.size(); ++n) {
-    const NodePlan& np = p.nodes[n];
-    if (np.step != Step::kColumnReduction) continue;
+  // Column values: chunk partials summed in chunk order, then scaled and rounded once.
+  auto finish = [&](ValueId id, int slot, double scale) {
     std::vector<double> total(n_cols, 0.0);
     for (int64_t c = 0; c < chunks; ++c) {
-      const std::vector<double>& part =
-          partials[static_cast<size_t>(c * p.column_slots + np.column_slot)];
+      const std::vector<double>& part = partials[static_cast<size_t>(c * p.column_slots + slot)];
       for (size_t j = 0; j < n_cols; ++j) total[j] += part[j];
     }
-    const ValueId id = body.nodes[n].outputs[0];
     for (size_t i = 0; i < body.outputs.size(); ++i) {
       if (body.outputs[i] != id) continue;
       float* out = k.outputs[i].data<float>();
-      for (size_t j = 0; j < n_cols; ++j) out[j] = static_cast<float>(total[j] * np.scale);
+      for (size_t j = 0; j < n_cols; ++j) out[j] = static_cast<float>(total[j] * scale);
     }
+  };
+  for (size_t n = 0; n < body.nodes.size(); ++n) {
+    const NodePlan& np = p.nodes[n];
+    if (np.step == Step::kColumnReduction)
+      finish(body.nodes[n].outputs[0], np.column_slot, np.scale);
+    for (size_t j = 0; j < np.out_column_slot.size(); ++j)
+      if (np.out_column_slot[j] >= 0) finish(body.nodes[n].outputs[j], np.out_column_slot[j], 1.0);
   }
 }
 

@@ -504,6 +504,41 @@ std::vector<int> emit_rms_norm(Ctx& c) {
   return {c.e(t, "($0 * $1 * $2)", {x, rstd, gamma})};
 }
 
+// (x, gamma, dy) -> dx per element, and dgamma, dbeta summed over the rows (column values).
+// With x_hat = (x - mean) * rstd and g = dy * gamma: dx = rstd * (g - mean(g) - x_hat *
+// mean(g * x_hat)), as the op's reference kernel.
+std::vector<int> emit_layer_norm_grad(Ctx& c) {
+  c.require_float();
+  const std::string t = c.ct(), n = lit(t, static_cast<double>(c.n()));
+  const int x = c.row_input(0), dy = c.row_input(2);
+  const int gamma = c.x(1, Space::kFull);
+  const int mean = c.e(t, "($0 / " + n + ")", {c.sum(x)});
+  const int d = c.e(t, "($0 - $1)", {x, mean});
+  const int var = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {d}))});
+  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
+  const int x_hat = c.e(t, "($0 * $1)", {d, rstd});
+  const int g = c.e(t, "($0 * $1)", {dy, gamma});
+  const int mean_g = c.e(t, "($0 / " + n + ")", {c.sum(g)});
+  const int mean_gx = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $1)", {g, x_hat}))});
+  const int dx = c.e(t, "($0 * ($1 - $2 - $3 * $4))", {rstd, g, mean_g, x_hat, mean_gx});
+  return {dx, c.l.column(c.e(t, "($0 * $1)", {dy, x_hat}), 1), c.l.column(dy, 1)};
+}
+
+// (x, gamma, dy) -> dx per element and dgamma over the rows: with rstd = rsqrt(mean(x^2) + eps)
+// and g = dy * gamma, dx = rstd * g - rstd^3 * x * mean(g * x), as the op's reference kernel.
+std::vector<int> emit_rms_norm_grad(Ctx& c) {
+  c.require_float();
+  const std::string t = c.ct(), n = lit(t, static_cast<double>(c.n()));
+  const int x = c.row_input(0), dy = c.row_input(2);
+  const int gamma = c.x(1, Space::kFull);
+  const int ms = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {x}))});
+  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
+  const int g = c.e(t, "($0 * $1)", {dy, gamma});
+  const int mean_gx = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $1)", {g, x}))});
+  const int dx = c.e(t, "($0 * $1 - $0 * $0 * $0 * $2 * $3)", {rstd, g, x, mean_gx});
+  return {dx, c.l.column(c.e(t, "($0 * $1 * $2)", {dy, x, rstd}), 1)};
+}
+
 // logits (R, V) and labels (R,): max, sum of exp, and the label's logit, per row. An
 // out-of-range label (the reference throws) gives NaN: a kernel cannot throw.
 struct CrossEntropyRow {
@@ -602,6 +637,8 @@ const std::map<Op, Emitter>& emitters() {
       {Op::kLogSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, true); }},
       {Op::kLayerNorm, emit_layer_norm},
       {Op::kRmsNorm, emit_rms_norm},
+      {Op::kLayerNormGrad, emit_layer_norm_grad},
+      {Op::kRmsNormGrad, emit_rms_norm_grad},
       {Op::kCrossEntropy, emit_cross_entropy},
       {Op::kCrossEntropyGrad, emit_cross_entropy_grad},
   };
@@ -612,6 +649,7 @@ bool is_row_op(Op op) {
   switch (op) {
     case Op::kSum: case Op::kMean: case Op::kMax: case Op::kSoftmax: case Op::kLogSoftmax:
     case Op::kSoftmaxGrad: case Op::kLogSoftmaxGrad: case Op::kLayerNorm: case Op::kRmsNorm:
+    case Op::kLayerNormGrad: case Op::kRmsNormGrad:
     case Op::kCrossEntropy: case Op::kCrossEntropyGrad:
       return true;
     default:
@@ -1231,7 +1269,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   constexpr int64_t kWarpRowMax = 1024;
   constexpr int kWarpRowsPerBlock = 8;
   const bool columns = !low.columns.empty();
-  const bool warp_rows = !columns && low.n <= kWarpRowMax;
+  const bool warp_rows = low.n <= kWarpRowMax;
   int threads = 32;
   while (!warp_rows && threads < 1024 && threads * 4 < low.n) threads *= 2;
   k.threads = warp_rows ? 32 * kWarpRowsPerBlock : threads;
@@ -1240,7 +1278,13 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // Column reductions: a fixed grid of blocks, each taking rows blockIdx.x, + kGrid, ...; a
   // thread adds its columns' terms (j = threadIdx.x + m kThreads, the same columns in every
   // row) into the block's shared-memory sums, written out at the end as the block's partials.
-  const int64_t grid = std::min<int64_t>(low.rows, 1024);
+  // A warp per row: warp w of block b takes rows 8 b + w, + 8 kGrid, ...; each lane keeps its
+  // columns' sums in registers (the column loop unrolled), and the block's 8 warps add theirs
+  // into shared memory one warp after the other (a fixed order: deterministic), so a LayerNorm
+  // gradient row of 768 costs no shared-memory traffic and no block barrier.
+  const int64_t grid = warp_rows ? std::min<int64_t>(k.blocks, 512)
+                                 : std::min<int64_t>(low.rows, 1024);
+  const int64_t lane_columns = (low.n + 31) / 32;  // warp mode: column sums per lane and output
   const std::string acc_t = low.column_ctype;
   if (columns) {
     k.blocks = grid;
@@ -1256,7 +1300,14 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     if (m.kind == MKind::kReduce) max_level = std::max(max_level, m.level);
 
   std::string text = header("rows", low, body);
-  if (columns)
+  if (columns && warp_rows)
+    text += fmt::format(
+        "// {} blocks of {} warps, a warp per row (rows 8 blockIdx.x + warp + m * {}); {} "
+        "pass(es) over a row; {} column reduction(s) summed per lane in registers, then per "
+        "block, then a second kernel adds the {} block partials per column\n",
+        grid, kWarpRowsPerBlock, grid * kWarpRowsPerBlock, max_level + 1, low.columns.size(),
+        grid);
+  else if (columns)
     text += fmt::format(
         "// {} blocks of {} threads, each over rows blockIdx.x + m * {}; {} pass(es) over a row; "
         "{} column reduction(s) summed per block in shared memory, then a second kernel adds "
@@ -1275,7 +1326,17 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   k.entry = "kiln_fused_rows";
   text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", k.threads,
                       k.entry, columns ? column_params(body, low) : params(body));
-  if (columns) {
+  if (columns && warp_rows) {
+    text += fmt::format("  __shared__ {} kiln_col[{}];\n", acc_t,
+                        lit_int(static_cast<int64_t>(low.columns.size()) * low.n));
+    for (size_t q = 0; q < low.columns.size(); ++q)
+      text += fmt::format("  {} kiln_c{}[{}] = {{}};\n", acc_t, q, lane_columns);
+    text += fmt::format(
+        "  for (long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5); "
+        "row < {}; row += {}) {{\n"
+        "  const long long base = row * kN;\n",
+        kWarpRowsPerBlock, lit_int(low.rows), lit_int(grid * kWarpRowsPerBlock));
+  } else if (columns) {
     text += fmt::format(
         "  __shared__ {} kiln_col[{}];\n"
         "  for (int j = threadIdx.x; j < {}; j += kThreads) kiln_col[j] = {};\n"
@@ -1358,7 +1419,14 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   if (!full_outputs.empty()) {
     text += columns ? "  // final pass: per-element outputs and column sums\n"
                     : "  // final pass: per-element outputs\n";
-    text += loop_head;
+    // Warp mode with column sums: the lane's m-th column indexes registers, so the loop is
+    // unrolled over a compile-time count.
+    text += columns && warp_rows
+                ? fmt::format("#pragma unroll\n  for (int m = 0; m < {}; ++m) {{\n"
+                              "    const int j = kiln_t + 32 * m;\n"
+                              "    if (j >= kN) break;\n    const long long e = base + j;\n",
+                              lane_columns)
+                : loop_head;
     std::set<int> pass_done = done;
     emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
     for (size_t o = 0; o < body.outputs.size(); ++o)
@@ -1366,10 +1434,12 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         text += fmt::format("    out{}[e] = {};\n", o,
                             store_conversion(body.type(body.outputs[o]).dtype,
                                              var(low.outputs[o])));
-    for (size_t q = 0; q < low.columns.size(); ++q)
-      text += fmt::format("    kiln_col[{} + j] += {};\n",
-                          lit_int(static_cast<int64_t>(q) * low.n),
-                          var(vals[low.outputs[low.columns[q]]].args[0]));
+    for (size_t q = 0; q < low.columns.size(); ++q) {
+      const std::string term = var(vals[low.outputs[low.columns[q]]].args[0]);
+      text += warp_rows ? fmt::format("    kiln_c{}[m] += {};\n", q, term)
+                        : fmt::format("    kiln_col[{} + j] += {};\n",
+                                      lit_int(static_cast<int64_t>(q) * low.n), term);
+    }
     text += "  }\n";
   }
   bool any_row_output = false;
@@ -1381,7 +1451,27 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
                         store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
   }
   if (any_row_output) text += "  }\n";
-  if (columns) {
+  if (columns && warp_rows) {
+    // The block's sums: warp 0 stores its lanes' sums, warps 1..7 add theirs in turn.
+    text += "  }\n  // this block's partial column sums, warp by warp\n";
+    text += fmt::format("  for (int w = 0; w < {}; ++w) {{\n"
+                        "    if ((threadIdx.x >> 5) == w) {{\n"
+                        "#pragma unroll\n"
+                        "      for (int m = 0; m < {}; ++m) {{\n"
+                        "        const int j = static_cast<int>(threadIdx.x & 31) + 32 * m;\n"
+                        "        if (j >= kN) break;\n",
+                        kWarpRowsPerBlock, lane_columns);
+    for (size_t q = 0; q < low.columns.size(); ++q)
+      text += fmt::format("        kiln_col[{} + j] = (w == 0 ? {} : kiln_col[{} + j]) + "
+                          "kiln_c{}[m];\n",
+                          lit_int(static_cast<int64_t>(q) * low.n), lit(acc_t, 0.0),
+                          lit_int(static_cast<int64_t>(q) * low.n), q);
+    text += "      }\n    }\n    __syncthreads();\n  }\n";
+    text += fmt::format(
+        "  for (int j = threadIdx.x; j < {}; j += {})\n"
+        "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
+        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), k.threads, lit_int(grid));
+  } else if (columns) {
     text += fmt::format(
         "  }}\n  // this block's partial column sums\n  __syncthreads();\n"
         "  for (int j = threadIdx.x; j < {}; j += kThreads)\n"

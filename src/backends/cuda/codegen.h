@@ -13,7 +13,7 @@
 //     for scalars, the general product otherwise). A second, scalar entry point serves pointers
 //     that are not aligned for V.
 //   "rows": one warp per row of S = (R, N) (the row op's input), 8 rows to a block, for rows of
-//     up to 1024 elements without column reductions; otherwise a thread block per row. Reductions
+//     up to 1024 elements; otherwise a thread block per row. Reductions
 //     along the row (max, sum) by warp shuffles (and one shared-memory step for a block); the
 //     row's elementwise work is recomputed in each pass over the row, inputs re-read from L1/L2.
 // Column reductions: sum / mean over every axis but the last of a value spanning (R, N) (bias
@@ -25,8 +25,11 @@
 //   elementwise: a 2-D grid; block (x, y) covers a strip of columns (a warp of threads across
 //     it, V columns each, vector accesses) over a tile of rows; each thread sums its columns in
 //     registers, the block adds its threads' row sums through shared memory in a fixed order.
-//   rows: a fixed grid of at most 1024 blocks, block b taking rows b, b + grid, ...; each thread
-//     adds the terms of its columns into the block's sums in shared memory.
+//   rows: a fixed grid of blocks. A warp per row (rows up to 1024): at most 512 blocks of 8
+//     warps, each warp taking every (8 grid)-th row; a lane sums its columns' terms in registers
+//     across its rows, and the block's warps add theirs into shared memory in warp order. A block
+//     per row: at most 1024 blocks, block b taking rows b, b + grid, ...; each thread adds the
+//     terms of its columns into the block's sums in shared memory.
 // Computation is in f32 for f32/f16/bf16 storage (f64 in f64; integers and bools as themselves),
 // rounding once per stored output, so results differ from the per-op reference (which rounds
 // every intermediate to its storage type) by a few ulps of the storage type.

@@ -106,6 +106,8 @@ NodeClass classify_node(const Graph& graph, const Node& node) {
       return make_class(ItemKind::kRowOp, in0);
     case Op::kLayerNorm:
     case Op::kRmsNorm:
+    case Op::kLayerNormGrad:  // dx per row; dgamma (and dbeta) are column values
+    case Op::kRmsNormGrad:
       return make_class(ItemKind::kRowOp, in0);
     case Op::kCrossEntropy:
     case Op::kCrossEntropyGrad:
@@ -194,11 +196,14 @@ Problem build_problem(const Graph& graph) {
     problem.items.push_back(item);
     for (ValueId in : node.inputs)
       if (value_index[in] >= 0) problem.values[value_index[in]].consumers.push_back(static_cast<int>(n));
-    for (ValueId out : node.outputs) {
+    const int column_from = c.kind == ItemKind::kRowOp ? op_def(node.op).column_outputs_from : -1;
+    for (size_t k = 0; k < node.outputs.size(); ++k) {
+      const ValueId out = node.outputs[k];
       value_index[out] = static_cast<int>(problem.values.size());
       ValueUse use;
       use.producer = static_cast<int>(n);
       use.bytes = static_cast<int64_t>(graph.type(out).bytes());
+      use.column = column_from >= 0 && static_cast<int>(k) >= column_from;
       problem.values.push_back(std::move(use));
     }
   }

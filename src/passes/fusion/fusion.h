@@ -21,7 +21,9 @@
 //                  whatever else broadcasts (e.g. (B,1,C) into (B,T,C)) is kOpaque, so a row
 //                  tile always reads contiguous rows or one broadcast row of every input.
 //   kRowOp         softmax, log_softmax, softmax_grad, log_softmax_grad on the last axis;
-//                  layer_norm, rms_norm; sum, mean, max over exactly the last axis (keepdims or
+//                  layer_norm, rms_norm; layer_norm_grad, rms_norm_grad (dx per row, their
+//                  dgamma / dbeta column values: OpDef::column_outputs_from, summed across
+//                  tiles like a bias gradient); sum, mean, max over exactly the last axis (keepdims or
 //                  not); cross_entropy and cross_entropy_grad with reduction "none" (their i64
 //                  labels are allowed: the one non-float operand of a row op). Space: the
 //                  (first) input's.
@@ -32,8 +34,7 @@
 //   kOpaque        everything else: attention, gather, scatter_add, one_hot, sources, shape ops
 //                  (reshape, transpose, slice, concat, split, broadcast_to), conv and pooling,
 //                  argmax, full reductions (a loss mean: complete only after every tile and
-//                  read as a scalar), the grads with two kinds of output (layer_norm_grad,
-//                  rms_norm_grad: a row part and a column part), cross-entropy with a "mean" or
+//                  read as a scalar), cross-entropy with a "mean" or
 //                  "sum" reduction, dropout, and the optimizer updates. sgd_update/adamw_update
 //                  are elementwise over the param, but stay opaque: they have fast fused kernels
 //                  of their own, their outputs are update values (written to memory whatever

@@ -30,7 +30,13 @@ struct Adjacency {
   std::vector<std::vector<int>> pred;        // item -> producer items (deduplicated)
   std::vector<std::vector<int>> out_values;  // item -> values it produces
   std::vector<std::vector<int>> in_values;   // item -> values it reads (deduplicated)
+  // item -> consumers of its column values (deduplicated): never in its group.
+  std::vector<std::vector<int>> column_succ;
 };
+
+bool is_column_value(const Problem& problem, const ValueUse& use) {
+  return use.column || problem.items[use.producer].kind == ItemKind::kColumnReduction;
+}
 
 Adjacency build_adjacency(const Problem& problem) {
   Adjacency a;
@@ -39,6 +45,7 @@ Adjacency build_adjacency(const Problem& problem) {
   a.pred.resize(a.n);
   a.out_values.resize(a.n);
   a.in_values.resize(a.n);
+  a.column_succ.resize(a.n);
   for (size_t v = 0; v < problem.values.size(); ++v) {
     const ValueUse& use = problem.values[v];
     KILN_CHECK(use.producer >= 0 && use.producer < a.n,
@@ -56,6 +63,7 @@ Adjacency build_adjacency(const Problem& problem) {
                  "must be in topological order (consumers after their producer)",
                  v, use.producer, c);
       a.succ[use.producer].push_back(c);
+      if (is_column_value(problem, use)) a.column_succ[use.producer].push_back(c);
       a.pred[c].push_back(use.producer);
       a.in_values[c].push_back(static_cast<int>(v));
     }
@@ -68,6 +76,7 @@ Adjacency build_adjacency(const Problem& problem) {
     dedup(a.succ[i]);
     dedup(a.pred[i]);
     dedup(a.in_values[i]);
+    dedup(a.column_succ[i]);
   }
   return a;
 }
@@ -103,13 +112,18 @@ std::string item_list(const std::vector<int>& items) {
 
 bool fusable_kind(ItemKind k) { return k != ItemKind::kOpaque; }
 
+bool reads_column_of(const Adjacency& adj, int producer, int consumer) {
+  const std::vector<int>& cs = adj.column_succ[producer];
+  return std::binary_search(cs.begin(), cs.end(), consumer);
+}
+
 // Whether the edge producer -> consumer may lie inside one legal group at all: both fusable, in
-// one iteration space, the producer no column reduction and the consumer no GEMM.
-bool fusable_edge(const Problem& problem, int producer, int consumer) {
+// one iteration space, the consumer reading no column value of the producer and no GEMM.
+bool fusable_edge(const Problem& problem, const Adjacency& adj, int producer, int consumer) {
   const Item& p = problem.items[producer];
   const Item& c = problem.items[consumer];
   return fusable_kind(p.kind) && fusable_kind(c.kind) && p.space == c.space &&
-         p.kind != ItemKind::kColumnReduction && c.kind != ItemKind::kGemm;
+         !reads_column_of(adj, producer, consumer) && c.kind != ItemKind::kGemm;
 }
 
 bool counts_as_saved(const ValueUse& use, const std::vector<int>& group_of) {
@@ -157,8 +171,7 @@ class Greedy {
         gemm_[i] = i;
         for (int p : adj.pred[i]) forbid_[i].push_back(p);
       }
-      if (k == ItemKind::kColumnReduction)
-        for (int c : adj.succ[i]) forbid_[i].push_back(c);
+      for (int c : adj.column_succ[i]) forbid_[i].push_back(c);
     }
   }
 
@@ -214,11 +227,14 @@ class Greedy {
           // product then goes through memory anyway): nothing saved. A column reduction joining
           // one becomes a cuBLASLt BGRAD epilogue, measured far slower than the product and a
           // separate column sum (H100, GPT-2's fc: DGELU_BGRAD 916 us against 281 + 97).
-          if ((gemm_[roots[0]] >= 0 && has_kind(roots[1], {ItemKind::kRowOp,
-                                                             ItemKind::kColumnReduction})) ||
-              (gemm_[roots[1]] >= 0 && has_kind(roots[0], {ItemKind::kRowOp,
-                                                             ItemKind::kColumnReduction})))
-            continue;
+          // Neither applies to a GEMM group that already holds a row op: its epilogue is a
+          // generated rows kernel over the product, which takes both at no extra pass (GPT-2's
+          // backward: dX GEMM, LayerNorm gradient, residual add, cast, bias-gradient sum).
+          auto refused = [&](int gemm_root, int other) {
+            return gemm_[gemm_root] >= 0 && !has_kind(gemm_root, {ItemKind::kRowOp}) &&
+                   has_kind(other, {ItemKind::kRowOp, ItemKind::kColumnReduction});
+          };
+          if (refused(roots[0], roots[1]) || refused(roots[1], roots[0])) continue;
           std::sort(roots.begin(), roots.end());
           merged |= try_merge(roots);
         }
@@ -410,7 +426,7 @@ std::vector<std::vector<int>> fusable_components(const Problem& problem, const A
   };
   for (int u = 0; u < adj.n; ++u)
     for (int w : adj.succ[u])
-      if (fusable_edge(problem, u, w)) parent[find(u)] = find(w);
+      if (fusable_edge(problem, adj, u, w)) parent[find(u)] = find(w);
   std::vector<std::vector<int>> by_root(adj.n);
   for (int i = 0; i < adj.n; ++i) by_root[find(i)].push_back(i);
   std::vector<std::vector<int>> comps;
@@ -506,7 +522,7 @@ LocalProblem build_local(const Problem& problem, const Adjacency& adj, const Con
     for (int w : adj.succ[u]) {
       if (local[w] >= 0) {
         lp.reach[a] |= uint64_t{1} << local[w];
-        if (kind == ItemKind::kColumnReduction || problem.items[w].kind == ItemKind::kGemm) {
+        if (reads_column_of(adj, u, w) || problem.items[w].kind == ItemKind::kGemm) {
           lp.forbid[a] |= uint64_t{1} << local[w];
           lp.forbid[local[w]] |= uint64_t{1} << a;
         }
@@ -540,7 +556,7 @@ LocalProblem build_local(const Problem& problem, const Adjacency& adj, const Con
       LocalValue lv{a, {}, use.bytes};
       bool savable = true;
       for (int c : use.consumers) {
-        if (local[c] < 0 || !fusable_edge(problem, items[a], c)) savable = false;
+        if (local[c] < 0 || !fusable_edge(problem, adj, items[a], c)) savable = false;
         if (local[c] >= 0) lv.consumers.push_back(local[c]);
       }
       if (!savable) continue;
@@ -806,10 +822,10 @@ bool is_legal(const Problem& problem, const std::vector<int>& group_of, std::str
             "rule 'a GEMM reads nothing computed in its group': GEMM item {} reads value {} "
             "produced by item {} in its group {}",
             c, v, p, g[c]));
-      if (problem.items[p].kind == ItemKind::kColumnReduction)
+      if (is_column_value(problem, use))
         return fail_with(fmt::format(
-            "rule 'a column reduction has no consumer in its group': column reduction item {} "
-            "produces value {} read by item {} in its group {}",
+            "rule 'a column value has no consumer in its group': item {} produces column value "
+            "{} read by item {} in its group {}",
             p, v, c, g[p]));
     }
   }

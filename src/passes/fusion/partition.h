@@ -9,8 +9,9 @@
 //   - every item in it has the same iteration space (Item::space);
 //   - at most one GEMM (the group's "nucleus"), and the GEMM reads nothing computed inside the
 //     group: the group is the GEMM plus its epilogue;
-//   - a column reduction (a reduction across tiles, e.g. a bias gradient) has no consumer inside
-//     its group: its result is only complete after the last tile;
+//   - a column value (a reduction across tiles, e.g. a bias gradient: every value of a column
+//     reduction item, and the values marked ValueUse::column) has no consumer inside its group:
+//     it is only complete after the last tile;
 //   - an opaque item is alone in its group;
 //   - contracting the group into one node leaves the graph acyclic (no path leaves the group and
 //     comes back into it).
@@ -45,6 +46,10 @@ struct ValueUse {
   std::vector<int> consumers;   // item indices (may repeat when an item reads a value twice)
   int64_t bytes = 0;            // size of the value in memory
   bool external = false;        // a graph output or update: written to memory whatever happens
+  // A sum over every row (complete only after the last tile): no consumer may share its
+  // producer's group. Every value of a kColumnReduction item is one whether or not this is set;
+  // a row op may have some (LayerNorm's gradient: dx per row, dgamma and dbeta over all rows).
+  bool column = false;
 };
 
 struct Problem {
@@ -80,9 +85,10 @@ Partition partition_greedy(const Problem& problem);
 // then takes it from the producer's registers instead of reading it back (gelu after its GEMM
 // writing the pre-activation for the backward; the cast and bias-gradient sum after a residual
 // gradient add). Values largest first, like greedy. Never merges a row op or a column
-// reduction with a GEMM (no library epilogue does the first: the product would go through memory
-// anyway; cuBLASLt's BGRAD epilogues for the second measured slower than a separate sum). Never
-// lowers saved_bytes; returns `partition` unchanged if it is not legal.
+// reduction with a GEMM group that holds no row op (no library epilogue does the first: the
+// product would go through memory anyway; cuBLASLt's BGRAD epilogues for the second measured
+// slower than a separate sum); a GEMM group with a row op already has a generated rows epilogue
+// that takes both. Never lowers saved_bytes; returns `partition` unchanged if it is not legal.
 Partition absorb_readers(const Problem& problem, const Partition& partition);
 
 struct OptimalOptions {
