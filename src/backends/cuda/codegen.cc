@@ -1359,8 +1359,19 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   text += warp_rows ? "  const int kiln_t = threadIdx.x & 31;\n"
                     : "  const int kiln_t = threadIdx.x;\n";
 
+  // Warp mode: every input read along the whole row (index e) is loaded once per row into
+  // registers, kiln_r<input>[m] holding column kiln_t + 32 m, and every pass reads it from
+  // there (a pass's column loop is unrolled over the lane's columns). Without that a LayerNorm
+  // gradient read x four times and dy three times a row through L1/L2.
+  std::set<int> cached_inputs;
+  if (warp_rows)
+    for (const MVal& m : vals)
+      if (m.kind == MKind::kLoad && m.space == Space::kFull && m.text == "e")
+        cached_inputs.insert(m.input);
   auto load_text = [&](int id) {
     const MVal& m = vals[id];
+    if (m.space == Space::kFull && m.text == "e" && cached_inputs.count(m.input))
+      return fmt::format("kiln_r{}[m]", m.input);
     const DType d = body.type(body.inputs[m.input].value).dtype;
     return load_conversion(d, fmt::format("in{}[{}]", m.input, m.text));
   };
@@ -1378,8 +1389,20 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
                  [&](int id) { return is_row(id) && vals[id].kind != MKind::kReduce; }, load_text,
                  "  ", text);
   };
-  const char* loop_head =
-      "  for (int j = kiln_t; j < kN; j += kThreads) {\n    const long long e = base + j;\n";
+  const std::string loop_head =
+      warp_rows ? fmt::format("#pragma unroll\n  for (int m = 0; m < {}; ++m) {{\n"
+                              "    const int j = kiln_t + 32 * m;\n"
+                              "    if (j >= kN) break;\n    const long long e = base + j;\n",
+                              lane_columns)
+                : std::string("  for (int j = kiln_t; j < kN; j += kThreads) {\n"
+                              "    const long long e = base + j;\n");
+  for (int input : cached_inputs) {
+    const DType d = body.type(body.inputs[input].value).dtype;
+    text += fmt::format("  {} kiln_r{}[{}];\n", ctype_of(d), input, lane_columns);
+    text += loop_head;
+    text += fmt::format("    kiln_r{}[m] = {};\n  }}\n", input,
+                        load_conversion(d, fmt::format("in{}[e]", input)));
+  }
   for (int level = 1; level <= max_level; ++level) {
     emit_row_values(level - 1);
     std::vector<int> reductions;
@@ -1419,14 +1442,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   if (!full_outputs.empty()) {
     text += columns ? "  // final pass: per-element outputs and column sums\n"
                     : "  // final pass: per-element outputs\n";
-    // Warp mode with column sums: the lane's m-th column indexes registers, so the loop is
-    // unrolled over a compile-time count.
-    text += columns && warp_rows
-                ? fmt::format("#pragma unroll\n  for (int m = 0; m < {}; ++m) {{\n"
-                              "    const int j = kiln_t + 32 * m;\n"
-                              "    if (j >= kN) break;\n    const long long e = base + j;\n",
-                              lane_columns)
-                : loop_head;
+    text += loop_head;
     std::set<int> pass_done = done;
     emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
     for (size_t o = 0; o < body.outputs.size(); ++o)

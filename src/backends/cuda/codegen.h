@@ -15,7 +15,9 @@
 //   "rows": one warp per row of S = (R, N) (the row op's input), 8 rows to a block, for rows of
 //     up to 1024 elements; otherwise a thread block per row. Reductions
 //     along the row (max, sum) by warp shuffles (and one shared-memory step for a block); the
-//     row's elementwise work is recomputed in each pass over the row, inputs re-read from L1/L2.
+//     row's elementwise work is recomputed in each pass over the row. A warp per row loads each
+//     input read along the row once into registers (the lane's columns, the passes' loops
+//     unrolled); a block per row re-reads them from L1/L2.
 // Column reductions: sum / mean over every axis but the last of a value spanning (R, N) (bias
 // gradients, LayerNorm's dgamma / dbeta), as group outputs never read inside the body, in both
 // kernel shapes. The main kernel writes per-element outputs as above and one f32 (f64 in f64)
