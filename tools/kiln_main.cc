@@ -91,7 +91,7 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
              bool report, const std::string& memory_budget, const std::string& amp,
-             const std::string& dump_kernels_dir) {
+             const std::string& dump_kernels_dir, const std::string& target) {
   auto start = std::chrono::steady_clock::now();
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
   double build_s = seconds_since(start);
@@ -105,6 +105,9 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   options.print_after = {print_after.begin(), print_after.end()};
   options.disabled = {disabled.begin(), disabled.end()};
   if (!memory_budget.empty()) options.memory_budget = kiln::parse_byte_size(memory_budget);
+  // The pipeline differs per device (training-rewrites run only for the CPU): `--target cuda`
+  // shows, and --dump-kernels writes, what a GPU run would compile.
+  options.target = target == "cuda" ? kiln::Device::kCuda : kiln::Device::kCpu;
   kiln::Graph graph = program.graph;
   size_t nodes_before = graph.nodes.size();
   std::vector<kiln::PassRecord> records = kiln::default_pipeline(options).run(graph);
@@ -209,6 +212,10 @@ int main(int argc, char** argv) {
   std::string compile_budget;
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
+  std::string compile_target = "cpu";
+  compile_cmd->add_option("--target", compile_target,
+                          "The device the pipeline prepares the graph for: cpu | cuda (no GPU needed)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->default_val("cpu");
 
   auto* train = app.add_subcommand("train", "Train a model on the CPU or a CUDA GPU, printing progress");
   kiln::train::JobOptions job;
@@ -291,7 +298,7 @@ int main(int argc, char** argv) {
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
       compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,
-              compile_budget, compile_amp, dump_kernels_dir);
+              compile_budget, compile_amp, dump_kernels_dir, compile_target);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);

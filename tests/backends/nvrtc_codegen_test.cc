@@ -269,6 +269,25 @@ TEST(NvrtcCodegenTest, DeterministicSourceAndEveryEmitterListed) {
   EXPECT_EQ(std::find(ops.begin(), ops.end(), Op::kMatmul), ops.end());
 }
 
+TEST(NvrtcCodegenTest, LayersWithTheSameBodyShareOneSource) {
+  // Layer l's LayerNorm reads h<l>.ln.weight: the names differ, the bodies do not. The source is
+  // the compile caches' key, so it must not carry the names (GPT-2 compiled 74 kernels instead
+  // of 7 when it did); the listing names them for the reader.
+  auto layer_norm = [](const std::string& layer) {
+    Body b;
+    ValueId x = b.in(layer + ".x", DType::kF32, {64, 256});
+    ValueId g = b.in(layer + ".ln.weight", DType::kF32, {256});
+    ValueId beta = b.in(layer + ".ln.bias", DType::kF32, {256});
+    return b.out({b.op(Op::kCast, {b.op(Op::kLayerNorm, {x, g, beta})}, {{"dtype", DType::kBF16}})});
+  };
+  Body a = layer_norm("h0"), b = layer_norm("h1");
+  EXPECT_EQ(cuda::generate_kernel(*a.g, "rows").source, cuda::generate_kernel(*b.g, "rows").source);
+  EXPECT_FALSE(contains(cuda::generate_kernel(*a.g, "rows").source, "h0.")) << "names in the source";
+  const std::string listing = cuda::fused_kernel_listing(*b.g, "rows");
+  EXPECT_TRUE(contains(listing, "in1 %h1.ln.weight")) << listing;
+  EXPECT_TRUE(contains(listing, cuda::generate_kernel(*b.g, "rows").source)) << listing;
+}
+
 TEST(NvrtcCodegenTest, CompileErrorsNameTheLine) {
   if (!headers_available()) GTEST_SKIP() << "no CUDA headers for NVRTC here";
   const std::string source = "// line 1\n__global__ void k() {\n  int x = undefined_name;\n}\n";

@@ -698,7 +698,10 @@ bool nvrtc_supports(const Graph& body, const std::string& kind, std::string* why
   return false;
 }
 
-std::string fused_kernel_listing(const Graph& body, const std::string& kind) {
+namespace {
+
+// The listing of a fused node without its value names (see fused_kernel_listing).
+std::string fused_kernel_text(const Graph& body, const std::string& kind) {
   std::string ops;
   for (const Node& node : body.nodes)
     ops += (ops.empty() ? "" : ", ") + std::string(op_info(node.op).name);
@@ -729,6 +732,19 @@ std::string fused_kernel_listing(const Graph& body, const std::string& kind) {
                      "// (it runs on a lower-priority dialect)\n",
                      kind, ops, why);
 }
+
+}  // namespace
+
+std::string fused_kernel_listing(const Graph& body, const std::string& kind) {
+  // The body's value names, for the reader: the generated source itself carries types only.
+  std::string names = "// values:";
+  for (size_t k = 0; k < body.inputs.size(); ++k)
+    names += fmt::format(" in{} %{}", k, body.value(body.inputs[k].value).name);
+  for (size_t k = 0; k < body.outputs.size(); ++k)
+    names += fmt::format(" out{} %{}", k, body.value(body.outputs[k]).name);
+  return names + "\n" + fused_kernel_text(body, kind);
+}
+
 
 // ---- registration ----------------------------------------------------------------------------
 
