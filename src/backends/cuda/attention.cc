@@ -39,9 +39,11 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   return s;
 }
 
+}  // namespace
+
 // One dtype for q, k, v (and out, dout) that we handle, an f32 lse (the op's inference checks
 // all of that), sizes the launchers index with 32-bit grids.
-bool supported(const NodeView& node, bool backward) {
+bool attention_supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
   if (in.size() != (backward ? 6u : 3u) || in[0].rank() < 2) return false;
   const auto dtype = attention_dtype(in[0].dtype);
@@ -62,6 +64,8 @@ bool supported(const NodeView& node, bool backward) {
     return false;
   return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
 }
+
+namespace {
 
 void forward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
@@ -86,11 +90,11 @@ void backward_kernel(const KernelArgs& args) {
 void register_attention_kernels(KernelRegistry& registry) {
   registry.add(Op::kAttention,
                KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
-                          [](const NodeView& node) { return supported(node, false); },
+                          [](const NodeView& node) { return attention_supported(node, false); },
                           forward_kernel});
   registry.add(Op::kAttentionGrad,
                KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
-                          [](const NodeView& node) { return supported(node, true); },
+                          [](const NodeView& node) { return attention_supported(node, true); },
                           backward_kernel});
 }
 
