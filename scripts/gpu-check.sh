@@ -3,19 +3,21 @@
 # kiln's GPT-2 training step and PyTorch's (eager and torch.compile) side by side, and print a
 # short table last. Full logs go to $OUT (the device tool brings them back) or ./gpu-out.
 #
-#   bash scripts/gpu-check.sh [--no-tests] [--no-torch] [--bench "[NAME=value ...] ARGS"] ...
+#   bash scripts/gpu-check.sh [--no-tests | --tests GTEST_FILTER] [--no-torch]
+#                             [--bench "[NAME=value ...] ARGS"] ...
 #
 # The PyTorch reference is ../shared/bench/torch_gpt2.py; only the repository travels to the GPU
 # machine, so copy it to .carry/torch_gpt2.py (ignored by git) and carry .carry along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-tests=1; torch=1
+tests=1; torch=1; test_filter='*'
 benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
 torch_runs="gpt2:eager:32 gpt2:compile:32"
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-tests) tests=0 ;;
+    --tests) shift; test_filter="$1" ;;
     --no-torch) torch=0 ;;
     --bench) shift; benches+=("$1") ;;
     --only-bench) shift; benches=("$1") ;;
@@ -39,7 +41,7 @@ if [ $build_rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40;
 
 test_summary="not run"
 if [ $tests = 1 ]; then
-  ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
+  ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 --gtest_filter="$test_filter" >"$out/gpu_tests.log" 2>&1
   test_summary=$(grep -E "^\[  (PASSED|FAILED)|tests? ran" "$out/gpu_tests.log" | tr '\n' ' ')
   grep -E "^\[  FAILED|Failure|error" "$out/gpu_tests.log" | head -30
 fi
