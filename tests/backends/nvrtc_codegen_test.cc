@@ -608,7 +608,9 @@ TEST(NvrtcCodegenTest, NormGradientsAreRowOpsWithColumnOutputs) {
     EXPECT_EQ(k.blocks, 128);  // a warp per row: 1024 / 8
     EXPECT_TRUE(contains(k.source, "float kiln_c0[24] = {};")) << k.source;
     // LayerNorm: mean, then the variance and mean(g), then mean(g * x_hat): 3 passes + 1.
-    if (op == Op::kLayerNormGrad) EXPECT_TRUE(contains(k.source, "4 pass(es)")) << k.source;
+    if (op == Op::kLayerNormGrad) {
+      EXPECT_TRUE(contains(k.source, "4 pass(es)")) << k.source;
+    }
     expect_compiles(k);
   }
 }

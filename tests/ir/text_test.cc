@@ -69,11 +69,6 @@ void expect_parse_error(std::string_view text, int line, int column, std::string
   }
 }
 
-const Node& only_node(const Graph& g) {
-  EXPECT_EQ(g.nodes.size(), 1u);
-  return g.nodes.at(0);
-}
-
 constexpr std::string_view kMlp =
     "graph @mlp(%x: f32[8,784] data, %w1: f32[784,128] param, %b1: f32[128] param, %step: i64[] "
     "state) {\n"
