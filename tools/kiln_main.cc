@@ -170,8 +170,12 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("kiln ") + KILN_VERSION);
   app.footer(
       "Environment:\n"
-      "  KILN_CACHE_DIR  where compiled kernels are cached across runs (default\n"
-      "                  $XDG_CACHE_HOME/kiln or ~/.cache/kiln; 'off' disables the cache)");
+      "  KILN_CACHE_DIR        where compiled kernels are cached across runs (default\n"
+      "                        $XDG_CACHE_HOME/kiln or ~/.cache/kiln; 'off' disables the cache)\n"
+      "  KILN_GEMM_AUTOTUNE=1  time cuBLASLt's candidate algorithms per GEMM at the first step\n"
+      "                        and keep the fastest (default: the heuristic's first)\n"
+      "  KILN_MIXED_BIAS_GEMM=1  a 16-bit bias on an f32 GEMM output in the cuBLASLt call\n"
+      "                        (residual projections under amp; default: a generated epilogue)");
 
   app.add_subcommand("version", "Print the version");
 
