@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "attention_test_util.h"
 #include "backends/cuda/cuda_check.h"
-#include "gpu_test_util.h"
 
 namespace kiln {
 namespace {
@@ -28,71 +28,15 @@ namespace {
 using testing::rand;
 using testing::run_reference;
 
-std::shared_ptr<std::byte[]> device_alloc(size_t bytes) {
-  void* p = nullptr;
-  KILN_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-  return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(p),
-                                      [](std::byte* q) { cudaFree(q); });
-}
+using testing::poisoned_device;
+using testing::scaled_error;
+using cuda::to_device;
+using cuda::to_host;
 
-Tensor to_device(const Tensor& host) {
-  auto storage = device_alloc(host.bytes());
-  KILN_CUDA_CHECK(cudaMemcpy(storage.get(), host.raw(), host.bytes(), cudaMemcpyHostToDevice));
-  return Tensor(host.type(), storage, 0, Device::kCuda);
-}
+const KernelImpl& attention_impl(Op op) { return testing::dialect_impl("cuda-attention", op); }
 
-// All bytes 0xFF: NaN in f32, f16 and bf16, so an element the kernel never writes shows.
-Tensor poisoned_device(const TensorType& type) {
-  auto storage = device_alloc(type.bytes());
-  KILN_CUDA_CHECK(cudaMemset(storage.get(), 0xFF, type.bytes()));
-  return Tensor(type, storage, 0, Device::kCuda);
-}
-
-Tensor to_host(const Tensor& device) {
-  Tensor host(device.type());
-  KILN_CUDA_CHECK(cudaMemcpy(host.raw(), device.raw(), device.bytes(), cudaMemcpyDeviceToHost));
-  return host;
-}
-
-const KernelImpl& attention_impl(Op op) {
-  for (const KernelImpl* impl : kernel_registry().candidates(op, Device::kCuda))
-    if (impl->dialect == "cuda-attention") return *impl;
-  fail("no cuda-attention kernel for {}", op_info(op).name);
-}
-
-// Runs the dialect's kernel for `op` on device copies of `inputs`; returns host outputs.
-// Fails the test if the dialect does not claim the node.
 std::vector<Tensor> run_gpu(Op op, const std::vector<Tensor>& inputs, Attributes attrs) {
-  attrs = normalize_attributes(op, attrs);
-  std::vector<TensorType> in_types;
-  for (const Tensor& t : inputs) in_types.push_back(t.type());
-  const std::vector<TensorType> out_types = infer_types(op, in_types, attrs);
-  Node node{op, {}, {}, attrs, nullptr};
-  const KernelImpl& impl = attention_impl(op);
-  EXPECT_TRUE(impl.supports(NodeView{node, in_types, out_types}));
-  std::vector<Tensor> dev_in, dev_out;
-  for (const Tensor& t : inputs) dev_in.push_back(to_device(t));
-  for (const TensorType& t : out_types) dev_out.push_back(poisoned_device(t));
-  cudaStream_t stream;
-  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  impl.kernel(KernelArgs{attrs, dev_in, dev_out, stream});
-  KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  KILN_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::vector<Tensor> out;
-  for (const Tensor& t : dev_out) out.push_back(to_host(t));
-  return out;
-}
-
-// max |a - b| / max |b|; infinity if a has a NaN (an unwritten or broken element).
-double scaled_error(const Tensor& a, const Tensor& b) {
-  double diff = 0.0, ref = 0.0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double x = a.get(i), y = b.get(i);
-    if (!std::isfinite(x)) return INFINITY;
-    diff = std::max(diff, std::abs(x - y));
-    ref = std::max(ref, std::abs(y));
-  }
-  return ref > 0.0 ? diff / ref : diff;
+  return testing::run_attention_dialect("cuda-attention", op, inputs, std::move(attrs));
 }
 
 struct Case {

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "backends/cuda/cudnn_attention.h"
+#include "attention_test_util.h"
 #include "backends/cuda/memory.h"
-#include "gpu_test_util.h"
 #include "ir/text.h"
 #include "runtime/executor.h"
 
@@ -39,59 +39,16 @@ namespace {
 using testing::rand;
 using testing::run_reference;
 
-const KernelImpl& impl_of(const std::string& dialect, Op op) {
-  for (const KernelImpl* impl : kernel_registry().candidates(op, Device::kCuda))
-    if (impl->dialect == dialect) return *impl;
-  fail("no {} kernel for {}", dialect, op_info(op).name);
-}
-
-// All bytes 0xFF: NaN in f32, f16 and bf16, so an element the kernel never writes shows.
-Tensor poisoned_device(const TensorType& type) {
-  Tensor t = cuda::device_tensor(type, false);
-  KILN_CUDA_CHECK(cudaMemset(t.raw(), 0xFF, type.bytes()));
-  return t;
-}
+using testing::poisoned_device;
+using testing::scaled_error;
 
 void print_plans() {
   for (const std::string& line : cuda::cudnn_attention_plans())
     std::printf("  cudnn plan: %s\n", line.c_str());
 }
 
-// Runs the "cudnn" kernel for `op` (prepared first, as the executor does) on device copies of
-// `inputs`; returns host outputs. Fails the test if the dialect does not claim the node.
 std::vector<Tensor> run_cudnn(Op op, const std::vector<Tensor>& inputs, Attributes attrs) {
-  attrs = normalize_attributes(op, attrs);
-  std::vector<TensorType> in_types;
-  for (const Tensor& t : inputs) in_types.push_back(t.type());
-  const std::vector<TensorType> out_types = infer_types(op, in_types, attrs);
-  Node node{op, {}, {}, attrs, nullptr};
-  const NodeView view{node, in_types, out_types};
-  const KernelImpl& impl = impl_of("cudnn", op);
-  EXPECT_TRUE(impl.supports(view));
-  impl.prepare(view);
-  std::vector<Tensor> dev_in, dev_out;
-  for (const Tensor& t : inputs) dev_in.push_back(cuda::to_device(t));
-  for (const TensorType& t : out_types) dev_out.push_back(poisoned_device(t));
-  cudaStream_t stream;
-  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  impl.kernel(KernelArgs{attrs, dev_in, dev_out, stream});
-  KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  KILN_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::vector<Tensor> out;
-  for (const Tensor& t : dev_out) out.push_back(cuda::to_host(t));
-  return out;
-}
-
-// max |a - b| / max |b|; infinity if a has a NaN (an unwritten or broken element).
-double scaled_error(const Tensor& a, const Tensor& b) {
-  double diff = 0.0, ref = 0.0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double x = a.get(i), y = b.get(i);
-    if (!std::isfinite(x)) return INFINITY;
-    diff = std::max(diff, std::abs(x - y));
-    ref = std::max(ref, std::abs(y));
-  }
-  return ref > 0.0 ? diff / ref : diff;
+  return testing::run_attention_dialect("cudnn", op, inputs, std::move(attrs));
 }
 
 struct Case {
@@ -317,8 +274,8 @@ TEST(CudnnAttention, ThroughputAgainstCudaAttention) {
       Node bwd_node{Op::kAttentionGrad, {}, {}, attrs, nullptr};
       const double flops = 4.0 * b * h * t * t * d / (causal ? 2.0 : 1.0);
       for (const char* dialect : {"cudnn", "cuda-attention"}) {
-        const KernelImpl& fwd = impl_of(dialect, Op::kAttention);
-        const KernelImpl& bwd = impl_of(dialect, Op::kAttentionGrad);
+        const KernelImpl& fwd = testing::dialect_impl(dialect, Op::kAttention);
+        const KernelImpl& bwd = testing::dialect_impl(dialect, Op::kAttentionGrad);
         if (fwd.prepare) fwd.prepare(NodeView{fwd_node, fwd_types, fwd_out});
         if (bwd.prepare) bwd.prepare(NodeView{bwd_node, bwd_types, bwd_out});
         const double fwd_ms = testing::time_ms(stream, 20, [&] {
