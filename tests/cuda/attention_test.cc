@@ -10,11 +10,16 @@
 // over up to 1024 keys against the reference's double). lse 1e-5 for every dtype: the scores
 // are f32 sums of exact products of the (same) rounded inputs, then an f32 log.
 // Also prints (does not assert) TFLOP/s at GPT-2 size.
+// attention_qkv / attention_qkv_grad (q, k, v and dq, dk, dv strided inside one packed
+// (B, T, 3, H, D) tensor): against their reference kernels with the same tolerances (dq, dk, dv
+// compared part by part), and bit for bit against the plain "bthd" kernels on the unpacked parts
+// (the same kernels and arithmetic, only the row addressing differs).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -184,6 +189,108 @@ TEST(CudaAttention, BackwardUsesTheGivenLse) {
   }
 }
 
+// ---- attention_qkv: q, k, v read in place from the packed (B, T, 3, H, D) ----
+
+struct QkvCase {
+  DType dtype;
+  Shape lead;  // leading dims before T
+  int64_t t, heads, d;
+  bool causal;
+};
+
+std::string describe(const QkvCase& c) {
+  return std::string(dtype_name(c.dtype)) + " lead=" + to_string(c.lead) +
+         " T=" + std::to_string(c.t) + " H=" + std::to_string(c.heads) +
+         " d=" + std::to_string(c.d) + (c.causal ? " causal" : "");
+}
+
+// Part `which` (0 q, 1 k, 2 v) of a packed (..., T, 3, H, D) host tensor, as (..., T, H, D).
+Tensor unpack(const Tensor& qkv, int which) {
+  Shape shape = qkv.shape();
+  shape.erase(shape.end() - 3);
+  Tensor part(TensorType{qkv.dtype(), shape});
+  const int64_t hd = shape[shape.size() - 2] * shape.back();
+  for (int64_t pos = 0; pos < part.numel() / hd; ++pos)
+    for (int64_t e = 0; e < hd; ++e) part.set(pos * hd + e, qkv.get((pos * 3 + which) * hd + e));
+  return part;
+}
+
+// Whether a and b hold the same bytes (bit-identical results).
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.type() == b.type() && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
+}
+
+void check_qkv_case(const QkvCase& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  Shape packed = c.lead, part = c.lead;
+  packed.insert(packed.end(), {c.t, 3, c.heads, c.d});
+  part.insert(part.end(), {c.t, c.heads, c.d});
+  // Scores of a few units (q, k in [-2, 2]), as check_case.
+  const Tensor qkv = rand(c.dtype, packed, seed, -2.0, 2.0);
+  const Attributes attrs{{"causal", c.causal}};
+  Attributes bthd = attrs;
+  bthd.set("layout", std::string("bthd"));
+
+  const std::vector<Tensor> ref = run_reference(Op::kAttentionQkv, {qkv}, attrs);
+  const std::vector<Tensor> gpu = run_gpu(Op::kAttentionQkv, {qkv}, attrs);
+  ASSERT_EQ(gpu.size(), 2u);
+  ASSERT_EQ(gpu[0].type(), (TensorType{c.dtype, part}));
+  const double err = scaled_error(gpu[0], ref[0]), lse_err = scaled_error(gpu[1], ref[1]);
+  std::printf("  attention_qkv      %-44s out %.2e lse %.2e\n", describe(c).c_str(), err,
+              lse_err);
+  EXPECT_LE(err, forward_tolerance(c.dtype)) << "out";
+  EXPECT_LE(lse_err, kLseTolerance) << "lse";
+  const Tensor q = unpack(qkv, 0), k = unpack(qkv, 1), v = unpack(qkv, 2);
+  const std::vector<Tensor> plain = run_gpu(Op::kAttention, {q, k, v}, bthd);
+  EXPECT_TRUE(same_bits(gpu[0], plain[0])) << "out differs from attention{bthd}'s";
+  EXPECT_TRUE(same_bits(gpu[1], plain[1])) << "lse differs from attention{bthd}'s";
+
+  const Tensor dout = rand(c.dtype, part, seed + 1);
+  const std::vector<Tensor> grad_in = {qkv, ref[0], dout, ref[1]};
+  const std::vector<Tensor> gref = run_reference(Op::kAttentionQkvGrad, grad_in, attrs);
+  const std::vector<Tensor> ggpu = run_gpu(Op::kAttentionQkvGrad, grad_in, attrs);
+  ASSERT_EQ(ggpu.size(), 1u);
+  ASSERT_EQ(ggpu[0].type(), qkv.type());
+  const std::vector<Tensor> gplain =
+      run_gpu(Op::kAttentionGrad, {q, k, v, ref[0], dout, ref[1]}, bthd);
+  const char* names[3] = {"dq", "dk", "dv"};
+  double errs[3];
+  for (int i = 0; i < 3; ++i) {
+    const Tensor g = unpack(ggpu[0], i);
+    errs[i] = scaled_error(g, unpack(gref[0], i));
+    EXPECT_LE(errs[i], backward_tolerance(c.dtype)) << names[i];
+    EXPECT_TRUE(same_bits(g, gplain[i])) << names[i] << " differs from attention_grad{bthd}'s";
+  }
+  std::printf("  attention_qkv_grad %-44s dq %.2e dk %.2e dv %.2e\n", describe(c).c_str(),
+              errs[0], errs[1], errs[2]);
+}
+
+// The tensor-core path: 16-bit types, d in {32, 64, 128}; T not a multiple of the 64-row tile.
+TEST(CudaAttention, QkvTensorCoresMatchReference) {
+  KILN_REQUIRE_GPU();
+  uint64_t seed = 1300;
+  for (DType dtype : {DType::kBF16, DType::kF16})
+    for (bool causal : {false, true}) {
+      check_qkv_case({dtype, {2}, 100, 3, 64, causal}, seed += 10);
+      check_qkv_case({dtype, {1}, 17, 2, 32, causal}, seed += 10);
+      check_qkv_case({dtype, {2}, 130, 2, 128, causal}, seed += 10);
+    }
+  check_qkv_case({DType::kBF16, {1}, 1, 4, 64, true}, seed += 10);  // one position
+  check_qkv_case({DType::kBF16, {2, 2}, 70, 3, 64, true}, seed += 10);  // two leading dims
+}
+
+// The simple path: f32 at any d, and d = 40 (no tensor-core tile) for every dtype.
+TEST(CudaAttention, QkvSimplePathMatchesReference) {
+  KILN_REQUIRE_GPU();
+  uint64_t seed = 1700;
+  for (bool causal : {false, true}) {
+    check_qkv_case({DType::kF32, {2}, 100, 3, 64, causal}, seed += 10);
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      check_qkv_case({dtype, {2}, 77, 3, 40, causal}, seed += 10);
+    check_qkv_case({DType::kF32, {1}, 33, 2, 7, causal}, seed += 10);  // odd d
+  }
+}
+
 TEST(CudaAttention, SupportsWhatItHandles) {
   if (!cuda::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
   auto supports = [](Op op, DType dtype, int64_t d, int64_t dv) {
@@ -208,6 +315,30 @@ TEST(CudaAttention, SupportsWhatItHandles) {
   EXPECT_TRUE(supports(Op::kAttentionGrad, DType::kF16, 1, 1));
   EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kF64, 64, 64));
   EXPECT_FALSE(supports(Op::kAttentionGrad, DType::kBF16, 64, 300));
+}
+
+// attention_qkv(_grad): the dtypes and head dims of attention_supported's "bthd" layout.
+TEST(CudaAttention, QkvSupportsWhatItHandles) {
+  if (!cuda::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
+  auto supports = [](Op op, DType dtype, int64_t d) {
+    const DType lse = dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+    const std::vector<TensorType> in = {
+        {dtype, {2, 8, 3, 4, d}}, {dtype, {2, 8, 4, d}}, {dtype, {2, 8, 4, d}}, {lse, {2, 8, 4}}};
+    const size_t n = op == Op::kAttentionQkv ? 1 : 4;
+    Node node{op, {}, {}, normalize_attributes(op, {}), nullptr};
+    const std::vector<TensorType> ins(in.begin(), in.begin() + n);
+    const std::vector<TensorType> outs = infer_types(op, ins, node.attrs);
+    return attention_impl(op).supports(NodeView{node, ins, outs});
+  };
+  for (Op op : {Op::kAttentionQkv, Op::kAttentionQkvGrad}) {
+    SCOPED_TRACE(op_info(op).name);
+    EXPECT_TRUE(supports(op, DType::kBF16, 64));
+    EXPECT_TRUE(supports(op, DType::kF16, 128));
+    EXPECT_TRUE(supports(op, DType::kF32, 3));
+    EXPECT_TRUE(supports(op, DType::kBF16, 256));
+    EXPECT_FALSE(supports(op, DType::kF64, 64));
+    EXPECT_FALSE(supports(op, DType::kBF16, 257));
+  }
 }
 
 TEST(CudaAttention, OversizedHeadDimThrows) {

@@ -416,6 +416,11 @@ const std::set<std::string_view> kWithoutGenericKernel = {
     "max_pool2d_grad",
     "avg_pool2d",
     "avg_pool2d_grad",
+    // Packed self-attention: cuda-attention (and cudnn) serve f32 / f16 / bf16 up to head dim
+    // 256; like "bthd" attention, which this generic dialect does not take either, f64 or wider
+    // heads have no CUDA kernel.
+    "attention_qkv",
+    "attention_qkv_grad",
 };
 
 bool has_generic_kernel(Op op) {

@@ -1,7 +1,10 @@
 // The "cuda-attention" dialect: flash-attention kernels (attention.cu) for attention (out, lse)
 // and attention_grad (q, k, v, out, dout, lse) on f32, f16 and bf16 (lse f32), head dims up to
-// kAttentionMaxHeadDim; tensor cores for 16-bit types with d == dv in {32, 64, 128}.
+// kAttentionMaxHeadDim; tensor cores for 16-bit types with d == dv in {32, 64, 128}. The packed
+// attention_qkv (qkv (..., T, 3, H, D)) and attention_qkv_grad run the same kernels as "bthd"
+// attention with q, k, v (dq, dk, dv) read (written) in place at offsets of the one tensor.
 #include <cmath>
+#include <cstddef>
 #include <optional>
 
 #include "backends/cuda/attention.cuh"
@@ -39,6 +42,37 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   return s;
 }
 
+// attention_qkv's packed qkv (..., T, 3, H, D): "bthd" problems whose q, k, v rows are
+// 3 * H * D elements apart.
+AttentionShape packed_shape(const Shape& qkv, const Attributes& attrs) {
+  const size_t r = qkv.size();
+  AttentionShape s;
+  s.heads = qkv[r - 2];
+  s.batch = s.heads;
+  for (size_t i = 0; i + 4 < r; ++i) s.batch *= qkv[i];
+  s.tq = s.tk = qkv[r - 4];
+  s.d = s.dv = qkv[r - 1];
+  s.qkv_row_stride = 3 * s.heads * s.d;
+  s.causal = attrs.b("causal");
+  s.scale = attrs.has("scale") ? attrs.f("scale")
+                               : (s.d > 0 ? 1.0 / std::sqrt(static_cast<double>(s.d)) : 1.0);
+  return s;
+}
+
+// Part `which` (0 q, 1 k, 2 v) of a packed (..., T, 3, H, D) device tensor: its first element.
+void* packed_part(const Tensor& qkv, const AttentionShape& s, int which) {
+  const int64_t offset = which * s.heads * s.d * static_cast<int64_t>(dtype_size(qkv.dtype()));
+  return static_cast<std::byte*>(qkv.raw()) + offset;
+}
+
+// The size limits of the launchers (32-bit grids, head dims), shared by both node kinds.
+bool attention_fits_launchers(int64_t batch, int64_t heads, int64_t tq, int64_t tk, int64_t d,
+                              int64_t dv) {
+  if (batch > (int64_t{1} << 31) - 1 || heads > (int64_t{1} << 30)) return false;
+  if ((tq + 63) / 64 > 65535 || (tk + 63) / 64 > 65535) return false;
+  return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
+}
+
 }  // namespace
 
 // One dtype for q, k, v (and out, dout) that we handle, an f32 lse (the op's inference checks
@@ -55,14 +89,30 @@ bool attention_supported(const NodeView& node, bool backward) {
   const bool bthd = node.node.attrs.s("layout") == "bthd";
   const int t_axis = bthd ? r - 3 : r - 2;
   if (t_axis < 0) return false;
-  const int64_t d = in[0].shape[r - 1], dv = in[2].shape[r - 1];
-  int64_t batch = bthd ? in[0].shape[r - 2] : 1;
+  const int64_t heads = bthd ? in[0].shape[r - 2] : 1;
+  int64_t batch = heads;
   for (int i = 0; i < t_axis; ++i) batch *= in[0].shape[i];
-  if (batch > (int64_t{1} << 31) - 1 || (bthd && in[0].shape[r - 2] > (int64_t{1} << 30)))
-    return false;
-  if ((in[0].shape[t_axis] + 63) / 64 > 65535 || (in[1].shape[t_axis] + 63) / 64 > 65535)
-    return false;
-  return d >= 1 && dv >= 1 && d <= kAttentionMaxHeadDim && dv <= kAttentionMaxHeadDim;
+  return attention_fits_launchers(batch, heads, in[0].shape[t_axis], in[1].shape[t_axis],
+                                  in[0].shape[r - 1], in[2].shape[r - 1]);
+}
+
+// attention_qkv (qkv) / attention_qkv_grad (qkv, out, dout, lse): the same dtypes and limits
+// as attention_supported's "bthd" layout.
+bool attention_qkv_supported(const NodeView& node, bool backward) {
+  const auto& in = node.input_types;
+  if (in.size() != (backward ? 4u : 1u) || in[0].rank() < 4) return false;
+  if (!attention_dtype(in[0].dtype)) return false;
+  const int r = in[0].rank();
+  if (in[0].shape[r - 3] != 3) return false;
+  if (backward) {
+    for (size_t i = 1; i < 3; ++i)
+      if (in[i].dtype != in[0].dtype || in[i].rank() != r - 1) return false;
+    if (in[3].dtype != DType::kF32) return false;
+  }
+  const int64_t heads = in[0].shape[r - 2], t = in[0].shape[r - 4], d = in[0].shape[r - 1];
+  int64_t batch = heads;
+  for (int i = 0; i + 4 < r; ++i) batch *= in[0].shape[i];
+  return attention_fits_launchers(batch, heads, t, t, d, d);
 }
 
 namespace {
@@ -85,6 +135,24 @@ void backward_kernel(const KernelArgs& args) {
                      static_cast<cudaStream_t>(args.stream));
 }
 
+void qkv_forward_kernel(const KernelArgs& args) {
+  const Tensor& qkv = args.inputs[0];
+  const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
+  attention_forward(*attention_dtype(qkv.dtype()), packed_part(qkv, s, 0),
+                    packed_part(qkv, s, 1), packed_part(qkv, s, 2), args.outputs[0].raw(),
+                    args.outputs[1].data<float>(), s, static_cast<cudaStream_t>(args.stream));
+}
+
+void qkv_backward_kernel(const KernelArgs& args) {
+  const Tensor &qkv = args.inputs[0], &out = args.inputs[1], &dout = args.inputs[2],
+               &lse = args.inputs[3], &dqkv = args.outputs[0];
+  const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
+  attention_backward(*attention_dtype(qkv.dtype()), packed_part(qkv, s, 0),
+                     packed_part(qkv, s, 1), packed_part(qkv, s, 2), out.raw(), dout.raw(),
+                     lse.data<float>(), packed_part(dqkv, s, 0), packed_part(dqkv, s, 1),
+                     packed_part(dqkv, s, 2), s, static_cast<cudaStream_t>(args.stream));
+}
+
 }  // namespace
 
 void register_attention_kernels(KernelRegistry& registry) {
@@ -96,6 +164,14 @@ void register_attention_kernels(KernelRegistry& registry) {
                KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
                           [](const NodeView& node) { return attention_supported(node, true); },
                           backward_kernel});
+  registry.add(Op::kAttentionQkv,
+               KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
+                          [](const NodeView& node) { return attention_qkv_supported(node, false); },
+                          qkv_forward_kernel});
+  registry.add(Op::kAttentionQkvGrad,
+               KernelImpl{"cuda-attention", Device::kCuda, kLibraryPriority,
+                          [](const NodeView& node) { return attention_qkv_supported(node, true); },
+                          qkv_backward_kernel});
 }
 
 }  // namespace kiln::cuda

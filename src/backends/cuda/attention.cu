@@ -16,11 +16,15 @@
 //            f32 atomics: deterministic, no dq accumulator).
 // Simple path (f32, other head dims): the same passes with one warp per query (key) row and f32
 // CUDA-core math.
+// Both paths take q, k, v (dq, dk, dv) rows at a stride of their own (AttentionShape::
+// qkv_row_stride): attention_qkv reads them in place from its packed (..., T, 3, H, D) and its
+// gradient writes them in place; out, dout and lse keep the plain layouts.
 #include "backends/cuda/attention.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -132,6 +136,15 @@ __device__ __forceinline__ int64_t row_index(int64_t b, int64_t t, int64_t rows,
   return (b / heads * rows + t) * heads + b % heads;
 }
 
+// Element offset of row t of attention problem b in a tensor of `rows` rows a problem, `dim`
+// elements a row, whose consecutive positions are `ld` elements apart: row_index(...) * dim
+// when ld == heads * dim (the plain layouts); wider for q, k, v (dq, dk, dv) read from (written
+// into) attention_qkv's packed (..., T, 3, H, D), where ld = 3 * H * D.
+__device__ __forceinline__ int64_t row_offset(int64_t b, int64_t t, int64_t rows, int heads,
+                                              int64_t ld, int dim) {
+  return (b / heads * rows + t) * ld + b % heads * int64_t(dim);
+}
+
 // ---- tiles ----
 
 // A kBlock x D tile in shared memory, rows padded by 16 bytes so that the 8 row addresses of
@@ -229,8 +242,8 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
                                                               T* __restrict__ out,
                                                               float* __restrict__ lse_out,
                                                               int64_t tq, int64_t tk, int heads,
-                                                              bool causal, float scale_log2,
-                                                              float scale) {
+                                                              int64_t qkv_ld, bool causal,
+                                                              float scale_log2, float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);
   T* s_do = s_q + Tile<D>::kElems;  // only kDq
@@ -240,24 +253,25 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   const int64_t b = blockIdx.x;
   const int64_t q0 = (int64_t(gridDim.y) - 1 - blockIdx.y) * kBlock;  // heaviest blocks first
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t qrow0 = row_index(b, 0, tq, heads), krow0 = row_index(b, 0, tk, heads);
-  const int64_t ld = int64_t(heads) * D;  // between a problem's rows (d == dv here)
-  q += qrow0 * D;
-  k += krow0 * D;
-  v += krow0 * D;
+  // Between a problem's rows (d == dv here): q, k, v (and dq) qkv_ld, out and dout o_ld.
+  const int64_t qrow0 = row_index(b, 0, tq, heads), o_ld = int64_t(heads) * D;
+  const int64_t out_ld = M == kDq ? qkv_ld : o_ld;
+  q += row_offset(b, 0, tq, heads, qkv_ld, D);
+  k += row_offset(b, 0, tk, heads, qkv_ld, D);
+  v += row_offset(b, 0, tk, heads, qkv_ld, D);
   if (M != kForward) dout += qrow0 * D;
   if (M == kDq) stats += qrow0;
-  out += qrow0 * D;
+  out += row_offset(b, 0, tq, heads, out_ld, D);
 
   int64_t n_kb = (tk + kBlock - 1) / kBlock;
   if (causal) n_kb = min(n_kb, (q0 + kBlock - 1) / kBlock + 1);
 
-  load_tile<T, D>(s_q, q, q0, tq, ld);
-  if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq, ld);
+  load_tile<T, D>(s_q, q, q0, tq, qkv_ld);
+  if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq, o_ld);
   cp_async_commit();
   if (n_kb > 0) {
-    load_tile<T, D>(s_k, k, 0, tk, ld);
-    load_tile<T, D>(s_v, v, 0, tk, ld);
+    load_tile<T, D>(s_k, k, 0, tk, qkv_ld);
+    load_tile<T, D>(s_v, v, 0, tk, qkv_ld);
   }
   cp_async_commit();
   cp_async_wait<1>();
@@ -285,8 +299,8 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   for (int64_t kb = 0; kb < n_kb; ++kb) {
     const int buf = kb & 1;
     if (kb + 1 < n_kb) {
-      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk, ld);
-      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk, ld);
+      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk, qkv_ld);
+      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk, qkv_ld);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -361,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row[h] >= tq) continue;
-      T* dst = out + row[h] * ld;
+      T* dst = out + row[h] * out_ld;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
         *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
@@ -374,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
       if (row[h] < tq) {
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        T* dst = out + row[h] * ld;
+        T* dst = out + row[h] * out_ld;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
           *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) =
@@ -397,7 +411,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
                                                               const float2* __restrict__ stats,
                                                               T* __restrict__ dk,
                                                               T* __restrict__ dv, int64_t tq,
-                                                              int64_t tk, int heads, bool causal,
+                                                              int64_t tk, int heads,
+                                                              int64_t qkv_ld, bool causal,
                                                               float scale_log2, float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_k = reinterpret_cast<T*>(smem_raw);
@@ -409,22 +424,23 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   const int64_t b = blockIdx.x;
   const int64_t k0 = int64_t(blockIdx.y) * kBlock;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t qrow0 = row_index(b, 0, tq, heads), krow0 = row_index(b, 0, tk, heads);
-  const int64_t ld = int64_t(heads) * D;
-  q += qrow0 * D;
-  k += krow0 * D;
-  v += krow0 * D;
+  // Between a problem's rows: q, k, v, dk, dv qkv_ld, dout o_ld.
+  const int64_t qrow0 = row_index(b, 0, tq, heads), o_ld = int64_t(heads) * D;
+  const int64_t koff = row_offset(b, 0, tk, heads, qkv_ld, D);
+  q += row_offset(b, 0, tq, heads, qkv_ld, D);
+  k += koff;
+  v += koff;
   dout += qrow0 * D;
   stats += qrow0;
-  dk += krow0 * D;
-  dv += krow0 * D;
+  dk += koff;
+  dv += koff;
 
   const int64_t n_qb = (tq + kBlock - 1) / kBlock;
   const int64_t qb0 = causal ? k0 / kBlock : 0;
 
   auto load_q_block = [&](int64_t qb, int buf) {
-    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq, ld);
-    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq, ld);
+    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq, qkv_ld);
+    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq, o_ld);
     if (threadIdx.x < kBlock) {
       const int64_t r = qb * kBlock + threadIdx.x;
       const bool valid = r < tq;
@@ -432,8 +448,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
     }
   };
 
-  load_tile<T, D>(s_k, k, k0, tk, ld);
-  load_tile<T, D>(s_v, v, k0, tk, ld);
+  load_tile<T, D>(s_k, k, k0, tk, qkv_ld);
+  load_tile<T, D>(s_v, v, k0, tk, qkv_ld);
   if (qb0 < n_qb) load_q_block(qb0, 0);
   cp_async_commit();
 
@@ -504,8 +520,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (key[h] >= tk) continue;
-    T* dst_k = dk + key[h] * ld;
-    T* dst_v = dv + key[h] * ld;
+    T* dst_k = dk + key[h] * qkv_ld;
+    T* dst_v = dv + key[h] * qkv_ld;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       *reinterpret_cast<uint32_t*>(dst_k + n * 8 + 2 * t) =
@@ -591,6 +607,15 @@ size_t dkdv_smem() {
   return sizeof(T) * Tile<D>::kElems * 6 + sizeof(float2) * 2 * kBlock;
 }
 
+// Elements between consecutive positions of q and k (dq, dk): the given stride, or the plain
+// layouts' heads * d; of v (dv): likewise with dv. (d == dv on the tensor-core path.)
+int64_t qk_stride(const AttentionShape& s) {
+  return s.qkv_row_stride > 0 ? s.qkv_row_stride : s.heads * s.d;
+}
+int64_t v_stride(const AttentionShape& s) {
+  return s.qkv_row_stride > 0 ? s.qkv_row_stride : s.heads * s.dv;
+}
+
 template <typename T, int D, int M>
 void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2* stats, T* out,
                  float* lse, const AttentionShape& s, float scale_log2, cudaStream_t stream) {
@@ -605,8 +630,8 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2
   const dim3 grid(static_cast<unsigned>(s.batch),
                   static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
   kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk,
-                                           static_cast<int>(s.heads), s.causal, scale_log2,
-                                           static_cast<float>(s.scale));
+                                           static_cast<int>(s.heads), qk_stride(s), s.causal,
+                                           scale_log2, static_cast<float>(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -638,8 +663,8 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
     const dim3 grid(static_cast<unsigned>(s.batch),
                     static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
     kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk,
-                                             static_cast<int>(s.heads), s.causal, scale_log2,
-                                             static_cast<float>(s.scale));
+                                             static_cast<int>(s.heads), qk_stride(s), s.causal,
+                                             scale_log2, static_cast<float>(s.scale));
     KILN_CUDA_CHECK(cudaGetLastError());
   }
   launch_rows<T, D, kDq>(q, k, v, dout, stats, dq, nullptr, s, scale_log2, stream);
@@ -681,18 +706,19 @@ __device__ __forceinline__ float dot_row(const float (&x)[kSimplePerLane], const
 template <typename T, int M>
 __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* out, float* lse_out, int64_t batch,
-                                   int64_t tq, int64_t tk, int heads, int d, int dv, bool causal,
-                                   float scale_log2, float scale) {
+                                   int64_t tq, int64_t tk, int heads, int d, int dv,
+                                   int64_t qk_ld, int64_t v_ld, bool causal, float scale_log2,
+                                   float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tq) return;
   const int lane = threadIdx.x & 31;
   const int64_t b = w / tq, i = w % tq;
-  const int64_t qr = row_index(b, i, tq, heads), kr0 = row_index(b, 0, tk, heads);
-  const int64_t kld = int64_t(heads) * d, vld = int64_t(heads) * dv;  // between keys
-  const T* kb = k + kr0 * d;
-  const T* vb = v + kr0 * dv;
+  // q, k, v (dq) rows qk_ld, qk_ld, v_ld apart; out, dout and lse plain (row qr).
+  const int64_t qr = row_index(b, i, tq, heads);
+  const T* kb = k + row_offset(b, 0, tk, heads, qk_ld, d);
+  const T* vb = v + row_offset(b, 0, tk, heads, v_ld, dv);
   float qv[kSimplePerLane], dov[kSimplePerLane], acc[kSimplePerLane];
-  load_row(qv, q + qr * d, d);
+  load_row(qv, q + row_offset(b, i, tq, heads, qk_ld, d), d);
   if (M != kForward) load_row(dov, dout + qr * dv, dv);
   for (int u = 0; u < kSimplePerLane; ++u) acc[u] = 0.f;
   float lse = 0.f, dsum = 0.f;
@@ -704,14 +730,14 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
   const int64_t n_keys = causal ? min(tk, i + 1) : tk;
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float s = dot_row(qv, kb + j * kld, d) * scale_log2;
+    const float s = dot_row(qv, kb + j * qk_ld, d) * scale_log2;
     if (M == kDq) {
-      const float dp = dot_row(dov, vb + j * vld, dv);
+      const float dp = dot_row(dov, vb + j * v_ld, dv);
       const float ds = exp2f(s - lse) * (dp - dsum);
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
-        if (c < d) acc[u] += ds * to_f32(kb[j * kld + c]);
+        if (c < d) acc[u] += ds * to_f32(kb[j * qk_ld + c]);
       }
     } else {
       const float m_new = fmaxf(m, s);
@@ -721,17 +747,18 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
-        acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * vld + c]) : 0.f);
+        acc[u] = acc[u] * alpha + (c < dv ? p * to_f32(vb[j * v_ld + c]) : 0.f);
       }
     }
   }
   if (M == kForward && lane == 0) lse_out[qr] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
   const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
   const int n = M == kDq ? d : dv;
+  T* dst = out + (M == kDq ? row_offset(b, i, tq, heads, qk_ld, d) : qr * dv);
 #pragma unroll
   for (int u = 0; u < kSimplePerLane; ++u) {
     const int c = lane + 32 * u;
-    if (c < n) out[qr * n + c] = from_f32<T>(acc[u] * mul);
+    if (c < n) dst[c] = from_f32<T>(acc[u] * mul);
   }
 }
 
@@ -739,36 +766,38 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 template <typename T>
 __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* dk, T* dv, int64_t batch, int64_t tq,
-                                   int64_t tk, int heads, int d, int dvn, bool causal,
-                                   float scale_log2, float scale) {
+                                   int64_t tk, int heads, int d, int dvn, int64_t qk_ld,
+                                   int64_t v_ld, bool causal, float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tk) return;
   const int lane = threadIdx.x & 31;
   const int64_t b = w / tk, j = w % tk;
-  const int64_t kr = row_index(b, j, tk, heads), qr0 = row_index(b, 0, tq, heads);
-  const int64_t qld = int64_t(heads) * d, dold = int64_t(heads) * dvn;  // between queries
-  const T* qb = q + qr0 * d;
+  // q, k (dk) rows qk_ld apart, v (dv) v_ld; dout and the statistics plain.
+  const int64_t qr0 = row_index(b, 0, tq, heads), dold = int64_t(heads) * dvn;
+  const int64_t kr = row_offset(b, j, tk, heads, qk_ld, d);
+  const int64_t vr = row_offset(b, j, tk, heads, v_ld, dvn);
+  const T* qb = q + row_offset(b, 0, tq, heads, qk_ld, d);
   const T* dob = dout + qr0 * dvn;
   float kv[kSimplePerLane], vv[kSimplePerLane], dk_acc[kSimplePerLane], dv_acc[kSimplePerLane];
-  load_row(kv, k + kr * d, d);
-  load_row(vv, v + kr * dvn, dvn);
+  load_row(kv, k + kr, d);
+  load_row(vv, v + vr, dvn);
   for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
   for (int64_t i = causal ? j : 0; i < tq; ++i) {
     const float2 st = stats[qr0 + i * heads];
-    const float p = exp2f(dot_row(kv, qb + i * qld, d) * scale_log2 - st.x);
+    const float p = exp2f(dot_row(kv, qb + i * qk_ld, d) * scale_log2 - st.x);
     const float ds = p * (dot_row(vv, dob + i * dold, dvn) - st.y);
 #pragma unroll
     for (int u = 0; u < kSimplePerLane; ++u) {
       const int c = lane + 32 * u;
       if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dold + c]);
-      if (c < d) dk_acc[u] += ds * to_f32(qb[i * qld + c]);
+      if (c < d) dk_acc[u] += ds * to_f32(qb[i * qk_ld + c]);
     }
   }
 #pragma unroll
   for (int u = 0; u < kSimplePerLane; ++u) {
     const int c = lane + 32 * u;
-    if (c < d) dk[kr * d + c] = from_f32<T>(dk_acc[u] * scale);
-    if (c < dvn) dv[kr * dvn + c] = from_f32<T>(dv_acc[u]);
+    if (c < d) dk[kr + c] = from_f32<T>(dk_acc[u] * scale);
+    if (c < dvn) dv[vr + c] = from_f32<T>(dv_acc[u]);
   }
 }
 
@@ -784,7 +813,7 @@ void simple_forward(const void* q, const void* k, const void* v, void* out, floa
   simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
       nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.heads), int(s.d), int(s.dv),
-      s.causal, scale_log2, float(s.scale));
+      qk_stride(s), v_stride(s), s.causal, scale_log2, float(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -800,12 +829,12 @@ void simple_backward(const void* q_, const void* k_, const void* v_, const void*
   const float scale = float(s.scale);
   const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(s.batch * s.tk);
   simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, int(s.heads), d, dvn, s.causal,
-      scale_log2, scale);
+      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, int(s.heads), d, dvn, qk_stride(s),
+      v_stride(s), s.causal, scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
   simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, s.causal,
-      scale_log2, scale);
+      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, qk_stride(s),
+      v_stride(s), s.causal, scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -832,6 +861,37 @@ float log2_scale(const AttentionShape& s) {
   return static_cast<float>(s.scale * 1.4426950408889634);  // scale * log2(e)
 }
 
+// The launchers' preconditions on the shape (the KernelImpls' supports() admit only these).
+void check_shape(const AttentionShape& s, const char* op) {
+  KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
+                 s.dv <= kAttentionMaxHeadDim,
+             "cuda {}: head dims are {} and {}, expected 1 to {}", op, s.d, s.dv,
+             kAttentionMaxHeadDim);
+  KILN_CHECK(s.qkv_row_stride == 0 || s.qkv_row_stride >= s.heads * std::max(s.d, s.dv),
+             "cuda {}: q, k, v rows are {} elements apart, expected 0 (plain) or at least "
+             "heads * head dim = {} * {}",
+             op, s.qkv_row_stride, s.heads, std::max(s.d, s.dv));
+}
+
+// The tensor-core path's 16-byte cp.async loads and 4-byte stores: every q, k, v, dq, dk, dv
+// row starts 16-byte aligned (16-bit elements) when the bases are and the stride is a multiple
+// of 8 elements (always so for the plain layouts at d in {32, 64, 128}).
+bool tc_rows_aligned(const AttentionShape& s) { return qk_stride(s) % 8 == 0; }
+
+// Zeroes a gradient of q, k or v: batch / heads * rows positions of heads * dim elements, `ld`
+// apart (one contiguous block for the plain layouts).
+void zero_rows(void* p, const AttentionShape& s, int64_t rows, int64_t dim, int64_t ld,
+               size_t elem, cudaStream_t stream) {
+  const int64_t width = s.heads * dim, height = s.batch / s.heads * rows;
+  if (width == 0 || height == 0) return;
+  if (ld == width) {
+    KILN_CUDA_CHECK(cudaMemsetAsync(p, 0, size_t(width * height) * elem, stream));
+  } else {
+    KILN_CUDA_CHECK(cudaMemset2DAsync(p, size_t(ld) * elem, 0, size_t(width) * elem,
+                                      size_t(height), stream));
+  }
+}
+
 }  // namespace
 
 bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv) {
@@ -840,14 +900,11 @@ bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv) {
 
 void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
                        void* out, float* lse, const AttentionShape& s, cudaStream_t stream) {
-  KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
-                 s.dv <= kAttentionMaxHeadDim,
-             "cuda attention: head dims are {} and {}, expected 1 to {}", s.d, s.dv,
-             kAttentionMaxHeadDim);
+  check_shape(s, "attention");
   if (s.batch == 0 || s.tq == 0) return;
   const float sl2 = log2_scale(s);
-  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && aligned16(q) &&
-                  aligned16(k) && aligned16(v) && aligned16(out);
+  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && tc_rows_aligned(s) &&
+                  aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   switch (dtype) {
     case AttentionDType::kF32:
       return simple_forward<float>(q, k, v, out, lse, s, sl2, stream);
@@ -867,25 +924,22 @@ void attention_forward(AttentionDType dtype, const void* q, const void* k, const
 void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
                         const void* out, const void* dout, const float* lse, void* dq, void* dk,
                         void* dv, const AttentionShape& s, cudaStream_t stream) {
-  KILN_CHECK(s.d >= 1 && s.dv >= 1 && s.d <= kAttentionMaxHeadDim &&
-                 s.dv <= kAttentionMaxHeadDim,
-             "cuda attention_grad: head dims are {} and {}, expected 1 to {}", s.d, s.dv,
-             kAttentionMaxHeadDim);
+  check_shape(s, "attention_grad");
   if (s.batch == 0) return;
   const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
   if (s.tk == 0) {  // no keys: every gradient is 0 (dk and dv are empty)
-    KILN_CUDA_CHECK(cudaMemsetAsync(dq, 0, size_t(s.batch * s.tq * s.d) * elem, stream));
+    zero_rows(dq, s, s.tq, s.d, qk_stride(s), elem, stream);
     return;
   }
   if (s.tq == 0) {  // no queries: dk and dv are 0
-    KILN_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(s.batch * s.tk * s.d) * elem, stream));
-    KILN_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(s.batch * s.tk * s.dv) * elem, stream));
+    zero_rows(dk, s, s.tk, s.d, qk_stride(s), elem, stream);
+    zero_rows(dv, s, s.tk, s.dv, v_stride(s), elem, stream);
     return;
   }
   const float sl2 = log2_scale(s);
-  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && aligned16(q) &&
-                  aligned16(k) && aligned16(v) && aligned16(dout) && aligned16(dq) &&
-                  aligned16(dk) && aligned16(dv);
+  const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && tc_rows_aligned(s) &&
+                  aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout) &&
+                  aligned16(dq) && aligned16(dk) && aligned16(dv);
   switch (dtype) {
     case AttentionDType::kF32:
       return backward_typed<float>(q, k, v, out, dout, lse, dq, dk, dv, s, false, sl2, stream);

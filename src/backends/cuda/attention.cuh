@@ -4,6 +4,11 @@
 // the product of the leading dims. With heads == H ("bthd"): q (batch / H, tq, H, d), ...,
 // lse (batch / H, tq, H): problem b is head b % H of leading index b / H. Causal masks key
 // j > query i (top-left aligned), like the op's reference kernel.
+// q, k, v and dq, dk, dv may have wider rows (qkv_row_stride): attention_qkv's packed
+// (batch / H, T, 3, H, d) is read in place as q, k, v at element offsets 0, H * d, 2 * H * d,
+// consecutive positions 3 * H * d elements apart (its gradient written likewise); out, dout and
+// lse keep the plain layout. Element (problem b, position t, column c) of such a tensor is at
+// (b / H * T + t) * stride + b % H * d + c.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +22,10 @@ enum class AttentionDType { kF32, kF16, kBF16 };
 struct AttentionShape {
   int64_t batch = 0, tq = 0, tk = 0, d = 0, dv = 0;
   int64_t heads = 1;  // > 1: the "bthd" layout, heads between the sequence and head dims
+  // Elements between consecutive positions of q, k, v, dq, dk, dv (those of different leading
+  // indices included); 0: the plain layouts' heads * d (heads * dv for v and dv). Packed
+  // attention_qkv: 3 * heads * d.
+  int64_t qkv_row_stride = 0;
   bool causal = false;
   double scale = 1.0;
 };

@@ -22,6 +22,8 @@ void register_attention_kernels(KernelRegistry& registry);  // attention.cc
 // Whether cuda-attention's kernels take this attention (backward: attention_grad) node; the
 // cudnn dialect falls back to them, so it asks too (attention.cc).
 bool attention_supported(const NodeView& node, bool backward);
+// Likewise for attention_qkv (backward: attention_qkv_grad) nodes.
+bool attention_qkv_supported(const NodeView& node, bool backward);
 void register_cudnn_attention_kernels(KernelRegistry& registry);  // cudnn_attention.cc
 void register_nvrtc_kernels(KernelRegistry& registry);      // nvrtc.cc (fused nodes)
 void register_fused_body_kernels(KernelRegistry& registry); // fused_body.cc (fused fallback)
