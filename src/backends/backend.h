@@ -37,7 +37,9 @@ struct KernelImpl {
   bool in_place_ok = false;
   // Optional one-time work for a node before its first run (compiling a generated kernel,
   // building a library's plan for these types): the executor calls it at construction for
-  // every node it bound to this kernel, with the node's types as at selection.
+  // every node it bound to this kernel, with the node's types as at selection. It must be
+  // thread-safe: the executor prepares nodes on several threads at once (nodes with the same
+  // generated kernel too), each with the executor's CUDA device current.
   std::function<void(const NodeView&)> prepare = nullptr;
 };
 

@@ -18,6 +18,8 @@ std::string describe_device(int) { return "this build has no CUDA backend"; }
 // No CUDA kernel ever ran, so none recorded a data error.
 void check_device_errors() {}
 double smoke_test_saxpy(int) { no_cuda(); }
+int current_device() { no_cuda(); }
+void set_current_device(int) { no_cuda(); }
 
 MemoryInfo memory_info() { no_cuda(); }
 std::string format_bytes(size_t bytes) {

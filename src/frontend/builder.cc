@@ -209,6 +209,11 @@ std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal, double
 Expr attention(Expr q, Expr k, Expr v, bool causal, double scale) {
   return attention_with_lse(q, k, v, causal, scale)[0];
 }
+std::vector<Expr> attention_qkv(Expr qkv, bool causal, double scale) {
+  Attributes attrs{{"causal", causal}};
+  if (scale > 0) attrs.set("scale", scale);
+  return qkv.builder().apply(Op::kAttentionQkv, {qkv}, std::move(attrs));
+}
 
 // Backward ops
 Expr softmax_grad(Expr y, Expr dy, int64_t axis) {
@@ -233,6 +238,11 @@ std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr out, Expr dout, Ex
   Attributes attrs{{"causal", causal}};
   if (scale > 0) attrs.set("scale", scale);
   return q.builder().apply(Op::kAttentionGrad, {q, k, v, out, dout, lse}, std::move(attrs));
+}
+Expr attention_qkv_grad(Expr qkv, Expr out, Expr dout, Expr lse, bool causal, double scale) {
+  Attributes attrs{{"causal", causal}};
+  if (scale > 0) attrs.set("scale", scale);
+  return qkv.builder().apply1(Op::kAttentionQkvGrad, {qkv, out, dout, lse}, std::move(attrs));
 }
 Expr gelu_grad(Expr x, Expr dy, const std::string& approximate) {
   return x.builder().apply1(Op::kGeluGrad, {x, dy}, {{"approximate", approximate}});

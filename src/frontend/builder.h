@@ -158,6 +158,9 @@ Expr attention(Expr q, Expr k, Expr v, bool causal = false, double scale = 0.0);
 // {out, lse}: lse = log(sum_j exp(scale * q_i . k_j)) over the unmasked keys (ops/nn.cc).
 std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal = false,
                                      double scale = 0.0);
+// Self-attention over a packed projection qkv (..., T, 3, H, D): {out (..., T, H, D), lse
+// (..., T, H)}, the "bthd" attention of qkv's three parts read in place.
+std::vector<Expr> attention_qkv(Expr qkv, bool causal = false, double scale = 0.0);
 
 // Backward ops: what the gradient rules of softmax, the norms, cross_entropy and attention emit
 // (kernel libraries serve them whole). Each takes the forward op's attributes.
@@ -175,6 +178,9 @@ Expr cross_entropy_grad(Expr logits, Expr labels, Expr dloss, int64_t ignore_ind
 // 1/sqrt(D), as for attention.
 std::vector<Expr> attention_grad(Expr q, Expr k, Expr v, Expr out, Expr dout, Expr lse,
                                  bool causal = false, double scale = 0.0);
+// out and lse: attention_qkv's outputs for qkv. Returns dqkv, packed like qkv.
+Expr attention_qkv_grad(Expr qkv, Expr out, Expr dout, Expr lse, bool causal = false,
+                        double scale = 0.0);
 // dy * d gelu(x) / dx; dy has x's type. approximate as for gelu.
 Expr gelu_grad(Expr x, Expr dy, const std::string& approximate = "none");
 

@@ -21,6 +21,12 @@
 //     (B, T, C) projection has when reshaped to (B, T, H, D), and gives out (..., Tq, H, Dv) and
 //     lse (..., Tq, H): the same attention per (leading index, head) with no transposes around
 //     it (the simplifier folds them: passes/simplify/algebraic.cc).
+//   attention_qkv(qkv (..., T, 3, H, D)) {causal, scale} -> (out (..., T, H, D), lse (..., T, H)):
+//     self-attention over a packed projection: attention{layout "bthd"}(qkv[..., 0, :, :],
+//     qkv[..., 1, :, :], qkv[..., 2, :, :]). A (B, T, 3C) projection reshaped to (B, T, 3, H, D)
+//     is read in place (kernels take q, k, v by strides) and its gradient written in place: no
+//     split before attention, no concat after its gradient. The simplifier forms it from
+//     attention over the split of a projection (passes/simplify/algebraic.cc).
 // Backward ops: first-class ops (not compositions) because kernel libraries serve them as such
 // (cuDNN, FlashAttention, Liger, llm.c). None is differentiable itself (no second derivatives).
 //   softmax_grad(y, dy) {axis = -1}: y * (dy - sum(dy * y, axis)), y = softmax(x).
@@ -38,6 +44,8 @@
 //     dS_ij = P_ij (dP_ij - D_i), dv_j = sum_i P_ij dout_i, dq_i = scale sum_j dS_ij k_j,
 //     dk_j = scale sum_i dS_ij q_i. (attention's gradient rule relies on D coming from the
 //     given out when the loss also depends on lse.)
+//   attention_qkv_grad(qkv, out, dout, lse) {causal, scale} -> dqkv (..., T, 3, H, D): dq, dk, dv
+//     of attention_grad{layout "bthd"} on qkv's three parts, packed like qkv.
 // Gradient rules (OpDef::gradient) of the forward ops emit these ops (matmul's emits matmuls).
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
 #include <algorithm>
@@ -295,6 +303,41 @@ double attention_scale(const Attributes& attrs, int64_t head_dim) {
   return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
 
+// attention_qkv's input checked: (..., T, 3, H, D), a float dtype.
+void check_packed_qkv(const TensorType& qkv) {
+  check_float(qkv, "qkv");
+  KILN_CHECK(qkv.rank() >= 4 && qkv.shape[qkv.rank() - 3] == 3,
+             "qkv has shape {}, expected (..., T, 3, H, D): q, k, v packed along axis -3",
+             to_string(qkv.shape));
+}
+
+// The "bthd" attributes that attention_qkv's (causal, scale) mean for the unpacked op.
+Attributes unpacked_attrs(const Attributes& attrs) {
+  Attributes out = attrs;
+  out.set("layout", std::string("bthd"));
+  return out;
+}
+
+// Part `which` (0 q, 1 k, 2 v) of a packed (..., T, 3, H, D) type: (..., T, H, D).
+TensorType unpacked_type(const TensorType& qkv) {
+  Shape shape = qkv.shape;
+  shape.erase(shape.end() - 3);
+  return {qkv.dtype, shape};
+}
+
+// Copies part `which` of `qkv` out (unpack) or into it (pack). A row of the packed tensor is
+// 3 * H * D elements: q's H * D, then k's, then v's.
+void unpack_qkv(const Tensor& qkv, int which, Tensor& part) {
+  const int64_t hd = part.shape().back() * part.shape()[part.shape().size() - 2];
+  for (int64_t i = 0; i < part.numel(); ++i)
+    part.set(i, qkv.get((i / hd * 3 + which) * hd + i % hd));
+}
+void pack_qkv(const Tensor& part, int which, Tensor& qkv) {
+  const int64_t hd = part.shape().back() * part.shape()[part.shape().size() - 2];
+  for (int64_t i = 0; i < part.numel(); ++i)
+    qkv.set((i / hd * 3 + which) * hd + i % hd, part.get(i));
+}
+
 // Cross-entropy's logits and labels checked; returns the shape of the per-row losses (labels').
 Shape check_cross_entropy_inputs(const TensorType& logits, const TensorType& labels) {
   check_float(logits, "logits");
@@ -431,16 +474,112 @@ bool is_zero_fill(const Expr& e) {
   return false;  // a graph input
 }
 
-std::vector<Expr> attention_gradient(const GradContext& c) {
-  // Same attributes (causal, and scale when given); out and lse come from the forward node.
-  const Expr &q = c.x(0), &k = c.x(1), &v = c.x(2), &out = c.y(0), &lse = c.y(1);
-  if (is_zero_fill(c.dy(1)))  // the usual case: only out is used
-    return c.builder.apply(Op::kAttentionGrad, {q, k, v, out, c.dy(0), lse}, c.attrs());
+// The reference kernels of attention and attention_grad (attention_qkv's run them on copies).
+void attention_reference(const KernelArgs& args) {
+  const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
+  Tensor &out = args.outputs[0], &lse = args.outputs[1];
+  const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
+  const bool causal = args.attrs.b("causal");
+  const double scale = attention_scale(args.attrs, d.d);
+  std::vector<double> weights(static_cast<size_t>(d.tk));
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t i = 0; i < d.tq; ++i) {
+      lse.set(d.stat(b, i), attention_weights(q, k, d, b, i, causal, scale, weights));
+      // Weighted sum of the values.
+      const int64_t oi = d.row(b, i, d.tq, d.dv);
+      for (int64_t c = 0; c < d.dv; ++c) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < d.tk; ++j)
+          acc += weights[j] * v.get(d.row(b, j, d.tk, d.dv) + c);
+        out.set(oi + c, acc);
+      }
+    }
+  }
+}
+
+void attention_grad_reference(const KernelArgs& args) {
+  const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
+               &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
+  Tensor &dq = args.outputs[0], &dk = args.outputs[1], &dv = args.outputs[2];
+  const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
+  const bool causal = args.attrs.b("causal");
+  const double scale = attention_scale(args.attrs, d.d);
+  // Accumulated in double: dk and dv sum over the queries.
+  std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
+  std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t i = 0; i < d.tq; ++i) {
+      const int64_t qi = d.row(b, i, d.tq, d.d), oi = d.row(b, i, d.tq, d.dv);
+      // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j (masked: -inf, so P_ij = 0).
+      attention_scores(q, k, d, b, i, causal, scale, weights);
+      const double row_lse = lse.get(d.stat(b, i));
+      for (int64_t j = 0; j < d.tk; ++j)
+        weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - row_lse);
+      double weighted = 0.0;  // D_i = dout_i . out_i (= sum_j P_ij dP_ij)
+      for (int64_t c = 0; c < d.dv; ++c)
+        weighted += dout.get(oi + c) * out.get(oi + c);
+      for (int64_t j = 0; j < d.tk; ++j) {
+        double dp = 0.0;  // dP_ij = dout_i . v_j
+        const int64_t vj = d.row(b, j, d.tk, d.dv);
+        for (int64_t c = 0; c < d.dv; ++c) {
+          const double g = dout.get(oi + c);
+          dp += g * v.get(vj + c);
+          dv_sum[vj + c] += weights[j] * g;
+        }
+        dweights[j] = dp;
+      }
+      for (int64_t j = 0; j < d.tk; ++j) {
+        // Softmax backward; masked keys have P_ij = 0 and get nothing.
+        const double ds = weights[j] * (dweights[j] - weighted) * scale;
+        const int64_t kj = d.row(b, j, d.tk, d.d);
+        for (int64_t c = 0; c < d.d; ++c) {
+          dq_sum[qi + c] += ds * k.get(kj + c);
+          dk_sum[kj + c] += ds * q.get(qi + c);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < q.numel(); ++i) dq.set(i, dq_sum[i]);
+  for (int64_t i = 0; i < k.numel(); ++i) dk.set(i, dk_sum[i]);
+  for (int64_t i = 0; i < v.numel(); ++i) dv.set(i, dv_sum[i]);
+}
+
+// attention_qkv and its gradient: the "bthd" references on copies of the packed parts.
+void attention_qkv_reference(const KernelArgs& args) {
+  const Tensor& qkv = args.inputs[0];
+  std::vector<Tensor> parts;
+  for (int which = 0; which < 3; ++which) {
+    parts.emplace_back(unpacked_type(qkv.type()));
+    unpack_qkv(qkv, which, parts.back());
+  }
+  const Attributes attrs = unpacked_attrs(args.attrs);
+  attention_reference(KernelArgs{attrs, parts, args.outputs});
+}
+
+void attention_qkv_grad_reference(const KernelArgs& args) {
+  const Tensor& qkv = args.inputs[0];
+  std::vector<Tensor> in, grads;
+  for (int which = 0; which < 3; ++which) {
+    in.emplace_back(unpacked_type(qkv.type()));
+    unpack_qkv(qkv, which, in.back());
+    grads.emplace_back(unpacked_type(qkv.type()));
+  }
+  for (int i = 1; i < 4; ++i) in.push_back(args.inputs[i]);  // out, dout, lse
+  const Attributes attrs = unpacked_attrs(args.attrs);
+  attention_grad_reference(KernelArgs{attrs, in, grads});
+  for (int which = 0; which < 3; ++which) pack_qkv(grads[which], which, args.outputs[0]);
+}
+
+// dq, dk, dv of attention{attrs}(q, k, v) = (out, lse), given the gradients dout and dlse.
+std::vector<Expr> attention_input_grads(Builder& b, const Expr& q, const Expr& k, const Expr& v,
+                                        const Expr& out, const Expr& lse, const Expr& dout,
+                                        const Expr& dlse_in, const Attributes& attrs) {
+  if (is_zero_fill(dlse_in))  // the usual case: only out is used
+    return b.apply(Op::kAttentionGrad, {q, k, v, out, dout, lse}, attrs);
   // The loss also depends on lse: d lse_i / d s_ij = P_ij adds dlse_i P_ij to dS_ij. The same
   // op serves: a ones column appended to v and dlse appended to dout add dlse_i to every dP_ij,
   // and a zero column appended to out leaves D_i = dout_i . out_i as it was (the op takes D from
   // the given out), so dS_ij = P_ij (dP_ij + dlse_i - D_i); dv drops the extra column.
-  Builder& b = c.builder;
   const DType dtype = v.dtype();
   Shape column = v.shape();
   column.back() = 1;
@@ -448,12 +587,35 @@ std::vector<Expr> attention_gradient(const GradContext& c) {
   column = out.shape();
   column.back() = 1;
   Expr out1 = concat({out, b.full(column, 0.0, dtype)}, -1);
-  Expr dlse = reshape(c.dy(1), column);
+  Expr dlse = reshape(dlse_in, column);
   if (dlse.dtype() != dtype) dlse = cast(dlse, dtype);
-  Expr dout1 = concat({c.dy(0), dlse}, -1);
-  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, {q, k, v1, out1, dout1, lse}, c.attrs());
+  Expr dout1 = concat({dout, dlse}, -1);
+  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, {q, k, v1, out1, dout1, lse}, attrs);
   grads[2] = split(grads[2], {v.dim(-1), 1}, -1)[0];
   return grads;
+}
+
+std::vector<Expr> attention_gradient(const GradContext& c) {
+  // Same attributes (causal, and scale when given); out and lse come from the forward node.
+  return attention_input_grads(c.builder, c.x(0), c.x(1), c.x(2), c.y(0), c.y(1), c.dy(0),
+                               c.dy(1), c.attrs());
+}
+
+std::vector<Expr> attention_qkv_gradient(const GradContext& c) {
+  const Expr &qkv = c.x(0), &out = c.y(0), &lse = c.y(1);
+  if (is_zero_fill(c.dy(1)))
+    return c.builder.apply(Op::kAttentionQkvGrad, {qkv, out, c.dy(0), lse}, c.attrs());
+  // The loss depends on lse too: attention's rule on the unpacked parts, packed again.
+  const Shape part = unpacked_type(qkv.type()).shape;
+  Shape slot = qkv.shape();
+  slot[slot.size() - 3] = 1;
+  std::vector<Expr> parts = split(qkv, {1, 1, 1}, -3);
+  for (Expr& p : parts) p = reshape(p, part);
+  std::vector<Expr> grads = attention_input_grads(c.builder, parts[0], parts[1], parts[2], out,
+                                                   lse, c.dy(0), c.dy(1),
+                                                   unpacked_attrs(c.attrs()));
+  for (Expr& g : grads) g = reshape(g, slot);
+  return {concat(grads, -3)};
 }
 
 }  // namespace
@@ -599,28 +761,17 @@ void define_nn_ops(OpRegistry& registry) {
         return std::vector<TensorType>{infer_attention(in[0], in[1], in[2], attrs),
                                        attention_lse_type(in[0])};
       },
-      [](const KernelArgs& args) {
-        const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
-        Tensor &out = args.outputs[0], &lse = args.outputs[1];
-        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
-        const bool causal = args.attrs.b("causal");
-        const double scale = attention_scale(args.attrs, d.d);
-        std::vector<double> weights(static_cast<size_t>(d.tk));
-        for (int64_t b = 0; b < d.batch; ++b) {
-          for (int64_t i = 0; i < d.tq; ++i) {
-            lse.set(d.stat(b, i), attention_weights(q, k, d, b, i, causal, scale, weights));
-            // Weighted sum of the values.
-            const int64_t oi = d.row(b, i, d.tq, d.dv);
-            for (int64_t c = 0; c < d.dv; ++c) {
-              double acc = 0.0;
-              for (int64_t j = 0; j < d.tk; ++j)
-                acc += weights[j] * v.get(d.row(b, j, d.tk, d.dv) + c);
-              out.set(oi + c, acc);
-            }
-          }
-        }
-      },
+      attention_reference,
       attention_gradient});
+
+  registry.define(Op::kAttentionQkv, OpDef{
+      {with_default("causal", false), optional("scale", AttrKind::kFloat)},
+      [](std::span<const TensorType> in, const Attributes&) {
+        check_packed_qkv(in[0]);
+        const TensorType part = unpacked_type(in[0]);
+        return std::vector<TensorType>{part, attention_lse_type(part)};
+      },
+      attention_qkv_reference, attention_qkv_gradient});
 
   // ---- backward ops (not differentiable themselves) ----
 
@@ -776,53 +927,22 @@ void define_nn_ops(OpRegistry& registry) {
                    to_string(in[5]), to_string(lse), to_string(in[0]));
         return std::vector<TensorType>{in[0], in[1], in[2]};  // dq, dk, dv
       },
-      [](const KernelArgs& args) {
-        const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
-                     &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
-        Tensor &dq = args.outputs[0], &dk = args.outputs[1], &dv = args.outputs[2];
-        const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
-        const bool causal = args.attrs.b("causal");
-        const double scale = attention_scale(args.attrs, d.d);
-        // Accumulated in double: dk and dv sum over the queries.
-        std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
-        std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
-        for (int64_t b = 0; b < d.batch; ++b) {
-          for (int64_t i = 0; i < d.tq; ++i) {
-            const int64_t qi = d.row(b, i, d.tq, d.d), oi = d.row(b, i, d.tq, d.dv);
-            // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j (masked: -inf, so P_ij = 0).
-            attention_scores(q, k, d, b, i, causal, scale, weights);
-            const double row_lse = lse.get(d.stat(b, i));
-            for (int64_t j = 0; j < d.tk; ++j)
-              weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - row_lse);
-            double weighted = 0.0;  // D_i = dout_i . out_i (= sum_j P_ij dP_ij)
-            for (int64_t c = 0; c < d.dv; ++c)
-              weighted += dout.get(oi + c) * out.get(oi + c);
-            for (int64_t j = 0; j < d.tk; ++j) {
-              double dp = 0.0;  // dP_ij = dout_i . v_j
-              const int64_t vj = d.row(b, j, d.tk, d.dv);
-              for (int64_t c = 0; c < d.dv; ++c) {
-                const double g = dout.get(oi + c);
-                dp += g * v.get(vj + c);
-                dv_sum[vj + c] += weights[j] * g;
-              }
-              dweights[j] = dp;
-            }
-            for (int64_t j = 0; j < d.tk; ++j) {
-              // Softmax backward; masked keys have P_ij = 0 and get nothing.
-              const double ds = weights[j] * (dweights[j] - weighted) * scale;
-              const int64_t kj = d.row(b, j, d.tk, d.d);
-              for (int64_t c = 0; c < d.d; ++c) {
-                dq_sum[qi + c] += ds * k.get(kj + c);
-                dk_sum[kj + c] += ds * q.get(qi + c);
-              }
-            }
-          }
-        }
-        for (int64_t i = 0; i < q.numel(); ++i) dq.set(i, dq_sum[i]);
-        for (int64_t i = 0; i < k.numel(); ++i) dk.set(i, dk_sum[i]);
-        for (int64_t i = 0; i < v.numel(); ++i) dv.set(i, dv_sum[i]);
-      },
+      attention_grad_reference,
       nullptr, false});
+
+  registry.define(Op::kAttentionQkvGrad, OpDef{
+      {with_default("causal", false), optional("scale", AttrKind::kFloat)},
+      [](std::span<const TensorType> in, const Attributes&) {
+        check_packed_qkv(in[0]);
+        const TensorType out = unpacked_type(in[0]);
+        check_grad_input(in[1], "out", out, "attention_qkv's output");
+        check_grad_input(in[2], "dout", out, "attention_qkv's output");
+        const TensorType lse = attention_lse_type(out);
+        KILN_CHECK(in[3] == lse, "lse is {}, expected {} like attention_qkv's lse for qkv {}",
+                   to_string(in[3]), to_string(lse), to_string(in[0]));
+        return std::vector<TensorType>{in[0]};  // dqkv
+      },
+      attention_qkv_grad_reference, nullptr, false});
 }
 
 }  // namespace kiln::ops

@@ -159,7 +159,8 @@ class Rewriter {
 
 PrecisionPolicy default_precision_policy() {
   PrecisionPolicy p;
-  for (Op op : {Op::kMatmul, Op::kAttention, Op::kConv2d}) p[op] = Precision::kLow;
+  for (Op op : {Op::kMatmul, Op::kAttention, Op::kAttentionQkv, Op::kConv2d})
+    p[op] = Precision::kLow;
   for (Op op : {Op::kSum, Op::kMean, Op::kMax, Op::kArgmax, Op::kSoftmax, Op::kLogSoftmax,
                 Op::kLayerNorm, Op::kRmsNorm, Op::kCrossEntropy})
     p[op] = Precision::kF32;

@@ -192,6 +192,8 @@ bool is_heavy_op(Op op) {
     case Op::kMatmul:
     case Op::kAttention:
     case Op::kAttentionGrad:
+    case Op::kAttentionQkv:
+    case Op::kAttentionQkvGrad:
     case Op::kConv2d:
     case Op::kConv2dGradInput:
     case Op::kConv2dGradWeight:
@@ -216,13 +218,22 @@ double node_flops(const Graph& g, const Node& node) {
     case Op::kAttention:
     case Op::kAttentionGrad: {
       const Shape& q = g.type(node.inputs[0]).shape;
-      const Shape& k = g.type(node.inputs[1]).shape;
       const Shape& v = g.type(node.inputs[2]).shape;
       const size_t r = q.size();
+      const bool bthd = node.attrs.s("layout") == "bthd";
+      const double keys = static_cast<double>(g.type(node.inputs[1]).shape[r - (bthd ? 3 : 2)]);
       const double rows = numel_of(g, node.inputs[0]) / static_cast<double>(q[r - 1]);  // B*H*T
-      const double forward = 2.0 * rows * static_cast<double>(k[r - 2]) *
-                             static_cast<double>(q[r - 1] + v[r - 1]);
+      const double forward = 2.0 * rows * keys * static_cast<double>(q[r - 1] + v[r - 1]);
       return node.op == Op::kAttention ? forward : 2.5 * forward;
+    }
+    case Op::kAttentionQkv:
+    case Op::kAttentionQkvGrad: {
+      const Shape& qkv = g.type(node.inputs[0]).shape;  // (..., T, 3, H, D)
+      const size_t r = qkv.size();
+      const double d = static_cast<double>(qkv[r - 1]);
+      const double rows = numel_of(g, node.inputs[0]) / (3.0 * d);  // B*T*H
+      const double forward = 2.0 * rows * static_cast<double>(qkv[r - 4]) * 2.0 * d;
+      return node.op == Op::kAttentionQkv ? forward : 2.5 * forward;
     }
     case Op::kConv2d:
     case Op::kConv2dGradInput:

@@ -1,6 +1,8 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 
@@ -73,23 +75,53 @@ Executor::Executor(Graph graph, ExecutorOptions options)
   }
 }
 
+// At most this many threads prepare kernels (NVRTC's compiles are the long ones; a fresh
+// process compiles a handful of distinct kernels).
+constexpr size_t kMaxPrepareThreads = 8;
+
 // The kernels' one-time preparation (KernelImpl::prepare: NVRTC compiles of generated kernels,
 // cuDNN's attention graphs) at construction, so a compile error surfaces here and the first step
-// only runs. (Run on 16 threads the compiles did not overlap: GPT-2's took 1.2 s either way on
-// an H200 host.)
+// only runs. Prepares run on a few threads (they are thread-safe: backend.h): NVRTC compiles of
+// distinct kernels overlap (GPT-2's 7 took 3.1 s on one thread, 1.9 s on two, 2-core machine),
+// and the first step of a fresh process waits for them. Errors are reported for the first
+// failing node in graph order, whatever thread met it.
 void Executor::prepare_kernels() {
-  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
-    if (!kernels_[n]->prepare) continue;
-    const Node& node = graph_.nodes[n];
-    const std::vector<TensorType> in = types_of(graph_, node.inputs);
-    const std::vector<TensorType> out = types_of(graph_, node.outputs);
+  std::vector<size_t> nodes;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n)
+    if (kernels_[n]->prepare) nodes.push_back(n);
+  std::vector<std::string> errors(nodes.size());
+  const int device = options_.device == Device::kCuda ? cuda::current_device() : -1;
+  std::atomic<size_t> next{0};
+  auto work = [&](bool helper) {
     try {
-      kernels_[n]->prepare(NodeView{node, in, out});
-    } catch (const std::exception& e) {
-      fail("graph '{}': preparing {} ({} kernel '{}'): {}", graph_.name, node_text(graph_, n),
-           device_name(options_.device), kernels_[n]->dialect, e.what());
+      // CUDA's current device is per thread; a helper that cannot set it leaves its share to
+      // the others (the calling thread always works).
+      if (helper && device >= 0) cuda::set_current_device(device);
+    } catch (const std::exception&) {
+      return;
     }
-  }
+    for (size_t i; (i = next++) < nodes.size();) {
+      const Node& node = graph_.nodes[nodes[i]];
+      const std::vector<TensorType> in = types_of(graph_, node.inputs);
+      const std::vector<TensorType> out = types_of(graph_, node.outputs);
+      try {
+        kernels_[nodes[i]]->prepare(NodeView{node, in, out});
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+        if (errors[i].empty()) errors[i] = "(no message)";
+      }
+    }
+  };
+  const size_t threads = std::min<size_t>(
+      {nodes.size(), std::max(1u, std::thread::hardware_concurrency()), kMaxPrepareThreads});
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work, true);
+  work(false);
+  for (std::thread& t : pool) t.join();
+  for (size_t i = 0; i < nodes.size(); ++i)
+    if (!errors[i].empty())
+      fail("graph '{}': preparing {} ({} kernel '{}'): {}", graph_.name, node_text(graph_, nodes[i]),
+           device_name(options_.device), kernels_[nodes[i]]->dialect, errors[i]);
 }
 
 Executor::~Executor() {

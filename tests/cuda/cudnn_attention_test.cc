@@ -6,7 +6,8 @@
 // supported and unsupported nodes; attention forward + backward through the CUDA executor (a
 // captured CUDA graph, replayed) against the CPU executor. Prints each cuDNN graph's status
 // (cuDNN itself, or the cuda-attention fallback and why) and a timing comparison with
-// cuda-attention at GPT-2 size (not asserted).
+// cuda-attention at GPT-2 size (not asserted). The packed forms (attention_qkv and its
+// gradient) likewise.
 // Error measure: max |gpu - ref| / max |ref| over a tensor ("scaled error"). Tolerances as for
 // cuda-attention (tests/cuda/attention_test.cc), which has the same precision story (P and dS
 // rounded to 16 bits before their matmuls): bf16 1.5e-2 forward, 2.5e-2 backward; f16 4e-3 /
@@ -122,6 +123,45 @@ TEST(CudnnAttention, MatchesReference) {
         check_case({dtype, 2, 2, 77, 77, 128, causal, bthd}, seed += 10);
       }
   check_case({DType::kBF16, 1, 2, 77, 77, 64, true, true, 0.3}, seed += 10);
+  print_plans();
+}
+
+// attention_qkv / attention_qkv_grad: q, k, v read in place from one packed (B, T, 3, H, D)
+// tensor and dq, dk, dv written in place into dqkv (cuDNN strides; the parts of dqkv cuDNN does
+// not write would stay NaN). Against the packed reference kernels.
+void check_packed_case(DType dtype, int64_t batch, int64_t heads, int64_t t, int64_t d,
+                       bool causal, uint64_t seed) {
+  const std::string what = std::string(dtype_name(dtype)) + " packed B=" +
+                           std::to_string(batch) + " H=" + std::to_string(heads) +
+                           " T=" + std::to_string(t) + " d=" + std::to_string(d) +
+                           (causal ? " causal" : "");
+  SCOPED_TRACE(what);
+  const Tensor qkv = rand(dtype, {batch, t, 3, heads, d}, seed, -2.0, 2.0);
+  const Attributes attrs{{"causal", causal}};
+  const std::vector<Tensor> ref = run_reference(Op::kAttentionQkv, {qkv}, attrs);
+  const std::vector<Tensor> gpu = run_cudnn(Op::kAttentionQkv, {qkv}, attrs);
+  ASSERT_EQ(gpu.size(), 2u);
+  const double err = scaled_error(gpu[0], ref[0]), lse_err = scaled_error(gpu[1], ref[1]);
+  EXPECT_LE(err, forward_tolerance(dtype)) << "out";
+  EXPECT_LE(lse_err, kLseTolerance) << "lse";
+  const Tensor dout = rand(dtype, {batch, t, heads, d}, seed + 1);
+  const std::vector<Tensor> grad_in = {qkv, ref[0], dout, ref[1]};
+  const Tensor gref = run_reference(Op::kAttentionQkvGrad, grad_in, attrs)[0];
+  const Tensor ggpu = run_cudnn(Op::kAttentionQkvGrad, grad_in, attrs)[0];
+  const double gerr = scaled_error(ggpu, gref);
+  EXPECT_LE(gerr, backward_tolerance(dtype)) << "dqkv";
+  std::printf("  %-50s out %.2e lse %.2e dqkv %.2e\n", what.c_str(), err, lse_err, gerr);
+}
+
+TEST(CudnnAttention, PackedQkvMatchesReference) {
+  KILN_REQUIRE_CUDNN();
+  uint64_t seed = 2500;
+  for (DType dtype : {DType::kBF16, DType::kF16})
+    for (bool causal : {true, false}) {
+      check_packed_case(dtype, 2, 4, 256, 64, causal, seed += 10);  // GPT-2-like
+      check_packed_case(dtype, 1, 3, 77, 32, causal, seed += 10);
+      check_packed_case(dtype, 2, 2, 77, 128, causal, seed += 10);
+    }
   print_plans();
 }
 

@@ -9,7 +9,9 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "ir/text.h"
 #include "models/models.h"
@@ -162,6 +164,19 @@ graph @g(%x: f32[4] data) {
   options.registry = &failing;
   EXPECT_KILN_ERROR(Executor(g, options), "preparing", "%b = exp(", "test-prepare",
                     "no compiler for this one");
+
+  // Prepares run on several threads; with two failing nodes the error names the first in graph
+  // order, whichever thread finished first.
+  KernelRegistry two_failing;
+  register_cpu_kernels(two_failing);
+  exp_impl.prepare = [&](const NodeView& view) {
+    const std::string& name = g.value(view.node.outputs[0]).name;
+    if (name == "a") std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (name == "a" || name == "d") fail("cannot prepare {}", name);
+  };
+  two_failing.add(Op::kExp, exp_impl);
+  options.registry = &two_failing;
+  EXPECT_KILN_ERROR(Executor(g, options), "preparing", "%a = exp(", "cannot prepare a");
 }
 
 TEST(ExecutorPlan, TrainingStepsAreBitIdenticalWithPlanAndSchedule) {

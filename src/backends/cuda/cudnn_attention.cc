@@ -1,12 +1,16 @@
-// The "cudnn" dialect: attention (out, lse) and attention_grad (dq, dk, dv) through cuDNN's
-// fused SDPA kernels, described with the cuDNN frontend's graph API. On Hopper these are
+// The "cudnn" dialect: attention (out, lse) and attention_grad (dq, dk, dv), and their packed
+// forms attention_qkv and attention_qkv_grad, through cuDNN's fused SDPA kernels, described with
+// the cuDNN frontend's graph API. On Hopper these are
 // reported well ahead of FlashAttention-2-style kernels (ours: "cuda-attention") for training
 // shapes, so the dialect sits above cuda-attention (kCudnnPriority) for what it supports:
 // f16 / bf16, d == dv, d % 8 == 0, d <= 128, layouts "bhtd" and "bthd".
 //
 // How a node maps onto cuDNN: every tensor is described as (B, H, T, D) with the strides of our
 // layout, so nothing is copied: "bthd" (..., T, H, D) gives strides (T*H*D, D, H*D, 1), "bhtd"
-// (..., H, T, D) is packed; the other leading dims fold into B. cuDNN's softmax statistic
+// (..., H, T, D) is packed; the other leading dims fold into B. attention_qkv's packed
+// (..., T, 3, H, D) gives q, k, v (and dq, dk, dv of its gradient) strides (T*3*H*D, D, 3*H*D, 1)
+// at element offsets 0, H*D, 2*H*D of the one tensor: the projection is read, and its gradient
+// written, in place. cuDNN's softmax statistic
 // (Stats, (B, H, Tq, 1) f32, natural log, scale included) is exactly our lse; for "bthd" it is
 // described with lse's strides (Tq*H, 1, H, 1), and if this cuDNN refuses that it is kept
 // packed in the workspace and transposed by a small kernel (cudnn_attention.cu). (cuDNN 9.19 on
@@ -45,6 +49,7 @@
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cudnn_attention.cuh"
+#include "backends/cuda/device.h"
 
 namespace kiln::cuda {
 namespace {
@@ -60,16 +65,39 @@ struct Problem {
   DType dtype = DType::kBF16;
   int64_t b = 1, h = 1, tq = 0, tk = 0, d = 0;
   bool bthd = false;
+  bool packed = false;  // attention_qkv: q, k, v (dq, dk, dv) parts of one (..., T, 3, H, D)
   bool causal = false;
   double scale = 1.0;
   auto operator<=>(const Problem&) const = default;
 };
 
 std::string describe(const Problem& p) {
-  return fmt::format("{} ({}, B {}, H {}, Tq {}, Tk {}, D {}, {}{}, scale {})",
-                     p.backward ? "attention_grad" : "attention", dtype_name(p.dtype), p.b, p.h,
-                     p.tq, p.tk, p.d, p.bthd ? "bthd" : "bhtd", p.causal ? ", causal" : "",
+  return fmt::format("{}{} ({}, B {}, H {}, Tq {}, Tk {}, D {}, {}{}, scale {})",
+                     p.packed ? "attention_qkv" : "attention", p.backward ? "_grad" : "",
+                     dtype_name(p.dtype), p.b, p.h, p.tq, p.tk, p.d,
+                     p.packed ? "packed" : p.bthd ? "bthd" : "bhtd", p.causal ? ", causal" : "",
                      p.scale);
+}
+
+double scale_of(const Attributes& attrs, int64_t d) {
+  return attrs.has("scale") ? attrs.f("scale") : 1.0 / std::sqrt(static_cast<double>(d));
+}
+
+// The problem of an attention_qkv(_grad) node with packed input qkv (..., T, 3, H, D).
+Problem packed_problem_of(const Shape& qkv, DType dtype, const Attributes& attrs,
+                          bool backward) {
+  Problem p;
+  p.backward = backward;
+  p.dtype = dtype;
+  p.bthd = p.packed = true;
+  const size_t r = qkv.size();
+  p.h = qkv[r - 2];
+  p.d = qkv[r - 1];
+  p.tq = p.tk = qkv[r - 4];
+  for (size_t i = 0; i + 4 < r; ++i) p.b *= qkv[i];
+  p.causal = attrs.b("causal");
+  p.scale = scale_of(attrs, p.d);
+  return p;
 }
 
 // The problem of a node with query q and key k of these shapes (already supported()).
@@ -90,12 +118,14 @@ Problem problem_of(const Shape& q, const Shape& k, DType dtype, const Attributes
   p.tk = k[t_axis];
   p.d = q[r - 1];
   p.causal = attrs.b("causal");
-  p.scale = attrs.has("scale") ? attrs.f("scale") : 1.0 / std::sqrt(static_cast<double>(p.d));
+  p.scale = scale_of(attrs, p.d);
   return p;
 }
 
-// Strides of a (B, H, T, D) tensor in the problem's layout.
-std::vector<int64_t> strides(const Problem& p, int64_t t) {
+// Strides of a (B, H, T, D) tensor in the problem's layout; `part`: one of the packed q, k, v
+// (dq, dk, dv) of attention_qkv, three heads' rows to a token.
+std::vector<int64_t> strides(const Problem& p, int64_t t, bool part = false) {
+  if (p.packed && part) return {t * 3 * p.h * p.d, p.d, 3 * p.h * p.d, 1};
   if (p.bthd) return {t * p.h * p.d, p.d, p.h * p.d, 1};
   return {p.h * t * p.d, t * p.d, p.d, 1};
 }
@@ -111,6 +141,7 @@ AttentionShape attention_shape(const Problem& p) {
   AttentionShape s;
   s.batch = p.b * p.h;
   s.heads = p.bthd ? p.h : 1;
+  if (p.packed) s.qkv_row_stride = 3 * p.h * p.d;
   s.tq = p.tq;
   s.tk = p.tk;
   s.d = s.dv = p.d;
@@ -151,12 +182,13 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
   g->set_io_data_type(p.dtype == DType::kF16 ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto attrs = [&](const char* name, Uid uid, int64_t t) {
+  // part: q, k, v (dq, dk, dv), which attention_qkv packs.
+  auto attrs = [&](const char* name, Uid uid, int64_t t, bool part) {
     return fe::graph::Tensor_attributes()
         .set_name(name)
         .set_uid(uid)
         .set_dim({p.b, p.h, t, p.d})
-        .set_stride(strides(p, t));
+        .set_stride(strides(p, t, part));
   };
   auto stats_attrs = [&](fe::graph::Tensor_attributes& t) -> fe::graph::Tensor_attributes& {
     return t.set_uid(kStats)
@@ -164,9 +196,9 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
         .set_dim({p.b, p.h, p.tq, 1})
         .set_stride(stats_strides(p, packed_stats));
   };
-  auto q = g->tensor(attrs("q", kQ, p.tq));
-  auto k = g->tensor(attrs("k", kK, p.tk));
-  auto v = g->tensor(attrs("v", kV, p.tk));
+  auto q = g->tensor(attrs("q", kQ, p.tq, true));
+  auto k = g->tensor(attrs("k", kK, p.tk, true));
+  auto v = g->tensor(attrs("v", kV, p.tk, true));
   const float scale = static_cast<float>(p.scale);
   if (!p.backward) {
     auto options = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true)
@@ -179,8 +211,8 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
     stats->set_output(true);
     stats_attrs(*stats).set_name("stats");
   } else {
-    auto o = g->tensor(attrs("out", kO, p.tq));
-    auto dout = g->tensor(attrs("dout", kDO, p.tq));
+    auto o = g->tensor(attrs("out", kO, p.tq, false));
+    auto dout = g->tensor(attrs("dout", kDO, p.tq, false));
     fe::graph::Tensor_attributes stats_desc;
     stats_desc.set_name("stats");
     auto stats = g->tensor(stats_attrs(stats_desc));
@@ -190,9 +222,9 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
       options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
           .set_diagonal_band_right_bound(0);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
-    dq->set_output(true).set_uid(kDQ).set_dim({p.b, p.h, p.tq, p.d}).set_stride(strides(p, p.tq));
-    dk->set_output(true).set_uid(kDK).set_dim({p.b, p.h, p.tk, p.d}).set_stride(strides(p, p.tk));
-    dv->set_output(true).set_uid(kDV).set_dim({p.b, p.h, p.tk, p.d}).set_stride(strides(p, p.tk));
+    for (auto [t, uid, len] : {std::tuple{dq, kDQ, p.tq}, {dk, kDK, p.tk}, {dv, kDV, p.tk}})
+      t->set_output(true).set_uid(uid).set_dim({p.b, p.h, len, p.d})
+          .set_stride(strides(p, len, true));
   }
   auto step = [](const char* what, fe::error_t status) {
     return status.is_good() ? std::string() : fmt::format("{}: {}", what, status.get_message());
@@ -294,55 +326,93 @@ Plan& plan_locked(Cache& c, const Problem& p) {
   return plan;
 }
 
-int current_device() {
-  int device = 0;
-  KILN_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
 // ---- the KernelImpls ----
 
 // Static checks only (no GPU calls): what cuDNN's SDPA documents for f16/bf16 training, within
 // what the cuda-attention launchers take (they run the node when cuDNN refuses it).
-bool supported(const NodeView& node, bool backward) {
+bool supported(const NodeView& node, bool backward, bool packed) {
   // cuda-attention's rules first: its kernels are the fallback where cuDNN refuses a problem.
-  if (!attention_supported(node, backward)) return false;
+  if (!(packed ? attention_qkv_supported(node, backward) : attention_supported(node, backward)))
+    return false;
   const auto& in = node.input_types;
   const DType dtype = in[0].dtype;
   if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
   const int r = in[0].rank();
+  const int64_t d = in[0].shape[r - 1];
+  if (packed) return d % 8 == 0 && d >= 8 && d <= 128 && in[0].shape[r - 4] >= 1;
   const int t_axis = node.node.attrs.s("layout") == "bthd" ? r - 3 : r - 2;
-  const int64_t d = in[0].shape[r - 1], dv = in[2].shape[r - 1];
+  const int64_t dv = in[2].shape[r - 1];
   if (d != dv || d % 8 != 0 || d < 8 || d > 128) return false;
   return in[0].shape[t_axis] >= 1 && in[1].shape[t_axis] >= 1;
 }
 
-void prepare(const NodeView& node, bool backward) {
-  const auto& in = node.input_types;
-  Problem p = problem_of(in[0].shape, in[1].shape, in[0].dtype, node.node.attrs, backward);
+Problem node_problem(std::span<const TensorType> in, const Attributes& attrs, bool backward,
+                     bool packed) {
+  Problem p = packed ? packed_problem_of(in[0].shape, in[0].dtype, attrs, backward)
+                     : problem_of(in[0].shape, in[1].shape, in[0].dtype, attrs, backward);
   p.device = current_device();
+  return p;
+}
+
+void prepare(const NodeView& node, bool backward, bool packed) {
+  const Problem p = node_problem(node.input_types, node.node.attrs, backward, packed);
   Cache& c = cache();
   std::lock_guard lock(c.mutex);
   plan_locked(c, p);
 }
 
-void fallback(const KernelArgs& args, const Problem& p, cudaStream_t stream) {
-  const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
+// Where a node's tensors are: attention(q, k, v) -> (out, lse), attention_grad(q, k, v, out,
+// dout, lse) -> (dq, dk, dv); the packed forms take q, k, v (dq, dk, dv) at offsets of one
+// tensor, attention_qkv_grad(qkv, out, dout, lse) -> dqkv.
+struct Pointers {
+  const void *q, *k, *v, *out, *dout = nullptr;
+  float* lse;
+  void *o = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+};
+
+Pointers pointers_of(const KernelArgs& args, const Problem& p) {
+  Pointers t{};
+  const int in = p.packed ? 0 : 2;  // inputs before out (dout, lse) beyond q
+  auto part = [&](const Tensor& x, int which) {
+    const int64_t offset = p.packed ? which * p.h * p.d * static_cast<int64_t>(dtype_size(p.dtype))
+                                    : 0;
+    return static_cast<std::byte*>(x.raw()) + offset;
+  };
+  const Tensor& q = args.inputs[0];
+  t.q = part(q, 0);
+  t.k = p.packed ? part(q, 1) : args.inputs[1].raw();
+  t.v = p.packed ? part(q, 2) : args.inputs[2].raw();
   if (!p.backward) {
-    attention_forward(attention_dtype(p.dtype), q.raw(), k.raw(), v.raw(), args.outputs[0].raw(),
-                      args.outputs[1].data<float>(), attention_shape(p), stream);
+    t.o = args.outputs[0].raw();
+    t.out = t.o;
+    t.lse = args.outputs[1].data<float>();
+    return t;
+  }
+  t.out = args.inputs[in + 1].raw();
+  t.dout = args.inputs[in + 2].raw();
+  t.lse = args.inputs[in + 3].data<float>();
+  t.dq = part(args.outputs[0], 0);
+  t.dk = p.packed ? part(args.outputs[0], 1) : args.outputs[1].raw();
+  t.dv = p.packed ? part(args.outputs[0], 2) : args.outputs[2].raw();
+  return t;
+}
+
+void fallback(const Pointers& t, const Problem& p, cudaStream_t stream) {
+  if (!p.backward) {
+    attention_forward(attention_dtype(p.dtype), t.q, t.k, t.v, t.o, t.lse, attention_shape(p),
+                      stream);
   } else {
-    attention_backward(attention_dtype(p.dtype), q.raw(), k.raw(), v.raw(), args.inputs[3].raw(),
-                       args.inputs[4].raw(), args.inputs[5].data<float>(), args.outputs[0].raw(),
-                       args.outputs[1].raw(), args.outputs[2].raw(), attention_shape(p), stream);
+    attention_backward(attention_dtype(p.dtype), t.q, t.k, t.v, t.out, t.dout, t.lse, t.dq, t.dk,
+                       t.dv, attention_shape(p), stream);
   }
 }
 
-void run(const KernelArgs& args, bool backward) {
+void run(const KernelArgs& args, bool backward, bool packed) {
   const auto stream = static_cast<cudaStream_t>(args.stream);
-  Problem p = problem_of(args.inputs[0].shape(), args.inputs[1].shape(), args.inputs[0].dtype(),
-                         args.attrs, backward);
-  p.device = current_device();
+  std::vector<TensorType> types;
+  for (const Tensor& t : args.inputs) types.push_back(t.type());
+  const Problem p = node_problem(types, args.attrs, backward, packed);
+  const Pointers t = pointers_of(args, p);
   Cache& c = cache();
   std::unique_lock lock(c.mutex);
   const Plan* plan = nullptr;
@@ -357,36 +427,35 @@ void run(const KernelArgs& args, bool backward) {
   }
   if (!plan || !plan->graph) {
     lock.unlock();
-    fallback(args, p, stream);
+    fallback(t, p, stream);
     return;
   }
   DeviceState& dev = c.devices.at(p.device);
   const cudnnStatus_t set = cudnnSetStream(dev.handle, stream);
   KILN_CHECK(set == CUDNN_STATUS_SUCCESS, "cudnn: cudnnSetStream failed for {}: {}", describe(p),
              cudnnGetErrorString(set));
-  auto ptr = [](const Tensor& t) { return static_cast<void*>(t.raw()); };
-  float* lse = (backward ? args.inputs[5] : args.outputs[1]).data<float>();
+  // cuDNN's variant pack takes non-const pointers; it only reads the inputs.
+  auto ptr = [](const void* x) { return const_cast<void*>(x); };
   float* stats = plan->packed_stats
                      ? reinterpret_cast<float*>(static_cast<std::byte*>(dev.workspace) +
                                                 aligned(plan->workspace))
-                     : lse;
+                     : t.lse;
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, ptr(args.inputs[0])}, {kK, ptr(args.inputs[1])}, {kV, ptr(args.inputs[2])},
-      {kStats, stats}};
+      {kQ, ptr(t.q)}, {kK, ptr(t.k)}, {kV, ptr(t.v)}, {kStats, stats}};
   if (!backward) {
-    pack[kO] = ptr(args.outputs[0]);
+    pack[kO] = t.o;
   } else {
-    pack[kO] = ptr(args.inputs[3]);
-    pack[kDO] = ptr(args.inputs[4]);
-    pack[kDQ] = ptr(args.outputs[0]);
-    pack[kDK] = ptr(args.outputs[1]);
-    pack[kDV] = ptr(args.outputs[2]);
-    if (plan->packed_stats) cudnn_lse_to_stats(lse, stats, p.b, p.h, p.tq, stream);
+    pack[kO] = ptr(t.out);
+    pack[kDO] = ptr(t.dout);
+    pack[kDQ] = t.dq;
+    pack[kDK] = t.dk;
+    pack[kDV] = t.dv;
+    if (plan->packed_stats) cudnn_lse_to_stats(t.lse, stats, p.b, p.h, p.tq, stream);
   }
   fe::error_t status = plan->graph->execute(dev.handle, pack, dev.workspace);
   KILN_CHECK(status.is_good(), "cudnn: executing {} failed: {}", describe(p),
              status.get_message());
-  if (!backward && plan->packed_stats) cudnn_stats_to_lse(stats, lse, p.b, p.h, p.tq, stream);
+  if (!backward && plan->packed_stats) cudnn_stats_to_lse(stats, t.lse, p.b, p.h, p.tq, stream);
 }
 
 }  // namespace
@@ -403,12 +472,17 @@ std::vector<std::string> cudnn_attention_plans() {
 }
 
 void register_cudnn_attention_kernels(KernelRegistry& registry) {
-  for (bool backward : {false, true}) {
-    KernelImpl impl{"cudnn", Device::kCuda, kCudnnPriority,
-                    [backward](const NodeView& node) { return supported(node, backward); },
-                    [backward](const KernelArgs& args) { run(args, backward); }};
-    impl.prepare = [backward](const NodeView& node) { prepare(node, backward); };
-    registry.add(backward ? Op::kAttentionGrad : Op::kAttention, std::move(impl));
+  for (bool packed : {false, true}) {
+    for (bool backward : {false, true}) {
+      KernelImpl impl{
+          "cudnn", Device::kCuda, kCudnnPriority,
+          [=](const NodeView& node) { return supported(node, backward, packed); },
+          [=](const KernelArgs& args) { run(args, backward, packed); }};
+      impl.prepare = [=](const NodeView& node) { prepare(node, backward, packed); };
+      const Op op = packed ? (backward ? Op::kAttentionQkvGrad : Op::kAttentionQkv)
+                           : (backward ? Op::kAttentionGrad : Op::kAttention);
+      registry.add(op, std::move(impl));
+    }
   }
 }
 

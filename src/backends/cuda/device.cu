@@ -42,6 +42,14 @@ std::string describe_device(int device) {
                      static_cast<double>(prop.totalGlobalMem) / (1 << 30));
 }
 
+int current_device() {
+  int device = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+void set_current_device(int device) { KILN_CUDA_CHECK(cudaSetDevice(device)); }
+
 double smoke_test_saxpy(int n) {
   KILN_CHECK(device_count() > 0, "no CUDA device");
   std::vector<float> x(n), y(n);

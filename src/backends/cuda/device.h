@@ -15,5 +15,9 @@ std::string describe_device(int device = 0);
 // Runs a tiny kernel (y = a*x + y on n floats) on device 0 and returns max |error| against the
 // host result: a smoke test that compiling, loading and launching work. Throws kiln::Error.
 double smoke_test_saxpy(int n);
+// The calling thread's current device (CUDA keeps it per thread: a new thread starts on device
+// 0), and setting it. Throw kiln::Error in a build without CUDA.
+int current_device();
+void set_current_device(int device);
 
 }  // namespace kiln::cuda

@@ -13,12 +13,6 @@ namespace {
 std::atomic<size_t> g_allocated{0};
 std::atomic<size_t> g_peak{0};
 
-int current_device() {
-  int device = 0;
-  KILN_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
 void count_allocation(size_t bytes) {
   size_t now = g_allocated.fetch_add(bytes) + bytes;
   size_t peak = g_peak.load();

@@ -251,6 +251,74 @@ Replacement attention_heads_inside(Rewriter& rw, const Node& n) {
   return {swap(grads[0]), swap(grads[1]), swap(grads[2])};
 }
 
+// concat(split(x)) -> x: every output of one split, in order, concatenated along the split's
+// axis (so the sizes add up to x's dim).
+Replacement concat_split(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kConcat) return {};
+  const Node* split = producer_of(rw, n.inputs[0], Op::kSplit);
+  if (split == nullptr || split->outputs.size() != n.inputs.size()) return {};
+  for (size_t i = 0; i < n.inputs.size(); ++i)
+    if (n.inputs[i] != split->outputs[i]) return {};
+  const ValueId x = split->inputs[0];
+  const int rank = rw.type(x).rank();
+  if (normalize_axis(n.attrs.i("axis"), rank) != normalize_axis(split->attrs.i("axis"), rank) ||
+      rw.type(x) != rw.type(n.outputs[0]))
+    return {};
+  return {x};
+}
+
+// The projection x (..., T, 3 H D) whose split along its last axis into three equal parts,
+// each reshaped to (..., T, H, D), gives q, k, v (in that order); -1 when they are not that.
+ValueId packed_projection(Rewriter& rw, const ValueId* qkv) {
+  ValueId split_of = -1, x = -1;
+  for (int i = 0; i < 3; ++i) {
+    const Node* r = producer_of(rw, qkv[i], Op::kReshape);
+    if (r == nullptr) return -1;
+    const Node* split = producer_of(rw, r->inputs[0], Op::kSplit);
+    if (split == nullptr || split->outputs.size() != 3 || split->outputs[i] != r->inputs[0])
+      return -1;
+    if (i > 0 && split->outputs[0] != split_of) return -1;
+    split_of = split->outputs[0];
+    x = split->inputs[0];
+    const int rank = rw.type(x).rank();
+    if (rank < 1 || normalize_axis(split->attrs.i("axis"), rank) != rank - 1) return -1;
+  }
+  const Shape& q = rw.type(qkv[0]).shape;  // (..., T, H, D)
+  if (rw.type(qkv[1]).shape != q || rw.type(qkv[2]).shape != q) return -1;
+  Shape packed(q.begin(), q.end() - 2);
+  packed.push_back(3 * q[q.size() - 2] * q.back());
+  return rw.type(x).shape == packed ? x : -1;
+}
+
+// attention{bthd}(q, k, v) with q, k, v the three parts of a split projection x ->
+// attention_qkv(x as (..., T, 3, H, D)); attention_grad likewise -> attention_qkv_grad, whose
+// dqkv is split again into dq, dk, dv (a concat of those, as autodiff writes the split's
+// gradient, then folds by concat-split: dqkv is written in place).
+Replacement attention_packed_qkv(Rewriter& rw, const Node& n) {
+  if ((n.op != Op::kAttention && n.op != Op::kAttentionGrad) || n.attrs.s("layout") != "bthd")
+    return {};
+  const ValueId x = packed_projection(rw, n.inputs.data());
+  if (x < 0) return {};
+  const Shape q = rw.type(n.inputs[0]).shape;
+  const Shape flat = rw.type(x).shape;
+  Shape packed(q.begin(), q.end() - 2);
+  packed.insert(packed.end(), {3, q[q.size() - 2], q.back()});
+  Attributes attrs = n.attrs;
+  attrs.erase("layout");
+  const ValueId qkv = rw.emit(Op::kReshape, {x}, {{"shape", packed}});
+  if (n.op == Op::kAttention) return rw.emit_node(Op::kAttentionQkv, {qkv}, attrs);
+  const ValueId dqkv = rw.emit(Op::kAttentionQkvGrad,
+                               {qkv, n.inputs[3], n.inputs[4], n.inputs[5]}, attrs);
+  const ValueId dflat = rw.emit(Op::kReshape, {dqkv}, {{"shape", flat}});
+  const int64_t c = flat.back() / 3;
+  const std::vector<ValueId> parts =
+      rw.emit_node(Op::kSplit, {dflat},
+                   {{"axis", static_cast<int64_t>(flat.size()) - 1}, {"sizes", Ints{c, c, c}}});
+  Replacement grads;
+  for (ValueId p : parts) grads.push_back(rw.emit(Op::kReshape, {p}, {{"shape", q}}));
+  return grads;
+}
+
 // THE table. Every rule is exact (see algebraic.h); its condition says why.
 const std::array kRules = {
     // x * 1 -> x, either side; broadcast_to(x) when the 1 widens x. Exact for every dtype.
@@ -293,6 +361,12 @@ const std::array kRules = {
     // same attention with layout "bthd" on the tensors themselves: a permutation of which
     // element meets which, so exact; the transposes around then cancel.
     RewriteRule{"attention-heads-inside", attention_heads_inside},
+    // attention (and its gradient) on the three equal parts of a split projection, reshaped to
+    // (..., T, H, D) -> attention_qkv on the projection itself (its gradient: dqkv, split back
+    // into dq, dk, dv): the same arithmetic on the same elements, so exact.
+    RewriteRule{"attention-packed-qkv", attention_packed_qkv},
+    // concat(split(x)) -> x: all of a split's outputs in order, along its axis.
+    RewriteRule{"concat-split", concat_split},
 };
 
 }  // namespace

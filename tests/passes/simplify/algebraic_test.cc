@@ -30,7 +30,7 @@ std::string simplify(const std::string& params, const std::string& body,
 TEST(Algebraic, TableHasUniqueNames) {
   std::set<std::string> names;
   for (const RewriteRule& rule : algebraic_rules()) EXPECT_TRUE(names.insert(rule.name).second);
-  EXPECT_EQ(names.size(), 16u);
+  EXPECT_EQ(names.size(), 18u);
 }
 
 TEST(Algebraic, MulByOne) {
@@ -473,6 +473,87 @@ TEST(Algebraic, NoBthdAttentionUnlessAllOfQkvAreHeadTransposes) {
     EXPECT_FALSE(pass.fired().count("attention-heads-inside")) << lines;
     EXPECT_TRUE(lacks(print(g), "bthd")) << lines;
   }
+}
+
+// A (B=2, T=5, 3C=36) projection split into q, k, v and reshaped to heads (H=3, D=4), as GPT-2
+// builds it; attention and its gradient on them, and the gradient's parts concatenated back the
+// way autodiff writes a split's gradient.
+std::string packed_attention_text(const std::string& split_line, const std::string& order) {
+  return "graph @g(%x: f32[2,5,36] data, %g: f32[2,5,3,4] data) {\n" + split_line +
+         "  %r0 = reshape(%s0) {shape=[2, 5, 3, 4]}\n"
+         "  %r1 = reshape(%s1) {shape=[2, 5, 3, 4]}\n"
+         "  %r2 = reshape(%s2) {shape=[2, 5, 3, 4]}\n"
+         "  %o, %lse = attention(" + order + ") {causal=true, layout=\"bthd\"}\n"
+         "  %dq, %dk, %dv = attention_grad(" + order + ", %o, %g, %lse) {causal=true, "
+         "layout=\"bthd\"}\n"
+         "  %fq = reshape(%dq) {shape=[2, 5, 12]}\n"
+         "  %fk = reshape(%dk) {shape=[2, 5, 12]}\n"
+         "  %fv = reshape(%dv) {shape=[2, 5, 12]}\n"
+         "  %dx = concat(%fq, %fk, %fv) {axis=2}\n"
+         "  return %o, %lse, %dx\n"
+         "}\n";
+}
+
+TEST(Algebraic, AttentionOnSplitProjectionReadsItPacked) {
+  Graph g = parse(packed_attention_text(
+      "  %s0, %s1, %s2 = split(%x) {axis=-1, sizes=[12, 12, 12]}\n", "%r0, %r1, %r2"));
+  std::vector<Tensor> inputs = testing::random_inputs(g, 11, 0, 0);
+  std::vector<Tensor> before = testing::run_step(g, inputs);
+  AlgebraicSimplifier pass;
+  ASSERT_TRUE(pass.run(g));
+  EXPECT_EQ(pass.fired().at("attention-packed-qkv"), 2);
+  EXPECT_EQ(pass.fired().at("concat-split"), 1);
+  DeadCodeElimination dce;
+  dce.run(g);
+  const std::string after = print(g);
+  EXPECT_TRUE(contains(after, "reshape(%x) {shape=[2, 5, 3, 3, 4]}")) << after;
+  EXPECT_TRUE(contains(after, "attention_qkv(")) << after;
+  EXPECT_TRUE(contains(after, "attention_qkv_grad(")) << after;
+  // dx is dqkv itself, reshaped back to the projection's shape: no split, no concat left.
+  EXPECT_TRUE(lacks(after, "split")) << after;
+  EXPECT_TRUE(lacks(after, "concat")) << after;
+  EXPECT_TRUE(lacks(after, "layout")) << after;
+  // The same arithmetic on the same elements: bitwise the same.
+  EXPECT_TRUE(testing::bitwise_equal(testing::run_step(g, inputs), before));
+}
+
+TEST(Algebraic, NoPackedAttentionUnlessQkvAreTheSplitsPartsInOrder) {
+  // k and v swapped.
+  {
+    Graph g = parse(packed_attention_text(
+        "  %s0, %s1, %s2 = split(%x) {axis=2, sizes=[12, 12, 12]}\n", "%r0, %r2, %r1"));
+    AlgebraicSimplifier pass;
+    pass.run(g);
+    EXPECT_FALSE(pass.fired().count("attention-packed-qkv"));
+    EXPECT_TRUE(lacks(print(g), "attention_qkv"));
+  }
+  // q, k, v from three different splits of the same projection.
+  Graph g = parse(
+      "graph @g(%x: f32[2,5,36] data) {\n"
+      "  %a0, %a1, %a2 = split(%x) {axis=2, sizes=[12, 12, 12]}\n"
+      "  %b0, %b1, %b2 = split(%x) {axis=2, sizes=[12, 12, 12]}\n"
+      "  %q = reshape(%a0) {shape=[2, 5, 3, 4]}\n"
+      "  %k = reshape(%b1) {shape=[2, 5, 3, 4]}\n"
+      "  %v = reshape(%a2) {shape=[2, 5, 3, 4]}\n"
+      "  %o, %lse = attention(%q, %k, %v) {layout=\"bthd\"}\n"
+      "  return %o\n}\n");
+  AlgebraicSimplifier pass;
+  pass.run(g);
+  EXPECT_FALSE(pass.fired().count("attention-packed-qkv"));
+}
+
+TEST(Algebraic, ConcatOfASplitsPartsInOrderIsTheInput) {
+  std::string t = simplify("%x: f32[4,6] data",
+                           "  %a, %b = split(%x) {axis=1, sizes=[2, 4]}\n"
+                           "  %y = concat(%a, %b) {axis=-1}\n"
+                           "  return %y\n");
+  EXPECT_TRUE(contains(t, "return %x")) << t;
+  // Out of order, or along another axis: a different tensor.
+  for (const char* body : {"  %a, %b = split(%x) {axis=1, sizes=[2, 4]}\n"
+                           "  %y = concat(%b, %a) {axis=1}\n  return %y\n",
+                           "  %a, %b = split(%x) {axis=1, sizes=[3, 3]}\n"
+                           "  %y = concat(%a, %b) {axis=0}\n  return %y\n"})
+    simplify("%x: f32[4,6] data", body, /*expect_change=*/false);
 }
 
 TEST(Algebraic, RewrittenGraphComputesBitwiseTheSame) {
