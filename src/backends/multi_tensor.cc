@@ -132,6 +132,39 @@ std::optional<NormBody> norm_body(const Graph& body, std::string* why) {
   return out;
 }
 
+std::optional<std::vector<CastMember>> cast_body(const Graph& body, std::string* why) {
+  auto no = [&](std::string reason) -> std::optional<std::vector<CastMember>> {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (body.nodes.empty()) return no("the body has no nodes");
+  const std::vector<int> in_slot = input_slots(body);
+  std::vector<int> out_slot(body.values.size(), -1);
+  for (size_t i = 0; i < body.outputs.size(); ++i) {
+    const ValueId id = body.outputs[i];
+    if (out_slot[id] >= 0) return no(fmt::format("body output {} is listed twice", i));
+    out_slot[id] = static_cast<int>(i);
+  }
+  if (body.outputs.size() != body.nodes.size())
+    return no(fmt::format("{} body outputs for {} casts, expected one per cast", body.outputs.size(),
+                          body.nodes.size()));
+  std::vector<CastMember> out;
+  for (const Node& node : body.nodes) {
+    if (node.op != Op::kCast) return no(fmt::format("the body holds a {}", op_name(node.op)));
+    if (node.inputs.size() != 1 || node.outputs.size() != 1) return no("a cast without one operand and one result");
+    const ValueId x = node.inputs[0], y = node.outputs[0];
+    if (in_slot[x] < 0) return no("a cast of a value that is not a body input");
+    if (body.type(x).dtype != DType::kF32)
+      return no(fmt::format("a cast of a {} input, expected f32", dtype_name(body.type(x).dtype)));
+    const DType to = body.type(y).dtype;
+    if (to != DType::kBF16 && to != DType::kF16)
+      return no(fmt::format("a cast to {}, expected bf16 or f16", dtype_name(to)));
+    if (out_slot[y] < 0) return no("a cast's result is not a body output");
+    out.push_back(CastMember{in_slot[x], out_slot[y], to});
+  }
+  return out;
+}
+
 float combine_terms(const NormBody& norm, const std::vector<float>& terms) {
   std::vector<float> sums(norm.adds.size());
   auto value = [&](int c) { return c >= 0 ? terms[static_cast<size_t>(c)] : sums[static_cast<size_t>(-1 - c)]; };

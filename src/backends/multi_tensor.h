@@ -10,6 +10,10 @@
 //   "global-norm": terms t_i = sum(square(x_i)) or sum(square(cast(x_i, f32))) (each x_i a
 //     body input read by that term alone; f32 square and sum, a rank-0 sum), combined by a tree
 //     of f32 scalar adds whose root is the only body output.
+//   "multi-tensor-cast": only cast nodes, each of an f32 body input to bf16 or f16 (members may
+//     mix the two, and two members may read the same input); every result a distinct body
+//     output, and every body output one result. No aliasing question: an f32 input and a 16-bit
+//     result never share a buffer (the kernels are not in_place_ok).
 //
 // Aliasing. A member is elementwise: it reads element i of its operands before writing element
 // i of its results, so a result written over its own operand (the executor's in-place updates)
@@ -58,6 +62,13 @@ std::optional<NormBody> norm_body(const Graph& body, std::string* why = nullptr)
 // The output the add tree computes from per-term values rounded to f32, each add in f32: the
 // body's own arithmetic (an f32 add is an f64 add rounded to f32, as the reference kernel does).
 float combine_terms(const NormBody& norm, const std::vector<float>& terms);
+
+struct CastMember {
+  int input = 0;   // index into the fused node's inputs (f32)
+  int output = 0;  // index into the fused node's outputs
+  DType to = DType::kBF16;  // kBF16 or kF16
+};
+std::optional<std::vector<CastMember>> cast_body(const Graph& body, std::string* why = nullptr);
 
 // Byte ranges each member reads (its operands) and writes (its results).
 struct Region {

@@ -4,6 +4,7 @@
 #include <array>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "passes/fusion/fusion.h"
@@ -242,7 +243,7 @@ bool group_global_norms(Graph& graph) {
   return true;
 }
 
-// ---- the updates ----------------------------------------------------------------------------
+// ---- the updates (and the grouping under the schedule's peak, which the casts share) ------
 
 struct UpdateKey {
   Attributes attrs;
@@ -277,8 +278,8 @@ std::array<size_t, 2> scheduled_peaks(const Graph& graph) {
 }
 
 // `graph` with each list of `groups` (node indices) outlined into one node of `kind`.
-Graph outline_updates(const Graph& graph, const std::vector<std::vector<int>>& groups,
-                      const std::string& kind) {
+Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& groups,
+                     const std::string& kind) {
   std::vector<int> group_of(graph.nodes.size());
   for (size_t n = 0; n < graph.nodes.size(); ++n) group_of[n] = static_cast<int>(n);
   const int first_new = static_cast<int>(graph.nodes.size());
@@ -291,7 +292,76 @@ Graph outline_updates(const Graph& graph, const std::vector<std::vector<int>>& g
   return out;
 }
 
-bool group_updates(Graph& graph, Op op, size_t scalars_from, const std::string& kind) {
+// Outlines each list of `whole` (node indices, two or more per list) into one node of `kind`
+// if neither scheduled peak rises; otherwise into chunks of consecutive members of the
+// scheduled order under a cap on member_bytes (halved until neither peak rises); otherwise
+// changes nothing. Returns whether it changed `graph`. `peaks`: scheduled_peaks(graph) if
+// known (each measure schedules the whole step), and so again on return.
+using Peaks = std::optional<std::array<size_t, 2>>;
+bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, const std::string& kind,
+                      const std::function<size_t(int)>& member_bytes, Peaks& peaks) {
+  if (whole.empty()) return false;
+  if (!peaks) peaks = scheduled_peaks(graph);
+  const std::array<size_t, 2> baseline = *peaks;
+  auto fits = [&](const Graph& g) {
+    const std::array<size_t, 2> after = scheduled_peaks(g);
+    if (after[0] > baseline[0] || after[1] > baseline[1]) return false;
+    peaks = after;
+    return true;
+  };
+  Graph grouped;
+  try {
+    grouped = outline_groups(graph, whole, kind);
+  } catch (const Error&) {
+    return false;  // a path from one member to another (none in an optimizer's graph)
+  }
+  if (fits(grouped)) {
+    graph = std::move(grouped);
+    return true;
+  }
+  const std::vector<int> order = memory_aware_order(graph);
+  std::vector<int> position(graph.nodes.size());
+  for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
+  size_t total = 0, largest = 0;
+  for (const auto& members : whole)
+    for (int n : members) {
+      total += member_bytes(n);
+      largest = std::max(largest, member_bytes(n));
+    }
+  for (size_t cap = total / 2; cap >= largest && cap > 0; cap /= 2) {
+    std::vector<std::vector<int>> chunks;
+    for (std::vector<int> members : whole) {
+      std::sort(members.begin(), members.end(), [&](int a, int b) { return position[a] < position[b]; });
+      std::vector<int> chunk;
+      size_t bytes = 0;
+      for (int n : members) {
+        if (!chunk.empty() && bytes + member_bytes(n) > cap) {
+          if (chunk.size() >= 2) chunks.push_back(chunk);
+          chunk.clear();
+          bytes = 0;
+        }
+        chunk.push_back(n);
+        bytes += member_bytes(n);
+      }
+      if (chunk.size() >= 2) chunks.push_back(chunk);
+    }
+    if (chunks.empty()) break;
+    for (auto& chunk : chunks) std::sort(chunk.begin(), chunk.end());
+    Graph chunked;
+    try {
+      chunked = outline_groups(graph, chunks, kind);
+    } catch (const Error&) {
+      return false;
+    }
+    if (fits(chunked)) {
+      graph = std::move(chunked);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool group_updates(Graph& graph, Op op, size_t scalars_from, const std::string& kind, Peaks& peaks) {
   // Candidates by key, in node order.
   std::vector<UpdateKey> keys;
   std::vector<std::vector<int>> by_key;
@@ -311,74 +381,48 @@ bool group_updates(Graph& graph, Op op, size_t scalars_from, const std::string& 
   std::vector<std::vector<int>> whole;
   for (auto& members : by_key)
     if (members.size() >= 2) whole.push_back(members);
-  if (whole.empty()) return false;
-
-  const std::array<size_t, 2> baseline = scheduled_peaks(graph);
-  auto fits = [&](const Graph& g) {
-    const std::array<size_t, 2> peaks = scheduled_peaks(g);
-    return peaks[0] <= baseline[0] && peaks[1] <= baseline[1];
-  };
-  Graph grouped;
-  try {
-    grouped = outline_updates(graph, whole, kind);
-  } catch (const Error&) {
-    return false;  // a path from one update to another (none in an optimizer's graph)
-  }
-  if (fits(grouped)) {
-    graph = std::move(grouped);
-    return true;
-  }
-  // Chunks of consecutive updates of the scheduled order, under a cap on the bytes of their
-  // tensor operands (the gradients a chunk keeps waiting are among them).
-  const std::vector<int> order = memory_aware_order(graph);
-  std::vector<int> position(graph.nodes.size());
-  for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
-  auto operand_bytes = [&](int n) {
+  // Chunks are capped by the bytes of their tensor operands (the gradients a chunk keeps
+  // waiting are among them).
+  return group_under_peak(graph, whole, kind, [&](int n) {
     size_t bytes = 0;
     const Node& node = graph.nodes[static_cast<size_t>(n)];
     for (size_t i = 0; i < scalars_from; ++i) bytes += graph.type(node.inputs[i]).bytes();
     return bytes;
-  };
-  size_t total = 0, largest = 0;
-  for (const auto& members : whole)
-    for (int n : members) {
-      total += operand_bytes(n);
-      largest = std::max(largest, operand_bytes(n));
-    }
-  for (size_t cap = total / 2; cap >= largest && cap > 0; cap /= 2) {
-    std::vector<std::vector<int>> chunks;
-    for (std::vector<int> members : whole) {
-      std::sort(members.begin(), members.end(), [&](int a, int b) { return position[a] < position[b]; });
-      std::vector<int> chunk;
-      size_t bytes = 0;
-      for (int n : members) {
-        if (!chunk.empty() && bytes + operand_bytes(n) > cap) {
-          if (chunk.size() >= 2) chunks.push_back(chunk);
-          chunk.clear();
-          bytes = 0;
-        }
-        chunk.push_back(n);
-        bytes += operand_bytes(n);
-      }
-      if (chunk.size() >= 2) chunks.push_back(chunk);
-    }
-    if (chunks.empty()) break;
-    for (auto& chunk : chunks) std::sort(chunk.begin(), chunk.end());
-    Graph chunked = outline_updates(graph, chunks, kind);
-    if (fits(chunked)) {
-      graph = std::move(chunked);
-      return true;
-    }
+  }, peaks);
+}
+
+// ---- the casts of the params ----------------------------------------------------------------
+
+bool sixteen_bit_float(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+bool group_param_casts(Graph& graph, Peaks& peaks) {
+  std::vector<bool> is_param(graph.values.size(), false);
+  for (const GraphInput& in : graph.inputs) is_param[in.value] = in.role == Role::kParam;
+  std::vector<int> members;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.op != Op::kCast || node.inputs.size() != 1 || node.outputs.size() != 1) continue;
+    const ValueId x = node.inputs[0];
+    if (is_param[x] && graph.type(x).dtype == DType::kF32 &&
+        sixteen_bit_float(graph.type(node.outputs[0]).dtype))
+      members.push_back(static_cast<int>(n));
   }
-  return false;
+  if (members.size() < 2) return false;
+  // Chunks are capped by the bytes of their results: what a chunk makes alive before its
+  // readers need it.
+  return group_under_peak(graph, {members}, "multi-tensor-cast", [&](int n) {
+    return graph.type(graph.nodes[static_cast<size_t>(n)].outputs[0]).bytes();
+  }, peaks);
 }
 
 }  // namespace
 
 bool MultiTensorPass::run(Graph& graph) {
   bool changed = group_global_norms(graph);
-  changed = group_updates(graph, Op::kAdamwUpdate, 4, "multi-tensor-adamw") || changed;
-  changed = group_updates(graph, Op::kSgdUpdate, 3, "multi-tensor-sgd") || changed;
+  Peaks peaks;  // of the graph as it is, once measured
+  changed = group_updates(graph, Op::kAdamwUpdate, 4, "multi-tensor-adamw", peaks) || changed;
+  changed = group_updates(graph, Op::kSgdUpdate, 3, "multi-tensor-sgd", peaks) || changed;
+  if (group_casts_) changed = group_param_casts(graph, peaks) || changed;
   return changed;
 }
 

@@ -7,9 +7,16 @@
 //   - global norm, f32 and bf16 terms, odd sizes up to 100003: bit for bit the ungrouped nodes
 //     on the executor's CPU kernels, and the fused reference within rtol 1e-5 (f32 blocked sums
 //     against f64);
+//   - multi-tensor cast, f32 -> bf16 and f16, odd sizes up to 100003 and special values (ties,
+//     NaNs, infinities, f16 overflow and subnormals; expected bits worked out by hand): bit for
+//     bit the fused reference and the ungrouped casts; cast_body's refusals;
 //   - gpt2-tiny training on the CPU with and without the pass: identical without clipping,
 //     within atol 1e-6 / rtol 1e-5 with --grad-clip (the norm's f32 rounding may move one ulp).
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "backends/multi_tensor.h"
 #include "ir/text.h"
@@ -233,6 +240,125 @@ TEST(CpuMultiTensor, SupportsOnlyItsOwnBodies) {
     const KernelImpl& impl = kernel_registry().select(NodeView{node, in, out}, Device::kCpu, {});
     EXPECT_FALSE(impl.in_place_ok) << kind;  // not the multi-tensor kernel
   }
+}
+
+// ---- casts -----------------------------------------------------------------------------------
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t bits16(const Tensor& t, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, t.raw() + 2 * i, 2);
+  return b;
+}
+
+// Inputs of a cast group: random f32 in [-1, 1), and in the first tensor the special values
+// below at its start.
+struct Special {
+  float x;
+  uint16_t bf16, f16;  // worked out by hand from the bit patterns
+};
+const std::vector<Special> kSpecials = {
+    {1.0f + 0x1p-8f, 0x3F80, 0x3C04},          // 0x3F808000. bf16: a tie, to even (down); f16: exact
+    {from_bits(0x3F818000u), 0x3F82, 0x3C0C},  // bf16: a tie, to even (up); f16: exact (1.01171875)
+    {-0.0f, 0x8000, 0x8000},
+    {65504.0f, 0x4780, 0x7BFF},             // 0x477FE000: f16's largest finite; bf16 up to 65536
+    {65520.0f, 0x4780, 0x7C00},             // 0x477FF000. f16: halfway to 65536, to even: infinity
+    {0x1p-24f, 0x3380, 0x0001},             // f16's smallest subnormal
+    {0x1p-25f, 0x3300, 0x0000},             // f16: a tie between 0 and 2^-24, to even: 0
+    {3.0f * 0x1p-25f, 0x33C0, 0x0002},      // 0x33C00000. f16: 1.5 * 2^-24, a tie, to even: 2
+    {from_bits(0x7F7FFFFFu), 0x7F80, 0x7C00},  // FLT_MAX: infinity in both
+    {-std::numeric_limits<float>::infinity(), 0xFF80, 0xFC00},
+    {from_bits(0x7FC00000u), 0x7FC0, 0x7E00},  // the quiet NaN
+    {from_bits(0xFFA12345u), 0xFFE1, 0xFE00},  // a signalling NaN, negative: quieted, sign kept
+};
+
+TEST(CpuMultiTensor, CastMatchesTheReferenceAndTheUngroupedCasts) {
+  // Five f32 inputs; the first is cast both to bf16 and to f16.
+  const std::vector<Shape> shapes = {{7, 13}, {1}, {1031}, {3}, {100003}};
+  const std::vector<DType> to = {DType::kBF16, DType::kF16, DType::kBF16, DType::kF16, DType::kBF16};
+  auto body = std::make_shared<Graph>();
+  body->name = "casts";
+  std::vector<Tensor> inputs;
+  std::vector<ValueId> xs;
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    xs.push_back(body->add_input(fmt::format("x{}", k), {DType::kF32, shapes[k]}, Role::kData));
+    inputs.push_back(rand(DType::kF32, shapes[k], 200 + k));
+    body->outputs.push_back(body->add(Op::kCast, {xs.back()}, {{"dtype", to[k]}}));
+  }
+  body->outputs.push_back(body->add(Op::kCast, {xs[0]}, {{"dtype", DType::kF16}}));
+  for (size_t i = 0; i < kSpecials.size(); ++i) inputs[0].data<float>()[i] = kSpecials[i].x;
+  const Attributes attrs{{"kind", std::string("multi-tensor-cast")}};
+  const Node node{Op::kFused, {}, {}, attrs, body};
+  const KernelImpl& impl = fused_kernel(node, *body, inputs);
+  EXPECT_EQ(impl.dialect, "cpu");
+  EXPECT_FALSE(impl.in_place_ok);
+  std::vector<Tensor> got = outputs_of(*body), expected = outputs_of(*body);
+  impl.kernel(KernelArgs{attrs, inputs, got, nullptr, body.get()});
+  op_def(Op::kFused).reference(KernelArgs{attrs, inputs, expected, nullptr, body.get()});
+  Executor executor(*body);
+  const std::vector<Tensor> ungrouped = executor.run(inputs);
+  ASSERT_EQ(got.size(), 6u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(std::memcmp(got[i].raw(), expected[i].raw(), got[i].bytes()), 0) << "result " << i;
+    EXPECT_EQ(std::memcmp(got[i].raw(), ungrouped[i].raw(), got[i].bytes()), 0) << "result " << i;
+  }
+  for (size_t i = 0; i < kSpecials.size(); ++i) {
+    EXPECT_EQ(bits16(got[0], static_cast<int64_t>(i)), kSpecials[i].bf16) << "bf16 of special " << i;
+    EXPECT_EQ(bits16(got[5], static_cast<int64_t>(i)), kSpecials[i].f16) << "f16 of special " << i;
+  }
+  // The random part is really rounded: |bf16(x) - x| <= 2^-8 |x| (half an ulp of an 8-bit
+  // significand), and most x are not exact.
+  int inexact = 0;
+  for (int64_t i = 0; i < got[4].numel(); ++i) {
+    const double x = inputs[4].get(i), y = got[4].get(i);
+    EXPECT_LE(std::abs(y - x), std::abs(x) * 0x1p-8) << i;
+    inexact += y != x;
+  }
+  EXPECT_GT(inexact, 90000);
+}
+
+TEST(CpuMultiTensor, CastBodyRefusesOtherBodies) {
+  auto why_not = [](const std::string& text) {
+    std::string why;
+    EXPECT_FALSE(multi_tensor::cast_body(parse(text), &why).has_value()) << text;
+    return why;
+  };
+  auto contains = [](const std::string& why, const std::string& fragment) {
+    return ::testing::AssertionResult(why.find(fragment) != std::string::npos) << why;
+  };
+  EXPECT_TRUE(contains(why_not("graph @b(%x: f32[4] data) {\n  %0 = exp(%x) : f32[4]\n  return %0\n}\n"),
+                                "exp"));
+  EXPECT_TRUE(contains(
+      why_not("graph @b(%x: bf16[4] data) {\n  %0 = cast(%x) {dtype=f32} : f32[4]\n  return %0\n}\n"),
+      "a cast of a bf16 input, expected f32"));
+  EXPECT_TRUE(contains(
+      why_not("graph @b(%x: f32[4] data) {\n  %0 = cast(%x) {dtype=f64} : f64[4]\n  return %0\n}\n"),
+      "a cast to f64, expected bf16 or f16"));
+  EXPECT_TRUE(contains(
+      why_not("graph @b(%x: f32[4] data) {\n  %0 = cast(%x) {dtype=bf16} : bf16[4]\n"
+              "  %1 = cast(%0) {dtype=f16} : f16[4]\n  return %0, %1\n}\n"),
+      "not a body input"));
+  EXPECT_TRUE(contains(
+      why_not("graph @b(%x: f32[4] data) {\n  %0 = cast(%x) {dtype=bf16} : bf16[4]\n"
+              "  %1 = cast(%x) {dtype=f16} : f16[4]\n  return %0\n}\n"),
+      "1 body outputs for 2 casts"));
+  std::string why;
+  const auto ok = multi_tensor::cast_body(
+      parse("graph @b(%x: f32[4] data, %y: f32[2] data) {\n  %0 = cast(%y) {dtype=f16} : f16[2]\n"
+            "  %1 = cast(%x) {dtype=bf16} : bf16[4]\n  return %1, %0\n}\n"),
+      &why);
+  ASSERT_TRUE(ok.has_value()) << why;
+  ASSERT_EQ(ok->size(), 2u);
+  EXPECT_EQ((*ok)[0].input, 1);
+  EXPECT_EQ((*ok)[0].output, 1);
+  EXPECT_EQ((*ok)[0].to, DType::kF16);
+  EXPECT_EQ((*ok)[1].input, 0);
+  EXPECT_EQ((*ok)[1].output, 0);
+  EXPECT_EQ((*ok)[1].to, DType::kBF16);
 }
 
 // ---- training -------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 // those differ; the exact global-norm pattern becomes one "global-norm" node, also when fusion
 // already holds parts of it, and not when an intermediate escapes; results unchanged bit for bit
 // (reference kernels: a fused node's reference runs the same nodes); training graphs keep their
-// planned peak and their in-place updates.
+// planned peak and their in-place updates. Casts of f32 params to bf16/f16 become one
+// "multi-tensor-cast" node, and no other casts; in chunks, or not at all, where one node would
+// raise the peak.
 #include "passes/multi_tensor.h"
 
 #include <gtest/gtest.h>
@@ -256,6 +258,145 @@ TEST(MultiTensorPass, NormInsideFusionGroupsIsTakenOut) {
   EXPECT_TRUE(bitwise_equal(run_step(graph, inputs), run_step(before, inputs)));
 }
 
+// ---- casts of the params --------------------------------------------------------------------
+
+// Two params cast to 16 bits (one bf16, one f16: a group may mix them), %e as in kTwoAdamw.
+const char* kTwoCasts =
+    "graph @g(%x: f32[1024] data, %a: bf16[2,4] data, %w: f32[4,3] param, %b: f32[3] param) {\n"
+    "  %e = exp(%x) : f32[1024]\n"
+    "  %loss = sum(%e) : f32[]\n"
+    "  %wb = cast(%w) {dtype=bf16} : bf16[4,3]\n"
+    "  %y = matmul(%a, %wb) : bf16[2,3]\n"
+    "  %bh = cast(%b) {dtype=f16} : f16[3]\n"
+    "  %z = neg(%bh) : f16[3]\n"
+    "  return %loss, %y, %z\n"
+    "}\n";
+
+TEST(MultiTensorPass, ParamCastsBecomeOneNode) {
+  MultiTensorPass pass;
+  testing::PassOnText out = run_on_text(pass, kTwoCasts);
+  EXPECT_TRUE(out.changed);
+  EXPECT_EQ(out.text,
+            "graph @g(%x: f32[1024] data, %a: bf16[2,4] data, %w: f32[4,3] param, %b: f32[3] param) {\n"
+            "  %e = exp(%x) : f32[1024]\n"
+            "  %loss = sum(%e) : f32[]\n"
+            "  %wb, %bh = fused(%w, %b) {kind=\"multi-tensor-cast\"} : bf16[4,3], f16[3] {\n"
+            "    graph @multi_tensor_cast_0(%w: f32[4,3] data, %b: f32[3] data) {\n"
+            "      %wb = cast(%w) {dtype=bf16} : bf16[4,3]\n"
+            "      %bh = cast(%b) {dtype=f16} : f16[3]\n"
+            "      return %wb, %bh\n"
+            "    }\n"
+            "  }\n"
+            "  %y = matmul(%a, %wb) : bf16[2,3]\n"
+            "  %z = neg(%bh) : f16[3]\n"
+            "  return %loss, %y, %z\n"
+            "}\n");
+  const Graph before = parse(kTwoCasts), after = parse(out.text);
+  const std::vector<Tensor> inputs = random_inputs(before, 21, 0, 1);
+  EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
+  // Off on request (a memory budget: remat would have to recompute every cast at once).
+  MultiTensorPass without_casts(false);
+  expect_unchanged(without_casts, kTwoCasts);
+}
+
+TEST(MultiTensorPass, OnlyCastsOfF32ParamsTo16BitsAreGrouped) {
+  MultiTensorPass pass;
+  // One cast of an f32 param to bf16 (nothing to group it with), and casts of a data input, of
+  // a param to f64, of a bf16 param to f32 and of an f64 param to bf16.
+  const std::string others =
+      "graph @g(%x: f32[1024] data, %w: f32[4,3] param, %d: f32[4,3] data, %v: f32[3] param, "
+      "%h: bf16[3] param, %q: f64[3] param) {\n"
+      "  %e = exp(%x) : f32[1024]\n"
+      "  %loss = sum(%e) : f32[]\n"
+      "  %wb = cast(%w) {dtype=bf16} : bf16[4,3]\n"
+      "  %db = cast(%d) {dtype=bf16} : bf16[4,3]\n"
+      "  %vd = cast(%v) {dtype=f64} : f64[3]\n"
+      "  %hf = cast(%h) {dtype=f32} : f32[3]\n"
+      "  %qb = cast(%q) {dtype=bf16} : bf16[3]\n"
+      "  return %loss, %wb, %db, %vd, %hf, %qb\n"
+      "}\n";
+  expect_unchanged(pass, others);
+  // A second f32 param cast to f16: the two are grouped, the others stay.
+  std::string text = with(others, "%q: f64[3] param", "%q: f64[3] param, %w2: f32[5] param");
+  text = with(text, "  return", "  %w2h = cast(%w2) {dtype=f16} : f16[5]\n  return");
+  text = with(text, "%qb\n", "%qb, %w2h\n");
+  testing::PassOnText out = run_on_text(pass, text);
+  EXPECT_TRUE(out.changed);
+  EXPECT_TRUE(contains(out.text, "%wb, %w2h = fused(%w, %w2) {kind=\"multi-tensor-cast\"}"));
+  for (const char* kept : {"  %db = cast(%d)", "  %vd = cast(%v)", "  %hf = cast(%h)", "  %qb = cast(%q)"})
+    EXPECT_TRUE(contains(out.text, kept));
+  EXPECT_EQ(count_of(out.text, "= cast("), 6);  // 4 outside, 2 in the body
+  const Graph before = parse(text), after = parse(out.text);
+  const std::vector<Tensor> inputs = random_inputs(before, 22, 0, 1);
+  EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
+}
+
+TEST(MultiTensorPass, CastsInsideAFusionGroupAreLeftThere) {
+  MultiTensorPass pass;
+  // The casts are already inside a group of another kind: the pass looks at plain nodes only.
+  expect_unchanged(pass,
+                   "graph @g(%w: f32[4,3] param, %b: f32[4,3] param) {\n"
+                   "  %s = fused(%w, %b) {kind=\"elementwise\"} : bf16[4,3] {\n"
+                   "    graph @fused_0(%w: f32[4,3] data, %b: f32[4,3] data) {\n"
+                   "      %wb = cast(%w) {dtype=bf16} : bf16[4,3]\n"
+                   "      %bb = cast(%b) {dtype=bf16} : bf16[4,3]\n"
+                   "      %s = add(%wb, %bb) : bf16[4,3]\n"
+                   "      return %s\n"
+                   "    }\n"
+                   "  }\n"
+                   "  return %s\n"
+                   "}\n");
+}
+
+TEST(MultiTensorPass, NoCastGroupWhenItWouldRaiseThePeak) {
+  // Each 16-bit weight is alive only around its own matmul; one node would make both alive at
+  // the first (8 KiB + 8 KiB + 256 bytes against 8 KiB + 256), and a chunk of one is no group.
+  MultiTensorPass pass;
+  expect_unchanged(pass,
+                   "graph @g(%a: bf16[2,64] data, %w: f32[64,64] param, %b: f32[64,64] param) {\n"
+                   "  %wb = cast(%w) {dtype=bf16} : bf16[64,64]\n"
+                   "  %y = matmul(%a, %wb) : bf16[2,64]\n"
+                   "  %s = sum(%y) : bf16[]\n"
+                   "  %bb = cast(%b) {dtype=bf16} : bf16[64,64]\n"
+                   "  %y2 = matmul(%a, %bb) : bf16[2,64]\n"
+                   "  %s2 = sum(%y2) : bf16[]\n"
+                   "  return %s, %s2\n"
+                   "}\n");
+}
+
+TEST(MultiTensorPass, CastsAreChunkedWhereOneNodeWouldRaiseThePeak) {
+  // The peak is at %e (%y and %e: 8 KiB), which needs %c1 and %c2 (through %sf) and comes
+  // before %c3 and %c4 are needed. One node would keep %c3 and %c4 (or their sum) alive across
+  // it; two chunks of two do not.
+  const std::string text =
+      "graph @g(%x: f32[1024] data, %p1: f32[16,16] param, %p2: f32[16,16] param, "
+      "%p3: f32[16,16] param, %p4: f32[16,16] param) {\n"
+      "  %c1 = cast(%p1) {dtype=bf16} : bf16[16,16]\n"
+      "  %c2 = cast(%p2) {dtype=bf16} : bf16[16,16]\n"
+      "  %u = add(%c1, %c2) : bf16[16,16]\n"
+      "  %su = sum(%u) : bf16[]\n"
+      "  %sf = cast(%su) {dtype=f32} : f32[]\n"
+      "  %y = add(%x, %sf) : f32[1024]\n"
+      "  %e = exp(%y) : f32[1024]\n"
+      "  %s = sum(%e) : f32[]\n"
+      "  %sb = cast(%s) {dtype=bf16} : bf16[]\n"
+      "  %c3 = cast(%p3) {dtype=bf16} : bf16[16,16]\n"
+      "  %c4 = cast(%p4) {dtype=bf16} : bf16[16,16]\n"
+      "  %v = add(%c3, %c4) : bf16[16,16]\n"
+      "  %w = mul(%v, %sb) : bf16[16,16]\n"
+      "  return %w\n"
+      "}\n";
+  MultiTensorPass pass;
+  testing::PassOnText out = run_on_text(pass, text);
+  EXPECT_TRUE(out.changed);
+  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-cast\""), 2);
+  EXPECT_TRUE(contains(out.text, "%c1, %c2 = fused(%p1, %p2) {kind=\"multi-tensor-cast\"}"));
+  EXPECT_TRUE(contains(out.text, "%c3, %c4 = fused(%p3, %p4) {kind=\"multi-tensor-cast\"}"));
+  const Graph before = parse(text), after = parse(out.text);
+  const std::vector<Tensor> inputs = random_inputs(before, 23, 0, 1);
+  EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
+}
+
 // Whole training graphs (grad clipping on, every precision mode): the pipeline with and without
 // the pass computes the same step bit for bit (reference kernels), the planned peak does not
 // rise (kiln compile --report's plan; the executor's within placement noise), and every update the executor wrote
@@ -272,13 +413,28 @@ void check_training(const Graph& forward, const std::string& amp, bool expect_gr
   Graph without = program.graph, with_pass = program.graph;
   default_pipeline(off).run(without);
   default_pipeline().run(with_pass);
-  int norms = 0, updates = 0;
+  int norms = 0, updates = 0, casts = 0, loose_casts = 0;
   for (const Node& node : with_pass.nodes) {
+    if (node.op == Op::kCast) {
+      const GraphInput* in = nullptr;
+      for (const GraphInput& i : with_pass.inputs)
+        if (i.value == node.inputs[0]) in = &i;
+      loose_casts += in && in->role == Role::kParam;
+    }
     if (node.op != Op::kFused) continue;
     norms += node.attrs.s("kind") == "global-norm";
     updates += node.attrs.s("kind") == "multi-tensor-adamw";
+    casts += node.attrs.s("kind") == "multi-tensor-cast";
   }
   EXPECT_EQ(norms, 1);
+  // Mixed precision casts every f32 param it uses in 16 bits: one node for them all (gpt2-tiny:
+  // every 16-bit weight is read again by the backward pass, so they are all alive at the peak).
+  if (amp != "off") {
+    EXPECT_EQ(casts, 1);
+    EXPECT_EQ(loose_casts, 0);
+  } else {
+    EXPECT_EQ(casts, 0);
+  }
   // Grouped: in one node, or in a few consecutive chunks where one group would raise the peak.
   if (expect_grouped_updates) EXPECT_GE(updates, 1);
   else EXPECT_EQ(updates, 0);
@@ -298,6 +454,7 @@ TEST(MultiTensorPass, Gpt2TinyTrainingGraphsUnchangedAndNoHigherPeak) {
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
   check_training(forward, "off", true, 11, 256);
   check_training(forward, "f16", true, 13, 256);
+  check_training(forward, "bf16", true, 15, 256);
 }
 
 TEST(MultiTensorPass, SmallGptKeepsItsUpdatesWhereGroupingWouldRaiseThePeak) {

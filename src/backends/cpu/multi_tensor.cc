@@ -10,6 +10,8 @@
 //       f32 "cpu" reductions: blocked f32/f64 sums), on whole tensors, then the body's add tree
 //       in f32: the bits of the ungrouped step on the CPU (the pass matrix test asks for them),
 //       with one term's temporaries alive at a time.
+//   "multi-tensor-cast"  each member through the best CPU kernel of its cast (the one the
+//       ungrouped node would run, found in the registry): the same bits.
 // Priority above the generic fused CPU kernel (fused.cc, kFastPriority), which would run these
 // bodies' update ops tile by tile through their reference kernels.
 #include "backends/cpu/cpu_kernels.h"
@@ -128,6 +130,36 @@ void run_norm(const KernelArgs& args) {
   *args.outputs[0].data<float>() = multi_tensor::combine_terms(*norm, terms);
 }
 
+// ---- casts of the params ---------------------------------------------------------------------
+
+bool cast_supported(const NodeView& view) {
+  return has_kind(view, "multi-tensor-cast") && multi_tensor::cast_body(*view.node.body).has_value();
+}
+
+void run_casts(const KernelArgs& args) {
+  KILN_CHECK(args.body != nullptr, "multi-tensor cast: the kernel was called without the node's body");
+  const Graph& body = *args.body;
+  std::string why;
+  const std::optional<std::vector<multi_tensor::CastMember>> members = multi_tensor::cast_body(body, &why);
+  KILN_CHECK(members.has_value(), "multi-tensor cast: body @{} is not one: {}", body.name, why);
+  for (size_t k = 0; k < members->size(); ++k) {
+    const multi_tensor::CastMember& m = (*members)[k];
+    const Node& node = body.nodes[k];
+    const std::vector<TensorType> in = types_of(body, node.inputs), out = types_of(body, node.outputs);
+    const NodeView view{node, in, out};
+    KernelFn kernel = op_def(Op::kCast).reference;
+    for (const KernelImpl* impl : kernel_registry().candidates(Op::kCast, Device::kCpu))
+      if (!impl->supports || impl->supports(view)) {
+        kernel = impl->kernel;
+        break;
+      }
+    // Handles on the same storage: the member writes straight into the node's output.
+    const Tensor x = args.inputs[static_cast<size_t>(m.input)];
+    Tensor y = args.outputs[static_cast<size_t>(m.output)];
+    kernel(KernelArgs{node.attrs, {&x, 1}, {&y, 1}, args.stream, nullptr});
+  }
+}
+
 }  // namespace
 
 void register_multi_tensor_kernels(KernelRegistry& registry) {
@@ -145,6 +177,8 @@ void register_multi_tensor_kernels(KernelRegistry& registry) {
                                       /*in_place_ok=*/true});
   registry.add(Op::kFused,
                KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority, norm_supported, run_norm});
+  registry.add(Op::kFused,
+               KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority, cast_supported, run_casts});
 }
 
 }  // namespace kiln::cpu

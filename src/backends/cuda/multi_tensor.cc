@@ -8,10 +8,13 @@
 //       plan put over another member's operand run in later launches (or read copies of it:
 //       multi_tensor::plan_run_order), so one launch never races with itself.
 //   "global-norm"  f32/bf16/f16 terms, up to kMaxNormTerms: two launches, deterministic.
+//   "multi-tensor-cast"  f32 -> bf16/f16 (mixed): one launch per kMaxTensorsPerLaunch members,
+//       the bits of the single cast kernel (movement.cu). Not in_place_ok (nothing to alias:
+//       the results are 16-bit, the operands f32).
 // Priority kMultiTensorPriority, above the nvrtc dialect and the cuda-body fallback: nvrtc does
 // not generate these bodies, and cuda-body would run them member by member (148 launches of the
-// per-tensor kernel for GPT-2's updates, 296 reductions and 147 scalar adds for its norm), which
-// is what grouping them is meant to replace.
+// per-tensor kernel for GPT-2's updates, 296 reductions and 147 scalar adds for its norm, ~74
+// casts under --amp), which is what grouping them is meant to replace.
 #include "backends/cuda/multi_tensor.cuh"
 
 #include <cuda_runtime.h>
@@ -165,6 +168,26 @@ void run_norm(const KernelArgs& args) {
                             stream_of(args));
 }
 
+bool cast_supported(const NodeView& view) {
+  return has_kind(view, "multi-tensor-cast") && kiln::multi_tensor::cast_body(*view.node.body).has_value();
+}
+
+void run_casts(const KernelArgs& args) {
+  KILN_CHECK(args.body != nullptr, "multi-tensor cast: the kernel was called without the node's body");
+  std::string why;
+  const std::optional<std::vector<kiln::multi_tensor::CastMember>> members =
+      kiln::multi_tensor::cast_body(*args.body, &why);
+  KILN_CHECK(members.has_value(), "multi-tensor cast: body @{} is not one: {}", args.body->name, why);
+  std::vector<multi_tensor::CastTensor> tensors;
+  for (const kiln::multi_tensor::CastMember& m : *members) {
+    const Tensor& x = args.inputs[static_cast<size_t>(m.input)];
+    tensors.push_back(multi_tensor::CastTensor{x.data<float>(),
+                                               args.outputs[static_cast<size_t>(m.output)].raw(), elem(m.to),
+                                               x.numel()});
+  }
+  multi_tensor::cast(tensors.data(), static_cast<int64_t>(tensors.size()), stream_of(args));
+}
+
 }  // namespace
 
 void register_multi_tensor_kernels(KernelRegistry& registry) {
@@ -184,6 +207,8 @@ void register_multi_tensor_kernels(KernelRegistry& registry) {
                           /*in_place_ok=*/true});
   registry.add(Op::kFused,
                KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority, norm_supported, run_norm});
+  registry.add(Op::kFused,
+               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority, cast_supported, run_casts});
 }
 
 }  // namespace kiln::cuda

@@ -1,5 +1,6 @@
 // Kernels and launchers of the multi-tensor ops (declared in multi_tensor.cuh): AdamW and SGD
-// over a table of tensors, and the global sum of squares. See the header for the table layout.
+// over a table of tensors, the global sum of squares, and f32 -> bf16/f16 casts. See the header
+// for the table layout.
 //
 // Updates: 256 threads per block, kChunk elements of one tensor per block, in 4-element chunks
 // (16 bytes of f32; the per-tensor kernels of nn.cu use the same 4-element chunks, since a
@@ -287,6 +288,69 @@ __global__ void __launch_bounds__(1024)
   *out = value(program.result);
 }
 
+// ---- casts ----------------------------------------------------------------------------------
+
+struct CastTable {
+  const float* x[kMaxTensorsPerLaunch];
+  void* y[kMaxTensorsPerLaunch];
+  int64_t n[kMaxTensorsPerLaunch];
+  int64_t first_block[kMaxTensorsPerLaunch + 1];
+  bool vec[kMaxTensorsPerLaunch];
+  bool f16[kMaxTensorsPerLaunch];  // else bf16
+  int count;
+};
+static_assert(sizeof(CastTable) + 64 <= 32764, "the cast table must fit a kernel parameter");
+
+// The conversions of movement.cu's cast (and ir/dtype.h's on the host), bit for bit: round to
+// nearest even; a NaN keeps its sign and becomes the host's quiet NaN (bf16: the payload's top
+// bits with the quiet bit set; f16: the canonical 0x7e00).
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<unsigned short>(u >> 16);
+}
+__device__ __forceinline__ unsigned short f32_to_f16_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>(((u >> 16) & 0x8000u) | 0x7e00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
+
+constexpr int kCastVec = 8;  // elements per vector step: 32 bytes of f32 in, 16 bytes out
+
+template <bool kF16>
+__device__ __forceinline__ void cast_range(const float* x, unsigned short* y, int64_t start, int64_t end,
+                                           bool vec) {
+  auto one = [](float f) { return kF16 ? f32_to_f16_bits(f) : f32_to_bf16_bits(f); };
+  int64_t scalar_from = start;
+  if (vec) {
+    // start is a multiple of kChunk (of kCastVec): every step is 16-byte aligned.
+    const int64_t full = start + (end - start) / kCastVec * kCastVec;
+    for (int64_t i = start + static_cast<int64_t>(threadIdx.x) * kCastVec; i < full;
+         i += static_cast<int64_t>(blockDim.x) * kCastVec) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(x + i));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(x + i) + 1);
+      uint4 out;
+      out.x = static_cast<uint32_t>(one(a.x)) | (static_cast<uint32_t>(one(a.y)) << 16);
+      out.y = static_cast<uint32_t>(one(a.z)) | (static_cast<uint32_t>(one(a.w)) << 16);
+      out.z = static_cast<uint32_t>(one(b.x)) | (static_cast<uint32_t>(one(b.y)) << 16);
+      out.w = static_cast<uint32_t>(one(b.z)) | (static_cast<uint32_t>(one(b.w)) << 16);
+      *reinterpret_cast<uint4*>(y + i) = out;
+    }
+    scalar_from = full;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) y[i] = one(__ldg(x + i));
+}
+
+__global__ void __launch_bounds__(kThreads) cast_multi_kernel(const __grid_constant__ CastTable table) {
+  const int t = tensor_of_block(table, blockIdx.x);
+  const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
+  const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
+  unsigned short* y = static_cast<unsigned short*>(table.y[t]);
+  if (table.f16[t]) cast_range<true>(table.x[t], y, start, end, table.vec[t]);
+  else cast_range<false>(table.x[t], y, start, end, table.vec[t]);
+}
+
 // ---- launchers ------------------------------------------------------------------------------
 
 bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -430,6 +494,29 @@ void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int6
       });
   norm_finish_kernel<<<1, 1024, 0, stream>>>(program, partials.as<double>(), static_cast<float*>(out));
   KILN_CUDA_CHECK(cudaGetLastError());
+}
+
+void cast(const CastTensor* tensors, int64_t count, cudaStream_t stream) {
+  std::vector<int64_t> sizes(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) {
+    const Elem to = tensors[k].to;
+    KILN_CHECK(to == Elem::kBF16 || to == Elem::kF16,
+               "multi-tensor cast: tensor {} is cast to type code {}, expected bf16 or f16", k,
+               static_cast<int>(to));
+    sizes[static_cast<size_t>(k)] = tensors[k].n;
+  }
+  launch_tables<CastTable>(
+      count, sizes.data(),
+      [&](CastTable& table, int slot, int64_t k) {
+        const CastTensor& c = tensors[k];
+        table.x[slot] = c.x;
+        table.y[slot] = c.y;
+        table.f16[slot] = c.to == Elem::kF16;
+        table.vec[slot] = aligned_to(c.x, 16) && aligned_to(c.y, 16);
+      },
+      [&](const CastTable& table, int64_t blocks) {
+        cast_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(table);
+      });
 }
 
 }  // namespace kiln::cuda::multi_tensor

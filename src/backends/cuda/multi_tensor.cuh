@@ -1,5 +1,5 @@
 // Launchers of the multi-tensor kernels (backends/cuda/multi_tensor.cu; registered by
-// multi_tensor.cc): one launch updates or reduces many tensors. C++17-clean: plain pointers,
+// multi_tensor.cc): one launch updates, reduces or casts many tensors. C++17-clean: plain pointers,
 // int64_t, cudaStream_t.
 //
 // How a launch covers many tensors: the kernel's parameter struct holds a table of up to
@@ -76,5 +76,19 @@ struct NormTensor {
 // order). count <= kMaxNormTerms, num_adds < kMaxNormTerms.
 void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int64_t num_adds,
                  int result, void* out, cudaStream_t stream);
+
+// ---- casts ----------------------------------------------------------------------------------
+
+// One f32 tensor cast to bf16 or f16 (x and y never overlap: different element sizes).
+struct CastTensor {
+  const float* x;
+  void* y;
+  Elem to;  // kBF16 or kF16
+  int64_t n;
+};
+// y_i = x_i rounded to nearest even, NaNs as the host's and movement.cu's single cast: the same
+// bits as the `cast` op on every backend. 8 elements per thread step (two 16-byte loads, one
+// 16-byte store) where x and y are 16-byte aligned, else element by element.
+void cast(const CastTensor* tensors, int64_t count, cudaStream_t stream);
 
 }  // namespace kiln::cuda::multi_tensor
