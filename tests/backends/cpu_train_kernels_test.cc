@@ -1,7 +1,8 @@
 // The training-step fast kernels (src/backends/cpu/train_kernels.cc) against the reference
 // kernels: adamw_update, sgd_update, gelu_grad, reshape, transpose ("cpu") and attention,
-// attention_grad ("openblas"). Random inputs (never zeros), odd sizes, sizes that parallel_for
-// splits, a few hand-checked values, and the cases supports() refuses.
+// attention_grad, attention_qkv, attention_qkv_grad ("openblas"). Random inputs (never zeros),
+// odd sizes, sizes that parallel_for splits, a few hand-checked values, and the cases supports()
+// refuses.
 //
 // Tolerances (f32 kernels against the f64 reference rounded to f32):
 //   reshape, transpose: exact (they copy).
@@ -13,6 +14,10 @@
 //   attention, attention_grad: sums over D and Tk of products of values in [-1, 1] in f32
 //     (OpenBLAS) plus an f32 softmax: atol 1e-5, rtol 1e-4 (the same for lse, whose f32 scores
 //     carry the same rounding). attention_grad gets out and lse from the reference forward.
+//   attention_qkv, attention_qkv_grad: the same kernels reading q, k, v in place from the packed
+//     (..., T, 3, H, D) tensor: the same atol 1e-5, rtol 1e-4. The packed kernels are also
+//     compared with attention{bthd}'s openblas kernel on the three parts: the same sgemms on the
+//     same values, so within 1e-6 (OpenBLAS may block differently for other strides).
 #include <cmath>
 
 #include "test_util.h"
@@ -315,6 +320,117 @@ TEST(CpuTrainKernels, AttentionHandChecked) {
   EXPECT_TRUE(all_close(causal[1], make(DType::kF32, {2}, {0, ln2}), 1e-7, 1e-6));
 }
 
+// ---- attention_qkv, attention_qkv_grad ----
+
+struct PackedCase {
+  Shape qkv;  // (..., T, 3, H, D)
+  bool causal;
+  double scale;  // <= 0: the default 1/sqrt(D)
+};
+
+const std::vector<PackedCase> kPackedCases = {
+    {{2, 7, 3, 3, 5}, false, 0},        // odd T and D, H = 3
+    {{2, 7, 3, 3, 5}, true, 0},
+    {{9, 3, 2, 4}, true, 0.7},          // rank 4: no batch dims
+    {{13, 3, 1, 6}, false, 0},          // one head
+    {{2, 3, 11, 3, 2, 3}, true, 0},     // rank 6: two batch dims
+    {{2, 3, 11, 3, 2, 3}, false, 1.7},
+    {{1, 1, 3, 1, 1}, true, 0},         // T = H = D = 1
+    {{2, 64, 3, 4, 16}, true, 0},       // gpt2-tiny's packed projection
+    {{1, 33, 3, 5, 7}, false, 0.4},
+};
+
+Attributes packed_attrs(const PackedCase& c) {
+  Attributes attrs{{"causal", c.causal}};
+  if (c.scale > 0) attrs.set("scale", c.scale);
+  return attrs;
+}
+
+// (..., T, H, D): attention_qkv's output shape for qkv.
+Shape unpacked_shape(const Shape& qkv) {
+  Shape out = qkv;
+  out.erase(out.end() - 3);
+  return out;
+}
+
+// qkv[..., which, :, :] copied out.
+Tensor part_of(const Tensor& qkv, int which) {
+  Tensor out(TensorType{qkv.dtype(), unpacked_shape(qkv.shape())});
+  const int64_t hd = qkv.shape().back() * qkv.shape()[qkv.shape().size() - 2];
+  for (int64_t i = 0; i < out.numel(); ++i)
+    out.set(i, qkv.get((i / hd * 3 + which) * hd + i % hd));
+  return out;
+}
+
+TEST(CpuTrainKernels, AttentionQkvMatchesReference) {
+  uint64_t seed = 1100;
+  for (const PackedCase& c : kPackedCases) {
+    const Tensor qkv = rand(DType::kF32, c.qkv, ++seed);
+    expect_matches_reference("openblas", Op::kAttentionQkv, {qkv}, packed_attrs(c),
+                             {1e-5, 1e-4});
+  }
+}
+
+TEST(CpuTrainKernels, AttentionQkvGradMatchesReference) {
+  uint64_t seed = 1200;
+  for (const PackedCase& c : kPackedCases) {
+    const Tensor qkv = rand(DType::kF32, c.qkv, ++seed);
+    const Tensor dout = rand(DType::kF32, unpacked_shape(c.qkv), ++seed);
+    const std::vector<Tensor> fwd = run_reference(Op::kAttentionQkv, {qkv}, packed_attrs(c));
+    expect_matches_reference("openblas", Op::kAttentionQkvGrad, {qkv, fwd[0], dout, fwd[1]},
+                             packed_attrs(c), {1e-5, 1e-4});
+  }
+}
+
+// The packed kernels are attention{bthd}'s kernels with other strides: on the parts, the bthd
+// kernels give the same out, lse and (packed) dq, dk, dv.
+TEST(CpuTrainKernels, AttentionQkvMatchesBthdKernelOnTheParts) {
+  uint64_t seed = 1300;
+  for (const PackedCase& c : kPackedCases) {
+    SCOPED_TRACE(to_string(c.qkv));
+    const Tensor qkv = rand(DType::kF32, c.qkv, ++seed);
+    const Tensor dout = rand(DType::kF32, unpacked_shape(c.qkv), ++seed);
+    Attributes bthd = packed_attrs(c);
+    bthd.set("layout", std::string("bthd"));
+    const std::vector<Tensor> parts{part_of(qkv, 0), part_of(qkv, 1), part_of(qkv, 2)};
+    const std::vector<Tensor> packed = run_dialect("openblas", Op::kAttentionQkv, {qkv},
+                                                   packed_attrs(c));
+    const std::vector<Tensor> split = run_dialect("openblas", Op::kAttention, parts, bthd);
+    EXPECT_TRUE(all_close(packed[0], split[0], 1e-6, 1e-6));
+    EXPECT_TRUE(all_close(packed[1], split[1], 1e-6, 1e-6));
+    const Tensor dqkv = run_dialect("openblas", Op::kAttentionQkvGrad,
+                                    {qkv, packed[0], dout, packed[1]}, packed_attrs(c))[0];
+    const std::vector<Tensor> grads = run_dialect(
+        "openblas", Op::kAttentionGrad,
+        {parts[0], parts[1], parts[2], packed[0], dout, packed[1]}, bthd);
+    for (int which = 0; which < 3; ++which)
+      EXPECT_TRUE(all_close(part_of(dqkv, which), grads[which], 1e-6, 1e-6)) << which;
+  }
+}
+
+// dq, dk, dv together overwrite every element of dqkv: a NaN-filled output buffer comes back
+// with no NaN (the executor hands kernels uninitialized buffers).
+TEST(CpuTrainKernels, AttentionQkvGradWritesEveryElement) {
+  const Tensor qkv = rand(DType::kF32, {2, 5, 3, 3, 4}, 1401);
+  const Tensor dout = rand(DType::kF32, {2, 5, 3, 4}, 1402);
+  const Attributes attrs = normalize_attributes(Op::kAttentionQkvGrad, {{"causal", true}});
+  const std::vector<Tensor> fwd = run_reference(Op::kAttentionQkv, {qkv}, attrs);
+  const std::vector<Tensor> inputs{qkv, fwd[0], dout, fwd[1]};
+  std::vector<TensorType> in_types;
+  for (const Tensor& t : inputs) in_types.push_back(t.type());
+  const std::vector<TensorType> out_types = infer_types(Op::kAttentionQkvGrad, in_types, attrs);
+  Node node{Op::kAttentionQkvGrad, {}, {}, attrs};
+  const KernelImpl& impl = kernel_registry().select(NodeView{node, in_types, out_types},
+                                                    Device::kCpu, {"openblas"});
+  std::vector<Tensor> outputs{Tensor(out_types[0])};
+  for (int64_t i = 0; i < outputs[0].numel(); ++i) outputs[0].set(i, std::nan(""));
+  impl.kernel(KernelArgs{attrs, inputs, outputs});
+  const Tensor want = run_reference(Op::kAttentionQkvGrad, inputs, attrs)[0];
+  EXPECT_TRUE(all_close(outputs[0], want, 1e-5, 1e-4));
+  for (int64_t i = 0; i < outputs[0].numel(); ++i)
+    ASSERT_FALSE(std::isnan(outputs[0].get(i))) << "element " << i << " not written";
+}
+
 // ---- what supports() refuses ----
 
 TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
@@ -347,6 +463,25 @@ TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
   EXPECT_EQ(selected_dialect(Op::kAttention, {q, no_keys, no_keys}), "reference");
   const TensorType no_dim{DType::kF32, {2, 5, 0}};
   EXPECT_EQ(selected_dialect(Op::kAttention, {no_dim, no_dim, q}), "reference");
+
+  // attention_qkv, attention_qkv_grad: f32 only, and every length at least 1.
+  const TensorType qkv{DType::kF32, {2, 5, 3, 2, 4}}, out{DType::kF32, {2, 5, 2, 4}};
+  const TensorType qkv_lse{DType::kF32, {2, 5, 2}};
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {qkv}), "openblas");
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkvGrad, {qkv, out, out, qkv_lse}), "openblas");
+  const TensorType qkv64{DType::kF64, {2, 5, 3, 2, 4}}, out64{DType::kF64, {2, 5, 2, 4}};
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {qkv64}), "reference");
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkvGrad,
+                             {qkv64, out64, out64, {DType::kF64, {2, 5, 2}}}),
+            "reference");
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {{DType::kBF16, {2, 5, 3, 2, 4}}}),
+            "reference");
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {{DType::kF32, {2, 0, 3, 2, 4}}}),
+            "reference");  // no tokens
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {{DType::kF32, {2, 5, 3, 2, 0}}}),
+            "reference");  // zero head dim
+  EXPECT_EQ(selected_dialect(Op::kAttentionQkv, {{DType::kF32, {2, 5, 3, 0, 4}}}),
+            "reference");  // no heads
 }
 
 }  // namespace

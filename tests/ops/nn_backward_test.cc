@@ -1,10 +1,13 @@
 // The NN backward ops (softmax_grad, log_softmax_grad, layer_norm_grad, rms_norm_grad,
-// cross_entropy_grad, attention_grad): reference kernels on hand-worked cases, the same kernels
-// against central differences of their forward op's reference kernel (no autodiff involved), and
+// cross_entropy_grad, attention_grad, attention_qkv_grad): reference kernels on hand-worked
+// cases, the same kernels against central differences of their forward op's reference kernel (no
+// autodiff involved), attention_qkv_grad against attention_grad{bthd} on the split parts, and
 // every inference error with its message.
 #include <cmath>
 #include <functional>
 
+#include "frontend/builder.h"
+#include "runtime/executor.h"
 #include "test_util.h"
 
 namespace kiln {
@@ -448,6 +451,123 @@ TEST(NnBackwardAttention, Errors) {
       infer(Op::kAttentionGrad, {f32({4}), f32({4}), f32({4}), f32({4}), f32({4}), f32({})}),
       "q has shape (4,)", "rank >= 2");
   EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {s, s, s, s}), "got 4 inputs, expected 6");
+}
+
+// ---------------------------------------------------------------- attention_qkv_grad
+
+// (..., T, 3, H, D) -> (..., T, H, D).
+Shape unpacked(Shape qkv) {
+  qkv.erase(qkv.end() - 3);
+  return qkv;
+}
+
+struct QkvCase {
+  Shape qkv;
+  Attributes attrs;
+};
+const std::vector<QkvCase> kQkvCases{
+    {{2, 4, 3, 3, 2}, {}},
+    {{2, 4, 3, 3, 2}, {{"causal", true}}},
+    {{5, 3, 2, 3}, {{"causal", true}, {"scale", 0.7}}},  // rank 4
+    {{2, 2, 3, 3, 2, 2}, {{"scale", 1.4}}},              // rank 6
+};
+
+TEST(NnBackwardAttentionQkv, MatchesForwardDifferences) {
+  for (const QkvCase& c : kQkvCases) {
+    SCOPED_TRACE(to_string(c.qkv));
+    const Tensor qkv = rand64(c.qkv, 50);
+    const Tensor dout = rand64(unpacked(c.qkv), 51);
+    std::vector<Tensor> fwd = run_reference(Op::kAttentionQkv, {qkv}, c.attrs);
+    const Tensor dqkv =
+        run_reference(Op::kAttentionQkvGrad, {qkv, fwd[0], dout, fwd[1]}, c.attrs)[0];
+    EXPECT_TRUE(all_close(dqkv, numeric_vjp(Op::kAttentionQkv, {qkv}, c.attrs, 0, {dout}), kAtol,
+                          kRtol));
+  }
+}
+
+// attention_grad{bthd} on qkv's three parts, the gradients stacked back along axis -3: the
+// graph attention_qkv_grad replaces.
+Graph split_attention_grad_graph(const Shape& qkv_shape, const Attributes& attrs) {
+  Builder b("split_attention_grad");
+  const Shape part = unpacked(qkv_shape);
+  Shape slot = qkv_shape;
+  slot[slot.size() - 3] = 1;
+  Expr qkv = b.data("qkv", qkv_shape, DType::kF64);
+  Expr out = b.data("out", part, DType::kF64), dout = b.data("dout", part, DType::kF64);
+  Expr lse = b.data("lse", Shape(part.begin(), part.end() - 1), DType::kF64);
+  std::vector<Expr> in = split(qkv, {1, 1, 1}, -3);
+  for (Expr& p : in) p = reshape(p, part);
+  in.insert(in.end(), {out, dout, lse});
+  Attributes bthd = attrs;
+  bthd.set("layout", std::string("bthd"));
+  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, in, bthd);
+  for (Expr& g : grads) g = reshape(g, slot);
+  return b.finish({concat(grads, -3)});
+}
+
+TEST(NnBackwardAttentionQkv, EqualsBthdAttentionGradPacked) {
+  // The same reference arithmetic on the same elements: equal exactly. out and lse given as
+  // arbitrary tensors (the op uses them as given, like attention_grad).
+  uint64_t seed = 60;
+  for (const QkvCase& c : kQkvCases) {
+    SCOPED_TRACE(to_string(c.qkv));
+    const Shape part = unpacked(c.qkv);
+    const std::vector<Tensor> in{rand64(c.qkv, ++seed), rand64(part, ++seed),
+                                 rand64(part, ++seed),
+                                 rand64(Shape(part.begin(), part.end() - 1), ++seed, 0.5, 2)};
+    const Tensor packed = run_reference(Op::kAttentionQkvGrad, in, c.attrs)[0];
+    const Graph g = split_attention_grad_graph(c.qkv, c.attrs);
+    const Tensor split = Executor(g, ExecutorOptions{Device::kCpu, {"reference"}}).run(in)[0];
+    EXPECT_TRUE(all_close(packed, split, 0, 0));
+  }
+}
+
+TEST(NnBackwardAttentionQkv, HandWorked) {
+  // T = 2, H = 1, D = 1: q = (1, 1), k = (0, 0), v = (1, 3) (every score 0), not causal.
+  // P = 1/2 everywhere, out = (2, 2), lse = ln 2. dout = (1, 2):
+  //   dv_j = sum_i P_ij dout_i = 3/2 for both keys.
+  //   dP_ij = dout_i v_j: row 0 (1, 3), row 1 (2, 6); D_i = dout_i out_i = (2, 4).
+  //   dS_ij = P_ij (dP_ij - D_i) = row 0 (-1/2, 1/2), row 1 (-1, 1).
+  //   dq_i = sum_j dS_ij k_j = 0; dk_j = sum_i dS_ij q_i = (-3/2, 3/2).
+  const Tensor qkv = make(DType::kF64, {2, 3, 1, 1}, {1, 0, 1, 1, 0, 3});
+  const Tensor out = make(DType::kF64, {2, 1, 1}, {2, 2});
+  const Tensor dout = make(DType::kF64, {2, 1, 1}, {1, 2});
+  const Tensor lse = make(DType::kF64, {2, 1}, {std::log(2.0), std::log(2.0)});
+  const Tensor dqkv =
+      run_reference(Op::kAttentionQkvGrad, {qkv, out, dout, lse}, {{"scale", 1.0}})[0];
+  // Per token: (dq, dk, dv).
+  EXPECT_TRUE(all_close(dqkv, f64({2, 3, 1, 1}, {0, -1.5, 1.5, 0, 1.5, 1.5}), 1e-15, 1e-15));
+}
+
+TEST(NnBackwardAttentionQkv, Errors) {
+  const TensorType qkv = f32({2, 5, 3, 4, 8}), out = f32({2, 5, 4, 8}), lse = f32({2, 5, 4});
+  EXPECT_EQ(infer(Op::kAttentionQkvGrad, {qkv, out, out, lse}), (std::vector<TensorType>{qkv}));
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {f32({2, 5, 2, 4, 8}), out, out, lse}),
+                    "attention_qkv_grad", "qkv has shape (2, 5, 2, 4, 8)",
+                    "expected (..., T, 3, H, D)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {f32({3, 4, 8}), out, out, lse}),
+                    "qkv has shape (3, 4, 8)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {of(DType::kI64, {2, 5, 3, 4, 8}), out, out,
+                                                  lse}),
+                    "qkv is i64", "expected a float dtype");
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionQkvGrad, {qkv, f32({2, 5, 4, 7}), out, lse}),
+      "out has shape (2, 5, 4, 7), expected (2, 5, 4, 8) like attention_qkv's output");
+  EXPECT_KILN_ERROR(
+      infer(Op::kAttentionQkvGrad, {qkv, out, f32({2, 4, 5, 8}), lse}),
+      "dout has shape (2, 4, 5, 8), expected (2, 5, 4, 8) like attention_qkv's output");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {qkv, out, of(DType::kBF16, {2, 5, 4, 8}), lse}),
+                    "dout is bf16, expected f32");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {qkv, of(DType::kF64, {2, 5, 4, 8}), out, lse}),
+                    "out is f64, expected f32");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {qkv, out, out, f32({2, 4, 5})}),
+                    "lse is f32[2,4,5]", "expected f32[2,5,4]", "attention_qkv's lse");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {qkv, out, out, of(DType::kBF16, {2, 5, 4})}),
+                    "lse is bf16[2,5,4]", "expected f32[2,5,4]");
+  // 16-bit qkv keeps an f32 lse, as attention does.
+  const TensorType h = of(DType::kBF16, {5, 3, 2, 4}), h_out = of(DType::kBF16, {5, 2, 4});
+  EXPECT_NO_THROW(infer(Op::kAttentionQkvGrad, {h, h_out, h_out, f32({5, 2})}));
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkvGrad, {qkv, out, out}), "got 3 inputs, expected 4");
 }
 
 }  // namespace

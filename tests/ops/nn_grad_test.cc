@@ -1,8 +1,8 @@
 // Gradient rules of the NN ops (src/ops/nn.cc), each checked against float64 central
 // differences of the reference kernels on small random inputs: matmul with every transpose flag
 // and broadcast batch dims, softmax/log_softmax on several axes, the norms, cross_entropy with
-// ignored rows and every reduction, causal and non-causal attention (a loss on both its
-// outputs, out and lse, and on out alone, the usual case).
+// ignored rows and every reduction, causal and non-causal attention and attention_qkv (a loss on
+// both outputs, out and lse, and on out alone, the usual case).
 #include <map>
 
 #include "frontend/builder.h"
@@ -194,6 +194,64 @@ TEST(NnGrad, AttentionRuleWiresOutAndLse) {
   EXPECT_EQ(concats, 0);
 }
 
+// attention_qkv: a loss on out and lse (the rule's unpacked path: split, attention_grad with the
+// extra column, concat) and on out alone (one attention_qkv_grad).
+TEST(NnGrad, AttentionQkvLossOnOutAndLse) {
+  expect_op_gradients(Op::kAttentionQkv, {rand64({4, 3, 2, 3}, 100)});
+  expect_op_gradients(Op::kAttentionQkv, {rand64({2, 5, 3, 3, 2}, 101)}, {{"causal", true}});
+  expect_op_gradients(Op::kAttentionQkv, {rand64({2, 2, 3, 3, 1, 4}, 102)},
+                      {{"causal", true}, {"scale", 0.6}});
+}
+
+void check_attention_qkv_out_only(Shape qkv, Attributes attrs, uint64_t seed) {
+  Builder b("attention_qkv_out");
+  Expr x = b.data("qkv", qkv, DType::kF64);
+  std::vector<Expr> y = b.apply(Op::kAttentionQkv, {x}, std::move(attrs));
+  const Shape out_shape = y[0].shape();
+  Expr w = b.data("w", out_shape, DType::kF64);
+  Graph g = b.finish({sum(y[0] * w)});
+  testing::expect_graph_gradients(g, 0, {0}, {rand64(qkv, seed), rand64(out_shape, seed + 1)});
+}
+
+TEST(NnGrad, AttentionQkvLossOnOutOnly) {
+  check_attention_qkv_out_only({4, 3, 2, 3}, {}, 110);
+  check_attention_qkv_out_only({2, 5, 3, 3, 2}, {{"causal", true}}, 112);
+  check_attention_qkv_out_only({2, 2, 3, 3, 1, 4}, {{"scale", 0.6}}, 114);
+}
+
+TEST(NnGrad, AttentionQkvRuleEmitsOnePackedGrad) {
+  // Out only: one attention_qkv_grad fed the forward's out and lse, no split or concat. With a
+  // loss on lse too: attention_grad on the split parts, concatenated (no attention_qkv_grad).
+  for (bool use_lse : {false, true}) {
+    SCOPED_TRACE(use_lse ? "out and lse" : "out only");
+    Builder b("wiring");
+    Expr qkv = b.data("qkv", {2, 4, 3, 2, 3}, DType::kF64);
+    std::vector<Expr> y = attention_qkv(qkv, true);
+    Graph g = b.finish({use_lse ? sum(y[0]) + sum(y[1]) : sum(y[0])});
+    AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[0].value});
+    std::map<Op, int> counts;
+    const Node* forward = nullptr;
+    const Node* backward = nullptr;
+    for (const Node& node : r.graph.nodes) {
+      ++counts[node.op];
+      if (node.op == Op::kAttentionQkv) forward = &node;
+      if (node.op == Op::kAttentionQkvGrad) backward = &node;
+    }
+    ASSERT_NE(forward, nullptr);
+    EXPECT_EQ(counts[Op::kAttentionQkvGrad], use_lse ? 0 : 1);
+    EXPECT_EQ(counts[Op::kAttentionGrad], use_lse ? 1 : 0);
+    if (use_lse) continue;
+    EXPECT_EQ(counts[Op::kSplit], 0);
+    EXPECT_EQ(counts[Op::kConcat], 0);
+    ASSERT_NE(backward, nullptr);
+    EXPECT_EQ(backward->inputs[0], forward->inputs[0]);
+    EXPECT_EQ(backward->inputs[1], forward->outputs[0]);
+    EXPECT_EQ(backward->inputs[3], forward->outputs[1]);
+    EXPECT_EQ(backward->outputs[0], r.gradients[0]);
+    EXPECT_TRUE(backward->attrs.b("causal"));
+  }
+}
+
 TEST(NnGrad, RulesEmitTheBackwardOps) {
   // The rules of softmax, the norms, cross_entropy and attention emit one backward op each,
   // not a decomposition (fusion and kernel selection key on these ops).
@@ -217,10 +275,10 @@ TEST(NnGrad, RulesEmitTheBackwardOps) {
 
 TEST(NnGrad, BackwardOpsAreNotDifferentiable) {
   for (Op op : {Op::kSoftmaxGrad, Op::kLogSoftmaxGrad, Op::kLayerNormGrad, Op::kRmsNormGrad,
-                Op::kCrossEntropyGrad, Op::kAttentionGrad})
+                Op::kCrossEntropyGrad, Op::kAttentionGrad, Op::kAttentionQkvGrad})
     EXPECT_FALSE(op_def(op).differentiable) << op_name(op);
   for (Op op : {Op::kMatmul, Op::kSoftmax, Op::kLogSoftmax, Op::kLayerNorm, Op::kRmsNorm,
-                Op::kCrossEntropy, Op::kAttention}) {
+                Op::kCrossEntropy, Op::kAttention, Op::kAttentionQkv}) {
     EXPECT_TRUE(op_def(op).differentiable) << op_name(op);
     EXPECT_TRUE(static_cast<bool>(op_def(op).gradient)) << op_name(op);
   }

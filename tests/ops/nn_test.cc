@@ -1,10 +1,13 @@
 // NN ops (src/ops/nn.cc): inference on good inputs, every error with its message, the reference
 // kernels on small hand-worked cases, and property checks on random inputs (matmul's transpose
-// flags against explicit transposes, attention against matmul + softmax).
+// flags against explicit transposes, attention against matmul + softmax, attention_qkv against
+// attention{bthd} on the split of its packed input).
 #include <cmath>
 #include <functional>
 #include <limits>
 
+#include "frontend/builder.h"
+#include "runtime/executor.h"
 #include "test_util.h"
 
 namespace kiln {
@@ -570,6 +573,116 @@ TEST(NnAttention, KernelInBf16IsCloseToF64) {
                              {{"causal", true}})[0];
   Tensor high = run_reference(Op::kAttention, {q, k, v}, {{"causal", true}})[0];
   EXPECT_LT(max_scaled_error(low, high, 2e-2, 2e-2), 1.0);
+}
+
+// ---------------------------------------------------------------- attention_qkv
+
+TEST(NnAttentionQkv, InfersShapes) {
+  // (..., T, 3, H, D) -> out (..., T, H, D) in qkv's dtype, lse (..., T, H) as attention's.
+  std::vector<TensorType> t = infer(Op::kAttentionQkv, {f32({2, 5, 3, 4, 8})});
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[0], f32({2, 5, 4, 8}));
+  EXPECT_EQ(t[1], f32({2, 5, 4}));
+  t = infer(Op::kAttentionQkv, {f32({7, 3, 1, 2})}, {{"causal", true}});  // rank 4: no batch
+  EXPECT_EQ(t[0], f32({7, 1, 2}));
+  EXPECT_EQ(t[1], f32({7, 1}));
+  t = infer(Op::kAttentionQkv, {of(DType::kBF16, {2, 3, 4, 3, 2, 8})});  // rank 6
+  EXPECT_EQ(t[0], of(DType::kBF16, {2, 3, 4, 2, 8}));
+  EXPECT_EQ(t[1], f32({2, 3, 4, 2}));  // 16-bit attention keeps an f32 lse
+  t = infer(Op::kAttentionQkv, {of(DType::kF64, {4, 3, 2, 8})});
+  EXPECT_EQ(t[1], of(DType::kF64, {4, 2}));
+}
+
+TEST(NnAttentionQkv, Errors) {
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({2, 5, 4, 2, 8})}),
+                    "attention_qkv", "qkv has shape (2, 5, 4, 2, 8)", "expected (..., T, 3, H, D)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({2, 5, 2, 3})}), "qkv has shape (2, 5, 2, 3)",
+                    "(..., T, 3, H, D)");  // the 3 on axis -2, not -3
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({3, 2, 8})}), "qkv has shape (3, 2, 8)",
+                    "expected (..., T, 3, H, D)");  // rank 3
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({})}), "qkv has shape ()");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {of(DType::kI32, {2, 5, 3, 4, 8})}),
+                    "qkv is i32", "expected a float dtype");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({5, 3, 4, 8}), f32({5, 3, 4, 8})}),
+                    "got 2 inputs, expected 1");
+}
+
+TEST(NnAttentionQkv, KernelHandWorked) {
+  // T = 2, H = 2, D = 1. Head 0: q = 1, k = 0 at both tokens (every score 0: equal weights),
+  // v = (1, 3). Head 1: q = 0, k = (3, -2) (scores 0 again), v = (5, 7). Rows of qkv are
+  // [q_h0, q_h1, k_h0, k_h1, v_h0, v_h1] per token.
+  const Tensor qkv = make(DType::kF64, {2, 3, 2, 1}, {1, 0, 0, 3, 1, 5, 1, 0, 0, -2, 3, 7});
+  const double ln2 = std::log(2.0);
+  std::vector<Tensor> full = run_reference(Op::kAttentionQkv, {qkv});
+  // Both tokens see both keys: out = the mean of v, lse = log(e^0 + e^0).
+  EXPECT_TRUE(all_close(full[0], make(DType::kF64, {2, 2, 1}, {2, 6, 2, 6}), 1e-15, 0));
+  EXPECT_TRUE(all_close(full[1], make(DType::kF64, {2, 2}, {ln2, ln2, ln2, ln2}), 1e-15, 0));
+  std::vector<Tensor> causal = run_reference(Op::kAttentionQkv, {qkv}, {{"causal", true}});
+  // Token 0 sees only itself: out = v_0, lse = 0.
+  EXPECT_TRUE(all_close(causal[0], make(DType::kF64, {2, 2, 1}, {1, 5, 2, 6}), 1e-15, 0));
+  EXPECT_TRUE(all_close(causal[1], make(DType::kF64, {2, 2}, {0, 0, ln2, ln2}), 1e-15, 0));
+  // The scale multiplies the scores. One head, D = 1: q = (1, 1), k = (0, 1), v = (10, 20);
+  // with scale 2 both queries score (0, 2), weights (1, e^2) / (1 + e^2).
+  const Tensor one = make(DType::kF64, {2, 3, 1, 1}, {1, 0, 10, 1, 1, 20});
+  std::vector<Tensor> scaled = run_reference(Op::kAttentionQkv, {one}, {{"scale", 2.0}});
+  const double w1 = std::exp(2.0) / (1 + std::exp(2.0));
+  const double o = 10 * (1 - w1) + 20 * w1, lse = std::log(1 + std::exp(2.0));
+  EXPECT_TRUE(all_close(scaled[0], make(DType::kF64, {2, 1, 1}, {o, o}), 1e-14, 1e-14));
+  EXPECT_TRUE(all_close(scaled[1], make(DType::kF64, {2, 1}, {lse, lse}), 1e-14, 1e-14));
+}
+
+// The graph attention_qkv replaces: qkv split along axis -3, each part reshaped to
+// (..., T, H, D), attention{layout "bthd"} on the three.
+Graph split_attention_graph(const Shape& qkv_shape, DType dtype, const Attributes& attrs) {
+  Builder b("split_attention");
+  Expr qkv = b.data("qkv", qkv_shape, dtype);
+  Shape part = qkv_shape;
+  part.erase(part.end() - 3);
+  std::vector<Expr> parts = split(qkv, {1, 1, 1}, -3);
+  for (Expr& p : parts) p = reshape(p, part);
+  Attributes bthd = attrs;
+  bthd.set("layout", std::string("bthd"));
+  return b.finish(b.apply(Op::kAttention, parts, bthd));
+}
+
+Graph packed_attention_graph(const Shape& qkv_shape, DType dtype, const Attributes& attrs) {
+  Builder b("packed_attention");
+  Expr qkv = b.data("qkv", qkv_shape, dtype);
+  return b.finish(b.apply(Op::kAttentionQkv, {qkv}, attrs));
+}
+
+std::vector<Tensor> run_graph(const Graph& g, const std::vector<Tensor>& inputs) {
+  return Executor(g, ExecutorOptions{Device::kCpu, {"reference"}}).run(inputs);
+}
+
+TEST(NnAttentionQkv, EqualsBthdAttentionOnTheSplit) {
+  // The same reference arithmetic on the same elements: equal exactly (f64 and bf16, whose
+  // outputs round the same double once).
+  struct Case {
+    Shape qkv;
+    Attributes attrs;
+  };
+  const std::vector<Case> cases{
+      {{2, 5, 3, 3, 4}, {}},
+      {{2, 5, 3, 3, 4}, {{"causal", true}}},
+      {{7, 3, 2, 3}, {{"causal", true}, {"scale", 0.6}}},   // rank 4
+      {{2, 2, 6, 3, 2, 5}, {{"causal", true}}},             // rank 6
+      {{1, 9, 3, 1, 7}, {{"scale", 1.9}}},
+  };
+  uint64_t seed = 90;
+  for (const Case& c : cases) {
+    for (DType dtype : {DType::kF64, DType::kBF16}) {
+      SCOPED_TRACE(to_string(TensorType{dtype, c.qkv}));
+      const std::vector<Tensor> in{testing::rand(dtype, c.qkv, ++seed, -2, 2)};
+      const std::vector<Tensor> packed = run_graph(packed_attention_graph(c.qkv, dtype, c.attrs),
+                                                   in);
+      const std::vector<Tensor> split = run_graph(split_attention_graph(c.qkv, dtype, c.attrs),
+                                                  in);
+      ASSERT_EQ(packed.size(), 2u);
+      EXPECT_TRUE(all_close(packed[0], split[0], 0, 0));
+      EXPECT_TRUE(all_close(packed[1], split[1], 0, 0));
+    }
+  }
 }
 
 }  // namespace

@@ -18,6 +18,9 @@
 //                               does dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with
 //                               D = rowsum(dO * O), dQ = scale dS K, dK = scale dS^T Q as
 //                               sgemms.
+//     attention_qkv,            f32, the same kernels with q, k, v read in place from the packed
+//     attention_qkv_grad        (..., T, 3, H, D) (rows 3 H D apart) and dq, dk, dv written in
+//                               place into dqkv.
 //
 // Threading: the "cpu" kernels split their element range with support/parallel.h. The
 // attention kernels run their slices one after another on the calling thread and leave the
@@ -440,15 +443,25 @@ void transpose_kernel(const KernelArgs& args) {
   });
 }
 
-// ---- attention, attention_grad --------------------------------------------------------------
+// ---- attention, attention_grad, attention_qkv, attention_qkv_grad ----------------------------
+//
+// One code path for both layouts and the packed ops: a problem's q, k, v, out (and their
+// gradients) are matrices whose rows are `ld*` elements apart, so "bhtd" (rows adjacent), "bthd"
+// (rows H heads apart) and attention_qkv's packed (..., T, 3, H, D) (rows 3 H D apart, k and v
+// H D and 2 H D after q) differ only in strides and base pointers: q, k, v are read in place
+// from qkv and dq, dk, dv written in place into dqkv.
 
 struct AttentionShape {
   int64_t slices;  // attention problems: the product of the leading dims (and heads, "bthd")
   int64_t tq, tk, d, dv;
-  int64_t heads = 1;  // "bthd" ((..., T, H, D)): H, a problem's rows H rows apart; "bhtd": 1
-  // Offset of problem b's first row in a tensor of `rows` rows (of `cols`) a problem.
-  int64_t base(int64_t b, int64_t rows, int64_t cols) const {
-    return (b / heads * rows * heads + b % heads) * cols;
+  int64_t heads = 1;  // "bthd" and packed: H (problem b is head b % H); "bhtd": 1
+  // Elements between consecutive rows of a problem: q and k (and dq, dk), v (and dv), out (and
+  // dout). "bhtd": d, d, dv; "bthd": H d, H d, H dv; packed: 3 H d, 3 H d, H d.
+  int64_t ld_qk, ld_v, ld_o;
+  // Offset of problem b's first row in a tensor of `rows` rows a problem, `cols` elements a
+  // head's row, rows `ld` apart (lse: cols 1, ld H).
+  int64_t base(int64_t b, int64_t rows, int64_t cols, int64_t ld) const {
+    return b / heads * rows * ld + b % heads * cols;
   }
 };
 
@@ -456,12 +469,29 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
                                const Attributes& attrs) {
   const size_t r = q.size();
   if (attrs.s("layout") == "bthd") {
-    AttentionShape s{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2]};
+    const int64_t h = q[r - 2];
+    AttentionShape s{h, q[r - 3], k[r - 3], q[r - 1], v[r - 1], h};
+    s.ld_qk = h * s.d;
+    s.ld_v = s.ld_o = h * s.dv;
     for (size_t i = 0; i + 3 < r; ++i) s.slices *= q[i];
     return s;
   }
   AttentionShape s{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
+  s.ld_qk = s.d;
+  s.ld_v = s.ld_o = s.dv;
   for (size_t i = 0; i + 2 < r; ++i) s.slices *= q[i];
+  return s;
+}
+
+// attention_qkv's problems for qkv (..., T, 3, H, D): q, k, v at column offsets 0, H D, 2 H D of
+// rows 3 H D long; out (..., T, H, D) as for "bthd".
+AttentionShape packed_attention_shape(const Shape& qkv) {
+  const size_t r = qkv.size();
+  const int64_t t = qkv[r - 4], h = qkv[r - 2], d = qkv[r - 1];
+  AttentionShape s{h, t, t, d, d, h};
+  s.ld_qk = s.ld_v = 3 * h * d;
+  s.ld_o = h * d;
+  for (size_t i = 0; i + 4 < r; ++i) s.slices *= qkv[i];
   return s;
 }
 
@@ -515,82 +545,124 @@ void attention_probs_from_lse(const float* q, const float* k, int64_t ld, const 
   }
 }
 
-void attention_kernel(const KernelArgs& args) {
-  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
-                                           args.inputs[2].shape(), args.attrs);
-  const bool causal = args.attrs.b("causal");
-  const float scale = attention_scale(args.attrs, s.d);
-  const float* q = args.inputs[0].data<float>();
-  const float* k = args.inputs[1].data<float>();
-  const float* v = args.inputs[2].data<float>();
-  float* out = args.outputs[0].data<float>();
-  float* lse = args.outputs[1].data<float>();
-  const int64_t ld = s.heads * s.d, ldv = s.heads * s.dv;  // between a problem's rows
+// The forward of every problem: out and lse from q, k, v laid out as `s` says.
+void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                       bool causal, float scale, float* out, float* lse) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
   for (int64_t b = 0; b < s.slices; ++b) {
-    attention_probs(q + s.base(b, s.tq, s.d), k + s.base(b, s.tk, s.d), ld, s, causal, scale,
-                    p.data(), lse + s.base(b, s.tq, 1), s.heads);
-    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk, v + s.base(b, s.tk, s.dv), ldv,
-          out + s.base(b, s.tq, s.dv), ldv);
+    attention_probs(q + s.base(b, s.tq, s.d, s.ld_qk), k + s.base(b, s.tk, s.d, s.ld_qk),
+                    s.ld_qk, s, causal, scale, p.data(), lse + s.base(b, s.tq, 1, s.heads),
+                    s.heads);
+    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk,
+          v + s.base(b, s.tk, s.dv, s.ld_v), s.ld_v, out + s.base(b, s.tq, s.dv, s.ld_o),
+          s.ld_o);
   }
 }
 
-void attention_grad_kernel(const KernelArgs& args) {
-  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
-                                           args.inputs[2].shape(), args.attrs);
-  const bool causal = args.attrs.b("causal");
-  const float scale = attention_scale(args.attrs, s.d);
-  const float* q = args.inputs[0].data<float>();
-  const float* k = args.inputs[1].data<float>();
-  const float* v = args.inputs[2].data<float>();
-  const float* out = args.inputs[3].data<float>();
-  const float* dout = args.inputs[4].data<float>();
-  const float* lse = args.inputs[5].data<float>();
-  float* dq = args.outputs[0].data<float>();
-  float* dk = args.outputs[1].data<float>();
-  float* dv = args.outputs[2].data<float>();
-  const int64_t ld = s.heads * s.d, ldv = s.heads * s.dv;
+// The backward of every problem: dq, dk (rows ld_qk apart) and dv (ld_v) from q, k, v, out,
+// dout and lse. Every element of a problem's dq, dk, dv rows is written (the sgemms overwrite).
+void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                        const float* out, const float* dout, const float* lse, bool causal,
+                        float scale, float* dq, float* dk, float* dv) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk)), dp(p.size());
   for (int64_t b = 0; b < s.slices; ++b) {
-    const int64_t q0 = s.base(b, s.tq, s.d), k0 = s.base(b, s.tk, s.d);
-    const int64_t v0 = s.base(b, s.tk, s.dv), o0 = s.base(b, s.tq, s.dv);
+    const int64_t q0 = s.base(b, s.tq, s.d, s.ld_qk), k0 = s.base(b, s.tk, s.d, s.ld_qk);
+    const int64_t v0 = s.base(b, s.tk, s.dv, s.ld_v), o0 = s.base(b, s.tq, s.dv, s.ld_o);
     const float* qb = q + q0;
     const float* kb = k + k0;
     const float* vb = v + v0;
     const float* ob = out + o0;
     const float* dob = dout + o0;
-    attention_probs_from_lse(qb, kb, ld, lse + s.base(b, s.tq, 1), s.heads, s, causal, scale,
-                             p.data());
-    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, ldv, dv + v0, ldv);  // P^T dO
-    sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, ldv, vb, ldv, dp.data(), s.tk);     // dO V^T
+    attention_probs_from_lse(qb, kb, s.ld_qk, lse + s.base(b, s.tq, 1, s.heads), s.heads, s,
+                             causal, scale, p.data());
+    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, s.ld_o, dv + v0,
+          s.ld_v);  // P^T dO
+    sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, s.ld_o, vb, s.ld_v, dp.data(),
+          s.tk);  // dO V^T
     // Softmax backward, row by row, into dp: dS = P (dP - D), D_i = dO_i . O_i (which equals
     // sum_j P_ij dP_ij). Masked keys have P = 0.
     for (int64_t i = 0; i < s.tq; ++i) {
       const float* pr = p.data() + i * s.tk;
-      const float* orow = ob + i * ldv;
-      const float* dorow = dob + i * ldv;
+      const float* orow = ob + i * s.ld_o;
+      const float* dorow = dob + i * s.ld_o;
       float* dr = dp.data() + i * s.tk;
       const float weighted =
           static_cast<float>(blocked_sum(s.dv, [&](int64_t c) { return dorow[c] * orow[c]; }));
       for (int64_t j = 0; j < s.tk; ++j) dr[j] = pr[j] * (dr[j] - weighted);
     }
-    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), s.tk, kb, ld, dq + q0, ld);  // dS K
-    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), s.tk, qb, ld, dk + k0, ld);   // dS^T Q
+    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), s.tk, kb, s.ld_qk, dq + q0,
+          s.ld_qk);  // dS K
+    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), s.tk, qb, s.ld_qk, dk + k0,
+          s.ld_qk);  // dS^T Q
   }
 }
 
-// f32 throughout, every length at least 1 (an empty sum or softmax is left to the reference),
-// and every BLAS dimension (leading dimensions included) within BLAS's int.
+void attention_kernel(const KernelArgs& args) {
+  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
+                                           args.inputs[2].shape(), args.attrs);
+  attention_forward(s, args.inputs[0].data<float>(), args.inputs[1].data<float>(),
+                    args.inputs[2].data<float>(), args.attrs.b("causal"),
+                    attention_scale(args.attrs, s.d), args.outputs[0].data<float>(),
+                    args.outputs[1].data<float>());
+}
+
+void attention_grad_kernel(const KernelArgs& args) {
+  const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
+                                           args.inputs[2].shape(), args.attrs);
+  attention_backward(s, args.inputs[0].data<float>(), args.inputs[1].data<float>(),
+                     args.inputs[2].data<float>(), args.inputs[3].data<float>(),
+                     args.inputs[4].data<float>(), args.inputs[5].data<float>(),
+                     args.attrs.b("causal"), attention_scale(args.attrs, s.d),
+                     args.outputs[0].data<float>(), args.outputs[1].data<float>(),
+                     args.outputs[2].data<float>());
+}
+
+// attention_qkv: q, k, v read in place from the packed qkv.
+void attention_qkv_kernel(const KernelArgs& args) {
+  const AttentionShape s = packed_attention_shape(args.inputs[0].shape());
+  const float* qkv = args.inputs[0].data<float>();
+  const int64_t hd = s.heads * s.d;
+  attention_forward(s, qkv, qkv + hd, qkv + 2 * hd, args.attrs.b("causal"),
+                    attention_scale(args.attrs, s.d), args.outputs[0].data<float>(),
+                    args.outputs[1].data<float>());
+}
+
+// attention_qkv_grad: dq, dk, dv written in place into their slots of dqkv (together they cover
+// every element of it).
+void attention_qkv_grad_kernel(const KernelArgs& args) {
+  const AttentionShape s = packed_attention_shape(args.inputs[0].shape());
+  const float* qkv = args.inputs[0].data<float>();
+  float* dqkv = args.outputs[0].data<float>();
+  const int64_t hd = s.heads * s.d;
+  attention_backward(s, qkv, qkv + hd, qkv + 2 * hd, args.inputs[1].data<float>(),
+                     args.inputs[2].data<float>(), args.inputs[3].data<float>(),
+                     args.attrs.b("causal"), attention_scale(args.attrs, s.d), dqkv, dqkv + hd,
+                     dqkv + 2 * hd);
+}
+
+// Every length at least 1 (an empty sum or softmax is left to the reference), and every BLAS
+// dimension (leading dimensions included) and the scores buffer within BLAS's int.
+bool attention_shape_supported(const AttentionShape& s) {
+  for (int64_t n : {s.tq, s.tk, s.d, s.dv, s.heads, s.ld_qk, s.ld_v, s.ld_o})
+    if (n < 1 || n > INT_MAX) return false;
+  return s.tq * s.tk <= INT_MAX;
+}
+
 bool attention_supported(const NodeView& node) {
   if (!all_dtype(node, DType::kF32) || node.input_types.size() < 3) return false;
   const TensorType& q = node.input_types[0];
   const bool bthd = node.node.attrs.s("layout") == "bthd";
   if (q.rank() < (bthd ? 3 : 2)) return false;
-  const AttentionShape s = attention_shape(q.shape, node.input_types[1].shape,
-                                           node.input_types[2].shape, node.node.attrs);
-  for (int64_t n : {s.tq, s.tk, s.d, s.dv, s.heads * s.d, s.heads * s.dv})
-    if (n < 1 || n > INT_MAX) return false;
-  return s.tq * s.tk <= INT_MAX;
+  return attention_shape_supported(attention_shape(q.shape, node.input_types[1].shape,
+                                                   node.input_types[2].shape, node.node.attrs));
+}
+
+// attention_qkv and attention_qkv_grad: f32 throughout, qkv (..., T, 3, H, D) non-empty.
+bool attention_qkv_supported(const NodeView& node) {
+  if (!all_dtype(node, DType::kF32) || node.input_types.empty()) return false;
+  const TensorType& qkv = node.input_types[0];
+  if (qkv.rank() < 4 || qkv.shape[qkv.rank() - 3] != 3) return false;
+  return attention_shape_supported(packed_attention_shape(qkv.shape));
 }
 
 KernelImpl openblas(std::function<bool(const NodeView&)> supports, KernelFn kernel) {
@@ -610,6 +682,9 @@ void register_train_kernels(KernelRegistry& registry) {
   registry.add(Op::kTranspose, fast({}, transpose_kernel));
   registry.add(Op::kAttention, openblas(attention_supported, attention_kernel));
   registry.add(Op::kAttentionGrad, openblas(attention_supported, attention_grad_kernel));
+  registry.add(Op::kAttentionQkv, openblas(attention_qkv_supported, attention_qkv_kernel));
+  registry.add(Op::kAttentionQkvGrad,
+               openblas(attention_qkv_supported, attention_qkv_grad_kernel));
 }
 
 }  // namespace kiln::cpu
