@@ -471,6 +471,12 @@ const std::vector<OpSample>& op_samples() {
        "%0, %1, %2 = attention_grad(%q, %k, %v, %o, %d, %l) {causal=true} : f32[2,4,8], "
        "f32[2,6,8], f32[2,6,16]",
        "%0, %1, %2"},
+      {"attention_qkv", "%x: f32[2,4,3,2,8] data",
+       "%0, %1 = attention_qkv(%x) {causal=true} : f32[2,4,2,8], f32[2,4,2]", "%0, %1"},
+      {"attention_qkv_grad",
+       "%x: f32[2,4,3,2,8] data, %o: f32[2,4,2,8] data, %d: f32[2,4,2,8] data, "
+       "%l: f32[2,4,2] data",
+       "%0 = attention_qkv_grad(%x, %o, %d, %l) {scale=0.25} : f32[2,4,3,2,8]", "%0"},
       {"avg_pool2d", "%x: f32[1,2,5,5] data",
        "%0 = avg_pool2d(%x) {kernel=[3, 3], padding=[1, 1], stride=[2, 2]} : f32[1,2,3,3]", "%0"},
       {"avg_pool2d_grad", "%d: f32[1,2,3,3] data",

@@ -37,6 +37,8 @@
 
 #include <cmath>
 #include <compare>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -160,6 +162,7 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
 struct Plan {
   std::unique_ptr<fe::graph::Graph> graph;  // null: cuDNN refused, the node falls back
+  int64_t index = -1;                       // the execution plan built (-1: the heuristic's)
   bool packed_stats = false;                // Stats lives in the workspace, after cuDNN's part
   int64_t workspace = 0;                    // cuDNN's own need, bytes
   std::string note;                         // how it runs, or why it falls back
@@ -200,9 +203,18 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
   auto k = g->tensor(attrs("k", kK, p.tk, true));
   auto v = g->tensor(attrs("v", kV, p.tk, true));
   const float scale = static_cast<float>(p.scale);
+  // Measurement knobs (bench/NOTES.md): KILN_CUDNN_SDPA_IMPL=unified|composite picks the
+  // forward's implementation (default: cuDNN's choice), KILN_CUDNN_PLAN=i builds execution plan
+  // i of the heuristic's list instead of its first.
+  const char* impl = std::getenv("KILN_CUDNN_SDPA_IMPL");
+  const char* plan_env = std::getenv("KILN_CUDNN_PLAN");
   if (!p.backward) {
     auto options = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true)
                        .set_attn_scale(scale);
+    if (impl && std::string(impl) == "unified")
+      options.set_implementation(fe::AttentionImplementation_t::UNIFIED);
+    if (impl && std::string(impl) == "composite")
+      options.set_implementation(fe::AttentionImplementation_t::COMPOSITE);
     if (p.causal)
       options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
           .set_diagonal_band_right_bound(0);
@@ -235,10 +247,19 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
       (why = step("create_execution_plans",
                   g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK})))
           .empty() &&
-      (why = step("check_support", g->check_support())).empty() &&
-      (why = step("build_plans", g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE)))
-          .empty()) {
-    why = step("get_workspace_size", g->get_workspace_size(plan.workspace));
+      (why = step("check_support", g->check_support())).empty()) {
+    if (plan_env) {
+      plan.index = std::atoi(plan_env);
+      std::fprintf(stderr, "kiln: cudnn %s: %lld execution plans, building %lld\n",
+                   describe(p).c_str(), static_cast<long long>(g->get_execution_plan_count()),
+                   static_cast<long long>(plan.index));
+      if ((why = step("build_plan_at_index", g->build_plan_at_index(plan.index))).empty())
+        why = step("get_workspace_size",
+                   g->get_workspace_size_plan_at_index(plan.index, plan.workspace));
+    } else if ((why = step("build_plans", g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE)))
+                   .empty()) {
+      why = step("get_workspace_size", g->get_workspace_size(plan.workspace));
+    }
   }
   if (why.empty()) {
     plan.graph = std::move(g);
@@ -452,7 +473,10 @@ void run(const KernelArgs& args, bool backward, bool packed) {
     pack[kDV] = t.dv;
     if (plan->packed_stats) cudnn_lse_to_stats(t.lse, stats, p.b, p.h, p.tq, stream);
   }
-  fe::error_t status = plan->graph->execute(dev.handle, pack, dev.workspace);
+  fe::error_t status =
+      plan->index >= 0
+          ? plan->graph->execute_plan_at_index(dev.handle, pack, dev.workspace, plan->index)
+          : plan->graph->execute(dev.handle, pack, dev.workspace);
   KILN_CHECK(status.is_good(), "cudnn: executing {} failed: {}", describe(p),
              status.get_message());
   if (!backward && plan->packed_stats) cudnn_stats_to_lse(stats, t.lse, p.b, p.h, p.tq, stream);

@@ -1162,6 +1162,12 @@ void launch_dropout(ElemType type, const void* x, void* y, int64_t n, double p,
 
 void launch_fill(int elem_size, uint64_t bits, void* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
+  // All-zero bits (0 of every dtype, +0.0): the copy engine's memset runs at full bandwidth (the
+  // f32 gradient buffer of GPT-2's embedding: 154 MB, 118 us through the kernel).
+  if (bits == 0) {
+    KILN_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(n) * elem_size, stream));
+    return;
+  }
   visit_size(elem_size, [&](auto tag) {
     using U = typename decltype(tag)::type;
     fill_kernel<U><<<grid_for(n), kThreads, 0, stream>>>(static_cast<U>(bits), static_cast<U*>(out),
