@@ -204,10 +204,12 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
   auto v = g->tensor(attrs("v", kV, p.tk, true));
   const float scale = static_cast<float>(p.scale);
   // Measurement knobs (bench/NOTES.md): KILN_CUDNN_SDPA_IMPL=unified|composite picks the
-  // forward's implementation (default: cuDNN's choice), KILN_CUDNN_PLAN=i builds execution plan
-  // i of the heuristic's list instead of its first.
+  // forward's implementation (default: cuDNN's choice); KILN_CUDNN_PLAN_FORWARD=i and
+  // KILN_CUDNN_PLAN_BACKWARD=i build execution plan i of the heuristic's list instead of the
+  // first it can build.
   const char* impl = std::getenv("KILN_CUDNN_SDPA_IMPL");
-  const char* plan_env = std::getenv("KILN_CUDNN_PLAN");
+  const char* plan_env =
+      std::getenv(p.backward ? "KILN_CUDNN_PLAN_BACKWARD" : "KILN_CUDNN_PLAN_FORWARD");
   if (!p.backward) {
     auto options = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true)
                        .set_attn_scale(scale);
