@@ -330,9 +330,8 @@ std::vector<Tensor> train_on_gpu(const Graph& forward, bool pass, size_t* direct
   if (!pass) passes.disabled = {"multi-tensor"};
   ExecutorOptions options;
   options.device = Device::kCuda;
-  // Every dialect but cudnn: its attention backward adds dq with atomics, so two runs differ in
-  // the last bits, which three AdamW steps grow past any tolerance that would still test the
-  // pass (cuda-attention's backward is deterministic).
+  // Every dialect but cudnn: its attention backward adds dq with atomics, one source of run to
+  // run differences fewer (cuda-attention's backward is deterministic).
   for (const std::string& d : kernel_registry().dialect_names())
     if (d != "cudnn") options.dialects.push_back(d);
   train::Trainer trainer(forward, config, models::init_params(forward, 3, 1), options, passes);
@@ -370,8 +369,13 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePassUnderBf16) {
   EXPECT_EQ(direct_with, direct_without);
   EXPECT_LT(dialects_with.size() + 16, dialects_without.size());  // 17 weight casts in one, and more
   ASSERT_EQ(with.size(), without.size());
+  // The grouped casts are bit-exact (CastMatchesTheCpuReferenceBitForBit), but the two graphs
+  // still differ in the last bits (the global norm's summation order, the embedding gradient's
+  // atomics), and under bf16 such a difference can flip a weight's rounding to 16 bits, which
+  // three AdamW steps carry on: measured ~1e-3 relative on an H100. The tolerance is bf16's
+  // (2^-8 relative, twice), far below what a wrong cast would give.
   for (size_t i = 0; i < with.size(); ++i)
-    EXPECT_TRUE(testing::all_close(with[i], without[i], 1e-6, 1e-4)) << "tensor " << i;
+    EXPECT_TRUE(testing::all_close(with[i], without[i], 1e-5, 8e-3)) << "tensor " << i;
 }
 
 // ---- timing ---------------------------------------------------------------------------------
