@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/float_bits.cuh"
 #include "backends/cuda/elements.cuh"
 #include "backends/cuda/multi_tensor.cuh"
 #include "backends/cuda/scratch.cuh"
@@ -301,27 +302,12 @@ struct CastTable {
 };
 static_assert(sizeof(CastTable) + 64 <= 32764, "the cast table must fit a kernel parameter");
 
-// The conversions of movement.cu's cast (and ir/dtype.h's on the host), bit for bit: round to
-// nearest even; a NaN keeps its sign and becomes the host's quiet NaN (bf16: the payload's top
-// bits with the quiet bit set; f16: the canonical 0x7e00).
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<unsigned short>(u >> 16);
-}
-__device__ __forceinline__ unsigned short f32_to_f16_bits(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>(((u >> 16) & 0x8000u) | 0x7e00u);
-  return __half_as_ushort(__float2half_rn(f));
-}
-
 constexpr int kCastVec = 8;  // elements per vector step: 32 bytes of f32 in, 16 bytes out
 
 template <bool kF16>
 __device__ __forceinline__ void cast_range(const float* x, unsigned short* y, int64_t start, int64_t end,
                                            bool vec) {
-  auto one = [](float f) { return kF16 ? f32_to_f16_bits(f) : f32_to_bf16_bits(f); };
+  auto one = [](float f) { return kF16 ? f32_to_f16(f) : f32_to_bf16(f); };
   int64_t scalar_from = start;
   if (vec) {
     // start is a multiple of kChunk (of kCastVec): every step is 16-byte aligned.
