@@ -552,6 +552,7 @@ TEST(CudaMovementBench, DISABLED_Bandwidth) {
   run(Op::kSum, {{f32, {32768, 768}}}, ints_attr("axes", {0}), "sum f32 (32768,768) axes [0]");
   run(Op::kSum, {{bf16, {32, 1024, 3072}}}, ints_attr("axes", {0, 1}),
       "sum bf16 (32,1024,3072) axes [0,1]");
+  run(Op::kSum, {{bf16, {32768, 2304}}}, ints_attr("axes", {0}), "sum bf16 (32768,2304) axes [0]");
   run(Op::kSum, {{f32, {32768, 768}}}, ints_attr("axes", {1}), "sum f32 (32768,768) axes [1]");
   run(Op::kReshape, {{bf16, {32, 1024, 768}}}, ints_attr("shape", {32768, 768}),
       "reshape bf16 (32,1024,768)");

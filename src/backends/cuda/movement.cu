@@ -317,6 +317,7 @@ __device__ __forceinline__ void load_f32(const typename T::Bits* p, float (&out)
 }
 
 constexpr int kColumnLanes = 32;                       // column vectors per block
+constexpr int kColumnUnroll = 2;                       // loads in flight per thread
 constexpr int kRowGroups = kThreads / kColumnLanes;   // 8 rows in flight per block
 
 // Column sums of x (outer, R, C): block (strip, split, o) sums rows [split * rows_per_split, ...)
@@ -343,12 +344,13 @@ __global__ void __launch_bounds__(kThreads)
       const typename T::Bits* base = x + o * R * C + c0;
       int64_t r = r_begin + group;
       constexpr int kStep = kRowGroups;
-      for (; r + 3 * kStep < r_end; r += 4 * kStep) {  // 4 loads in flight, added in row order
-        float v[4][V];
+      // kColumnUnroll loads in flight, added in row order.
+      for (; r + (kColumnUnroll - 1) * kStep < r_end; r += kColumnUnroll * kStep) {
+        float v[kColumnUnroll][V];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) load_f32<T, V>(base + (r + u * kStep) * C, v[u]);
+        for (int u = 0; u < kColumnUnroll; ++u) load_f32<T, V>(base + (r + u * kStep) * C, v[u]);
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < kColumnUnroll; ++u)
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] += v[u][k];
       }
@@ -487,8 +489,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // Work sizes: chosen from the shape alone (never from the device), so that a shape always sums
 // in the same order.
-constexpr int64_t kColumnTargetBlocks = 2048;  // about two waves of 8 blocks per SM
-constexpr int64_t kColumnMinRows = 128;         // rows per split
+// Column sums: more, shorter splits with 2 loads in flight measured fastest on an H100 (bf16
+// (32768, 3072) over rows 87 -> 79 us, (32768, 2304) 69 -> 64 us against 2048 blocks of >= 128
+// rows with 4 or 8 in flight; KILN_COLSUM experiment, bench/NOTES.md session 6).
+constexpr int64_t kColumnTargetBlocks = 4096;  // about four waves of 8 blocks per SM
+constexpr int64_t kColumnMinRows = 32;          // rows per split
 constexpr int64_t kRowTargetWarps = 8192;
 constexpr int64_t kRowMinSegment = 2048;    // elements per segment
 
