@@ -175,7 +175,11 @@ int main(int argc, char** argv) {
       "  KILN_GEMM_AUTOTUNE=1  time cuBLASLt's candidate algorithms per GEMM at the first step\n"
       "                        and keep the fastest (default: the heuristic's first)\n"
       "  KILN_MIXED_BIAS_GEMM=1  a 16-bit bias on an f32 GEMM output in the cuBLASLt call\n"
-      "                        (residual projections under amp; default: a generated epilogue)");
+      "                        (residual projections under amp; default: a generated epilogue)\n"
+      "  KILN_CUDNN_SDPA_IMPL=unified|composite  cuDNN's attention forward implementation\n"
+      "                        (default: cuDNN's choice)\n"
+      "  KILN_CUDNN_PLAN_FORWARD=i, KILN_CUDNN_PLAN_BACKWARD=i  build cuDNN's attention\n"
+      "                        execution plan i (default: the heuristic's first; for measuring)");
 
   app.add_subcommand("version", "Print the version");
 
