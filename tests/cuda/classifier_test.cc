@@ -131,7 +131,7 @@ using cuda::classifier::RowPath;
 // Sets the row path for one test; back to the default at the end.
 struct ScopedRowPath {
   explicit ScopedRowPath(RowPath path) { cuda::classifier::set_row_path(path); }
-  ~ScopedRowPath() { cuda::classifier::set_row_path(RowPath::kReread); }
+  ~ScopedRowPath() { cuda::classifier::set_row_path(RowPath::kShared); }  // the default
 };
 
 constexpr RowPath kPaths[] = {RowPath::kReread, RowPath::kShared};

@@ -47,11 +47,12 @@ struct LaunchInfo {
 };
 LaunchInfo launch_info(Float logits_t, int64_t vocab);
 
-// How a row travels between the kernel's two passes. kReread (the default): read twice from
-// global memory (the second time mostly from L2). kShared: copied once into shared memory
-// (cp.async) when it fits (kMaxSharedRowBytes in classifier.cu), so DRAM sees it once; measured
-// slower on an H200 at GPT-2 size (bf16, V = 50304: 6.4 ms vs 4.8 ms, before the store fix of
-// classifier.cu), kept for the benchmark to re-measure. Not thread-safe against running launches.
+// How a row travels between the kernel's two passes. kShared (the default): copied once into
+// shared memory (cp.async) when it fits (kMaxSharedRowBytes in classifier.cu), so DRAM sees it
+// once; else, and with kReread, read twice from global memory (the second time mostly from L2).
+// On an H100 at GPT-2 size (bf16 in place, 32768 x 50304) kShared takes 2.30 ms, kReread 2.77
+// (`ClassifierGpu.DISABLED_Bandwidth`, session 6; an H200 had measured kShared slower before
+// the store fix of classifier.cu). Not thread-safe against running launches.
 enum class RowPath : int { kReread, kShared };
 void set_row_path(RowPath path);
 
