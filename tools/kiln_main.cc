@@ -179,7 +179,9 @@ int main(int argc, char** argv) {
       "  KILN_CUDNN_SDPA_IMPL=unified|composite  cuDNN's attention forward implementation\n"
       "                        (default: cuDNN's choice)\n"
       "  KILN_CUDNN_PLAN_FORWARD=i, KILN_CUDNN_PLAN_BACKWARD=i  build cuDNN's attention\n"
-      "                        execution plan i (default: the heuristic's first; for measuring)");
+      "                        execution plan i (default: the heuristic's first; for measuring)\n"
+      "  KILN_CLASSIFIER_ROW_PATH=reread  the fused classifier reads each row twice instead of\n"
+      "                        keeping it in shared memory (default; for measuring)");
 
   app.add_subcommand("version", "Print the version");
 

@@ -30,6 +30,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "backends/cuda/classifier.cuh"
@@ -50,7 +52,11 @@ constexpr int kUnroll = 4;         // vectors each thread has in flight
 constexpr int64_t kMaxSharedRowBytes = 112 * 1024;  // two such rows fit one SM (228 KiB)
 constexpr int kReduceThreads = 1024;
 
-std::atomic<int> g_row_path{1};  // RowPath (default kShared); tests and the benchmark choose
+// RowPath: kShared unless KILN_CLASSIFIER_ROW_PATH=reread; tests and the benchmark choose.
+std::atomic<int> g_row_path{[] {
+  const char* e = std::getenv("KILN_CLASSIFIER_ROW_PATH");
+  return e != nullptr && std::string_view(e) == "reread" ? 0 : 1;
+}()};
 
 // to_f / from_f: elements.cuh.
 
