@@ -165,7 +165,9 @@ TEST(NvrtcCodegenTest, RowsLayerNormWithResidual) {
   EXPECT_TRUE(contains(k.source, "// pass 2: 1 reduction(s)")) << k.source;  // variance
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_rsqrt(")) << k.source;
-  EXPECT_TRUE(contains(k.source, "(e % 96LL)")) << k.source;  // gamma, beta
+  // gamma, beta: indexed by the row's column j, not e % 96.
+  EXPECT_TRUE(contains(k.source, "in2[j]")) << k.source;
+  EXPECT_FALSE(contains(k.source, "(e % 96LL)")) << k.source;
   expect_compiles(k);
 }
 
@@ -555,7 +557,19 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   EXPECT_TRUE(contains(k.source, "kiln_c0[m] += ")) << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_c1[m] += ")) << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
-  EXPECT_TRUE(contains(k.source, "out0[e] = ")) << k.source;
+  // Rows of 96 (a multiple of 4): the entry takes 4 adjacent columns per lane and step, one
+  // 16-byte access per input and output; the scalar entry (any alignment) one column per step.
+  EXPECT_EQ(k.vector_width, 4);
+  EXPECT_EQ(k.scalar_entry, "kiln_fused_rows_scalar");
+  EXPECT_EQ(k.scalar_blocks, 175);
+  EXPECT_TRUE(contains(k.source, "float kiln_c0[4] = {};")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_o0.v[u] = ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<4, float>*>(out0 + base + j0) = "
+                                 "kiln_o0;"))
+      << k.source;
+  EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<1, float>*>(out0 + base + j0) = "
+                                 "kiln_o0;"))
+      << k.source;
   EXPECT_FALSE(contains(k.source, "atomic")) << k.source;
   expect_compiles(k);
   // 1400 rows of 3000 (over a warp's 1024): a block of 1024 threads per row, 1024 blocks
@@ -710,10 +724,11 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     EXPECT_TRUE(cuda::nvrtc_supports(*b.g, "gemm-epilogue", &why)) << why;
     const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
     EXPECT_TRUE(contains(listing, "runs as a cuBLASLt product into a scratch buffer")) << listing;
-    EXPECT_TRUE(contains(listing, "(m 48, n 40, k 64) transpose_a f16->f32")) << listing;
-    // The epilogue reads the product (f32, the cast absorbed) as its last input, in4.
-    EXPECT_TRUE(contains(listing, "const float* __restrict__ in4")) << listing;
-    EXPECT_TRUE(contains(listing, "// ops: mul, mul")) << listing;
+    // The product goes through scratch in its own 16 bits (the cast's f32 value is no output,
+    // so the GEMM does not absorb it): the epilogue reads it as its last input, in4, and casts.
+    EXPECT_TRUE(contains(listing, "(m 48, n 40, k 64) transpose_a f16->f16")) << listing;
+    EXPECT_TRUE(contains(listing, "const __half* __restrict__ in4")) << listing;
+    EXPECT_TRUE(contains(listing, "// ops: cast, mul, mul")) << listing;
     if (headers_available()) {
       EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
     }

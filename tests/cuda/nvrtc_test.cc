@@ -73,9 +73,18 @@ std::vector<Tensor> run_reference(const Body& b, const std::string& kind,
   return outputs;
 }
 
+// A device tensor one element off 16-byte alignment (cudaMalloc's are 256-byte aligned): what
+// sends a generated kernel to its scalar entry.
+Tensor misaligned_device_tensor(const TensorType& t) {
+  void* p = nullptr;
+  KILN_CUDA_CHECK(cudaMalloc(&p, t.bytes() + 16));
+  std::shared_ptr<std::byte[]> storage(static_cast<std::byte*>(p), [](std::byte* q) { cudaFree(q); });
+  return Tensor(t, storage, dtype_size(t.dtype), Device::kCuda);
+}
+
 std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
                               const std::vector<Tensor>& inputs,
-                              const std::string& dialect = "nvrtc") {
+                              const std::string& dialect = "nvrtc", bool misaligned = false) {
   const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", kind}});
   std::vector<TensorType> in_types, out_types;
   for (const Tensor& t : inputs) in_types.push_back(t.type());
@@ -85,9 +94,16 @@ std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
       kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {dialect});
   EXPECT_EQ(impl.dialect, dialect);
   std::vector<Tensor> device_inputs, outputs;
-  for (const Tensor& t : inputs) device_inputs.push_back(cuda::to_device(t));
+  for (const Tensor& t : inputs) {
+    if (!misaligned) {
+      device_inputs.push_back(cuda::to_device(t));
+      continue;
+    }
+    device_inputs.push_back(misaligned_device_tensor(t.type()));
+    KILN_CUDA_CHECK(cudaMemcpy(device_inputs.back().raw(), t.raw(), t.bytes(), cudaMemcpyHostToDevice));
+  }
   for (const TensorType& t : out_types) {
-    outputs.push_back(cuda::device_tensor(t, /*zero=*/false));
+    outputs.push_back(misaligned ? misaligned_device_tensor(t) : cuda::device_tensor(t, /*zero=*/false));
     KILN_CUDA_CHECK(cudaMemset(outputs.back().raw(), 0xFF, std::max<size_t>(t.bytes(), 1)));
   }
   cuda::Stream stream;
@@ -99,14 +115,14 @@ std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
 }
 
 void expect_matches(const Body& b, const std::string& kind, const std::vector<Tensor>& inputs,
-                    const std::string& what) {
+                    const std::string& what, bool misaligned = false) {
   SCOPED_TRACE(what);
   std::string why;
   if (kind != "gemm-epilogue") {
     ASSERT_TRUE(cuda::can_generate(*b.g, kind, &why)) << why;
   }
   const std::vector<Tensor> expected = run_reference(b, kind, inputs);
-  const std::vector<Tensor> actual = run_nvrtc(b, kind, inputs);
+  const std::vector<Tensor> actual = run_nvrtc(b, kind, inputs, "nvrtc", misaligned);
   ASSERT_EQ(actual.size(), expected.size());
   for (size_t i = 0; i < actual.size(); ++i) {
     const Tolerance tol = tolerance(expected[i].dtype());
@@ -187,8 +203,11 @@ TEST(NvrtcTest, ResidualLayerNorm) {
       ValueId g = b.in("gamma", d, {n}), be = b.in("beta", d, {n});
       ValueId h = b.op(Op::kAdd, {x, r});
       b.out({h, b.op(Op::kLayerNorm, {h, g, be})});
-      expect_matches(b, "rows", random_inputs(*b.g, 20 + n),
-                     fmt::format("{} n={}", dtype_name(d), n));
+      // Rows of 96 and 768 take the 4-wide entry when aligned, the scalar one when not.
+      for (bool misaligned : {false, true})
+        expect_matches(b, "rows", random_inputs(*b.g, 20 + n),
+                       fmt::format("{} n={} misaligned {}", dtype_name(d), n, misaligned),
+                       misaligned);
     }
   }
 }
@@ -303,13 +322,13 @@ TEST(NvrtcTest, CompilesEachDistinctBodyOnce) {
 // other output within the per-dtype elementwise tolerance.
 void expect_columns_match(const Body& b, const std::string& kind, const std::vector<Tensor>& inputs,
                           const std::vector<int>& columns, int64_t rows, double term_bound,
-                          DType compute, const std::string& what) {
+                          DType compute, const std::string& what, bool misaligned = false) {
   SCOPED_TRACE(what);
   std::string why;
   ASSERT_TRUE(cuda::can_generate(*b.g, kind, &why)) << why;
   EXPECT_EQ(cuda::generate_kernel(*b.g, kind).column_outputs, columns);
   const std::vector<Tensor> expected = run_reference(b, kind, inputs);
-  const std::vector<Tensor> actual = run_nvrtc(b, kind, inputs);
+  const std::vector<Tensor> actual = run_nvrtc(b, kind, inputs, "nvrtc", misaligned);
   ASSERT_EQ(actual.size(), expected.size());
   const double rel =
       compute == DType::kBF16 ? 1.0 / 128 : compute == DType::kF16 ? 1.0 / 512 : 1e-5;
@@ -380,14 +399,7 @@ TEST(NvrtcTest, ColumnSumsAreDeterministicAndAlignmentIndependent) {
   EXPECT_EQ(std::memcmp(first[0].raw(), second[0].raw(), first[0].bytes()), 0);
   // Misaligned copies: allocate one element more and view from element 1.
   std::vector<Tensor> device_inputs, outputs;
-  std::vector<std::shared_ptr<std::byte[]>> keep;
-  auto misaligned = [&](const TensorType& t) {
-    void* p = nullptr;
-    KILN_CUDA_CHECK(cudaMalloc(&p, t.bytes() + 16));
-    std::shared_ptr<std::byte[]> storage(static_cast<std::byte*>(p),
-                                         [](std::byte* q) { cudaFree(q); });
-    return Tensor(t, storage, dtype_size(t.dtype), Device::kCuda);
-  };
+  auto misaligned = [](const TensorType& t) { return misaligned_device_tensor(t); };
   for (const Tensor& t : inputs) {
     Tensor d = misaligned(t.type());
     KILN_CUDA_CHECK(cudaMemcpy(d.raw(), t.raw(), t.bytes(), cudaMemcpyHostToDevice));
@@ -475,9 +487,12 @@ TEST(NvrtcTest, NormGradientsInRowsKernels) {
       Body b = norm_grad_backward(op, shape);
       const std::vector<int> columns =
           op == Op::kLayerNormGrad ? std::vector<int>{2, 3, 4} : std::vector<int>{2, 3};
-      expect_columns_match(b, "rows", random_inputs(*b.g, 40), columns,
-                           numel(shape) / shape.back(), 4.0, DType::kF32,
-                           fmt::format("{} {}", op_name(op), to_string(shape)));
+      for (bool misaligned : {false, true})
+        expect_columns_match(b, "rows", random_inputs(*b.g, 40), columns,
+                             numel(shape) / shape.back(), 4.0, DType::kF32,
+                             fmt::format("{} {} misaligned {}", op_name(op), to_string(shape),
+                                         misaligned),
+                             misaligned);
     }
 }
 

@@ -188,6 +188,9 @@ class Lowering {
     m.ctype = ctype_of(body_.type(id).dtype);
     m.input = input;
     m.text = broadcast_index(shape, target, var);
+    // A rows kernel's e is base + j with base = row * kN: a per-column input's e % kN is j,
+    // without a 64-bit modulo per element (which bounded GPT-2's LayerNorm rows by issue).
+    if (rows_ && space == Space::kFull && m.text == fmt::format("(e % {}LL)", n_)) m.text = "j";
     m.contiguous = !shape.empty() && !target.empty() && shape.back() == target.back() &&
                    target.back() > 1;
     m.target_last = target.empty() ? 1 : target.back();
@@ -1284,7 +1287,6 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // gradient row of 768 costs no shared-memory traffic and no block barrier.
   const int64_t grid = warp_rows ? std::min<int64_t>(k.blocks, 512)
                                  : std::min<int64_t>(low.rows, 1024);
-  const int64_t lane_columns = (low.n + 31) / 32;  // warp mode: column sums per lane and output
   const std::string acc_t = low.column_ctype;
   if (columns) {
     k.blocks = grid;
@@ -1323,178 +1325,229 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   text += kBlockReduce;
   text += fmt::format("\nconstexpr int kThreads = {};\nconstexpr long long kN = {}LL;\n\n",
                       threads, low.n);
-  k.entry = "kiln_fused_rows";
-  text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n", k.threads,
-                      k.entry, columns ? column_params(body, low) : params(body));
-  if (columns && warp_rows) {
-    text += fmt::format("  __shared__ {} kiln_col[{}];\n", acc_t,
-                        lit_int(static_cast<int64_t>(low.columns.size()) * low.n));
-    for (size_t q = 0; q < low.columns.size(); ++q)
-      text += fmt::format("  {} kiln_c{}[{}] = {{}};\n", acc_t, q, lane_columns);
-    text += fmt::format(
-        "  for (long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5); "
-        "row < {}; row += {}) {{\n"
-        "  const long long base = row * kN;\n",
-        kWarpRowsPerBlock, lit_int(low.rows), lit_int(grid * kWarpRowsPerBlock));
-  } else if (columns) {
-    text += fmt::format(
-        "  __shared__ {} kiln_col[{}];\n"
-        "  for (int j = threadIdx.x; j < {}; j += kThreads) kiln_col[j] = {};\n"
-        "  __syncthreads();\n"
-        "  for (long long row = blockIdx.x; row < {}; row += {}) {{\n"
-        "  const long long base = row * kN;\n",
-        acc_t, lit_int(static_cast<int64_t>(low.columns.size()) * low.n),
-        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit(acc_t, 0.0),
-        lit_int(low.rows), lit_int(grid));
-  } else if (warp_rows) {
-    // A warp past the last row leaves at once: its reductions are warp-only, nobody waits.
-    text += fmt::format(
-        "  const long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5);\n"
-        "  if (row >= {}) return;\n  const long long base = row * kN;\n",
-        kWarpRowsPerBlock, lit_int(low.rows));
-  } else {
-    text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
-  }
-  // The thread's place in its row's group of kThreads.
-  text += warp_rows ? "  const int kiln_t = threadIdx.x & 31;\n"
-                    : "  const int kiln_t = threadIdx.x;\n";
+  // Warp mode takes V adjacent columns per lane and step (V = kRowsVector where the row length
+  // allows): lane t's elements m = g V + u are columns (t + 32 g) V + u, loaded and stored as
+  // one V-wide access per input and output, so a warp moves 512 bytes of f32 per instruction
+  // instead of 128 (GPT-2's LayerNorm rows: vector accesses keep more bytes in flight). A second
+  // entry with V = 1 serves pointers not aligned to V elements (launch_generated checks).
+  constexpr int kRowsVector = 4;
+  const int vector = warp_rows && low.n % kRowsVector == 0 ? kRowsVector : 1;
+  k.vector_width = vector;
+  auto entry_text = [&](const std::string& name, int v) {
+    std::string text;
+    const int64_t groups = (low.n + 32 * v - 1) / (32 * v);  // warp mode: V-wide steps per lane
+    const int64_t lane_columns = groups * v;  // warp mode: elements per lane (and column sums)
+    text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n",
+                        k.threads, name, columns ? column_params(body, low) : params(body));
+    if (columns && warp_rows) {
+      text += fmt::format("  __shared__ {} kiln_col[{}];\n", acc_t,
+                          lit_int(static_cast<int64_t>(low.columns.size()) * low.n));
+      for (size_t q = 0; q < low.columns.size(); ++q)
+        text += fmt::format("  {} kiln_c{}[{}] = {{}};\n", acc_t, q, lane_columns);
+      text += fmt::format(
+          "  for (long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5); "
+          "row < {}; row += {}) {{\n"
+          "  const long long base = row * kN;\n",
+          kWarpRowsPerBlock, lit_int(low.rows), lit_int(grid * kWarpRowsPerBlock));
+    } else if (columns) {
+      text += fmt::format(
+          "  __shared__ {} kiln_col[{}];\n"
+          "  for (int j = threadIdx.x; j < {}; j += kThreads) kiln_col[j] = {};\n"
+          "  __syncthreads();\n"
+          "  for (long long row = blockIdx.x; row < {}; row += {}) {{\n"
+          "  const long long base = row * kN;\n",
+          acc_t, lit_int(static_cast<int64_t>(low.columns.size()) * low.n),
+          lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit(acc_t, 0.0),
+          lit_int(low.rows), lit_int(grid));
+    } else if (warp_rows) {
+      // A warp past the last row leaves at once: its reductions are warp-only, nobody waits.
+      text += fmt::format(
+          "  const long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5);\n"
+          "  if (row >= {}) return;\n  const long long base = row * kN;\n",
+          kWarpRowsPerBlock, lit_int(low.rows));
+    } else {
+      text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
+    }
+    // The thread's place in its row's group of kThreads.
+    text += warp_rows ? "  const int kiln_t = threadIdx.x & 31;\n"
+                      : "  const int kiln_t = threadIdx.x;\n";
 
-  // Warp mode: every input read along the whole row (index e) is loaded once per row into
-  // registers, kiln_r<input>[m] holding column kiln_t + 32 m, and every pass reads it from
-  // there (a pass's column loop is unrolled over the lane's columns). Without that a LayerNorm
-  // gradient read x four times and dy three times a row through L1/L2.
-  std::set<int> cached_inputs;
-  if (warp_rows)
-    for (const MVal& m : vals)
-      if (m.kind == MKind::kLoad && m.space == Space::kFull && m.text == "e")
-        cached_inputs.insert(m.input);
-  auto load_text = [&](int id) {
-    const MVal& m = vals[id];
-    if (m.space == Space::kFull && m.text == "e" && cached_inputs.count(m.input))
-      return fmt::format("kiln_r{}[m]", m.input);
-    const DType d = body.type(body.inputs[m.input].value).dtype;
-    return load_conversion(d, fmt::format("in{}[{}]", m.input, m.text));
+    // Warp mode: every input read along the whole row (index e) is loaded once per row into
+    // registers, kiln_r<input>[m] holding the lane's element m, and every pass reads it from
+    // there (a pass's column loop is unrolled over the lane's columns). Without that a LayerNorm
+    // gradient read x four times and dy three times a row through L1/L2.
+    std::set<int> cached_inputs;
+    if (warp_rows)
+      for (const MVal& m : vals)
+        if (m.kind == MKind::kLoad && m.space == Space::kFull && m.text == "e")
+          cached_inputs.insert(m.input);
+    auto load_text = [&](int id) {
+      const MVal& m = vals[id];
+      if (m.space == Space::kFull && m.text == "e" && cached_inputs.count(m.input))
+        return fmt::format("kiln_r{}[m]", m.input);
+      const DType d = body.type(body.inputs[m.input].value).dtype;
+      return load_conversion(d, fmt::format("in{}[{}]", m.input, m.text));
+    };
+    std::set<int> done;
+    auto is_row = [&](int id) { return vals[id].space == Space::kRow; };
+    auto is_full = [&](int id) { return vals[id].space == Space::kFull; };
+    // Row values of level <= `level` that something needs, in order.
+    auto emit_row_values = [&](int level) {
+      std::vector<int> ready;
+      for (size_t id = 0; id < vals.size(); ++id)
+        if (is_row(static_cast<int>(id)) && vals[id].kind != MKind::kReduce &&
+            vals[id].level <= level)
+          ready.push_back(static_cast<int>(id));
+      emit_closure(vals, ready, done,
+                   [&](int id) { return is_row(id) && vals[id].kind != MKind::kReduce; },
+                   load_text, "  ", text);
+    };
+    // Warp mode: an outer loop over the lane's V-wide steps (j0: the step's first column), an
+    // inner one over its V elements (m, j, e); between them, a step's vector loads and stores.
+    const std::string outer_head =
+        fmt::format("#pragma unroll\n  for (int g = 0; g < {}; ++g) {{\n"
+                    "    const int j0 = (kiln_t + 32 * g) * {};\n"
+                    "    if (j0 >= kN) break;\n",
+                    groups, v);
+    const std::string inner_head = fmt::format(
+        "#pragma unroll\n    for (int u = 0; u < {}; ++u) {{\n    const int m = g * {} + u;\n"
+        "    const int j = j0 + u;\n    const long long e = base + j;\n",
+        v, v);
+    const std::string loop_head =
+        warp_rows ? outer_head + inner_head
+                  : std::string("  for (int j = kiln_t; j < kN; j += kThreads) {\n"
+                                "    const long long e = base + j;\n");
+    const std::string loop_tail = warp_rows ? "    }\n  }\n" : "  }\n";
+    auto pack = [&](DType d) { return fmt::format("KilnPack<{}, {}>", v, storage_of(d)); };
+    for (int input : cached_inputs) {
+      const DType d = body.type(body.inputs[input].value).dtype;
+      text += fmt::format("  {} kiln_r{}[{}];\n", ctype_of(d), input, lane_columns);
+      text += outer_head;
+      text += fmt::format(
+          "    const {0} kiln_p = *reinterpret_cast<const {0}*>(in{1} + base + j0);\n"
+          "#pragma unroll\n    for (int u = 0; u < {2}; ++u) kiln_r{1}[g * {2} + u] = {3};\n  }}\n",
+          pack(d), input, v, load_conversion(d, "kiln_p.v[u]"));
+    }
+    for (int level = 1; level <= max_level; ++level) {
+      emit_row_values(level - 1);
+      std::vector<int> reductions;
+      for (size_t id = 0; id < vals.size(); ++id)
+        if (vals[id].kind == MKind::kReduce && vals[id].level == level)
+          reductions.push_back(static_cast<int>(id));
+      text += fmt::format("  // pass {}: {} reduction(s)\n", level, reductions.size());
+      for (int id : reductions)
+        text += fmt::format("  {} acc{} = {};\n", vals[id].ctype, id,
+                            vals[id].reduce == ReduceOp::kSum ? lit(vals[id].ctype, 0.0)
+                                                              : "-" + lit(vals[id].ctype, INFINITY));
+      text += loop_head;
+      std::set<int> pass_done = done;  // full values are recomputed in every pass
+      std::vector<int> args;
+      for (int id : reductions) args.push_back(vals[id].args[0]);
+      emit_closure(vals, args, pass_done, is_full, load_text, "    ", text);
+      for (int id : reductions) {
+        if (vals[id].reduce == ReduceOp::kSum)
+          text += fmt::format("    acc{} += {};\n", id, var(vals[id].args[0]));
+        else
+          text += fmt::format("    acc{} = kiln_combine<1>(acc{}, {});\n", id, id,
+                              var(vals[id].args[0]));
+      }
+      text += loop_tail;
+      for (int id : reductions) {
+        text += fmt::format("  const {} {} = kiln_block_reduce<kThreads, {}>(acc{});\n",
+                            vals[id].ctype, var(id), vals[id].reduce == ReduceOp::kSum ? 0 : 1,
+                            id);
+        done.insert(id);
+      }
+    }
+    emit_row_values(max_level);
+    // Final pass: the per-element outputs (and the column reductions' terms).
+    std::vector<int> full_outputs;
+    for (int m : low.outputs)
+      if (is_full(m)) full_outputs.push_back(m);
+    for (int o : low.columns) full_outputs.push_back(vals[low.outputs[o]].args[0]);
+    if (!full_outputs.empty()) {
+      text += columns ? "  // final pass: per-element outputs and column sums\n"
+                      : "  // final pass: per-element outputs\n";
+      // Warp mode stores each output's V elements of a step as one access after the inner loop.
+      std::string packs, stores;
+      for (size_t o = 0; o < body.outputs.size(); ++o) {
+        if (!is_full(low.outputs[o])) continue;
+        const DType d = body.type(body.outputs[o]).dtype;
+        packs += fmt::format("    {} kiln_o{};\n", pack(d), o);
+        stores += fmt::format("    *reinterpret_cast<{}*>(out{} + base + j0) = kiln_o{};\n",
+                              pack(d), o, o);
+      }
+      text += warp_rows ? outer_head + packs + inner_head : loop_head;
+      std::set<int> pass_done = done;
+      emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
+      for (size_t o = 0; o < body.outputs.size(); ++o)
+        if (is_full(low.outputs[o]))
+          text += fmt::format(fmt::runtime(warp_rows ? "    kiln_o{}.v[u] = {};\n"
+                                                     : "    out{}[e] = {};\n"),
+                              o, store_conversion(body.type(body.outputs[o]).dtype,
+                                                  var(low.outputs[o])));
+      for (size_t q = 0; q < low.columns.size(); ++q) {
+        const std::string term = var(vals[low.outputs[low.columns[q]]].args[0]);
+        text += warp_rows ? fmt::format("    kiln_c{}[m] += {};\n", q, term)
+                          : fmt::format("    kiln_col[{} + j] += {};\n",
+                                        lit_int(static_cast<int64_t>(q) * low.n), term);
+      }
+      if (warp_rows) {
+        text += "    }\n";
+        text += stores;
+        text += "  }\n";
+      } else {
+        text += loop_tail;
+      }
+    }
+    bool any_row_output = false;
+    for (size_t o = 0; o < body.outputs.size(); ++o) {
+      if (is_full(low.outputs[o]) || vals[low.outputs[o]].kind == MKind::kColumn) continue;
+      if (!any_row_output) text += "  if (kiln_t == 0) {\n";
+      any_row_output = true;
+      text += fmt::format("    out{}[row] = {};\n", o,
+                          store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
+    }
+    if (any_row_output) text += "  }\n";
+    if (columns && warp_rows) {
+      // The block's sums: warp 0 stores its lanes' sums, warps 1..7 add theirs in turn.
+      text += "  }\n  // this block's partial column sums, warp by warp\n";
+      text += fmt::format("  for (int w = 0; w < {}; ++w) {{\n"
+                          "    if ((threadIdx.x >> 5) == w) {{\n"
+                          "#pragma unroll\n"
+                          "      for (int m = 0; m < {}; ++m) {{\n"
+                          "        const int j = (static_cast<int>(threadIdx.x & 31) + 32 * (m / "
+                          "{})) * {} + m % {};\n"
+                          "        if (j >= kN) break;\n",
+                          kWarpRowsPerBlock, lane_columns, v, v, v);
+      for (size_t q = 0; q < low.columns.size(); ++q)
+        text += fmt::format("        kiln_col[{} + j] = (w == 0 ? {} : kiln_col[{} + j]) + "
+                            "kiln_c{}[m];\n",
+                            lit_int(static_cast<int64_t>(q) * low.n), lit(acc_t, 0.0),
+                            lit_int(static_cast<int64_t>(q) * low.n), q);
+      text += "      }\n    }\n    __syncthreads();\n  }\n";
+      text += fmt::format(
+          "  for (int j = threadIdx.x; j < {}; j += {})\n"
+          "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
+          lit_int(static_cast<int64_t>(low.columns.size()) * low.n), k.threads, lit_int(grid));
+    } else if (columns) {
+      text += fmt::format(
+          "  }}\n  // this block's partial column sums\n  __syncthreads();\n"
+          "  for (int j = threadIdx.x; j < {}; j += kThreads)\n"
+          "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
+          lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit_int(grid));
+    }
+    text += "}\n";
+    return text;
   };
-  std::set<int> done;
-  auto is_row = [&](int id) { return vals[id].space == Space::kRow; };
-  auto is_full = [&](int id) { return vals[id].space == Space::kFull; };
-  // Row values of level <= `level` that something needs, in order.
-  auto emit_row_values = [&](int level) {
-    std::vector<int> ready;
-    for (size_t id = 0; id < vals.size(); ++id)
-      if (is_row(static_cast<int>(id)) && vals[id].kind != MKind::kReduce &&
-          vals[id].level <= level)
-        ready.push_back(static_cast<int>(id));
-    emit_closure(vals, ready, done,
-                 [&](int id) { return is_row(id) && vals[id].kind != MKind::kReduce; }, load_text,
-                 "  ", text);
-  };
-  const std::string loop_head =
-      warp_rows ? fmt::format("#pragma unroll\n  for (int m = 0; m < {}; ++m) {{\n"
-                              "    const int j = kiln_t + 32 * m;\n"
-                              "    if (j >= kN) break;\n    const long long e = base + j;\n",
-                              lane_columns)
-                : std::string("  for (int j = kiln_t; j < kN; j += kThreads) {\n"
-                              "    const long long e = base + j;\n");
-  for (int input : cached_inputs) {
-    const DType d = body.type(body.inputs[input].value).dtype;
-    text += fmt::format("  {} kiln_r{}[{}];\n", ctype_of(d), input, lane_columns);
-    text += loop_head;
-    text += fmt::format("    kiln_r{}[m] = {};\n  }}\n", input,
-                        load_conversion(d, fmt::format("in{}[e]", input)));
+  k.entry = "kiln_fused_rows";
+  text += entry_text(k.entry, vector);
+  if (vector > 1) {
+    text += "\n// For pointers not aligned to V elements.\n";
+    k.scalar_entry = "kiln_fused_rows_scalar";
+    k.scalar_blocks = k.blocks;
+    text += entry_text(k.scalar_entry, 1);
   }
-  for (int level = 1; level <= max_level; ++level) {
-    emit_row_values(level - 1);
-    std::vector<int> reductions;
-    for (size_t id = 0; id < vals.size(); ++id)
-      if (vals[id].kind == MKind::kReduce && vals[id].level == level)
-        reductions.push_back(static_cast<int>(id));
-    text += fmt::format("  // pass {}: {} reduction(s)\n", level, reductions.size());
-    for (int id : reductions)
-      text += fmt::format("  {} acc{} = {};\n", vals[id].ctype, id,
-                          vals[id].reduce == ReduceOp::kSum ? lit(vals[id].ctype, 0.0)
-                                                            : "-" + lit(vals[id].ctype, INFINITY));
-    text += loop_head;
-    std::set<int> pass_done = done;  // full values are recomputed in every pass
-    std::vector<int> args;
-    for (int id : reductions) args.push_back(vals[id].args[0]);
-    emit_closure(vals, args, pass_done, is_full, load_text, "    ", text);
-    for (int id : reductions) {
-      if (vals[id].reduce == ReduceOp::kSum)
-        text += fmt::format("    acc{} += {};\n", id, var(vals[id].args[0]));
-      else
-        text += fmt::format("    acc{} = kiln_combine<1>(acc{}, {});\n", id, id,
-                            var(vals[id].args[0]));
-    }
-    text += "  }\n";
-    for (int id : reductions) {
-      text += fmt::format("  const {} {} = kiln_block_reduce<kThreads, {}>(acc{});\n",
-                          vals[id].ctype, var(id), vals[id].reduce == ReduceOp::kSum ? 0 : 1, id);
-      done.insert(id);
-    }
-  }
-  emit_row_values(max_level);
-  // Final pass: the per-element outputs (and the column reductions' terms).
-  std::vector<int> full_outputs;
-  for (int m : low.outputs)
-    if (is_full(m)) full_outputs.push_back(m);
-  for (int o : low.columns) full_outputs.push_back(vals[low.outputs[o]].args[0]);
-  if (!full_outputs.empty()) {
-    text += columns ? "  // final pass: per-element outputs and column sums\n"
-                    : "  // final pass: per-element outputs\n";
-    text += loop_head;
-    std::set<int> pass_done = done;
-    emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
-    for (size_t o = 0; o < body.outputs.size(); ++o)
-      if (is_full(low.outputs[o]))
-        text += fmt::format("    out{}[e] = {};\n", o,
-                            store_conversion(body.type(body.outputs[o]).dtype,
-                                             var(low.outputs[o])));
-    for (size_t q = 0; q < low.columns.size(); ++q) {
-      const std::string term = var(vals[low.outputs[low.columns[q]]].args[0]);
-      text += warp_rows ? fmt::format("    kiln_c{}[m] += {};\n", q, term)
-                        : fmt::format("    kiln_col[{} + j] += {};\n",
-                                      lit_int(static_cast<int64_t>(q) * low.n), term);
-    }
-    text += "  }\n";
-  }
-  bool any_row_output = false;
-  for (size_t o = 0; o < body.outputs.size(); ++o) {
-    if (is_full(low.outputs[o]) || vals[low.outputs[o]].kind == MKind::kColumn) continue;
-    if (!any_row_output) text += "  if (kiln_t == 0) {\n";
-    any_row_output = true;
-    text += fmt::format("    out{}[row] = {};\n", o,
-                        store_conversion(body.type(body.outputs[o]).dtype, var(low.outputs[o])));
-  }
-  if (any_row_output) text += "  }\n";
-  if (columns && warp_rows) {
-    // The block's sums: warp 0 stores its lanes' sums, warps 1..7 add theirs in turn.
-    text += "  }\n  // this block's partial column sums, warp by warp\n";
-    text += fmt::format("  for (int w = 0; w < {}; ++w) {{\n"
-                        "    if ((threadIdx.x >> 5) == w) {{\n"
-                        "#pragma unroll\n"
-                        "      for (int m = 0; m < {}; ++m) {{\n"
-                        "        const int j = static_cast<int>(threadIdx.x & 31) + 32 * m;\n"
-                        "        if (j >= kN) break;\n",
-                        kWarpRowsPerBlock, lane_columns);
-    for (size_t q = 0; q < low.columns.size(); ++q)
-      text += fmt::format("        kiln_col[{} + j] = (w == 0 ? {} : kiln_col[{} + j]) + "
-                          "kiln_c{}[m];\n",
-                          lit_int(static_cast<int64_t>(q) * low.n), lit(acc_t, 0.0),
-                          lit_int(static_cast<int64_t>(q) * low.n), q);
-    text += "      }\n    }\n    __syncthreads();\n  }\n";
-    text += fmt::format(
-        "  for (int j = threadIdx.x; j < {}; j += {})\n"
-        "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
-        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), k.threads, lit_int(grid));
-  } else if (columns) {
-    text += fmt::format(
-        "  }}\n  // this block's partial column sums\n  __syncthreads();\n"
-        "  for (int j = threadIdx.x; j < {}; j += kThreads)\n"
-        "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
-        lit_int(static_cast<int64_t>(low.columns.size()) * low.n), lit_int(grid));
-  }
-  text += "}\n";
   if (columns) text += column_finish(body, low, grid, k);
   k.source = std::move(text);
   return k;
