@@ -21,6 +21,10 @@
 //     other dtypes, are left alone: the kernels take f32 -> 16-bit only, and an activation's
 //     cast belongs to its producer's fusion group.)
 //
+//   Before grouping: an update whose gradient is a standalone cast from bf16/f16 to f32/f64 read
+//     by nothing else reads the 16-bit gradient itself (exact: the kernels widen on load; GPT-2
+//     under amp: its 48 bias gradients, each a launch-bound cast otherwise).
+//
 // Runs after fusion (the updates are opaque to it). Fusion may already have put parts of the
 // norm pattern into fusion groups (a 1-D gradient's square and sum as a "rows" group, the add
 // tree with the sqrt and the clip factor as an "elementwise" one): such groups are inlined, the

@@ -114,6 +114,35 @@ TEST(MultiTensorPass, NoGroupWhenDtypesDiffer) {
   expect_unchanged(pass, with(kTwoAdamw, "%gb: f32[3] data", "%gb: bf16[3] data"));
 }
 
+TEST(MultiTensorPass, WideningGradientCastsAreFoldedIntoTheUpdates) {
+  MultiTensorPass pass;
+  // Both gradients arrive in bf16 and are widened to f32 for the update (mixed precision's
+  // bias gradients): the updates read the bf16 values, the casts go, one group, same bits.
+  std::string text = with(kTwoAdamw, "%gw: f32[4,3] data", "%gw16: bf16[4,3] data");
+  text = with(text, "%gb: f32[3] data", "%gb16: bf16[3] data");
+  text = with(text, "  %loss = sum(%e) : f32[]\n",
+              "  %loss = sum(%e) : f32[]\n  %gw = cast(%gw16) {dtype=f32} : f32[4,3]\n"
+              "  %gb = cast(%gb16) {dtype=f32} : f32[3]\n");
+  testing::PassOnText out = run_on_text(pass, text);
+  EXPECT_TRUE(out.changed);
+  EXPECT_TRUE(lacks(out.text, "cast(")) << out.text;
+  EXPECT_TRUE(contains(out.text, "adamw_update(%w, %gw16, %mw, %vw, %lr, %step)")) << out.text;
+  EXPECT_TRUE(contains(out.text, "adamw_update(%b, %gb16, %mb, %vb, %lr, %step)")) << out.text;
+  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-adamw\""), 1) << out.text;
+  const Graph before = parse(text), after = parse(out.text);
+  const std::vector<Tensor> inputs = random_inputs(before, 4, 0, 1);
+  EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
+  // A cast read by something else too (here the loss) stays, as does a narrowing one.
+  const std::string shared = with(text, "  return %loss\n",
+                                  "  %s = sum(%gb) : f32[]\n  return %loss, %s\n");
+  testing::PassOnText kept = run_on_text(pass, shared);
+  EXPECT_TRUE(contains(kept.text, "%gb = cast(%gb16)")) << kept.text;
+  EXPECT_TRUE(lacks(kept.text, "%gw = cast(%gw16)")) << kept.text;
+  const std::string narrowing = with(text, "%gb16: bf16[3] data", "%gb16: f64[3] data");
+  testing::PassOnText narrow = run_on_text(pass, narrowing);
+  EXPECT_TRUE(contains(narrow.text, "%gb = cast(%gb16)")) << narrow.text;
+}
+
 TEST(MultiTensorPass, OneNodePerKeyAndSgdToo) {
   MultiTensorPass pass;
   const std::string text =
