@@ -543,26 +543,28 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
   GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
   EXPECT_EQ(k.column_outputs, (std::vector<int>{1, 2}));
-  EXPECT_EQ(k.threads, 256);
-  EXPECT_EQ(k.blocks, 175);
-  EXPECT_EQ(k.partial_tiles, 175);
-  EXPECT_EQ(k.partials_bytes, size_t{2} * 175 * 96 * 4);
+  // With column sums a block is 4 warps (a row each): 1400 rows in 350 blocks.
+  EXPECT_EQ(k.threads, 128);
+  EXPECT_EQ(k.blocks, 350);
+  EXPECT_EQ(k.partial_tiles, 350);
+  EXPECT_EQ(k.partials_bytes, size_t{2} * 350 * 96 * 4);
   EXPECT_EQ(k.finish_entry, "kiln_fused_columns_finish");
   EXPECT_EQ(k.finish_blocks, 3);
-  EXPECT_TRUE(contains(k.source, "__shared__ float kiln_col[192LL];")) << k.source;
-  EXPECT_TRUE(contains(k.source, "float kiln_c0[3] = {};")) << k.source;
-  EXPECT_TRUE(contains(k.source, "for (long long row = static_cast<long long>(blockIdx.x) * 8 + "
+  // Each warp's sums in shared memory, [output][lane element][lane]: 2 outputs x 4 elements
+  // (the 4-wide entry's; the scalar one has 3) x 32 lanes, for 4 warps.
+  EXPECT_TRUE(contains(k.source, "__shared__ float kiln_col[1024LL];")) << k.source;
+  EXPECT_TRUE(contains(k.source, "for (long long row = static_cast<long long>(blockIdx.x) * 4 + "
                                  "(threadIdx.x >> 5); row < 1400LL; row += 1400LL)"))
       << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_c0[m] += ")) << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_c1[m] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_cw[(0LL + m) * 32] += ")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln_cw[(4LL + m) * 32] += ")) << k.source;  // 4-wide entry
+  EXPECT_TRUE(contains(k.source, "kiln_cw[(3LL + m) * 32] += ")) << k.source;  // scalar entry
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
   // Rows of 96 (a multiple of 4): the entry takes 4 adjacent columns per lane and step, one
   // 16-byte access per input and output; the scalar entry (any alignment) one column per step.
   EXPECT_EQ(k.vector_width, 4);
   EXPECT_EQ(k.scalar_entry, "kiln_fused_rows_scalar");
-  EXPECT_EQ(k.scalar_blocks, 175);
-  EXPECT_TRUE(contains(k.source, "float kiln_c0[4] = {};")) << k.source;
+  EXPECT_EQ(k.scalar_blocks, 350);
   EXPECT_TRUE(contains(k.source, "kiln_o0.v[u] = ")) << k.source;
   EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<4, float>*>(out0 + base + j0) = "
                                  "kiln_o0;"))
@@ -586,9 +588,9 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
       << kw.source;
   EXPECT_TRUE(contains(kw.source, "kiln_col[0LL + j] += ")) << kw.source;
   expect_compiles(kw);
-  // Fewer rows than a block's 8 warps: one block.
+  // Fewer rows than a block's 4 warps: one block.
   Body small;
-  ValueId x = small.in("x", DType::kF32, {5, 40});
+  ValueId x = small.in("x", DType::kF32, {3, 40});
   ValueId sm = small.op(Op::kSoftmax, {x});
   small.out({sm, small.op(Op::kSum, {sm}, {{"axes", std::vector<int64_t>{0}}})});
   GeneratedKernel ks = cuda::generate_kernel(*small.g, "rows");
@@ -619,8 +621,11 @@ TEST(NvrtcCodegenTest, NormGradientsAreRowOpsWithColumnOutputs) {
                                                          : (std::vector<int>{2, 3}));
     EXPECT_EQ(k.rows, 1024);
     EXPECT_EQ(k.row_length, 768);
-    EXPECT_EQ(k.blocks, 128);  // a warp per row: 1024 / 8
-    EXPECT_TRUE(contains(k.source, "float kiln_c0[24] = {};")) << k.source;
+    EXPECT_EQ(k.blocks, 256);  // a warp per row, 4 to a block (column sums): 1024 / 4
+    // 3 (2) column outputs x 24 elements per lane x 32 lanes x 4 warps, in shared memory.
+    EXPECT_TRUE(contains(k.source, op == Op::kLayerNormGrad ? "__shared__ float kiln_col[9216LL];"
+                                                            : "__shared__ float kiln_col[6144LL];"))
+        << k.source;
     // LayerNorm: mean, then the variance and mean(g), then mean(g * x_hat): 3 passes + 1.
     if (op == Op::kLayerNormGrad) {
       EXPECT_TRUE(contains(k.source, "4 pass(es)")) << k.source;

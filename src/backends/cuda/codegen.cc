@@ -1265,29 +1265,44 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   k.row_length = low.n;
   k.ops = low.ops;
   // Threads per row: about 4 elements each, a whole warp at least, 1024 at most. Rows of up to
-  // kWarpRowMax elements (and no column sums) go one warp each, kWarpRowsPerBlock rows to a
-  // block: the row's reductions are warp shuffles only (no __syncthreads, no shared memory),
+  // kWarpRowMax elements go one warp each, 8 rows to a block (4 with column sums): the row's reductions are warp shuffles only (no __syncthreads, no shared memory),
   // and each thread has a few dozen loads in flight instead of 3 (GPT-2's LayerNorm rows of 768
   // ran at a third of the bandwidth with a 256-thread block per row).
   constexpr int64_t kWarpRowMax = 1024;
-  constexpr int kWarpRowsPerBlock = 8;
   const bool columns = !low.columns.empty();
   const bool warp_rows = low.n <= kWarpRowMax;
+  const std::string acc_t = low.column_ctype;
+  const int64_t acc_bytes = acc_t == "double" ? 8 : 4;
+  const int64_t column_values = static_cast<int64_t>(low.columns.size()) * low.n;
+  // Warp mode with V columns per lane and step (see entry_text): a lane's elements, and a
+  // warp's shared-memory column sums, [q][m][lane] (lanes adjacent: no bank conflicts).
+  constexpr int kRowsVector = 4;
+  const int vector = warp_rows && low.n % kRowsVector == 0 ? kRowsVector : 1;
+  auto lane_elements = [&](int v) { return (low.n + 32 * v - 1) / (32 * v) * v; };
+  const int64_t warp_sums = static_cast<int64_t>(low.columns.size()) * 32 *
+                            std::max(lane_elements(1), lane_elements(vector));
+  // Warps (rows) per block in warp mode: 8; with column sums 4, or fewer where their shared
+  // memory would pass the 48 KiB of static shared memory.
+  int warps = 8;
+  if (columns && warp_rows) {
+    warps = 4;
+    while (warps > 1 && warps * warp_sums * acc_bytes > 48 * 1024) warps /= 2;
+  }
   int threads = 32;
   while (!warp_rows && threads < 1024 && threads * 4 < low.n) threads *= 2;
-  k.threads = warp_rows ? 32 * kWarpRowsPerBlock : threads;
-  k.blocks = warp_rows ? (low.rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock : low.rows;
+  k.threads = warp_rows ? 32 * warps : threads;
+  k.blocks = warp_rows ? (low.rows + warps - 1) / warps : low.rows;
   set_param_bytes(body, k);
   // Column reductions: a fixed grid of blocks, each taking rows blockIdx.x, + kGrid, ...; a
   // thread adds its columns' terms (j = threadIdx.x + m kThreads, the same columns in every
   // row) into the block's shared-memory sums, written out at the end as the block's partials.
-  // A warp per row: warp w of block b takes rows 8 b + w, + 8 kGrid, ...; each lane keeps its
-  // columns' sums in registers (the column loop unrolled), and the block's 8 warps add theirs
-  // into shared memory one warp after the other (a fixed order: deterministic), so a LayerNorm
-  // gradient row of 768 costs no shared-memory traffic and no block barrier.
+  // A warp per row: warp w of block b takes rows W b + w, + W kGrid, ...; each lane adds its
+  // columns' terms into its warp's own shared-memory sums (a lane owns its slots: no atomics,
+  // no barrier), and the block's warps' sums are added in warp order at the end
+  // (deterministic). Shared memory rather than registers: a LayerNorm gradient's three column
+  // sums of a 768 row took 72 registers a lane, and at ~210 a kernel ran 8 warps per SM.
   const int64_t grid = warp_rows ? std::min<int64_t>(k.blocks, 512)
                                  : std::min<int64_t>(low.rows, 1024);
-  const std::string acc_t = low.column_ctype;
   if (columns) {
     k.blocks = grid;
     k.column_outputs = low.columns;
@@ -1307,7 +1322,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         "// {} blocks of {} warps, a warp per row (rows 8 blockIdx.x + warp + m * {}); {} "
         "pass(es) over a row; {} column reduction(s) summed per lane in registers, then per "
         "block, then a second kernel adds the {} block partials per column\n",
-        grid, kWarpRowsPerBlock, grid * kWarpRowsPerBlock, max_level + 1, low.columns.size(),
+        grid, warps, grid * warps, max_level + 1, low.columns.size(),
         grid);
   else if (columns)
     text += fmt::format(
@@ -1317,7 +1332,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         grid, threads, grid, max_level + 1, low.columns.size(), grid);
   else if (warp_rows)
     text += fmt::format("// one warp per row, {} rows per block; {} pass(es) over the row\n",
-                        kWarpRowsPerBlock, max_level + 1);
+                        warps, max_level + 1);
   else
     text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
                         max_level + 1);
@@ -1330,8 +1345,6 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // one V-wide access per input and output, so a warp moves 512 bytes of f32 per instruction
   // instead of 128 (GPT-2's LayerNorm rows: vector accesses keep more bytes in flight). A second
   // entry with V = 1 serves pointers not aligned to V elements (launch_generated checks).
-  constexpr int kRowsVector = 4;
-  const int vector = warp_rows && low.n % kRowsVector == 0 ? kRowsVector : 1;
   k.vector_width = vector;
   auto entry_text = [&](const std::string& name, int v) {
     std::string text;
@@ -1340,15 +1353,18 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n",
                         k.threads, name, columns ? column_params(body, low) : params(body));
     if (columns && warp_rows) {
-      text += fmt::format("  __shared__ {} kiln_col[{}];\n", acc_t,
-                          lit_int(static_cast<int64_t>(low.columns.size()) * low.n));
-      for (size_t q = 0; q < low.columns.size(); ++q)
-        text += fmt::format("  {} kiln_c{}[{}] = {{}};\n", acc_t, q, lane_columns);
+      // kiln_cw[(q * L + m) * 32 + lane]: this warp's sum of column output q over the lane's
+      // element m (L per lane); each lane zeroes and adds its own slots only.
+      text += fmt::format(
+          "  __shared__ {0} kiln_col[{1}];\n"
+          "  {0} * const kiln_cw = kiln_col + (threadIdx.x >> 5) * {2} + (threadIdx.x & 31);\n"
+          "  for (int s = 0; s < {2}; s += 32) kiln_cw[s] = {3};\n",
+          acc_t, lit_int(warps * warp_sums), lit_int(warp_sums), lit(acc_t, 0.0));
       text += fmt::format(
           "  for (long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5); "
           "row < {}; row += {}) {{\n"
           "  const long long base = row * kN;\n",
-          kWarpRowsPerBlock, lit_int(low.rows), lit_int(grid * kWarpRowsPerBlock));
+          warps, lit_int(low.rows), lit_int(grid * warps));
     } else if (columns) {
       text += fmt::format(
           "  __shared__ {} kiln_col[{}];\n"
@@ -1364,7 +1380,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
       text += fmt::format(
           "  const long long row = static_cast<long long>(blockIdx.x) * {} + (threadIdx.x >> 5);\n"
           "  if (row >= {}) return;\n  const long long base = row * kN;\n",
-          kWarpRowsPerBlock, lit_int(low.rows));
+          warps, lit_int(low.rows));
     } else {
       text += "  const long long row = blockIdx.x;\n  const long long base = row * kN;\n";
     }
@@ -1376,15 +1392,39 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     // registers, kiln_r<input>[m] holding the lane's element m, and every pass reads it from
     // there (a pass's column loop is unrolled over the lane's columns). Without that a LayerNorm
     // gradient read x four times and dy three times a row through L1/L2.
+    // Only inputs a reduction pass reads: one the final pass alone reads is loaded there, in
+    // its V-wide step, and holds no registers through the passes before (a LayerNorm
+    // gradient's residual gradient: 24 registers a lane).
     std::set<int> cached_inputs;
+    if (warp_rows) {
+      std::vector<bool> seen(vals.size(), false);
+      std::vector<int> stack;
+      for (const MVal& m : vals)
+        if (m.kind == MKind::kReduce) stack.push_back(m.args[0]);
+      while (!stack.empty()) {
+        const int id = stack.back();
+        stack.pop_back();
+        if (seen[static_cast<size_t>(id)] || vals[id].space != Space::kFull) continue;
+        seen[static_cast<size_t>(id)] = true;
+        const MVal& m = vals[id];
+        if (m.kind == MKind::kLoad && m.text == "e") cached_inputs.insert(m.input);
+        for (int a : m.args) stack.push_back(a);
+      }
+    }
+    // The other inputs read along the row: loaded V wide in the final pass (kiln_q<input>).
+    std::set<int> step_inputs;
     if (warp_rows)
       for (const MVal& m : vals)
-        if (m.kind == MKind::kLoad && m.space == Space::kFull && m.text == "e")
-          cached_inputs.insert(m.input);
+        if (m.kind == MKind::kLoad && m.space == Space::kFull && m.text == "e" &&
+            !cached_inputs.count(m.input))
+          step_inputs.insert(m.input);
     auto load_text = [&](int id) {
       const MVal& m = vals[id];
       if (m.space == Space::kFull && m.text == "e" && cached_inputs.count(m.input))
         return fmt::format("kiln_r{}[m]", m.input);
+      if (m.space == Space::kFull && m.text == "e" && step_inputs.count(m.input))
+        return load_conversion(body.type(body.inputs[m.input].value).dtype,
+                               fmt::format("kiln_q{}.v[u]", m.input));
       const DType d = body.type(body.inputs[m.input].value).dtype;
       return load_conversion(d, fmt::format("in{}[{}]", m.input, m.text));
     };
@@ -1470,6 +1510,10 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
                       : "  // final pass: per-element outputs\n";
       // Warp mode stores each output's V elements of a step as one access after the inner loop.
       std::string packs, stores;
+      for (int input : step_inputs)
+        packs += fmt::format(
+            "    const {0} kiln_q{1} = *reinterpret_cast<const {0}*>(in{1} + base + j0);\n",
+            pack(body.type(body.inputs[input].value).dtype), input);
       for (size_t o = 0; o < body.outputs.size(); ++o) {
         if (!is_full(low.outputs[o])) continue;
         const DType d = body.type(body.outputs[o]).dtype;
@@ -1488,7 +1532,8 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
                                                   var(low.outputs[o])));
       for (size_t q = 0; q < low.columns.size(); ++q) {
         const std::string term = var(vals[low.outputs[low.columns[q]]].args[0]);
-        text += warp_rows ? fmt::format("    kiln_c{}[m] += {};\n", q, term)
+        text += warp_rows ? fmt::format("    kiln_cw[({} + m) * 32] += {};\n",
+                                        lit_int(static_cast<int64_t>(q) * lane_columns), term)
                           : fmt::format("    kiln_col[{} + j] += {};\n",
                                         lit_int(static_cast<int64_t>(q) * low.n), term);
       }
@@ -1510,26 +1555,21 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     }
     if (any_row_output) text += "  }\n";
     if (columns && warp_rows) {
-      // The block's sums: warp 0 stores its lanes' sums, warps 1..7 add theirs in turn.
-      text += "  }\n  // this block's partial column sums, warp by warp\n";
-      text += fmt::format("  for (int w = 0; w < {}; ++w) {{\n"
-                          "    if ((threadIdx.x >> 5) == w) {{\n"
-                          "#pragma unroll\n"
-                          "      for (int m = 0; m < {}; ++m) {{\n"
-                          "        const int j = (static_cast<int>(threadIdx.x & 31) + 32 * (m / "
-                          "{})) * {} + m % {};\n"
-                          "        if (j >= kN) break;\n",
-                          kWarpRowsPerBlock, lane_columns, v, v, v);
-      for (size_t q = 0; q < low.columns.size(); ++q)
-        text += fmt::format("        kiln_col[{} + j] = (w == 0 ? {} : kiln_col[{} + j]) + "
-                            "kiln_c{}[m];\n",
-                            lit_int(static_cast<int64_t>(q) * low.n), lit(acc_t, 0.0),
-                            lit_int(static_cast<int64_t>(q) * low.n), q);
-      text += "      }\n    }\n    __syncthreads();\n  }\n";
+      // The block's sums: its warps' sums added in warp order.
+      // Slot (q, m, lane) holds column (lane + 32 (m / V)) V + m % V of output q.
       text += fmt::format(
-          "  for (int j = threadIdx.x; j < {}; j += {})\n"
-          "    kiln_partials[(j / kN * {} + blockIdx.x) * kN + j % kN] = kiln_col[j];\n",
-          lit_int(static_cast<int64_t>(low.columns.size()) * low.n), k.threads, lit_int(grid));
+          "  }}\n  // this block's partial column sums, its warps' added in warp order\n"
+          "  __syncthreads();\n"
+          "  for (int s = threadIdx.x; s < {0}; s += {1}) {{\n"
+          "    const int q = s / {2}, m = s / 32 % {3}, lane = s % 32;\n"
+          "    const int j = (lane + 32 * (m / {4})) * {4} + m % {4};\n"
+          "    if (j >= kN) continue;\n"
+          "    {5} sum = kiln_col[s];\n"
+          "    for (int w = 1; w < {6}; ++w) sum += kiln_col[w * {7} + s];\n"
+          "    kiln_partials[(q * {8} + blockIdx.x) * kN + j] = sum;\n"
+          "  }}\n",
+          lit_int(static_cast<int64_t>(low.columns.size()) * 32 * lane_columns), k.threads,
+          32 * lane_columns, lane_columns, v, acc_t, warps, lit_int(warp_sums), lit_int(grid));
     } else if (columns) {
       text += fmt::format(
           "  }}\n  // this block's partial column sums\n  __syncthreads();\n"
