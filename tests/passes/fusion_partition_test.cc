@@ -414,6 +414,28 @@ TEST(FusionPartitionAbsorb, RowOpsAndColumnReductionsStayOutOfGemmGroups) {
   EXPECT_NE(g[0], g[4]);
 }
 
+TEST(FusionPartitionAbsorb, RowOpJoinsAGemmGroupThatAddsAWiderValue) {
+  // GPT-2's residual projection under amp: GEMM 0 -> product v0 (50 B) read by add 2, which
+  // also reads v1 (100 B: the f32 residual, made by opaque 1, read by opaque 4 too); the sum v2
+  // (100 B) is read by LayerNorm 3 (a row op) and opaque 5. The add joins the GEMM (the product
+  // stays out of memory), and so does the row op: the sum is not read back.
+  Problem p{{item(kG), item(kO), item(kE), item(kR), item(kO), item(kO)},
+            {value(0, {2}, 50), value(1, {2, 4}, 100), value(2, {3, 5}, 100),
+             value(3, {5}, 50)}};
+  const std::vector<int> g = absorb_readers(p, partition_optimal(p)).group_of;
+  EXPECT_TRUE(legal(p, g));
+  EXPECT_EQ(g[0], g[2]);
+  EXPECT_EQ(g[0], g[3]);
+  // The same with an addend as wide as the product (f32 throughout: cuBLASLt's C takes it):
+  // the row op stays out.
+  Problem same = p;
+  same.values[0].bytes = 100;
+  const std::vector<int> h = absorb_readers(same, partition_optimal(same)).group_of;
+  EXPECT_TRUE(legal(same, h));
+  EXPECT_EQ(h[0], h[2]);
+  EXPECT_NE(h[0], h[3]);
+}
+
 TEST(FusionPartitionAbsorb, ColumnReductionsJoinElementwiseGroupsAndStayLast) {
   // Elementwise 0 -> v0 read by cast 1 and opaque 2; the cast's output v1 read by column
   // reduction 3 and opaque 4; elementwise 5 reads the reduction's output: 0, 1, 3 form one

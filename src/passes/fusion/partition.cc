@@ -163,6 +163,12 @@ class Greedy {
     ord_.resize(n);
     gemm_.assign(n, -1);
     mark_.assign(n, 0);
+    reads_.resize(n);
+    writes_.resize(n);
+    for (size_t v = 0; v < problem.values.size(); ++v) {
+      writes_[problem.values[v].producer].push_back(static_cast<int>(v));
+      for (int c : problem.values[v].consumers) reads_[c].push_back(static_cast<int>(v));
+    }
     for (int i = 0; i < n; ++i) {
       members_[i] = {i};
       ord_[i] = i;
@@ -230,9 +236,12 @@ class Greedy {
           // Neither applies to a GEMM group that already holds a row op: its epilogue is a
           // generated rows kernel over the product, which takes both at no extra pass (GPT-2's
           // backward: dX GEMM, LayerNorm gradient, residual add, cast, bias-gradient sum).
+          // Nor to a GEMM group whose epilogue adds a value wider than the product (below):
+          // its product goes through memory already, so a row op joins at no cost.
           auto refused = [&](int gemm_root, int other) {
-            return gemm_[gemm_root] >= 0 && !has_kind(gemm_root, {ItemKind::kRowOp}) &&
-                   has_kind(other, {ItemKind::kRowOp, ItemKind::kColumnReduction});
+            if (gemm_[gemm_root] < 0 || has_kind(gemm_root, {ItemKind::kRowOp})) return false;
+            if (has_kind(other, {ItemKind::kColumnReduction})) return true;
+            return has_kind(other, {ItemKind::kRowOp}) && !adds_wider_value(gemm_root);
           };
           if (refused(roots[0], roots[1]) || refused(roots[1], roots[0])) continue;
           std::sort(roots.begin(), roots.end());
@@ -270,6 +279,26 @@ class Greedy {
       return problem_.values[a].bytes > problem_.values[b].bytes;
     });
     return order;
+  }
+
+  // Whether a member of GEMM group `root` other than the GEMM reads, from outside the group, a
+  // value of more bytes than the GEMM's product: GPT-2's residual projection under mixed
+  // precision, the f32 residual stream added to a bf16 product. No library epilogue takes
+  // such an addend on a 16-bit product (cuBLASLt's C has D's dtype), so the product goes through
+  // memory to a generated epilogue, which takes a row op after it (the next LayerNorm) at no
+  // extra pass: the residual sum is not read back. (A same-width addend rides in cuBLASLt's C:
+  // a row op would push that product through memory.)
+  bool adds_wider_value(int root) {
+    const int g = gemm_[root];
+    int64_t product = 0;
+    for (int v : writes_[g]) product = std::max(product, problem_.values[v].bytes);
+    for (int u : members_[root]) {
+      if (u == g) continue;
+      for (int v : reads_[u])
+        if (find(problem_.values[v].producer) != root && problem_.values[v].bytes > product)
+          return true;
+    }
+    return false;
   }
 
   bool has_kind(int root, std::initializer_list<ItemKind> kinds) const {
@@ -386,6 +415,8 @@ class Greedy {
   std::vector<int> ord_;                   // valid at roots: topological position
   std::vector<int> gemm_;                  // valid at roots: the group's GEMM item or -1
   std::vector<int> mark_;                  // per root: stamp of the search that last saw it
+  std::vector<std::vector<int>> reads_;    // per item: the values it reads
+  std::vector<std::vector<int>> writes_;   // per item: the values it produces
   int stamp_ = 0;
 };
 

@@ -88,7 +88,10 @@ Partition partition_greedy(const Problem& problem);
 // reduction with a GEMM group that holds no row op (no library epilogue does the first: the
 // product would go through memory anyway; cuBLASLt's BGRAD epilogues for the second measured
 // slower than a separate sum); a GEMM group with a row op already has a generated rows epilogue
-// that takes both. Never lowers saved_bytes; returns `partition` unchanged if it is not legal.
+// that takes both. A row op may join a GEMM group whose epilogue reads, from outside, a value of
+// more bytes than the product (an f32 residual added to a 16-bit product: no library epilogue
+// takes it, so the product goes through memory to a generated kernel already). Never lowers
+// saved_bytes; returns `partition` unchanged if it is not legal.
 Partition absorb_readers(const Problem& problem, const Partition& partition);
 
 struct OptimalOptions {
