@@ -69,6 +69,9 @@ void expect_compiles(const GeneratedKernel& k) {
   std::string cubin;
   EXPECT_NO_THROW(cubin = cuda::nvrtc_compile(k.source, "sm_90a")) << k.source;
   EXPECT_GT(cubin.size(), 100u);
+  if (k.scalar_source.empty()) return;
+  EXPECT_NO_THROW(cubin = cuda::nvrtc_compile(k.scalar_source, "sm_90a")) << k.scalar_source;
+  EXPECT_GT(cubin.size(), 100u);
 }
 
 // x (4, 64) + b (64,), tanh gelu, times a (4, 1) column and a scalar full: f32.
@@ -558,10 +561,11 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
       << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_cw[(0LL + m) * 32] += ")) << k.source;
   EXPECT_TRUE(contains(k.source, "kiln_cw[(4LL + m) * 32] += ")) << k.source;  // 4-wide entry
-  EXPECT_TRUE(contains(k.source, "kiln_cw[(3LL + m) * 32] += ")) << k.source;  // scalar entry
+  EXPECT_TRUE(contains(k.scalar_source, "kiln_cw[(3LL + m) * 32] += ")) << k.scalar_source;
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
   // Rows of 96 (a multiple of 4): the entry takes 4 adjacent columns per lane and step, one
-  // 16-byte access per input and output; the scalar entry (any alignment) one column per step.
+  // 16-byte access per input and output; the scalar entry (any alignment) one column per step,
+  // in a source of its own (compiled only for unaligned pointers), with the finish kernel.
   EXPECT_EQ(k.vector_width, 4);
   EXPECT_EQ(k.scalar_entry, "kiln_fused_rows_scalar");
   EXPECT_EQ(k.scalar_blocks, 350);
@@ -569,9 +573,11 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<4, float>*>(out0 + base + j0) = "
                                  "kiln_o0;"))
       << k.source;
-  EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<1, float>*>(out0 + base + j0) = "
-                                 "kiln_o0;"))
-      << k.source;
+  EXPECT_TRUE(contains(k.scalar_source, "*reinterpret_cast<KilnPack<1, float>*>(out0 + base + "
+                                        "j0) = kiln_o0;"))
+      << k.scalar_source;
+  EXPECT_FALSE(contains(k.source, "kiln_fused_rows_scalar")) << k.source;
+  EXPECT_TRUE(contains(k.scalar_source, "kiln_fused_columns_finish")) << k.scalar_source;
   EXPECT_FALSE(contains(k.source, "atomic")) << k.source;
   expect_compiles(k);
   // 1400 rows of 3000 (over a warp's 1024): a block of 1024 threads per row, 1024 blocks

@@ -1581,15 +1581,17 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
     return text;
   };
   k.entry = "kiln_fused_rows";
-  text += entry_text(k.entry, vector);
+  const std::string finish = columns ? column_finish(body, low, grid, k) : std::string();
   if (vector > 1) {
-    text += "\n// For pointers not aligned to V elements.\n";
+    // A source of its own, compiled only when a pointer is unaligned (never for the arena's
+    // 64-byte-aligned values): a second copy of a long unrolled kernel in the main source
+    // doubled NVRTC's time on a cold start.
     k.scalar_entry = "kiln_fused_rows_scalar";
     k.scalar_blocks = k.blocks;
-    text += entry_text(k.scalar_entry, 1);
+    k.scalar_source =
+        text + "\n// For pointers not aligned to V elements.\n" + entry_text(k.scalar_entry, 1) + finish;
   }
-  if (columns) text += column_finish(body, low, grid, k);
-  k.source = std::move(text);
+  k.source = text + entry_text(k.entry, vector) + finish;
   return k;
 }
 

@@ -58,6 +58,9 @@ struct GeneratedKernel {
   // Elementwise only: the entry point for any pointer alignment (vector_width 1); empty when
   // `entry` is already scalar.
   std::string scalar_entry;
+  // Rows kernels with a vector entry: the scalar entry (and the finish kernel) in a source of
+  // their own, compiled at the first unaligned launch; empty: scalar_entry is in `source`.
+  std::string scalar_source;
   int vector_width = 1;  // elements per thread in `entry`
   // Launch geometry: `blocks` blocks of `threads` threads (the scalar entry: scalar_blocks).
   int64_t blocks = 0, scalar_blocks = 0;

@@ -228,8 +228,17 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args) {
                        static_cast<uintptr_t>(kernel.param_element_bytes[k]);
     aligned = aligned && (!checked[k] || reinterpret_cast<uintptr_t>(pointers[k]) % bytes == 0);
   }
-  const Compiled::Loaded& loaded = load(kernel);
-  const bool vector = aligned || loaded.scalar_entry == nullptr;
+  // Unaligned pointers with a separate scalar source: that source's module, compiled now.
+  std::optional<GeneratedKernel> scalar;
+  if (!aligned && !kernel.scalar_source.empty()) {
+    scalar = kernel;
+    scalar->source = kernel.scalar_source;
+    scalar->entry = kernel.scalar_entry;
+    scalar->scalar_entry.clear();
+    scalar->scalar_source.clear();
+  }
+  const Compiled::Loaded& loaded = load(scalar ? *scalar : kernel);
+  const bool vector = !scalar && (aligned || loaded.scalar_entry == nullptr);
   // The partial sums: stream-ordered, freed after both kernels (legal in graph capture).
   std::optional<Scratch> partials;
   if (columns) {
@@ -242,7 +251,7 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args) {
   // A cudaKernel_t from cudaLibraryGetKernel is launched like a kernel symbol.
   if (kernel.rows > 0) {
     KILN_CUDA_CHECK(cudaLaunchKernel(
-        reinterpret_cast<const void*>(vector ? loaded.entry : loaded.scalar_entry),
+        reinterpret_cast<const void*>(vector || scalar ? loaded.entry : loaded.scalar_entry),
         dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(kernel.blocks_y)),
         dim3(static_cast<unsigned>(kernel.threads)), params.data(), 0, stream));
   }
