@@ -188,7 +188,7 @@ const Compiled::Loaded* load(const GeneratedKernel& kernel, bool ahead) {
   KILN_CUDA_CHECK(cudaLibraryLoadData(&loaded.library, cubin.data(), nullptr, nullptr, 0,
                                       nullptr, nullptr, 0));
   KILN_CUDA_CHECK(cudaLibraryGetKernel(&loaded.entry, loaded.library, kernel.entry.c_str()));
-  if (!kernel.scalar_entry.empty())
+  if (!kernel.scalar_entry.empty() && kernel.scalar_source.empty())  // else in its own source
     KILN_CUDA_CHECK(
         cudaLibraryGetKernel(&loaded.scalar_entry, loaded.library, kernel.scalar_entry.c_str()));
   if (!kernel.finish_entry.empty())
