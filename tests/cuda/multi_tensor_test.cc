@@ -26,7 +26,6 @@
 #include <cstring>
 #include <limits>
 
-#include "backends/cuda/cublaslt.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/memory.h"
 #include "gpu_test_util.h"
@@ -324,15 +323,6 @@ TEST(CudaMultiTensor, CastOfMoreMembersThanOneLaunchHolds) {
 
 std::vector<Tensor> train_on_gpu(const Graph& forward, bool pass, size_t* direct, std::vector<std::string>* dialects,
                                  const std::string& amp = "off", int steps = 3) {
-  // f32 GEMMs without TF32: the two graphs' arenas differ, and with them the operands'
-  // alignment, which can steer cuBLASLt to another algorithm; at TF32's 10-bit mantissa that
-  // alone moved Adam's small moments by ~1e-6 between the two trainers (an H100, f32 run).
-  const bool tf32 = cuda::matmul_allow_tf32();
-  cuda::set_matmul_allow_tf32(false);
-  struct Restore {
-    bool tf32;
-    ~Restore() { cuda::set_matmul_allow_tf32(tf32); }
-  } restore{tf32};
   train::OptimizerConfig config;
   config.amp = amp;
   config.grad_clip = 0.5;
