@@ -355,8 +355,22 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePass) {
   EXPECT_EQ(direct_with, direct_without);
   EXPECT_LT(dialects_with.size(), dialects_without.size());
   ASSERT_EQ(with.size(), without.size());
-  for (size_t i = 0; i < with.size(); ++i)
-    EXPECT_TRUE(testing::all_close(with[i], without[i], 1e-6, 1e-4)) << "tensor " << i;
+  // Each tensor as a whole: |with - without| / |without| (L2) <= 2^-8. Not element by element:
+  // without the pass the global norm's terms run inside other groups ("matmul square" weight
+  // gradients, "rows: square sum"), so the two steps differ in the last bits, and the key part
+  // of each qkv bias (a third of it) has a gradient that is rounding noise (softmax ignores a
+  // shift common to all keys): Adam moves it by noise / epsilon, ~1e-6 after three steps
+  // (-5.6e-7 on the CPU) against ~1e-3 for the rest of the bias, so any reordering anywhere
+  // upstream changes it wholly (an H100 run: 1.8e-7 against 1.25e-6). That is ~4e-4 of the
+  // bias's L2; a wrong grouping (an update lost or swapped) gives ~1.
+  for (size_t i = 0; i < with.size(); ++i) {
+    double diff = 0.0, norm = 0.0;
+    for (int64_t j = 0; j < with[i].numel(); ++j) {
+      diff += (with[i].get(j) - without[i].get(j)) * (with[i].get(j) - without[i].get(j));
+      norm += without[i].get(j) * without[i].get(j);
+    }
+    EXPECT_LE(std::sqrt(diff), std::ldexp(std::sqrt(norm), -8)) << "tensor " << i;
+  }
 }
 
 TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePassUnderBf16) {
