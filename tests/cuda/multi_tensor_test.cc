@@ -345,6 +345,19 @@ std::vector<Tensor> train_on_gpu(const Graph& forward, bool pass, size_t* direct
   return out;
 }
 
+// Per tensor: |a - b| / |b| (L2) <= rel.
+void expect_each_close_in_l2(const std::vector<Tensor>& a, const std::vector<Tensor>& b, double rel) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    double diff = 0.0, norm = 0.0;
+    for (int64_t j = 0; j < a[i].numel(); ++j) {
+      diff += (a[i].get(j) - b[i].get(j)) * (a[i].get(j) - b[i].get(j));
+      norm += b[i].get(j) * b[i].get(j);
+    }
+    EXPECT_LE(std::sqrt(diff), rel * std::sqrt(norm)) << "tensor " << i;
+  }
+}
+
 TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePass) {
   KILN_REQUIRE_GPU();
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
@@ -363,14 +376,7 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePass) {
   // (-5.6e-7 on the CPU) against ~1e-3 for the rest of the bias, so any reordering anywhere
   // upstream changes it wholly (an H100 run: 1.8e-7 against 1.25e-6). That is ~4e-4 of the
   // bias's L2; a wrong grouping (an update lost or swapped) gives ~1.
-  for (size_t i = 0; i < with.size(); ++i) {
-    double diff = 0.0, norm = 0.0;
-    for (int64_t j = 0; j < with[i].numel(); ++j) {
-      diff += (with[i].get(j) - without[i].get(j)) * (with[i].get(j) - without[i].get(j));
-      norm += without[i].get(j) * without[i].get(j);
-    }
-    EXPECT_LE(std::sqrt(diff), std::ldexp(std::sqrt(norm), -8)) << "tensor " << i;
-  }
+  expect_each_close_in_l2(with, without, std::ldexp(1.0, -8));
 }
 
 TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePassUnderBf16) {
@@ -394,14 +400,7 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePassUnderBf16) {
   // steps single elements differed by 1.3% and two moments by 3% (L2) on an H100. Hence one
   // step, and each tensor compared as a whole: |with - without| / |without| (L2) within bf16's
   // rounding, 2^-8, far below what a wrong cast would give (~1).
-  for (size_t i = 0; i < with.size(); ++i) {
-    double diff = 0.0, norm = 0.0;
-    for (int64_t j = 0; j < with[i].numel(); ++j) {
-      diff += (with[i].get(j) - without[i].get(j)) * (with[i].get(j) - without[i].get(j));
-      norm += without[i].get(j) * without[i].get(j);
-    }
-    EXPECT_LE(std::sqrt(diff), std::ldexp(std::sqrt(norm), -8)) << "tensor " << i;
-  }
+  expect_each_close_in_l2(with, without, std::ldexp(1.0, -8));
 }
 
 // ---- timing ---------------------------------------------------------------------------------
