@@ -25,11 +25,14 @@ double total_ms(const std::vector<NodeTiming>& timings) {
 }
 }  // namespace
 
-std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings) {
-  std::map<std::tuple<std::string, std::string, std::string>, ProfileGroup> by_key;
+std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings, bool by_outputs) {
+  std::map<std::tuple<std::string, std::string, std::string, std::string>, ProfileGroup> by_key;
   for (const NodeTiming& t : timings) {
-    ProfileGroup& g = by_key[{t.op, t.dialect, t.kind}];
-    if (g.count == 0) g.label = timing_label(t);
+    ProfileGroup& g = by_key[{t.op, t.dialect, t.kind, by_outputs ? t.outputs : std::string()}];
+    if (g.count == 0) {
+      g.label = timing_label(t);
+      if (by_outputs) g.outputs = t.outputs;
+    }
     ++g.count;
     g.total_ms += t.ms;
   }
@@ -40,10 +43,19 @@ std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings) 
     groups.push_back(g);
   }
   std::stable_sort(groups.begin(), groups.end(), [](const ProfileGroup& a, const ProfileGroup& b) {
-    return a.total_ms != b.total_ms ? a.total_ms > b.total_ms : a.label < b.label;
+    if (a.total_ms != b.total_ms) return a.total_ms > b.total_ms;
+    return a.label != b.label ? a.label < b.label : a.outputs < b.outputs;
   });
   return groups;
 }
+
+namespace {
+// A multi-tensor node has hundreds of outputs: a line keeps the first ones.
+std::string outputs_text(const std::string& outputs) {
+  constexpr size_t kMaxOutputsText = 100;
+  return outputs.size() > kMaxOutputsText ? outputs.substr(0, kMaxOutputsText) + ", ..." : outputs;
+}
+}  // namespace
 
 std::string profile_table(const std::vector<NodeTiming>& timings, int top) {
   const double total = total_ms(timings);
@@ -55,6 +67,18 @@ std::string profile_table(const std::vector<NodeTiming>& timings, int top) {
   for (const ProfileGroup& g : groups)
     out += fmt::format("  {:>10.3f}  {:>6.2f}  {:>6}  {:>9.4f}  {}\n", g.total_ms, g.percent, g.count,
                        g.total_ms / static_cast<double>(g.count), g.label);
+  const std::vector<ProfileGroup> shapes = group_timings(timings, /*by_outputs=*/true);
+  const size_t shown_shapes = std::min(shapes.size(), static_cast<size_t>(std::max(top, 0)));
+  if (shown_shapes > 0) {
+    out += fmt::format("top {} by op and output types:\n", shown_shapes);
+    out += fmt::format("  {:>10}  {:>6}  {:>6}  {:>9}  {}\n", "total ms", "%", "count", "mean ms",
+                       "op:kind[dialect] -> outputs");
+    for (size_t i = 0; i < shown_shapes; ++i) {
+      const ProfileGroup& g = shapes[i];
+      out += fmt::format("  {:>10.3f}  {:>6.2f}  {:>6}  {:>9.4f}  {} -> {}\n", g.total_ms, g.percent, g.count,
+                         g.total_ms / static_cast<double>(g.count), g.label, outputs_text(g.outputs));
+    }
+  }
   std::vector<size_t> order(timings.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return timings[a].ms > timings[b].ms; });
@@ -64,12 +88,8 @@ std::string profile_table(const std::vector<NodeTiming>& timings, int top) {
     out += fmt::format("  {:>10}  {:>6}  {:>6}  {}\n", "ms", "%", "node", "op:kind[dialect] -> outputs");
     for (size_t i = 0; i < shown; ++i) {
       const NodeTiming& t = timings[order[i]];
-      // A multi-tensor node has hundreds of outputs: the line keeps the first ones.
-      constexpr size_t kMaxOutputsText = 100;
-      std::string outputs = t.outputs;
-      if (outputs.size() > kMaxOutputsText) outputs = outputs.substr(0, kMaxOutputsText) + ", ...";
       out += fmt::format("  {:>10.4f}  {:>6.2f}  {:>6}  {} -> {}\n", t.ms, percent(t.ms), t.node, timing_label(t),
-                         outputs);
+                         outputs_text(t.outputs));
     }
   }
   return out;

@@ -23,6 +23,7 @@ struct NodeTiming {
 // The timings of one (op, dialect, kind), heaviest first.
 struct ProfileGroup {
   std::string label;      // "matmul[cublaslt]", or "fused:<kind>[nvrtc]" for fused nodes
+  std::string outputs;    // grouped by output types too: theirs ("" otherwise)
   int64_t count = 0;
   double total_ms = 0;
   double percent = 0;     // of the sum over every node; 0 when that sum is 0
@@ -30,9 +31,12 @@ struct ProfileGroup {
 
 // "op[dialect]", or "fused:<kind>[dialect]" for a node with a kind.
 std::string timing_label(const NodeTiming& t);
-// Groups by (op, dialect, kind), sorted by total time (descending; ties by label).
-std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings);
-// A text report: the step's total, the groups, then the `top` slowest single nodes.
+// Groups by (op, dialect, kind), and by output types too with `by_outputs` (GPT-2's twelve
+// layers' nodes of one kind and shape fall together: "23 x 345 us"), sorted by total time
+// (descending; ties by label, then outputs).
+std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings, bool by_outputs = false);
+// A text report: the step's total, the groups, the `top` heaviest groups by output types too,
+// then the `top` slowest single nodes.
 std::string profile_table(const std::vector<NodeTiming>& timings, int top = 25);
 // Writes Chrome trace-event JSON: one complete event (ph "X") per node, back to back in node
 // order (ts = sum of the earlier durations; ts and dur in microseconds), name = timing_label,

@@ -94,6 +94,34 @@ TEST(Profile, TableShowsTotalGroupsAndTopNodes) {
   EXPECT_EQ(tail.find("-> f32[4]\n"), std::string::npos) << "node 3 is third, not shown: " << table;
 }
 
+TEST(Profile, GroupsByOutputTypesToo) {
+  // One more matmul of f32[8,8]: with node 4 a group of 2 (4 ms, mean 2), apart from node 0's
+  // f32[4,8]; the two fused:ew nodes have different outputs, so two groups.
+  std::vector<NodeTiming> t = sample();
+  t.push_back(timing(6, "matmul", "cublaslt", "", "f32[8,8]", 1.0));
+  std::vector<ProfileGroup> groups = group_timings(t, /*by_outputs=*/true);
+  ASSERT_EQ(groups.size(), 6u);
+  EXPECT_EQ(groups[0].label, "matmul[cublaslt]");
+  EXPECT_EQ(groups[0].outputs, "f32[8,8]");
+  EXPECT_EQ(groups[0].count, 2);
+  EXPECT_DOUBLE_EQ(groups[0].total_ms, 4.0);
+  EXPECT_NEAR(groups[0].percent, 100.0 * 4.0 / 11.0, 1e-9);
+  // 2 ms each, by label: fused:reduce, then matmul f32[4,8].
+  EXPECT_EQ(groups[1].label, "fused:reduce[nvrtc]");
+  EXPECT_EQ(groups[1].outputs, "f32[4]");
+  EXPECT_EQ(groups[2].label, "matmul[cublaslt]");
+  EXPECT_EQ(groups[2].outputs, "f32[4,8]");
+  EXPECT_EQ(groups[3].outputs, "bf16[4,8], f32[4]");
+  EXPECT_EQ(group_timings(t).size(), 4u);  // by op alone: as before
+  const std::string table = profile_table(t, 3);
+  const size_t at = table.find("top 3 by op and output types:");
+  ASSERT_NE(at, std::string::npos) << table;
+  EXPECT_NE(table.find("4.000   36.36       2     2.0000  matmul[cublaslt] -> f32[8,8]", at), std::string::npos)
+      << table;
+  // The fourth group (1.5 ms) is not shown, nor is its node among the top 3 nodes.
+  EXPECT_EQ(table.find("bf16[4,8], f32[4]"), std::string::npos) << table;
+}
+
 TEST(Profile, ChromeTraceParsesWithBackToBackEvents) {
   const std::string path =
       (std::filesystem::temp_directory_path() / ("kiln_profile_test_" + std::to_string(::getpid()) + ".json")).string();
