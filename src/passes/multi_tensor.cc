@@ -425,19 +425,16 @@ bool group_param_casts(Graph& graph, Peaks& peaks) {
 // after fusion: a cast that fusion put into its producer's group (a GEMM's f32 weight gradient)
 // is no standalone node, and stays.
 bool fold_gradient_casts(Graph& graph) {
-  std::vector<int> producer(graph.values.size(), -1), uses(graph.values.size(), 0);
-  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+  const Uses uses(graph);
+  std::vector<int> producer(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
     for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
-    for (ValueId id : graph.nodes[n].inputs) ++uses[id];
-  }
-  for (ValueId id : graph.outputs) ++uses[id];
-  for (const Update& u : graph.updates) ++uses[u.value];
   std::set<int> folded;
   for (Node& node : graph.nodes) {
     if (node.op != Op::kAdamwUpdate && node.op != Op::kSgdUpdate) continue;
     const ValueId grad = node.inputs[1];
     const int p = producer[grad];
-    if (p < 0 || uses[grad] != 1) continue;
+    if (p < 0 || !uses.single(grad)) continue;
     const Node& cast = graph.nodes[static_cast<size_t>(p)];
     if (cast.op != Op::kCast || cast.inputs.size() != 1) continue;
     const DType from = graph.type(cast.inputs[0]).dtype, to = graph.type(grad).dtype;

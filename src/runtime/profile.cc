@@ -64,20 +64,20 @@ std::string profile_table(const std::vector<NodeTiming>& timings, int top) {
                                 timings.size());
   std::vector<ProfileGroup> groups = group_timings(timings);
   out += fmt::format("  {:>10}  {:>6}  {:>6}  {:>9}  {}\n", "total ms", "%", "count", "mean ms", "op:kind[dialect]");
-  for (const ProfileGroup& g : groups)
-    out += fmt::format("  {:>10.3f}  {:>6.2f}  {:>6}  {:>9.4f}  {}\n", g.total_ms, g.percent, g.count,
-                       g.total_ms / static_cast<double>(g.count), g.label);
+  // One line per group; by output types, " -> outputs" after the label.
+  auto group_line = [](const ProfileGroup& g, bool outputs) {
+    return fmt::format("  {:>10.3f}  {:>6.2f}  {:>6}  {:>9.4f}  {}{}\n", g.total_ms, g.percent, g.count,
+                       g.total_ms / static_cast<double>(g.count), g.label,
+                       outputs ? " -> " + outputs_text(g.outputs) : std::string());
+  };
+  for (const ProfileGroup& g : groups) out += group_line(g, false);
   const std::vector<ProfileGroup> shapes = group_timings(timings, /*by_outputs=*/true);
   const size_t shown_shapes = std::min(shapes.size(), static_cast<size_t>(std::max(top, 0)));
   if (shown_shapes > 0) {
     out += fmt::format("top {} by op and output types:\n", shown_shapes);
     out += fmt::format("  {:>10}  {:>6}  {:>6}  {:>9}  {}\n", "total ms", "%", "count", "mean ms",
                        "op:kind[dialect] -> outputs");
-    for (size_t i = 0; i < shown_shapes; ++i) {
-      const ProfileGroup& g = shapes[i];
-      out += fmt::format("  {:>10.3f}  {:>6.2f}  {:>6}  {:>9.4f}  {} -> {}\n", g.total_ms, g.percent, g.count,
-                         g.total_ms / static_cast<double>(g.count), g.label, outputs_text(g.outputs));
-    }
+    for (size_t i = 0; i < shown_shapes; ++i) out += group_line(shapes[i], true);
   }
   std::vector<size_t> order(timings.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;

@@ -1278,7 +1278,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // warp's shared-memory column sums, [q][m][lane] (lanes adjacent: no bank conflicts).
   constexpr int kRowsVector = 4;
   const int vector = warp_rows && low.n % kRowsVector == 0 ? kRowsVector : 1;
-  auto lane_elements = [&](int v) { return (low.n + 32 * v - 1) / (32 * v) * v; };
+  auto lane_elements = [&](int v) -> int64_t { return (low.n + 32 * v - 1) / (32 * v) * v; };
   const int64_t warp_sums = static_cast<int64_t>(low.columns.size()) * 32 *
                             std::max(lane_elements(1), lane_elements(vector));
   // Warps (rows) per block in warp mode: 8; with column sums 4, or fewer where their shared
@@ -1348,8 +1348,8 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   k.vector_width = vector;
   auto entry_text = [&](const std::string& name, int v) {
     std::string text;
-    const int64_t groups = (low.n + 32 * v - 1) / (32 * v);  // warp mode: V-wide steps per lane
-    const int64_t lane_columns = groups * v;  // warp mode: elements per lane (and column sums)
+    const int64_t lane_columns = lane_elements(v);  // warp mode: elements per lane
+    const int64_t groups = lane_columns / v;          // warp mode: V-wide steps per lane
     text += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{\n",
                         k.threads, name, columns ? column_params(body, low) : params(body));
     if (columns && warp_rows) {
