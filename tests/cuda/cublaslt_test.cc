@@ -826,5 +826,46 @@ TEST(CublasLtSpeed, PrintTflops) {
   }
 }
 
+// The weight-gradient product's variants at GPT-2's shapes (printed, not asserted): the f32
+// output kiln's dW groups write against a bf16 one, and the bias gradient taken as an extra row
+// of the product by a ones column appended to the activation (m = 776: one ones column padded
+// to 8 for 16-byte rows), with the forward product reading that activation through lda = 776.
+TEST(CublasLtSpeed, WeightGradientVariants) {
+  KILN_REQUIRE_GPU();
+  const int64_t bt = 32768, c = 768, padded = 776;
+  Stream stream;
+  auto a = device_alloc(bt * 3072 * 2), b = device_alloc(bt * 3072 * 2),
+       d = device_alloc(bt * 3072 * 4);
+  fill_random(a.get(), bt * 3072 * 2, 1);
+  fill_random(b.get(), bt * 3072 * 2, 2);
+  GemmOperands ops{a.get(), b.get(), nullptr, d.get()};
+  auto us = [&](const Gemm& g) { return time_ms(g, ops, stream.s, 50) * 1e3; };
+  for (int64_t out : {3 * c, 4 * c, c}) {
+    Gemm g;
+    g.m = c, g.n = out, g.k = bt, g.transpose_a = true;
+    g.a_type = DType::kBF16;
+    g.d_type = DType::kF32;
+    const double f32_out = us(g);
+    g.d_type = DType::kBF16;
+    const double bf16_out = us(g);
+    g.m = padded;
+    const double ones = us(g);
+    g.d_type = DType::kF32;
+    const double ones_f32 = us(g);
+    Gemm f;  // forward: (bt, c) x (c, out), the activation read with lda 776 or packed
+    f.m = bt, f.n = out, f.k = c;
+    f.a_type = f.d_type = DType::kBF16;
+    const double packed = us(f);
+    f.lda = padded;
+    const double strided = us(f);
+    f.lda = 0;
+    f.k = padded;
+    const double wider = us(f);
+    fmt::print("[speed] dW {}x{}x{}: f32 out {:.1f} us, bf16 out {:.1f} us, m=776 bf16 {:.1f} "
+               "us, m=776 f32 {:.1f} us; forward packed {:.1f} us, lda 776 {:.1f} us, k=776 {:.1f} us\n",
+               c, out, bt, f32_out, bf16_out, ones, ones_f32, packed, strided, wider);
+  }
+}
+
 }  // namespace
 }  // namespace kiln

@@ -149,6 +149,10 @@ std::vector<Case> build_cases() {
                           {"maximum", Op::kMaximum}, {"minimum", Op::kMinimum}}) {
     c.push_back({std::string(name) + "_bcast", op, kArith, {uniform({4, 1, 5}), uniform({3, 1})}});
     c.push_back({std::string(name) + "_same", op, kArith, {uniform({2, 33}), uniform({2, 33})}});
+    // Broadcast over leading dims (collapsed to rows, binary_rows_kernel), either side.
+    c.push_back({std::string(name) + "_rows", op, kArith, {uniform({3, 4, 70}), uniform({4, 70})}});
+    c.push_back({std::string(name) + "_rows_left", op, kArith,
+                 {uniform({1, 70}), uniform({5, 1, 70})}});
   }
   c.push_back({"div", Op::kDiv, kArith, {uniform({4, 1, 5}, -2, 2, -50, 50), positive({3, 1})}});
   c.push_back({"div_negative", Op::kDiv, kArith,

@@ -387,6 +387,30 @@ TEST(CudaNn, ScatterAddIsDeterministic) {
   EXPECT_EQ(std::memcmp(a[0].raw(), b[0].raw(), a[0].bytes()), 0);
 }
 
+TEST(CudaNn, ScatterAddInPlaceOverItsBase) {
+  // The memory plan may put the output over the base (in_place_ok): rows no index names keep
+  // the base's values without a copy, named rows get base + updates.
+  KILN_REQUIRE_GPU();
+  Tensor base = rand(DType::kF32, {100, 96}, 110);
+  Tensor indices = rand(DType::kI64, {300}, 111, 0.0, 70.0);
+  Tensor updates = rand(DType::kF32, {300, 96}, 112);
+  const Tensor expected = testing::run_reference(Op::kScatterAdd, {base, indices, updates})[0];
+  Node node{Op::kScatterAdd, {}, {}, normalize_attributes(Op::kScatterAdd, {}), nullptr};
+  const std::vector<TensorType> in_types{base.type(), indices.type(), updates.type()},
+      out_types{base.type()};
+  const KernelImpl& impl = kernel_registry().select(NodeView{node, in_types, out_types},
+                                                    Device::kCuda, {"cuda-nn"});
+  ASSERT_TRUE(impl.in_place_ok);
+  Tensor shared = cuda::to_device(base);
+  std::vector<Tensor> inputs{shared, cuda::to_device(indices), cuda::to_device(updates)};
+  std::vector<Tensor> outputs{shared};
+  cuda::Stream stream;
+  impl.kernel(KernelArgs{node.attrs, inputs, outputs, stream.handle()});
+  stream.synchronize();
+  cuda::check_device_errors();
+  EXPECT_LE(max_scaled_error(cuda::to_host(shared), expected, 1e-5, 1e-4), 1.0);
+}
+
 // ---- data errors ----------------------------------------------------------------------------
 //
 // Each bad element still gets the documented output (nn.cuh), and the error reaches the host

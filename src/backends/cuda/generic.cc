@@ -65,6 +65,24 @@ void fill_strides(int64_t (&dst)[kMaxRank], const std::vector<int64_t>& src) {
 }
 
 // Layout of an elementwise op: operand 0 the (contiguous) output, then each input broadcast.
+// Merges adjacent dims that every operand walks as one (stride[d] == stride[d + 1] *
+// shape[d + 1]) and drops dims of extent 1: fewer index divisions per element in locate(), and
+// a broadcast over leading dims (GPT-2's position embedding added over the batch) becomes
+// rank 2, which binary() runs by rows with no division at all.
+void collapse(Layout& layout, int operands) {
+  int kept = 0;
+  for (int d = 0; d < layout.rank; ++d) {
+    if (layout.shape[d] == 1) continue;
+    bool merge = kept > 0;
+    for (int k = 0; merge && k < operands; ++k)
+      merge = layout.strides[k][kept - 1] == layout.strides[k][d] * layout.shape[d];
+    const int to = merge ? kept - 1 : kept++;
+    layout.shape[to] = merge ? layout.shape[to] * layout.shape[d] : layout.shape[d];
+    for (int k = 0; k < operands; ++k) layout.strides[k][to] = layout.strides[k][d];
+  }
+  layout.rank = kept;
+}
+
 Layout broadcast_layout(const Shape& out, const std::vector<Shape>& inputs) {
   Layout layout;
   layout.rank = static_cast<int>(out.size());
@@ -76,6 +94,7 @@ Layout broadcast_layout(const Shape& out, const std::vector<Shape>& inputs) {
     // An input as large as the output that broadcasts to it stretches no dim: same layout.
     layout.contiguous = layout.contiguous && numel(inputs[k]) == numel(out);
   }
+  collapse(layout, static_cast<int>(inputs.size()) + 1);
   return layout;
 }
 

@@ -336,6 +336,28 @@ __global__ void binary_kernel(F f, const T* a, const T* b, TOut* out, Layout lay
   }
 }
 
+// A rank-2 layout whose operands each walk a row contiguously (stride 1 along it; a broadcast
+// operand has row stride 0): row r, element j, with no index division. blockIdx.y takes rows.
+template <class T, class TOut, class F>
+__global__ void binary_rows_kernel(F f, const T* a, const T* b, TOut* out, Layout layout) {
+  const int64_t rows = layout.shape[0], cols = layout.shape[1];
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T* ar = a + layout.offset[1] + r * layout.strides[1][0];
+    const T* br = b + layout.offset[2] + r * layout.strides[2][0];
+    TOut* o = out + layout.offset[0] + r * layout.strides[0][0];
+    for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < cols;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      o[j] = Num<TOut>::store(f(Num<T>::load(ar[j]), Num<T>::load(br[j])));
+  }
+}
+
+bool walks_rows(const Layout& layout, int operands) {
+  if (layout.contiguous || layout.rank != 2) return false;
+  for (int k = 0; k < operands; ++k)
+    if (layout.strides[k][1] != 1) return false;
+  return true;
+}
+
 template <class F>
 void binary(ElemType type, const void* a, const void* b, void* out, const Layout& layout,
             int64_t n, cudaStream_t stream) {
@@ -345,9 +367,20 @@ void binary(ElemType type, const void* a, const void* b, void* out, const Layout
     constexpr bool ok =
         kIsFloat<T> || (F::kInt && (F::kCompare || !std::is_same_v<T, bool>));
     if constexpr (ok) {
-      binary_kernel<T, TOut, F><<<grid_for(n), kThreads, 0, stream>>>(
-          F{}, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<TOut*>(out),
-          layout, n);
+      if (walks_rows(layout, 3)) {
+        // About 4096 blocks in all, each thread a few elements of a row.
+        const int64_t rows = std::min<int64_t>(layout.shape[0], 65535);
+        const int64_t per_row = std::clamp<int64_t>((4096 + rows - 1) / rows, 1,
+                                                    (layout.shape[1] + kThreads - 1) / kThreads);
+        binary_rows_kernel<T, TOut, F>
+            <<<dim3(static_cast<unsigned>(per_row), static_cast<unsigned>(rows)), kThreads, 0,
+               stream>>>(F{}, static_cast<const T*>(a), static_cast<const T*>(b),
+                         static_cast<TOut*>(out), layout);
+      } else {
+        binary_kernel<T, TOut, F><<<grid_for(n), kThreads, 0, stream>>>(
+            F{}, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<TOut*>(out),
+            layout, n);
+      }
       check_launch();
     } else {
       fail("cuda generic: binary op does not take type code {}", static_cast<int>(type));

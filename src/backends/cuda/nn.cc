@@ -237,7 +237,11 @@ void register_nn_kernels(KernelRegistry& registry) {
                       nn::scatter_add(elem(base.dtype()), base.raw(), elem(indices.dtype()),
                                       indices.raw(), args.inputs[2].raw(), args.outputs[0].raw(),
                                       v.outer, v.dim, v.inner, indices.numel(), stream_of(args));
-                    }));
+                    },
+                    // Over its base (the only input of the output's type): the rows no index
+                    // names are then not copied, and each named row is read and written by the
+                    // same thread (GPT-2's tied embedding: no 154 MB copy of the zeros).
+                    /*in_place_ok=*/true));
 }
 
 }  // namespace kiln::cuda
