@@ -329,7 +329,12 @@ Plan build_plan(const Problem& p) {
 Plan& install_locked(Cache& c, const Problem& p, Plan built) {
   auto [it, inserted] = c.plans.try_emplace(p, std::move(built));
   Plan& plan = it->second;
-  if (!inserted || !plan.graph) return plan;
+  if (!inserted) {
+    // Another thread's plan was stored first (try_emplace left `built` intact): drop this one's.
+    if (built.handle) cudnnDestroy(built.handle);
+    return plan;
+  }
+  if (!plan.graph) return plan;
   DeviceState& dev = c.devices[p.device];
   const int64_t need =
       plan.packed_stats ? aligned(plan.workspace) + stats_bytes(p) : plan.workspace;
