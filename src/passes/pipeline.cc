@@ -3,6 +3,7 @@
 #include "passes/classifier.h"
 #include "passes/fusion/fusion.h"
 #include "passes/multi_tensor.h"
+#include "passes/ones_column.h"
 #include "passes/remat.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
@@ -21,6 +22,7 @@ PassManager default_pipeline(PassOptions options) {
   if (options.target == Device::kCuda) options.disabled.insert("training-rewrites");
   const std::optional<size_t> memory_budget = options.memory_budget;
   const bool schedule_enabled = !options.disabled.count("schedule");
+  const Device target = options.target;
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -42,6 +44,9 @@ PassManager default_pipeline(PassOptions options) {
   // On the final node set: outline groups of nodes that run as one kernel over row tiles into
   // fused nodes (before remat and schedule, which then see the fused graph's true footprint).
   pm.add(std::make_unique<FusionPass>());
+  // CUDA only: bias gradients as one more row of the weight-gradient GEMMs (on the fused nodes,
+  // which it pads and slices; the CPU's fused kernels would copy the slices).
+  if (target == Device::kCuda) pm.add(std::make_unique<OnesColumnPass>());
   // After fusion (the updates are opaque to it): all optimizer updates as multi-tensor nodes.
   pm.add(std::make_unique<MultiTensorPass>());
   // With a memory budget: recompute activations to fit it (after CSE, which would merge the

@@ -13,9 +13,9 @@ namespace {
 size_t aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // Facts about the graph that do not depend on the order. Bytes belong to buffers: a value and
-// its views (reshapes the memory plan gives no bytes of their own: runtime/memory_plan.h) are
-// one buffer, named by its root value, live from the root's node to the last read of any of
-// them.
+// its views (reshapes and contiguous slices the memory plan gives no bytes of their own, a
+// slice's at an offset inside its root's: runtime/memory_plan.h) are one buffer of the root's
+// size, named by its root value, live from the root's node to the last read of any of them.
 struct Dependencies {
   std::vector<int> producer;                 // per value: defining node, or -1
   std::vector<ValueId> root;                 // per value: the value owning its bytes
@@ -26,7 +26,7 @@ struct Dependencies {
 
   explicit Dependencies(const Graph& graph) {
     const size_t num_values = graph.values.size();
-    const std::vector<ValueId> views = find_views(graph);
+    const std::vector<ValueId> views = find_views(graph).input;
     producer.assign(num_values, -1);
     root.resize(num_values);
     pinned.assign(num_values, false);

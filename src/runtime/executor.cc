@@ -146,10 +146,11 @@ void Executor::synchronize() const {
 void Executor::plan_with_direct_updates() {
   const size_t values = graph_.values.size();
   const Liveness live = compute_liveness(graph_);
-  // Reshape views (memory_plan.h), only with a planned arena: a view of a value is a read of it,
-  // so the old value of a target is read as long as any view of it is.
+  // Reshape and slice views (memory_plan.h), only with a planned arena: a view of a value is a
+  // read of it (of its root's bytes, whatever its offset in them), so the old value of a target
+  // is read as long as any view of it is.
   const std::vector<ValueId> views =
-      options_.plan_memory ? find_views(graph_) : std::vector<ValueId>(values, -1);
+      options_.plan_memory ? find_views(graph_).input : std::vector<ValueId>(values, -1);
   std::vector<int> last_read = live.last;  // per value: its last read, through itself or a view
   for (size_t v = 0; v < values; ++v) {
     if (views[v] < 0) continue;
@@ -263,7 +264,7 @@ std::vector<NodeTiming> Executor::profile() const {
     if (node.op == Op::kFused && node.attrs.has("kind")) t.kind = node.attrs.s("kind");
     t.outputs = types_text(types_of(graph_, node.outputs));
     if (is_view_node(n)) {
-      t.dialect = "view";  // no kernel ran: its output is its input's bytes
+      t.dialect = "view";  // no kernel ran: its output is its input's bytes, or a run of them
       t.ms = 0;
     } else {
       t.ms = timer_->elapsed_ms(2 * n, 2 * n + 1);
@@ -297,9 +298,10 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
     const Node& node = graph_.nodes[n];
     const int index = static_cast<int>(n);
     if (planned && is_view_node(n)) {
-      // A view: no kernel, its input's bytes seen in the output's shape.
+      // A view: no kernel, its input's bytes (a reshape's) or a run of them (a slice's) seen as
+      // the output's type, in whatever storage the input lives (arena, caller's, output's).
       const ValueId in = node.inputs[0], out = node.outputs[0];
-      values[out] = values[in].reshaped(graph_.type(out).shape);
+      values[out] = view_of(values[in], out);
       if (last_use_[in] == index) values[in] = Tensor();
       if (last_use_[out] == index) values[out] = Tensor();
       continue;
@@ -399,10 +401,11 @@ void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
     const Node& node = graph_.nodes[n];
     const int index = static_cast<int>(n);
     if (is_view_node(n)) {
-      // A view: nothing launched (nor captured), its input's bytes seen in the output's shape;
-      // a view of a graph input sees this run's pointer (new pointers are a new capture).
+      // A view: nothing launched (nor captured), its input's bytes (or a run of them) seen as
+      // the output's type; a view of a graph input sees this run's pointer (new pointers are a
+      // new capture).
       const ValueId in = node.inputs[0], out = node.outputs[0];
-      values[out] = values[in].reshaped(graph_.type(out).shape);
+      values[out] = view_of(values[in], out);
       if (last_use_[in] == index) values[in] = Tensor();
       if (last_use_[out] == index) values[out] = Tensor();
       continue;

@@ -8,10 +8,12 @@
 // ExecutorOptions::plan_memory off, each value gets a fresh buffer when produced and is released
 // after its last use (the simple allocator: what the plan is tested against).
 //
-// Views: with the plan on, a reshape the plan makes a view (memory_plan.h: not a graph output
-// nor an update value) runs no kernel: its output is a Tensor of its input's bytes in the new
-// shape (the arena's, or a graph input's or output's storage). With the plan off, every reshape
-// runs its copy kernel (the oracle again).
+// Views: with the plan on, a reshape or contiguous slice the plan makes a view (memory_plan.h:
+// not a graph output nor an update value) runs no kernel: its output is a Tensor of its input's
+// bytes in the new shape, or for a slice of the run of them at the view's byte offset
+// (MemoryPlan::view_offsets), in whatever storage the input has (the arena's, or a graph input's
+// or output's). With the plan off, every reshape and slice runs its copy kernel (the oracle
+// again).
 //
 // On CUDA (ExecutorOptions::device == Device::kCuda):
 // - Every node gets a kernel registered for Device::kCuda; a node without one is an error at
@@ -39,8 +41,8 @@
 //   debugging, and the oracle of the replay tests).
 // - Profiling (options.profile): every run launches every kernel (no capture), with a timing
 //   event recorded before and after each node's kernel (events created once, at construction,
-//   and reused); profile() reads the last run's per-node times (a view node: 0 ms, dialect
-//   "view", no events). Off (the default), runs record no events at all.
+//   and reused); profile() reads the last run's per-node times (a view node, reshape or slice:
+//   0 ms, dialect "view", no events). Off (the default), runs record no events at all.
 #pragma once
 
 #include <memory>
@@ -128,10 +130,15 @@ class Executor {
   void setup_cuda();
   void prepare_kernels();
   void plan_with_direct_updates();
-  // Whether node n is a reshape planned as a view (memory_plan.h): no kernel runs for it.
+  // Whether node n is a reshape or slice planned as a view (memory_plan.h): no kernel runs for it.
   bool is_view_node(size_t n) const {
     const Node& node = graph_.nodes[n];
     return !plan_.views.empty() && node.outputs.size() == 1 && plan_.is_view(node.outputs[0]);
+  }
+  // The tensor of view value `out` given its input's tensor: the input's storage at the view's
+  // byte offset in it, as out's type.
+  Tensor view_of(const Tensor& input, ValueId out) const {
+    return input.viewed(graph_.type(out), static_cast<size_t>(plan_.view_offsets[static_cast<size_t>(out)]));
   }
   std::unique_ptr<cuda::Stream> owned_stream_;
   void* stream_ = nullptr;

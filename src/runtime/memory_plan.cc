@@ -19,10 +19,48 @@ bool overlap_in_time(const Buffer& a, const Buffer& b) {
   return a.start <= b.end && b.start <= a.end;
 }
 
+// Where a slice's output starts inside its input's bytes when it is one contiguous run of them
+// (memory_plan.h: every step 1; some axis a with every dim before it of output extent 1 and
+// every dim after it whole), or -1 when it is not (or the slice is empty).
+int64_t contiguous_slice_offset(const Node& node, const TensorType& in, const TensorType& out) {
+  const Shape& dims = in.shape;
+  const size_t rank = dims.size();
+  if (!node.attrs.has("starts") || !node.attrs.has("ends")) return -1;
+  const std::vector<int64_t>& starts = node.attrs.ints("starts");
+  const std::vector<int64_t>& ends = node.attrs.ints("ends");
+  static const std::vector<int64_t> kNoSteps;
+  const std::vector<int64_t>& steps = node.attrs.has("steps") ? node.attrs.ints("steps") : kNoSteps;
+  if (starts.size() != rank || ends.size() != rank || (!steps.empty() && steps.size() != rank)) return -1;
+  if (out.shape.size() != rank || out.numel() == 0) return -1;
+  std::vector<int64_t> start(rank), extent(rank);
+  for (size_t d = 0; d < rank; ++d) {
+    if (!steps.empty() && steps[d] != 1) return -1;
+    // Negative bounds count from the end (the slice op's rule; the verifier checked the range).
+    const int64_t s = starts[d] < 0 ? starts[d] + dims[d] : starts[d];
+    const int64_t e = ends[d] < 0 ? ends[d] + dims[d] : ends[d];
+    if (s < 0 || e > dims[d] || e - s != out.shape[d]) return -1;
+    start[d] = s;
+    extent[d] = e - s;
+  }
+  // a = the last dim not taken whole (0 if every dim is): every dim after it is whole, and
+  // every dim before it must be a single index.
+  size_t a = 0;
+  for (size_t d = 0; d < rank; ++d)
+    if (start[d] != 0 || extent[d] != dims[d]) a = d;
+  for (size_t d = 0; d < a; ++d)
+    if (extent[d] != 1) return -1;
+  const std::vector<int64_t> strides = strides_of(dims);
+  int64_t offset = 0;
+  for (size_t d = 0; d < rank; ++d) offset += start[d] * strides[d];
+  return offset * static_cast<int64_t>(dtype_size(in.dtype));
+}
+
 }  // namespace
 
-std::vector<ValueId> find_views(const Graph& graph, const ViewPredicate& view_ok) {
-  std::vector<ValueId> views(graph.values.size(), -1);
+Views find_views(const Graph& graph, const ViewPredicate& view_ok) {
+  Views views;
+  views.input.assign(graph.values.size(), -1);
+  views.byte_offset.assign(graph.values.size(), 0);
   // A graph output needs its own buffer; an update value is copied over, or written straight
   // into, its target: both stay copies.
   std::vector<bool> keep(graph.values.size(), false);
@@ -30,14 +68,25 @@ std::vector<ValueId> find_views(const Graph& graph, const ViewPredicate& view_ok
   for (const Update& u : graph.updates) keep[u.value] = true;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    if (node.op != Op::kReshape || node.inputs.size() != 1 || node.outputs.size() != 1) continue;
+    if (node.op != Op::kReshape && node.op != Op::kSlice) continue;
+    if (node.inputs.size() != 1 || node.outputs.size() != 1) continue;
     const ValueId in = node.inputs[0], out = node.outputs[0];
     if (keep[out]) continue;
-    // Same dtype and element count, so the same bytes in the same (row-major) order.
-    if (graph.type(in).dtype != graph.type(out).dtype || graph.type(in).bytes() != graph.type(out).bytes())
-      continue;
+    const TensorType& in_type = graph.type(in);
+    const TensorType& out_type = graph.type(out);
+    if (in_type.dtype != out_type.dtype) continue;
+    int64_t offset = 0;
+    if (node.op == Op::kReshape) {
+      // Same dtype and element count, so the same bytes in the same (row-major) order.
+      if (in_type.bytes() != out_type.bytes()) continue;
+    } else {
+      // A run of the input's bytes, at an offset that keeps the pointers aligned.
+      offset = contiguous_slice_offset(node, in_type, out_type);
+      if (offset < 0 || offset % kViewOffsetAlignment != 0) continue;
+    }
     if (view_ok && !view_ok(n)) continue;
-    views[out] = in;
+    views.input[out] = in;
+    views.byte_offset[out] = offset;
   }
   return views;
 }
@@ -65,7 +114,9 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
   const size_t num_values = graph.values.size();
   plan.offsets.assign(num_values, MemoryPlan::kNotInArena);
   plan.reuses.assign(num_values, -1);
-  plan.views = find_views(graph, view_ok);
+  Views views = find_views(graph, view_ok);
+  plan.views = std::move(views.input);
+  plan.view_offsets = std::move(views.byte_offset);
 
   std::vector<bool> is_output(num_values, false);
   for (ValueId id : graph.outputs) is_output[id] = true;
@@ -74,16 +125,20 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
   // share one.
   std::vector<Buffer> buffers;
   std::vector<int> buffer_of(num_values, -1);
+  // Per value in a buffer: where its bytes start in it. 0 but for views (their offsets in their
+  // root, summed): a value written in place, and a view's root, start at the buffer's start.
+  std::vector<int64_t> offset_in_buffer(num_values, 0);
   std::vector<int> taken;  // buffers claimed in place by the current node's outputs
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
     const int index = static_cast<int>(n);
     if (node.outputs.size() == 1 && plan.is_view(node.outputs[0])) {
-      // A view joins its input's buffer, which now lives as long as the longest-lived alias; a
-      // view of a value outside the arena stays outside (buffer -1).
+      // A view joins its input's buffer, which now lives as long as the longest-lived alias, at
+      // its offset in its input; a view of a value outside the arena stays outside (buffer -1).
       const ValueId out = node.outputs[0];
       const int b = buffer_of[node.inputs[0]];
       buffer_of[out] = b;
+      offset_in_buffer[out] = offset_in_buffer[node.inputs[0]] + plan.view_offsets[out];
       if (b >= 0) buffers[b].end = std::max(buffers[b].end, live.last[out]);
       ++plan.view_count;
       continue;
@@ -104,6 +159,11 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
         // With views, the buffer's end is its whole alias class's: no alias is read later.
         if (b < 0 || live.last[in] != index || buffers[b].end != index) continue;
         if (graph.type(in) != graph.type(out)) continue;
+        // The output goes to the buffer's start: only an input starting there (no view at a
+        // nonzero offset, a slice of later rows) has its bytes exactly where the output lands.
+        // Same type, so the output covers the input's bytes and no more, even when the input is
+        // a slice shorter than the buffer (the rest belongs to aliases, dead from here on).
+        if (offset_in_buffer[in] != 0) continue;
         if (std::find(taken.begin(), taken.end(), b) != taken.end()) continue;
         // Nor may the node read the same bytes through another alias (a view of `in`, or the
         // value `in` is a view of), perhaps in another shape: a kernel that allows in place
@@ -172,7 +232,8 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
   }
 
   for (size_t v = 0; v < num_values; ++v)
-    if (buffer_of[v] >= 0) plan.offsets[v] = static_cast<int64_t>(buffers[buffer_of[v]].offset);
+    if (buffer_of[v] >= 0)
+      plan.offsets[v] = static_cast<int64_t>(buffers[buffer_of[v]].offset) + offset_in_buffer[v];
   return plan;
 }
 

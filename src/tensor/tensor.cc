@@ -75,6 +75,14 @@ Tensor Tensor::reshaped(Shape shape) const {
   return Tensor(TensorType{type_.dtype, std::move(shape)}, storage_, offset_, device_);
 }
 
+Tensor Tensor::viewed(TensorType type, size_t byte_offset) const {
+  KILN_CHECK(defined(), "cannot view an undefined tensor as {}", to_string(type));
+  KILN_CHECK(byte_offset <= bytes() && type.bytes() <= bytes() - byte_offset,
+             "cannot view {} bytes in as {} ({} bytes): past the end of {} ({} bytes)", byte_offset,
+             to_string(type), type.bytes(), to_string(type_), bytes());
+  return Tensor(std::move(type), storage_, offset_ + byte_offset, device_);
+}
+
 Tensor random_tensor(const TensorType& type, uint64_t seed, double low, double high) {
   Tensor t(type);
   std::mt19937_64 rng(seed);

@@ -23,7 +23,6 @@ class Tensor {
   Tensor() = default;
   // Allocates zero-filled, 64-byte-aligned storage.
   explicit Tensor(TensorType type);
-  // A view of `storage` at byte `offset` (e.g. a slot of the executor's arena).
   // A view of `storage` at byte `offset` (e.g. a slot of the executor's arena). For kCuda,
   // `storage` holds device memory (its deleter frees it on the device).
   Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset,
@@ -57,6 +56,10 @@ class Tensor {
   Tensor clone() const;
   // Same storage, another shape with the same element count (and dtype).
   Tensor reshaped(Shape shape) const;
+  // Same storage and device, `byte_offset` bytes further in, seen as `type` (a slice of rows:
+  // the memory plan's slice views). Throws kiln::Error unless those bytes lie inside this
+  // tensor's.
+  Tensor viewed(TensorType type, size_t byte_offset) const;
 
  private:
   void check_storage_type(size_t size, bool matches) const;

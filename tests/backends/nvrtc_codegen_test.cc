@@ -264,6 +264,60 @@ TEST(NvrtcCodegenTest, RefusesWhatItCannotGenerate) {
   EXPECT_TRUE(contains(why, "gemm-epilogue")) << why;
 }
 
+// A padded row output (passes/ones_column.h): concat(y, full(1)) along the last axis of a
+// LayerNorm's rows kernel stores rows of n + pad at a stride of n + pad, and the pad by a lane
+// per column; 4-wide stores only where the padded row keeps them aligned. Refused: elementwise
+// kernels, a pad read inside the body, a second operand that is not a full.
+Body padded_layer_norm(int64_t n, int64_t pad, bool read_inside) {
+  Body b;
+  ValueId x = b.in("x", DType::kF32, {5, 3, n}), g = b.in("gamma", DType::kF32, {n}),
+          be = b.in("beta", DType::kF32, {n});
+  ValueId y = b.op(Op::kCast, {b.op(Op::kLayerNorm, {x, g, be})}, {{"dtype", DType::kBF16}});
+  ValueId ones = b.op(Op::kFull, {}, {{"value", 1.0}, {"dtype", DType::kBF16},
+                                      {"shape", std::vector<int64_t>{5, 3, pad}}});
+  ValueId padded = b.op(Op::kConcat, {y, ones}, {{"axis", int64_t{-1}}});
+  if (read_inside) return b.out({b.op(Op::kNeg, {padded})});
+  return b.out({padded});
+}
+
+TEST(NvrtcCodegenTest, PaddedRowOutputs) {
+  {
+    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(768, 8, false).g, "rows");
+    EXPECT_EQ(k.vector_width, 4);
+    EXPECT_TRUE(contains(k.source, "out0 + row * 776LL + j0")) << k.source;
+    EXPECT_TRUE(contains(k.source, "kiln_o0.v[u] = __float2bfloat16_rn(v")) << k.source;
+    EXPECT_TRUE(contains(k.source, "if (kiln_t < 8) out0[row * 776LL + kN + kiln_t]")) << k.source;
+    expect_compiles(k);
+  }
+  // A pad of 2: rows of 770 are not 4-aligned, so scalar stores only.
+  EXPECT_EQ(cuda::generate_kernel(*padded_layer_norm(768, 2, false).g, "rows").vector_width, 1);
+  // A block per row.
+  {
+    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(2500, 4, false).g, "rows");
+    EXPECT_TRUE(contains(k.source, "out0[row * 2504LL + j] =")) << k.source;
+    expect_compiles(k);
+  }
+  std::string why;
+  EXPECT_FALSE(cuda::can_generate(*padded_layer_norm(768, 8, true).g, "rows", &why));
+  EXPECT_TRUE(contains(why, "read inside the body")) << why;
+  {
+    Body b;  // elementwise: no rows to pad
+    ValueId x = b.in("x", DType::kF32, {4, 8});
+    ValueId ones = b.op(Op::kFull, {}, {{"value", 1.0}, {"dtype", DType::kF32},
+                                        {"shape", std::vector<int64_t>{4, 4}}});
+    b.out({b.op(Op::kConcat, {b.op(Op::kExp, {x}), ones}, {{"axis", int64_t{-1}}})});
+    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+  }
+  {
+    Body b;  // the pad is an input, not a full
+    ValueId x = b.in("x", DType::kF32, {4, 8}), p = b.in("p", DType::kF32, {4, 4});
+    ValueId g = b.in("gamma", DType::kF32, {8}), be = b.in("beta", DType::kF32, {8});
+    b.out({b.op(Op::kConcat, {b.op(Op::kLayerNorm, {x, g, be}), p}, {{"axis", int64_t{-1}}})});
+    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_TRUE(contains(why, "not a full")) << why;
+  }
+}
+
 TEST(NvrtcCodegenTest, DeterministicSourceAndEveryEmitterListed) {
   const std::string a = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, "elementwise").source;
   const std::string b = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, "elementwise").source;

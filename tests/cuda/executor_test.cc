@@ -4,7 +4,8 @@
 // node with no CUDA kernel, an arena that cannot fit). Reshape views (no kernel launched): on
 // random graphs bit-identical to the plan-off executor (every reshape a copy) through capture,
 // replay and new input pointers; a view of a param delays its direct update; the profile lists
-// view nodes at 0 ms.
+// view nodes at 0 ms. Slice views (rows at a byte offset: of an intermediate, a graph input, a
+// graph output, a param) likewise, on a hand-written graph and on random graphs with slices.
 //
 // Tolerances, as scaled errors |gpu - cpu| / (atol + rtol * |cpu|) <= 1:
 //   f32 elementwise and reductions: atol 1e-5, rtol 1e-4 (different summation orders and
@@ -537,6 +538,105 @@ graph @views(%x: f32[64,48] data) {
     }
   }
   EXPECT_NE(profile_table(timings, 3).find("reshape[view]"), std::string::npos) << profile_table(timings, 3);
+}
+
+// As tests/runtime/executor_test.cc's kSliceViews: slices of rows of an intermediate, of graph
+// inputs, of a graph output that is also read, of the param, and one an in-place kernel must not
+// write over (64 bytes into its buffer).
+const char* kSliceViews = R"(
+graph @slices(%x: f32[6,16] data, %y: f32[3,2,16] data, %w: f32[4,16] param) {
+  %a = exp(%x)
+  %top = slice(%a) {starts=[0,0], ends=[4,16]}
+  %last = slice(%a) {starts=[5,0], ends=[6,16]}
+  %ys = slice(%y) {starts=[1,1,0], ends=[2,2,16]}
+  %yr = reshape(%ys) {shape=[1,16]}
+  %o = tanh(%a)
+  %os = slice(%o) {starts=[1,0], ends=[3,16]}
+  %xs = slice(%x) {starts=[2,0], ends=[4,16]}
+  %ws = slice(%w) {starts=[3,0], ends=[4,16]}
+  %m = mul(%top, %w)
+  %n = add(%xs, %os)
+  %p = add(%last, %yr)
+  %q = mul(%p, %ws)
+  %h = sigmoid(%x)
+  %h1 = slice(%h) {starts=[1,0], ends=[3,16]}
+  %z = neg(%h1)
+  %nw = sub(%w, %m)
+  %s = sum(%n)
+  update %w = %nw
+  return %s, %o, %q, %n, %z
+}
+)";
+
+TEST(CudaExecutor, SliceViewsAreBitIdenticalToPlanOff) {
+  KILN_REQUIRE_GPU();
+  Graph g = parse(kSliceViews);
+  const std::vector<Tensor> host_a = host_inputs(g, 31, 1), host_b = host_inputs(g, 32, 1);
+  for (bool graphs : {false, true}) {
+    Executor planned(g, on_cuda(graphs)), oracle(g, plan_off_cuda());
+    const MemoryPlan& plan = *planned.memory_plan();
+    EXPECT_EQ(plan.view_count, 8u);  // every slice and the reshape
+    EXPECT_TRUE(testing::no_live_overlap(g, plan));
+    std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
+    std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
+    int run = 0;
+    for (bool use_a : {true, true, true, false, true}) {
+      std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
+      std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
+      std::vector<Tensor> got = download(planned.run(in_planned));
+      std::vector<Tensor> want = download(oracle.run(in_oracle));
+      got.push_back(cuda::to_host(in_planned[2]));  // the updated param
+      want.push_back(cuda::to_host(in_oracle[2]));
+      expect_bitwise(got, want, "graphs " + std::to_string(graphs) + ", run " + std::to_string(run++));
+    }
+  }
+  // The profile lists every slice view at 0 ms, and changes no result.
+  ExecutorOptions options = on_cuda(true);
+  options.profile = true;
+  Executor profiling(g, options);
+  std::vector<Tensor> inputs = upload(host_a), oracle_inputs = upload(host_a);
+  expect_bitwise(download(profiling.run(inputs)), download(Executor(g, plan_off_cuda()).run(oracle_inputs)),
+                 "profiled");
+  const std::vector<NodeTiming> timings = profiling.profile();
+  ASSERT_EQ(timings.size(), g.nodes.size());
+  size_t views = 0;
+  for (size_t n = 0; n < timings.size(); ++n) {
+    const Op op = g.nodes[n].op;
+    const bool view = op == Op::kSlice || op == Op::kReshape;
+    EXPECT_EQ(timings[n].dialect == "view", view) << n << " " << timings[n].dialect;
+    if (view) {
+      EXPECT_EQ(timings[n].ms, 0.0) << n;
+      ++views;
+    }
+  }
+  EXPECT_EQ(views, 8u);
+}
+
+TEST(CudaExecutor, RandomGraphsWithSliceViewsAreBitIdenticalToPlanOff) {
+  KILN_REQUIRE_GPU();
+  size_t offset_views = 0;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    Graph g = testing::random_graph(seed, 60, /*slices=*/true);
+    Executor planned(g, on_cuda(true)), oracle(g, plan_off_cuda());
+    const MemoryPlan& plan = *planned.memory_plan();
+    EXPECT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed;
+    for (size_t v = 0; v < g.values.size(); ++v)
+      offset_views += plan.is_view(static_cast<ValueId>(v)) && plan.root_offset(static_cast<ValueId>(v)) > 0;
+    std::vector<Tensor> host_a = host_inputs(g, seed, 1), host_b = host_inputs(g, seed + 100, 1);
+    std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
+    std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
+    int run = 0;
+    for (bool use_a : {true, true, true, false, false, true}) {
+      std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
+      std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
+      std::vector<Tensor> got = download(planned.run(in_planned));
+      std::vector<Tensor> want = download(oracle.run(in_oracle));
+      got.push_back(cuda::to_host(in_planned[2]));  // the updated param
+      want.push_back(cuda::to_host(in_oracle[2]));
+      expect_bitwise(got, want, "seed " + std::to_string(seed) + ", run " + std::to_string(run++));
+    }
+  }
+  EXPECT_GT(offset_views, 0u);
 }
 
 TEST(CudaMemory, RoundTripsAndAsyncCopies) {

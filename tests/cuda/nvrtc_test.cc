@@ -619,5 +619,71 @@ TEST(NvrtcTest, GemmWithAGeneratedEpilogue) {
   }
 }
 
+// Padded rows (passes/ones_column.h): a LayerNorm rows kernel storing concat(y, ones) along
+// the last axis, rows of n + pad; the outputs are poisoned first, so an unwritten pad column
+// reads as NaN. Warp rows (64, 768: the 4-wide entry, and the scalar one when misaligned) and a
+// block per row (2500).
+TEST(NvrtcTest, PaddedRowsOfALayerNorm) {
+  KILN_REQUIRE_GPU();
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    for (int64_t n : {64, 768, 2500}) {
+      const int64_t pad = d == DType::kF32 ? 4 : 8;
+      Body b;
+      ValueId x = b.in("x", DType::kF32, {3, 7, n}), r = b.in("res", DType::kF32, {3, 7, n});
+      ValueId g = b.in("gamma", DType::kF32, {n}), be = b.in("beta", DType::kF32, {n});
+      ValueId h = b.op(Op::kAdd, {x, r});
+      ValueId y = b.op(Op::kCast, {b.op(Op::kLayerNorm, {h, g, be})}, {{"dtype", d}});
+      ValueId ones = b.op(Op::kFull, {}, {{"value", 1.0}, {"dtype", d},
+                                          {"shape", std::vector<int64_t>{3, 7, pad}}});
+      b.out({h, b.op(Op::kConcat, {y, ones}, {{"axis", int64_t{-1}}})});
+      for (bool misaligned : {false, true})
+        expect_matches(b, "rows", random_inputs(*b.g, 30 + n),
+                       fmt::format("{} n={} misaligned {}", dtype_name(d), n, misaligned),
+                       misaligned);
+    }
+  }
+}
+
+// A GEMM reading its A through a prefix slice of a padded activation: cuBLASLt with lda the
+// padded row length, with its own epilogue (bias, gelu with aux) and with a generated rows
+// epilogue after the product (a LayerNorm). Poisoned pad columns (NaN) would spoil every output
+// if they were read.
+TEST(NvrtcTest, GemmReadsAPrefixSliceOfItsA) {
+  KILN_REQUIRE_GPU();
+  cuda::set_matmul_allow_tf32(false);
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const int64_t k = 40, pad = d == DType::kF32 ? 4 : 8;
+    for (int variant = 0; variant < 3; ++variant) {
+      Body b;
+      ValueId xp = b.in("xp", d, {2, 24, k + pad}), w = b.in("w", d, {k, 64}),
+              bias = b.in("bias", d, {64});
+      ValueId x = b.op(Op::kSlice, {xp}, {{"starts", std::vector<int64_t>{0, 0, 0}},
+                                          {"ends", std::vector<int64_t>{2, 24, k}}});
+      ValueId pre = b.op(Op::kAdd, {b.op(Op::kMatmul, {x, w}), bias});
+      if (variant == 0) {
+        b.out({pre});
+      } else if (variant == 1) {
+        b.out({b.op(Op::kGelu, {pre}, {{"approximate", std::string("tanh")}}), pre});
+      } else {
+        ValueId g = b.in("gamma", d, {64}), be = b.in("beta", d, {64});
+        b.out({b.op(Op::kLayerNorm, {pre, g, be})});
+      }
+      std::string why;
+      if (variant < 2) {
+        ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
+      } else {
+        ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
+      }
+      std::vector<Tensor> inputs = random_inputs(*b.g, 70 + variant);
+      // The pad columns NaN: a product that read them would be NaN.
+      for (int64_t i = 0; i < inputs[0].numel(); ++i)
+        if (i % (k + pad) >= k) inputs[0].set(i, std::nan(""));
+      // The reference slices first, so it never sees them either.
+      expect_matches(b, "gemm-epilogue", inputs,
+                     fmt::format("{} variant {}", dtype_name(d), variant));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kiln

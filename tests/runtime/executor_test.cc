@@ -2,7 +2,9 @@
 // bit-identical outputs and updated params on random graphs and on several training steps of
 // the mlp and gpt2-tiny, with the arena poisoned so a kernel that reads stale memory shows up;
 // in-place reuse through the reference kernels; outputs that outlive the next run; reshape views
-// (no kernel) of arena values and of a param whose update must wait for the view's last read.
+// (no kernel) of arena values and of a param whose update must wait for the view's last read;
+// slice views (rows at a byte offset, no kernel) of arena values, graph inputs, a graph output
+// and a param, on hand-written and random graphs.
 #include "runtime/executor.h"
 
 #include <cmath>
@@ -312,6 +314,156 @@ TEST(ExecutorPlan, AViewOfAParamIsAReadOfIt) {
     }
     EXPECT_NEAR(out[0].get(0), want, 1e-4) << g.name;
   }
+}
+
+// Slices the plan makes views: rows of an intermediate (rows 0..4 and row 5 of %a), of a graph
+// input (%xs; %ys of a 3-D one, through a reshape), of a graph output that is also read (%os),
+// of the param (%ws, read before its new value is made), and row 1..3 of %h, which dies at the
+// neg that reads it (an in-place kernel must not write over it: it is 64 bytes into %h's buffer).
+const char* kSliceViews = R"(
+graph @slices(%x: f32[6,16] data, %y: f32[3,2,16] data, %w: f32[4,16] param) {
+  %a = exp(%x)
+  %top = slice(%a) {starts=[0,0], ends=[4,16]}
+  %last = slice(%a) {starts=[5,0], ends=[6,16]}
+  %ys = slice(%y) {starts=[1,1,0], ends=[2,2,16]}
+  %yr = reshape(%ys) {shape=[1,16]}
+  %o = tanh(%a)
+  %os = slice(%o) {starts=[1,0], ends=[3,16]}
+  %xs = slice(%x) {starts=[2,0], ends=[4,16]}
+  %ws = slice(%w) {starts=[3,0], ends=[4,16]}
+  %m = mul(%top, %w)
+  %n = add(%xs, %os)
+  %p = add(%last, %yr)
+  %q = mul(%p, %ws)
+  %h = sigmoid(%x)
+  %h1 = slice(%h) {starts=[1,0], ends=[3,16]}
+  %z = neg(%h1)
+  %nw = sub(%w, %m)
+  %s = sum(%n)
+  update %w = %nw
+  return %s, %o, %q, %n, %z
+}
+)";
+
+TEST(ExecutorPlan, SliceViewsMatchTheSimpleAllocator) {
+  Graph g = parse(kSliceViews);
+  for (const std::vector<std::string>& dialects : {std::vector<std::string>{}, {"reference"}}) {
+    const std::string what = dialects.empty() ? "default" : "reference";
+    Executor planned(g, poisoned_arena(dialects));
+    const MemoryPlan& plan = *planned.memory_plan();
+    EXPECT_EQ(plan.view_count, 8u) << what;  // every slice and the reshape
+    auto id = [&](const std::string& name) {
+      for (size_t v = 0; v < g.values.size(); ++v)
+        if (g.values[v].name == name) return static_cast<ValueId>(v);
+      return ValueId{-1};
+    };
+    EXPECT_EQ(plan.offsets[id("last")], plan.offsets[id("a")] + 5 * 64) << what;
+    EXPECT_EQ(plan.reuses[id("z")], -1) << what;
+    EXPECT_TRUE(testing::no_live_overlap(planned.graph(), plan)) << what;
+    ExecutorOptions simple = simple_allocator();
+    simple.dialects = dialects;
+    for (uint64_t seed : {1, 2}) {
+      const std::vector<Tensor> inputs = make_inputs(g, {}, seed, 1);
+      std::vector<Tensor> in = {inputs[0].clone(), inputs[1].clone(), inputs[2].clone()};
+      std::vector<Tensor> simple_in = {inputs[0].clone(), inputs[1].clone(), inputs[2].clone()};
+      std::vector<Tensor> got = planned.run(in), want = Executor(g, simple).run(simple_in);
+      got.push_back(in[2]);  // the updated param
+      want.push_back(simple_in[2]);
+      expect_same_results(want, got, what + ", seed " + std::to_string(seed));
+      // By hand, from the inputs: n = x[2:4] + tanh(exp(x))[1:3]; q = (exp(x)[5] + y[1,1]) *
+      // w[3]; z = -sigmoid(x)[1:3]; the new w = w - exp(x)[0:4] * w.
+      const Tensor& x = inputs[0];
+      const Tensor& y = inputs[1];
+      const Tensor& w = inputs[2];
+      for (int64_t i = 0; i < 32; ++i) {
+        EXPECT_NEAR(got[3].get(i), x.get(32 + i) + std::tanh(std::exp(x.get(16 + i))), 1e-5) << what << " n " << i;
+        EXPECT_NEAR(got[4].get(i), -1.0 / (1.0 + std::exp(-x.get(16 + i))), 1e-6) << what << " z " << i;
+      }
+      for (int64_t i = 0; i < 16; ++i)
+        EXPECT_NEAR(got[2].get(i), (std::exp(x.get(80 + i)) + y.get(48 + i)) * w.get(48 + i), 1e-5) << what << " q " << i;
+      for (int64_t i = 0; i < 64; ++i)
+        EXPECT_NEAR(in[2].get(i), w.get(i) - std::exp(x.get(i)) * w.get(i), 1e-5) << what << " w " << i;
+    }
+  }
+}
+
+TEST(ExecutorPlan, RandomGraphsWithSlicesMatchTheSimpleAllocator) {
+  size_t offset_views = 0, input_views = 0, in_place = 0;
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    Graph g = testing::random_graph(seed, 60, /*slices=*/true);
+    for (const std::vector<std::string>& dialects : {std::vector<std::string>{}, {"reference"}}) {
+      const MemoryPlan plan = *Executor(g, poisoned_arena(dialects)).memory_plan();
+      EXPECT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed;
+      in_place += plan.in_place_count;
+      for (size_t v = 0; v < g.values.size(); ++v) {
+        const ValueId id = static_cast<ValueId>(v);
+        if (!plan.is_view(id)) continue;
+        offset_views += plan.root_offset(id) > 0;
+        input_views += g.input_index(view_root(plan.views, id)) >= 0 && plan.root_offset(id) > 0;
+      }
+      std::vector<Tensor> inputs = make_inputs(g, {}, seed, 1);
+      auto run = [&](ExecutorOptions options) {
+        std::vector<Tensor> in;
+        for (const Tensor& t : inputs) in.push_back(t.clone());
+        std::vector<Tensor> out = Executor(g, options).run(in);
+        out.push_back(in[2]);  // the updated param
+        return out;
+      };
+      ExecutorOptions simple = simple_allocator();
+      simple.dialects = dialects;
+      expect_same_results(run(simple), run(poisoned_arena(dialects)),
+                          (dialects.empty() ? "seed " : "reference, seed ") + std::to_string(seed));
+    }
+  }
+  EXPECT_GT(offset_views, 0u);  // slices ran as views at an offset
+  EXPECT_GT(input_views, 0u);   // of graph inputs too
+  EXPECT_GT(in_place, 0u);      // beside in-place reuse (the reference kernels)
+}
+
+// As AViewOfAParamIsAReadOfIt, through a slice of the param's last two rows.
+TEST(ExecutorPlan, ASliceViewOfAParamIsAReadOfIt) {
+  const std::string body_before = R"(
+  %ws = slice(%w) {starts=[2,0], ends=[4,16]}
+  %t = tanh(%ws)
+  %a = exp(%x)
+  %nw = neg(%a)
+)";
+  const std::string body_after = R"(
+  %ws = slice(%w) {starts=[2,0], ends=[4,16]}
+  %a = exp(%x)
+  %nw = neg(%a)
+  %t = tanh(%ws)
+)";
+  for (auto [body, direct] : {std::pair{body_before, 1u}, {body_after, 0u}}) {
+    Graph g = parse("graph @g(%x: f32[4,16] data, %w: f32[4,16] param) {" + body +
+                    "  %s = sum(%t)\n  update %w = %nw\n  return %s\n}\n");
+    Executor planned(g, poisoned_arena());
+    EXPECT_EQ(planned.memory_plan()->view_count, 1u);
+    EXPECT_EQ(planned.direct_update_count(), direct);
+    const Tensor x = random_tensor({DType::kF32, {4, 16}}, 3), w = random_tensor({DType::kF32, {4, 16}}, 4);
+    std::vector<Tensor> in = {x.clone(), w.clone()}, simple_in = {x.clone(), w.clone()};
+    std::vector<Tensor> out = planned.run(in);
+    expect_same_results({out[0], in[1]}, {Executor(g, simple_allocator()).run(simple_in)[0], simple_in[1]},
+                        "direct " + std::to_string(direct));
+    // By hand: s sums tanh of the OLD w's rows 2 and 3; the new w is -exp(x).
+    double want = 0;
+    for (int64_t i = 32; i < 64; ++i) want += std::tanh(w.get(i));
+    for (int64_t i = 0; i < 64; ++i)
+      EXPECT_NEAR(in[1].get(i), -std::exp(x.get(i)), 1e-6 * std::exp(x.get(i))) << direct << " " << i;
+    EXPECT_NEAR(out[0].get(0), want, 1e-4) << direct;
+  }
+}
+
+TEST(TensorView, ViewedIsTheStorageAtAnOffsetAndStaysInside) {
+  const Tensor t = random_tensor({DType::kF32, {4, 16}}, 5);
+  const Tensor row = t.viewed({DType::kF32, {1, 16}}, 2 * 64);
+  EXPECT_EQ(row.raw(), t.raw() + 128);
+  EXPECT_EQ(row.type(), (TensorType{DType::kF32, {1, 16}}));
+  for (int64_t i = 0; i < 16; ++i) EXPECT_EQ(row.get(i), t.get(32 + i));
+  EXPECT_EQ(t.viewed({DType::kF32, {1, 16}}, 3 * 64).viewed({DType::kF32, {4}}, 48).raw(), t.raw() + 240);
+  EXPECT_THROW(t.viewed({DType::kF32, {2, 16}}, 3 * 64), Error);  // one row past the end
+  EXPECT_THROW(t.viewed({DType::kF32, {1}}, 256), Error);
+  EXPECT_THROW(row.viewed({DType::kF32, {16}}, 4), Error);  // inside t, but past the row's end
 }
 
 TEST(ExecutorPlan, OutputsOutliveTheNextRun) {

@@ -1,7 +1,9 @@
 // The memory plan: liveness, arena offsets worked out by hand on small graphs, in-place reuse and
 // the cases that must refuse it, reshape views (an alias shares its input's bytes; the buffer
-// lives as long as every alias; which reshapes stay copies), and on random and training graphs
-// that no two values live at one node share bytes.
+// lives as long as every alias; which reshapes stay copies), slice views (a contiguous run of
+// rows at its byte offset; which slices stay copies; chains whose offsets add up; no in-place
+// reuse over a view at an offset), and on random and training graphs that no two values live at
+// one node share bytes.
 #include "runtime/memory_plan.h"
 
 #include "ir/text.h"
@@ -332,13 +334,193 @@ graph @edges(%x: f32[4,16] data, %w: f32[4,16] param) {
 TEST(MemoryPlan, FindViewsHonoursThePredicate) {
   Graph g = parse(kViews);
   const size_t second_reshape = 4;
-  std::vector<ValueId> views = find_views(g, [&](size_t n) { return n != second_reshape; });
-  EXPECT_EQ(views[id_of(g, "v")], id_of(g, "a"));
-  EXPECT_EQ(views[id_of(g, "r")], -1);
+  const Views views = find_views(g, [&](size_t n) { return n != second_reshape; });
+  EXPECT_EQ(views.input[id_of(g, "v")], id_of(g, "a"));
+  EXPECT_EQ(views.input[id_of(g, "r")], -1);
+  for (int64_t offset : views.byte_offset) EXPECT_EQ(offset, 0);  // reshapes: no offsets
   MemoryPlan plan = plan_memory(g, {}, [&](size_t n) { return n != second_reshape; });
   EXPECT_EQ(plan.view_count, 1u);
   EXPECT_FALSE(plan.is_view(id_of(g, "r")));
   EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+// Rows of one GEMM-sized output: rows 0..768 (a weight gradient) and row 768 (a bias gradient).
+TEST(MemoryPlan, FirstAxisSlicesAreViewsAtTheirRowsOffset) {
+  Graph g = parse(R"(
+graph @rows(%x: f32[776,2304] data, %w: f32[768,2304] param, %b: f32[1,2304] param) {
+  %y = exp(%x)
+  %dw = slice(%y) {starts=[0,0], ends=[768,2304]}
+  %db = slice(%y) {starts=[768,0], ends=[769,2304]}
+  %last = slice(%y) {starts=[-1,0], ends=[776,2304]}
+  %nw = sub(%w, %dw)
+  %nb = sub(%b, %db)
+  %t = sum(%last)
+  update %w = %nw
+  update %b = %nb
+  return %t
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  const int64_t row = 2304 * 4;  // bytes of one f32 row
+  const ValueId y = id_of(g, "y");
+  for (const char* name : {"dw", "db", "last"}) EXPECT_EQ(plan.views[id_of(g, name)], y) << name;
+  EXPECT_EQ(plan.view_count, 3u);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "dw")], 0);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "db")], 768 * row);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "last")], 775 * row);
+  ASSERT_TRUE(plan.in_arena(y));
+  EXPECT_EQ(plan.offsets[id_of(g, "dw")], plan.offsets[y]);
+  EXPECT_EQ(plan.offsets[id_of(g, "db")], plan.offsets[y] + 768 * row);
+  EXPECT_EQ(plan.offsets[id_of(g, "last")], plan.offsets[y] + 775 * row);
+  // No bytes of their own: the arena holds y (its buffer lives until its last alias is read)
+  // and the two update values.
+  const size_t y_bytes = aligned_bytes(776 * row), nw_bytes = aligned_bytes(768 * row);
+  const size_t nb_bytes = aligned_bytes(row);
+  EXPECT_EQ(plan.naive_bytes, y_bytes + nw_bytes + nb_bytes);
+  EXPECT_EQ(plan.live_peak_bytes, y_bytes + nw_bytes + nb_bytes);  // at the sum: y, nw, nb
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+  // As copies, each slice has its bytes besides y's.
+  MemoryPlan copies = plan_memory(g, {}, kNoViews);
+  EXPECT_EQ(copies.view_count, 0u);
+  EXPECT_EQ(copies.naive_bytes, y_bytes + 2 * nw_bytes + 3 * nb_bytes);
+  EXPECT_TRUE(testing::no_live_overlap(g, copies));
+}
+
+TEST(MemoryPlan, SlicesThatAreOneRunOfBytesAreViews) {
+  // Any rank: leading dims single indices, then a range, then whole dims.
+  Graph g = parse(R"(
+graph @runs(%x: f32[2,3,16] data, %y: f32[4,16] data) {
+  %a = exp(%x)
+  %mid = slice(%a) {starts=[1,1,0], ends=[2,3,16]}
+  %one = slice(%a) {starts=[0,2,4], ends=[1,3,8]}
+  %all = slice(%a) {starts=[0,0,0], ends=[2,3,16]}
+  %part = slice(%y) {starts=[2,4], ends=[3,12]}
+  %s1 = sum(%mid)
+  %s2 = sum(%one)
+  %s3 = sum(%all)
+  %s4 = sum(%part)
+  return %s1, %s2, %s3, %s4
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  const int64_t f = 4;  // bytes of an f32
+  // Row-major strides of (2, 3, 16): 48, 16, 1; of (4, 16): 16, 1.
+  EXPECT_EQ(plan.view_offsets[id_of(g, "mid")], (1 * 48 + 1 * 16) * f);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "one")], (0 * 48 + 2 * 16 + 4) * f);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "all")], 0);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "part")], (2 * 16 + 4) * f);
+  for (const char* name : {"mid", "one", "all"}) {
+    EXPECT_EQ(plan.views[id_of(g, name)], id_of(g, "a")) << name;
+    EXPECT_EQ(plan.offsets[id_of(g, name)], plan.offsets[id_of(g, "a")] + plan.view_offsets[id_of(g, name)]) << name;
+  }
+  // A view of a graph input: outside the arena.
+  EXPECT_EQ(plan.views[id_of(g, "part")], id_of(g, "y"));
+  EXPECT_FALSE(plan.in_arena(id_of(g, "part")));
+  EXPECT_EQ(plan.view_count, 4u);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, SlicesThatAreNoRunOfBytesStayCopies) {
+  Graph g = parse(R"(
+graph @copies(%x: f32[2,4,16] data, %y: f32[8,16] data, %z: f32[4,3] data) {
+  %a = exp(%x)
+  %middle = slice(%a) {starts=[0,1,0], ends=[2,3,16]}
+  %b = exp(%y)
+  %strided = slice(%b) {starts=[0,0], ends=[8,16], steps=[2,1]}
+  %columns = slice(%b) {starts=[0,0], ends=[8,8]}
+  %c = exp(%z)
+  %unaligned = slice(%c) {starts=[1,0], ends=[2,3]}
+  %aligned = slice(%c) {starts=[0,0], ends=[1,3]}
+  %out = slice(%b) {starts=[2,0], ends=[4,16]}
+  %s1 = sum(%middle)
+  %s2 = sum(%strided)
+  %s3 = sum(%columns)
+  %s4 = sum(%unaligned)
+  %s5 = sum(%aligned)
+  return %s1, %s2, %s3, %s4, %s5, %out
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  // A middle-axis range under a leading extent of 2, every other row, the first half of every
+  // row (a last-axis slice of a 2-D value), row 1 of 3-float rows (12 bytes in: not 16-byte
+  // aligned), a graph output: copies, with bytes of their own.
+  for (const char* name : {"middle", "strided", "columns", "unaligned"}) {
+    EXPECT_FALSE(plan.is_view(id_of(g, name))) << name;
+    EXPECT_EQ(plan.view_offsets[id_of(g, name)], 0) << name;
+    EXPECT_TRUE(plan.in_arena(id_of(g, name))) << name;
+  }
+  EXPECT_FALSE(plan.is_view(id_of(g, "out")));
+  EXPECT_FALSE(plan.in_arena(id_of(g, "out")));
+  // Row 0 of the same value starts at its start: a view.
+  EXPECT_EQ(plan.views[id_of(g, "aligned")], id_of(g, "c"));
+  EXPECT_EQ(plan.view_count, 1u);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, SliceOfAReshapeOfASliceChainsAndOffsetsAddUp) {
+  Graph g = parse(R"(
+graph @chain(%x: f32[8,16] data) {
+  %a = exp(%x)
+  %s1 = slice(%a) {starts=[2,0], ends=[6,16]}
+  %r = reshape(%s1) {shape=[8,8]}
+  %s2 = slice(%r) {starts=[4,0], ends=[6,8]}
+  %t = tanh(%s2)
+  %s = sum(%t)
+  return %s
+}
+)");
+  MemoryPlan plan = plan_memory(g);
+  const int64_t f = 4;
+  const ValueId a = id_of(g, "a"), s2 = id_of(g, "s2");
+  EXPECT_EQ(plan.views[id_of(g, "s1")], a);
+  EXPECT_EQ(plan.views[id_of(g, "r")], id_of(g, "s1"));
+  EXPECT_EQ(plan.views[s2], id_of(g, "r"));
+  EXPECT_EQ(view_root(plan.views, s2), a);
+  EXPECT_EQ(plan.view_count, 3u);
+  // s1: rows 2.. of 16 floats; r: the same bytes; s2: rows 4.. of 8 floats of r.
+  const int64_t s1_in_a = 2 * 16 * f, s2_in_r = 4 * 8 * f;
+  EXPECT_EQ(plan.view_offsets[id_of(g, "s1")], s1_in_a);
+  EXPECT_EQ(plan.view_offsets[id_of(g, "r")], 0);
+  EXPECT_EQ(plan.view_offsets[s2], s2_in_r);
+  EXPECT_EQ(plan.root_offset(s2), s1_in_a + s2_in_r);
+  EXPECT_EQ(plan.offsets[id_of(g, "r")], plan.offsets[a] + s1_in_a);
+  EXPECT_EQ(plan.offsets[s2], plan.offsets[a] + s1_in_a + s2_in_r);
+  EXPECT_EQ(plan.naive_bytes, 512u + 64u);  // a and t: the views have no bytes of their own
+  // a's buffer lives until tanh reads s2 (node 4): t may not take any of a's bytes.
+  const int64_t a0 = plan.offsets[a], t0 = plan.offsets[id_of(g, "t")];
+  EXPECT_TRUE(t0 >= a0 + 512 || t0 + 64 <= a0);
+  EXPECT_TRUE(testing::no_live_overlap(g, plan));
+}
+
+TEST(MemoryPlan, NoInPlaceOverAViewAtAnOffset) {
+  // neg(b): b (and a, its root) die there, and neg may run in place. Over row 1 (64 bytes into
+  // a's buffer) it may not: its output would land on row 0, 64 bytes before what it reads. Over
+  // row 0 it may: the output lands exactly on b's bytes.
+  for (auto [row, in_place] : {std::pair{1, false}, {0, true}, {3, false}}) {
+    Graph g = parse(fmt::format(R"(
+graph @tempting(%x: f32[4,16] data) {{
+  %a = exp(%x)
+  %b = slice(%a) {{starts=[{},0], ends=[{},16]}}
+  %c = neg(%b)
+  %s = sum(%c)
+  return %s
+}}
+)", row, row + 1));
+    MemoryPlan plan = plan_memory(g, kAlways);
+    const ValueId b = id_of(g, "b"), c = id_of(g, "c");
+    ASSERT_TRUE(plan.is_view(b)) << row;
+    EXPECT_EQ(plan.offsets[b], plan.offsets[id_of(g, "a")] + row * 64) << row;
+    EXPECT_EQ(plan.reuses[c], in_place ? b : -1) << row;
+    EXPECT_EQ(plan.in_place_count, in_place ? 1u : 0u) << row;
+    if (in_place) {
+      EXPECT_EQ(plan.offsets[c], plan.offsets[b]) << row;
+    } else {
+      // c gets bytes of its own, clear of all of a's (the alias class is live at neg).
+      const int64_t a0 = plan.offsets[id_of(g, "a")];
+      EXPECT_TRUE(plan.offsets[c] >= a0 + 256 || plan.offsets[c] + 64 <= a0) << row;
+    }
+    EXPECT_TRUE(testing::no_live_overlap(g, plan)) << row;
+  }
 }
 
 TEST(MemoryPlan, RandomGraphsNeverShareBytesBetweenLiveValues) {
@@ -374,6 +556,42 @@ TEST(MemoryPlan, RandomGraphsNeverShareBytesBetweenLiveValues) {
   EXPECT_GT(in_place_total, 0u);  // the in-place path was exercised
   EXPECT_GT(view_total, 0u);      // and views, of arena values and of graph inputs
   EXPECT_GT(input_views, 0u);
+}
+
+TEST(MemoryPlan, RandomGraphsWithSlicesNeverShareBytesBetweenLiveValues) {
+  size_t in_place_total = 0, slice_views = 0, offset_views = 0, slice_copies = 0;
+  for (uint64_t seed = 1; seed <= 60; ++seed) {
+    Graph g = testing::random_graph(seed, 80, /*slices=*/true);
+    const MemoryPlan copies = plan_memory(g, {}, kNoViews);
+    ASSERT_TRUE(testing::no_live_overlap(g, copies)) << "seed " << seed << " without views";
+    for (bool in_place : {false, true}) {
+      MemoryPlan plan = in_place ? plan_memory(g, kAlways) : plan_memory(g);
+      ASSERT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed << " in_place " << in_place;
+      EXPECT_LE(plan.live_peak_bytes, plan.arena_bytes) << "seed " << seed;
+      EXPECT_LE(plan.arena_bytes, plan.naive_bytes) << "seed " << seed;
+      // Not live_peak <= the copies' live peak: a slice view keeps its root's whole buffer
+      // alive, where a copy would hold only its rows.
+      size_t view_bytes = 0;
+      for (size_t v = 0; v < g.values.size(); ++v) {
+        const ValueId id = static_cast<ValueId>(v);
+        if (plan.is_view(id)) view_bytes += aligned_bytes(g.type(id).bytes());
+        if (in_place) continue;
+        for (const Node& node : g.nodes)
+          if (node.op == Op::kSlice && node.outputs[0] == id) {
+            slice_views += plan.is_view(id);
+            slice_copies += !plan.is_view(id);
+          }
+        offset_views += plan.is_view(id) && plan.root_offset(id) > 0;
+      }
+      // The views' bytes are what the copies have more.
+      EXPECT_EQ(plan.naive_bytes + view_bytes, copies.naive_bytes) << "seed " << seed;
+      in_place_total += plan.in_place_count;
+    }
+  }
+  EXPECT_GT(in_place_total, 0u);
+  EXPECT_GT(slice_views, 0u);
+  EXPECT_GT(offset_views, 0u);
+  EXPECT_GT(slice_copies, 0u);  // step-2 slices and graph outputs
 }
 
 TEST(MemoryPlan, TrainingGraphsNeverShareBytesBetweenLiveValues) {

@@ -47,6 +47,13 @@ struct Unsupported {
   std::string why;
 };
 
+// A body output stored with `width` more columns of `value` after each row of the iteration
+// space: concat(x, full) along the last axis (emit_concat). width 0: none.
+struct RowPad {
+  int64_t width = 0;
+  double value = 0;
+};
+
 [[noreturn]] void unsupported(std::string why) { throw Unsupported{std::move(why)}; }
 
 std::string ctype_of(DType d) {
@@ -159,6 +166,7 @@ class Lowering {
   int64_t r() const { return r_; }
   std::vector<MVal>& vals() { return vals_; }
   std::map<ValueId, int>& computed() { return computed_; }
+  std::map<ValueId, RowPad>& pads() { return pads_; }
 
   int add(MVal m) {
     vals_.push_back(std::move(m));
@@ -249,6 +257,7 @@ class Lowering {
   int64_t n_ = 1, r_ = 1;
   std::vector<MVal> vals_;
   std::map<ValueId, int> computed_;
+  std::map<ValueId, RowPad> pads_;  // padded body outputs (emit_concat)
   std::map<std::tuple<int, Space, std::string>, int> loads_;
 };
 
@@ -413,6 +422,34 @@ std::vector<int> emit_cast(Ctx& c) {
 
 std::vector<int> emit_full(Ctx& c) {
   return {c.e(c.ct(), lit(c.ct(), c.attrs().f("value")), {})};
+}
+
+// concat(x, full(c)) along the last axis, as a body output only: x's rows stored with the full's
+// columns of c after each (the padded activation of passes/ones_column.h, whose ones column a
+// weight-gradient GEMM turns into the bias gradient). The row stays in registers; the store
+// goes to a row stride of N + width. Rows kernels only, and no body node may read it.
+std::vector<int> emit_concat(Ctx& c) {
+  c.require(c.l.rows(), "a padded row needs a \"rows\" fused node");
+  c.require(c.node.inputs.size() == 2, "only concat(x, full), a padded row, is generated");
+  c.require_last_axis(c.attrs().i("axis"), c.out_type().rank());
+  const Node* pad = nullptr;
+  for (const Node& n : c.body().nodes) {
+    if (!n.outputs.empty() && n.outputs[0] == c.node.inputs[1]) pad = &n;
+    for (ValueId in : n.inputs)
+      c.require(in != c.node.outputs[0], "a padded row is read inside the body");
+  }
+  c.require(pad != nullptr && pad->op == Op::kFull, "the second operand is not a full");
+  const Shape& xs = c.in_type(0).shape;
+  c.require(!xs.empty() && xs.back() == c.n() && numel(xs) == c.l.r() * c.n(),
+            fmt::format("x has shape {}, not the iteration space {}", to_string(xs),
+                        to_string(c.l.s())));
+  const int64_t width = c.in_type(1).shape.back();
+  // A lane (or thread) per pad column.
+  c.require(width >= 1 && width <= 32, fmt::format("a pad of {} columns (1 to 32)", width));
+  const int x = c.x(0, Space::kFull);
+  c.require(c.l.vals()[x].space == Space::kFull, "x is per row, not per element");
+  c.l.pads()[c.node.outputs[0]] = RowPad{width, pad->attrs.f("value")};
+  return {x};
 }
 
 std::vector<int> emit_reshape(Ctx& c) {
@@ -629,6 +666,7 @@ const std::map<Op, Emitter>& emitters() {
       {Op::kGe, any_types("($0 >= $1)")},
       {Op::kWhere, any_types("($0 ? $1 : $2)")},
       {Op::kCast, emit_cast},
+      {Op::kConcat, emit_concat},
       {Op::kFull, emit_full},
       {Op::kReshape, emit_reshape},
       {Op::kSum, emit_row_reduction},
@@ -794,6 +832,7 @@ struct Lowered {
   std::vector<MVal> vals;
   std::vector<int> outputs;  // per body output: its micro value
   std::vector<int> columns;  // the body outputs that are column reductions
+  std::vector<RowPad> pads;  // per body output: the columns stored after each row
   std::string column_ctype;  // what they are summed in ("float" or "double")
   Shape s;
   int64_t rows = 0, n = 1;
@@ -834,6 +873,8 @@ Lowered lower(const Graph& body, const std::string& kind) {
       m = l.load(input, numel(shape) == l.r() && rows ? Space::kRow : Space::kFull, &shape);
     }
     const MVal& v = l.vals()[m];
+    const auto pad = l.pads().find(id);
+    out.pads.push_back(pad == l.pads().end() ? RowPad{} : pad->second);
     if (v.kind == MKind::kColumn) {
       if (numel(shape) != l.n())
         unsupported(fmt::format("column reduction output {} has shape {}, not one value per "
@@ -849,7 +890,7 @@ Lowered lower(const Graph& body, const std::string& kind) {
       continue;
     }
     const bool full = v.space == Space::kFull;
-    if (full && numel(shape) != l.r() * l.n())
+    if (full && numel(shape) != l.r() * (l.n() + out.pads.back().width))
       unsupported(fmt::format("output {} has shape {}, not the iteration space {}",
                               body.value(id).name, to_string(shape), to_string(l.s())));
     if (!full && numel(shape) != (rows ? l.r() : l.r() * l.n()))
@@ -1277,7 +1318,9 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // Warp mode with V columns per lane and step (see entry_text): a lane's elements, and a
   // warp's shared-memory column sums, [q][m][lane] (lanes adjacent: no bank conflicts).
   constexpr int kRowsVector = 4;
-  const int vector = warp_rows && low.n % kRowsVector == 0 ? kRowsVector : 1;
+  bool rows_divide = low.n % kRowsVector == 0;  // every stored row starts V-aligned
+  for (const RowPad& pad : low.pads) rows_divide = rows_divide && pad.width % kRowsVector == 0;
+  const int vector = warp_rows && rows_divide ? kRowsVector : 1;
   auto lane_elements = [&](int v) -> int64_t { return (low.n + 32 * v - 1) / (32 * v) * v; };
   const int64_t warp_sums = static_cast<int64_t>(low.columns.size()) * 32 *
                             std::max(lane_elements(1), lane_elements(vector));
@@ -1346,6 +1389,11 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   // instead of 128 (GPT-2's LayerNorm rows: vector accesses keep more bytes in flight). A second
   // entry with V = 1 serves pointers not aligned to V elements (launch_generated checks).
   k.vector_width = vector;
+  // Where output o's row starts: base = row * kN, or row * (kN + width) when it is padded.
+  auto row_start = [&](size_t o) {
+    const int64_t width = low.pads[o].width;
+    return width == 0 ? std::string("base") : fmt::format("row * {}", lit_int(low.n + width));
+  };
   auto entry_text = [&](const std::string& name, int v) {
     std::string text;
     const int64_t lane_columns = lane_elements(v);  // warp mode: elements per lane
@@ -1518,18 +1566,18 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
         if (!is_full(low.outputs[o])) continue;
         const DType d = body.type(body.outputs[o]).dtype;
         packs += fmt::format("    {} kiln_o{};\n", pack(d), o);
-        stores += fmt::format("    *reinterpret_cast<{}*>(out{} + base + j0) = kiln_o{};\n",
-                              pack(d), o, o);
+        stores += fmt::format("    *reinterpret_cast<{}*>(out{} + {} + j0) = kiln_o{};\n",
+                              pack(d), o, row_start(o), o);
       }
       text += warp_rows ? outer_head + packs + inner_head : loop_head;
       std::set<int> pass_done = done;
       emit_closure(vals, full_outputs, pass_done, is_full, load_text, "    ", text);
       for (size_t o = 0; o < body.outputs.size(); ++o)
         if (is_full(low.outputs[o]))
-          text += fmt::format(fmt::runtime(warp_rows ? "    kiln_o{}.v[u] = {};\n"
-                                                     : "    out{}[e] = {};\n"),
-                              o, store_conversion(body.type(body.outputs[o]).dtype,
-                                                  var(low.outputs[o])));
+          text += fmt::format(fmt::runtime(warp_rows ? "    kiln_o{0}.v[u] = {2};\n"
+                                                     : "    out{0}[{1} + j] = {2};\n"),
+                              o, row_start(o), store_conversion(body.type(body.outputs[o]).dtype,
+                                                                var(low.outputs[o])));
       for (size_t q = 0; q < low.columns.size(); ++q) {
         const std::string term = var(vals[low.outputs[low.columns[q]]].args[0]);
         text += warp_rows ? fmt::format("    kiln_cw[({} + m) * 32] += {};\n",
@@ -1544,6 +1592,14 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
       } else {
         text += loop_tail;
       }
+    }
+    // Padded outputs: a lane (thread) per pad column writes it after the row.
+    for (size_t o = 0; o < body.outputs.size(); ++o) {
+      const RowPad& pad = low.pads[o];
+      if (pad.width == 0) continue;
+      const DType d = body.type(body.outputs[o]).dtype;
+      text += fmt::format("  if (kiln_t < {}) out{}[{} + kN + kiln_t] = {};\n", pad.width, o,
+                          row_start(o), store_conversion(d, lit(ctype_of(d), pad.value)));
     }
     bool any_row_output = false;
     for (size_t o = 0; o < body.outputs.size(); ++o) {

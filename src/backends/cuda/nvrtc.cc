@@ -319,7 +319,31 @@ struct GemmCore {
   int node = -1;
   Gemm gemm;
   int a = -1, b = -1;  // body input indices
+  int a_slice = -1;    // the body's slice node A is read through, or -1
 };
+
+// The slice node defining `id` when it keeps a prefix of a body input's last axis and all of
+// its other axes (x[..., :k], steps 1): a matrix of rows of k read with the input's row stride.
+// -1 otherwise.
+int prefix_slice(const Graph& body, ValueId id) {
+  for (size_t k = 0; k < body.nodes.size(); ++k) {
+    const Node& n = body.nodes[k];
+    if (n.outputs.empty() || n.outputs[0] != id) continue;
+    if (n.op != Op::kSlice || body.input_index(n.inputs[0]) < 0) return -1;
+    const Shape& in = body.type(n.inputs[0]).shape;
+    const Shape& out = body.type(id).shape;
+    const std::vector<int64_t>& steps = n.attrs.ints("steps");
+    for (int64_t s : steps)
+      if (s != 1) return -1;
+    if (in.empty() || out.size() != in.size()) return -1;
+    for (size_t d = 0; d + 1 < in.size(); ++d)
+      if (out[d] != in[d]) return -1;
+    for (int64_t s : n.attrs.ints("starts"))
+      if (s != 0) return -1;
+    return static_cast<int>(k);
+  }
+  return -1;
+}
 
 GemmCore gemm_core(const Graph& body) {
   GemmCore core;
@@ -330,14 +354,21 @@ GemmCore gemm_core(const Graph& body) {
   }
   if (core.node < 0) no_match("no matmul");
   const Node& matmul = body.nodes[core.node];
+  const bool ta = matmul.attrs.b("transpose_a"), tb = matmul.attrs.b("transpose_b");
   core.a = body.input_index(matmul.inputs[0]);
   core.b = body.input_index(matmul.inputs[1]);
+  // A read through a prefix slice: the slice costs nothing, cuBLASLt reads A with lda.
+  if (core.a < 0 && !ta) core.a_slice = prefix_slice(body, matmul.inputs[0]);
+  if (core.a_slice >= 0) {
+    const ValueId padded = body.nodes[core.a_slice].inputs[0];
+    core.a = body.input_index(padded);
+    core.gemm.lda = body.type(padded).shape.back();
+  }
   if (core.a < 0 || core.b < 0) no_match("a matmul operand is computed inside the group");
   const TensorType &at = body.type(matmul.inputs[0]), &bt = body.type(matmul.inputs[1]);
   const DType dtype = at.dtype;
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16)
     no_match(fmt::format("dtype {} (f32, bf16, f16 only)", dtype_name(dtype)));
-  const bool ta = matmul.attrs.b("transpose_a"), tb = matmul.attrs.b("transpose_b");
   if (bt.rank() != 2) no_match("b is batched");
   if (ta && at.rank() != 2) no_match("a is batched and transposed");
   Gemm& gemm = core.gemm;
@@ -399,7 +430,7 @@ GemmBinding match_gemm(const Graph& body) {
   const ValueId mm_out = body.nodes[mm].outputs[0];
   const Shape bias_shape{gemm.n};
 
-  size_t used_nodes = 1;
+  size_t used_nodes = core.a_slice >= 0 ? 2 : 1;
   ValueId pre = mm_out;
   DType dt = gemm.d_type;  // of `pre`: the product's dtype, f32 once a cast is absorbed
   int next = uses.sole_consumer(pre);
@@ -565,6 +596,7 @@ SplitGemm split_gemm(const Graph& body) {
   SplitGemm s;
   s.core = gemm_core(body);
   std::set<int> removed{s.core.node};
+  if (s.core.a_slice >= 0) removed.insert(s.core.a_slice);
   s.product = body.nodes[s.core.node].outputs[0];
   // The cast to f32 is absorbed only where its f32 value is a stored output anyway. A product
   // that goes to scratch for the generated kernel stays in the body's 16 bits: half the bytes
