@@ -5,33 +5,13 @@
 #include <vector>
 
 #include "passes/fusion/fusion.h"
+#include "passes/uses.h"
 #include "support/error.h"
 
 namespace kiln {
 namespace {
 
 bool is_16bit_float(DType d) { return d == DType::kBF16 || d == DType::kF16; }
-
-// Readers of every value: (node index) per input slot, plus whether it leaves the graph.
-struct Uses {
-  std::vector<std::vector<int>> readers;  // one entry per input slot that reads the value
-  std::vector<int> producer;              // node index, -1 for graph inputs
-  std::vector<char> escapes;              // graph output or update value
-};
-
-Uses uses_of(const Graph& graph) {
-  Uses u;
-  u.readers.assign(graph.values.size(), {});
-  u.producer.assign(graph.values.size(), -1);
-  u.escapes.assign(graph.values.size(), 0);
-  for (size_t n = 0; n < graph.nodes.size(); ++n) {
-    for (ValueId in : graph.nodes[n].inputs) u.readers[static_cast<size_t>(in)].push_back(static_cast<int>(n));
-    for (ValueId out : graph.nodes[n].outputs) u.producer[static_cast<size_t>(out)] = static_cast<int>(n);
-  }
-  for (ValueId id : graph.outputs) u.escapes[static_cast<size_t>(id)] = 1;
-  for (const Update& up : graph.updates) u.escapes[static_cast<size_t>(up.value)] = 1;
-  return u;
-}
 
 // The nodes of one match, in node order: [cast in], cross_entropy, cross_entropy_grad, [cast out].
 struct Match {
@@ -110,7 +90,7 @@ std::optional<Match> match_at(const Graph& graph, const Uses& uses, int ce_index
 bool ClassifierPass::run(Graph& graph) {
   int fired = 0;
   for (;;) {
-    const Uses uses = uses_of(graph);
+    const Uses uses(graph);
     std::optional<Match> match;
     for (size_t n = 0; n < graph.nodes.size() && !match; ++n)
       if (graph.nodes[n].op == Op::kCrossEntropy) match = match_at(graph, uses, static_cast<int>(n));

@@ -9,29 +9,11 @@
 #include "ir/op_def.h"
 #include "passes/fusion/fusion.h"
 #include "passes/simplify/compact.h"
+#include "passes/uses.h"
 #include "support/error.h"
 
 namespace kiln {
 namespace {
-
-// Readers of every value (node indices, one per input slot), its producer, whether it escapes.
-struct Uses {
-  std::vector<std::vector<int>> readers;
-  std::vector<int> producer;  // -1: a graph input
-  std::vector<char> escapes;  // a graph output or an update value
-  explicit Uses(const Graph& graph)
-      : readers(graph.values.size()), producer(graph.values.size(), -1),
-        escapes(graph.values.size(), 0) {
-    for (size_t n = 0; n < graph.nodes.size(); ++n) {
-      for (ValueId in : graph.nodes[n].inputs) readers[in].push_back(static_cast<int>(n));
-      for (ValueId out : graph.nodes[n].outputs) producer[out] = static_cast<int>(n);
-    }
-    for (ValueId id : graph.outputs) escapes[id] = 1;
-    for (const Update& u : graph.updates) escapes[u.value] = 1;
-  }
-  // Read by exactly one node input, and not escaping.
-  bool single(ValueId id) const { return readers[id].size() == 1 && !escapes[id]; }
-};
 
 bool is_kind(const Node& node, const char* kind) {
   return node.op == Op::kFused && node.body && node.attrs.has("kind") &&
@@ -196,10 +178,8 @@ bool OnesColumnPass::run(Graph& graph) {
   // Nodes to put right after a node, uses to redirect (in the original nodes, the outputs and
   // the updates only: the new nodes read the old values on purpose), nodes to drop.
   std::map<int, std::vector<Node>> after;
-  std::vector<ValueId> redirect(graph.values.size());
-  for (size_t v = 0; v < redirect.size(); ++v) redirect[v] = static_cast<ValueId>(v);
+  std::map<ValueId, ValueId> redirect;
   std::set<int> dropped;
-  const size_t original_values = graph.values.size();
   bool changed = false;
 
   for (size_t p = 0; p < graph.nodes.size(); ++p) {
@@ -302,8 +282,6 @@ bool OnesColumnPass::run(Graph& graph) {
         KILN_CHECK(graph.type(db) == graph.type(g.bias),
                    "ones-column: the bias gradient would change type from {} to {}",
                    to_string(graph.type(g.bias)), to_string(graph.type(db)));
-        redirect.resize(graph.values.size());
-        for (size_t v = original_values; v < redirect.size(); ++v) redirect[v] = static_cast<ValueId>(v);
         redirect[old_dw] = dw;
         redirect[g.bias] = db;
         dropped.insert(g.dead.begin(), g.dead.end());
@@ -314,19 +292,23 @@ bool OnesColumnPass::run(Graph& graph) {
 
   // Rebuild the node list: drop S and its cast, put each D's slices right after it, and
   // redirect the old gradients' readers (original nodes only).
+  auto redirected = [&](ValueId id) {
+    const auto it = redirect.find(id);
+    return it == redirect.end() ? id : it->second;
+  };
   std::vector<Node> nodes;
   nodes.reserve(graph.nodes.size());
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     if (dropped.count(static_cast<int>(n))) continue;
     Node node = std::move(graph.nodes[n]);
-    for (ValueId& id : node.inputs) id = redirect[id];
+    for (ValueId& id : node.inputs) id = redirected(id);
     nodes.push_back(std::move(node));
     if (auto it = after.find(static_cast<int>(n)); it != after.end())
       for (Node& extra : it->second) nodes.push_back(std::move(extra));
   }
   graph.nodes = std::move(nodes);
-  for (ValueId& id : graph.outputs) id = redirect[id];
-  for (Update& u : graph.updates) u.value = redirect[u.value];
+  for (ValueId& id : graph.outputs) id = redirected(id);
+  for (Update& u : graph.updates) u.value = redirected(u.value);
   compact(graph);
   return true;
 }
