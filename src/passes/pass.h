@@ -32,6 +32,9 @@ struct PassOptions {
   std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
   // Planned arena bytes a step may use: adds rematerialization (passes/remat.h) to the pipeline.
   std::optional<size_t> memory_budget;
+  // A language-model head's logits are computed in chunks of at most this many bytes
+  // (passes/classifier_chunks.h; 0: never chunked).
+  size_t logits_chunk_bytes = size_t{1} << 30;
   // The backend the graph will run on. Most passes pay off everywhere; the pipeline skips those
   // measured to cost time on a target (pipeline.cc says which and why).
   Device target = Device::kCpu;

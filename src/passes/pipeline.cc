@@ -1,6 +1,7 @@
 #include "passes/pipeline.h"
 
 #include "passes/classifier.h"
+#include "passes/classifier_chunks.h"
 #include "passes/fusion/fusion.h"
 #include "passes/multi_tensor.h"
 #include "passes/ones_column.h"
@@ -23,6 +24,7 @@ PassManager default_pipeline(PassOptions options) {
   const std::optional<size_t> memory_budget = options.memory_budget;
   const bool schedule_enabled = !options.disabled.count("schedule");
   const Device target = options.target;
+  const size_t logits_chunk_bytes = options.logits_chunk_bytes;
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -32,6 +34,10 @@ PassManager default_pipeline(PassOptions options) {
   // Before training-rewrites, which would decompose it: the loss and its gradient as one fused
   // node that hand-written kernels run in one pass, writing the gradient over the logits.
   pm.add(std::make_unique<ClassifierPass>());
+  // On the fused classifier it made: the head's logits, loss and gradients in row chunks, so the
+  // largest value of a language model's step is one chunk of logits (before simplify: its
+  // leftover flat views die in dead-code; before fusion, which groups each chunk's GEMMs).
+  pm.add(std::make_unique<ClassifierChunksPass>(logits_chunk_bytes));
   pm.add(std::make_unique<TrainingRewrites>());
   // Local exact rules (x*1, neg(neg), transpose/reshape/cast chains) to a fixed point.
   pm.add(std::make_unique<AlgebraicSimplifier>());
