@@ -87,11 +87,14 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 #endif
 }
 
+// --logits-chunk's size: 0 (no chunks) or a memory size.
+size_t parse_logits_chunk(const std::string& text) { return text == "0" ? 0 : kiln::parse_byte_size(text); }
+
 // `kiln compile`: build the model's training graph, run the pipeline, report.
 void compile(const std::string& model, int64_t batch, int64_t seq, const std::string& optimizer,
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
              bool report, const std::string& memory_budget, const std::string& amp,
-             const std::string& dump_kernels_dir, const std::string& target) {
+             const std::string& dump_kernels_dir, const std::string& target, const std::string& logits_chunk) {
   auto start = std::chrono::steady_clock::now();
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
   double build_s = seconds_since(start);
@@ -105,6 +108,7 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   options.print_after = {print_after.begin(), print_after.end()};
   options.disabled = {disabled.begin(), disabled.end()};
   if (!memory_budget.empty()) options.memory_budget = kiln::parse_byte_size(memory_budget);
+  if (!logits_chunk.empty()) options.logits_chunk_bytes = parse_logits_chunk(logits_chunk);
   // The pipeline differs per device (training-rewrites run only for the CPU): `--target cuda`
   // shows, and --dump-kernels writes, what a GPU run would compile.
   options.target = target == "cuda" ? kiln::Device::kCuda : kiln::Device::kCpu;
@@ -224,6 +228,9 @@ int main(int argc, char** argv) {
   std::string compile_budget;
   compile_cmd->add_option("--memory-budget", compile_budget,
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
+  std::string compile_logits_chunk;
+  compile_cmd->add_option("--logits-chunk", compile_logits_chunk,
+                          "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 1GiB; 0: all rows at once)");
   std::string compile_target = "cpu";
   compile_cmd->add_option("--target", compile_target,
                           "The device the pipeline prepares the graph for: cpu | cuda (no GPU needed)")
@@ -262,6 +269,10 @@ int main(int argc, char** argv) {
   train->add_option("--memory-budget", train_budget,
                     "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
 
+  std::string train_logits_chunk;
+  train->add_option("--logits-chunk", train_logits_chunk,
+                    "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 1GiB; 0: all rows at once)");
+
   auto* bench = app.add_subcommand("bench", "Time training steps of a model on random data: ms/step, tokens/s, MFU, memory");
   kiln::train::BenchOptions bench_options;
   double bench_peak_tflops = 0;
@@ -283,6 +294,9 @@ int main(int argc, char** argv) {
   bench->add_option("--memory-budget", bench_budget,
                     "Recompute activations so the step's planned arena fits, e.g. 12GiB (a larger batch "
                     "in the same memory)");
+  std::string bench_logits_chunk;
+  bench->add_option("--logits-chunk", bench_logits_chunk,
+                    "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 1GiB; 0: all rows at once)");
   bench->add_option("--profile", bench_options.profile_path,
                     "After the timed steps, profile one step (CUDA events around every kernel): print a "
                     "per-kernel table and write a Chrome trace-event JSON to this file");
@@ -310,14 +324,16 @@ int main(int argc, char** argv) {
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
       compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,
-              compile_budget, compile_amp, dump_kernels_dir, compile_target);
+              compile_budget, compile_amp, dump_kernels_dir, compile_target, compile_logits_chunk);
     } else if (app.got_subcommand(train)) {
       if (job.optimizer.decay_steps < 0) job.optimizer.decay_steps = job.steps;
       if (!train_budget.empty()) job.optimizer.memory_budget = kiln::parse_byte_size(train_budget);
+      if (!train_logits_chunk.empty()) job.optimizer.logits_chunk_bytes = parse_logits_chunk(train_logits_chunk);
       kiln::train::run_training_job(job);
     } else if (app.got_subcommand(bench)) {
       bench_options.peak_flops = bench_peak_tflops * 1e12;
       if (!bench_budget.empty()) bench_options.memory_budget = kiln::parse_byte_size(bench_budget);
+      if (!bench_logits_chunk.empty()) bench_options.logits_chunk_bytes = parse_logits_chunk(bench_logits_chunk);
       kiln::train::run_benchmark(bench_options);
     }
   } catch (const kiln::Error& e) {

@@ -346,6 +346,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   config.amp = o.amp;
   config.lr = 1e-4;
   config.memory_budget = o.memory_budget;
+  config.logits_chunk_bytes = o.logits_chunk_bytes;
   validate(config);
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;

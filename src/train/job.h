@@ -61,6 +61,7 @@ struct BenchOptions {
   bool json = false;              // also one JSON line with the numbers, last (scripts/gpu-check.sh)
   std::vector<std::string> disabled_passes;  // passes of the default pipeline to skip
   size_t memory_budget = 0;       // > 0: rematerialize so the step's planned arena fits (remat.h)
+  std::optional<size_t> logits_chunk_bytes;  // OptimizerConfig's
   // cuda only; "" = none. After the timed steps, a second trainer whose step executor profiles
   // (ExecutorOptions::profile: events around every kernel, no CUDA graph) runs 2 warm-up steps
   // and 1 profiled one; the per-kernel table (top 25 nodes) goes to `out`, before the report

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,9 @@ struct OptimizerConfig {
   // Planned arena bytes the step may use (passes/remat.h recomputes activations to fit); 0 = no
   // budget. Trainer passes it to the pipeline unless its PassOptions name one.
   size_t memory_budget = 0;
+  // A language model's logits are computed in row chunks of at most this many bytes
+  // (passes/classifier_chunks.h; 0: whole); unset, the pipeline's default (PassOptions).
+  std::optional<size_t> logits_chunk_bytes;
   // The step's outputs: false (default) only the loss; true every output of the forward graph
   // (loss first). An extra output such as GPT-2's logits is kept in its own buffer each step and
   // pins its producers: at B=32 that is 6.6 GB of f32 logits, and it stops the fused classifier

@@ -15,6 +15,7 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     : config_(std::move(config)), program_(build_training_graph(forward, config_)), forward_(forward) {
   // Passes keep graph inputs in place, so program_'s input indices stay valid.
   if (!pass_options.memory_budget && config_.memory_budget > 0) pass_options.memory_budget = config_.memory_budget;
+  if (config_.logits_chunk_bytes) pass_options.logits_chunk_bytes = *config_.logits_chunk_bytes;
   pass_options.target = executor_options.device;
   pass_records_ = default_pipeline(std::move(pass_options)).run(program_.graph);
   const Graph& g = program_.graph;
