@@ -125,9 +125,9 @@ std::optional<Head> match_head(const Graph& graph, const Uses& uses, int c) {
     if (graph.type(f32).dtype == DType::kF32 && uses.single(f32)) {
       const int a = uses.readers[static_cast<size_t>(f32)][0];
       const Node& add = graph.nodes[static_cast<size_t>(a)];
-      const ValueId other = add.op == Op::kAdd ? (add.inputs[0] == f32 ? add.inputs[1] : add.inputs[0]) : -1;
-      const int sc = other >= 0 ? uses.producer[static_cast<size_t>(other)] : -1;
-      if (sc >= 0 && other != f32 && uses.single(other) && graph.type(other) == graph.type(f32) &&
+      const ValueId addend = add.op == Op::kAdd ? (add.inputs[0] == f32 ? add.inputs[1] : add.inputs[0]) : -1;
+      const int sc = addend >= 0 ? uses.producer[static_cast<size_t>(addend)] : -1;
+      if (sc >= 0 && addend != f32 && uses.single(addend) && graph.type(addend) == graph.type(f32) &&
           is_scatter_into_zeros(graph, uses, sc)) {
         k.tied_add = a;
         k.tied_scatter = sc;

@@ -40,6 +40,21 @@ std::vector<int64_t> classifier_rows(const Graph& g) {
   return rows;
 }
 
+// scatter_adds into zeros (the embeddings' gradients; the tied one's scatters into the head's
+// weight-gradient sum once chunked).
+int scatters_into_zeros(const Graph& g) {
+  std::vector<int> producer(g.values.size(), -1);
+  for (size_t n = 0; n < g.nodes.size(); ++n)
+    for (ValueId out : g.nodes[n].outputs) producer[static_cast<size_t>(out)] = static_cast<int>(n);
+  int count = 0;
+  for (const Node& node : g.nodes) {
+    if (node.op != Op::kScatterAdd) continue;
+    const int p = producer[static_cast<size_t>(node.inputs[0])];
+    count += p >= 0 && g.nodes[static_cast<size_t>(p)].op == Op::kFull;
+  }
+  return count;
+}
+
 train::TrainingGraph training(const std::string& amp, int64_t batch) {
   train::OptimizerConfig config;
   config.name = "sgd";
@@ -81,6 +96,8 @@ TEST(ClassifierChunksPass, Gpt2TinyStepMatchesTheUnchunkedStep) {
       const Graph with = prepared(program.graph, 128 * row_bytes, target);
       EXPECT_EQ(classifier_rows(without), std::vector<int64_t>{192});
       EXPECT_EQ(classifier_rows(with), (std::vector<int64_t>{128, 64}));
+      EXPECT_EQ(scatters_into_zeros(without), 2);  // wte (tied to the head) and wpe
+      EXPECT_EQ(scatters_into_zeros(with), 1);
       // 16-bit weight-gradient products are rounded per chunk before the f32 sum.
       const std::vector<Tensor> inputs = random_inputs(program.graph, 41, 0, 256);
       expect_same_step(without, with, inputs, amp == "off" ? 1e-5 : 2e-2);
