@@ -18,6 +18,7 @@
 
 #include "frontend/builder.h"
 #include "ops/common.h"
+#include "ops/slice.h"
 #include "passes/autodiff.h"
 
 namespace kiln::ops {
@@ -138,40 +139,6 @@ Ints transpose_perm(const Attributes& attrs, int rank) {
 
 // ---- slice ----
 
-struct SliceBounds {
-  Ints starts, ends, steps;  // normalized: 0 <= start <= end <= dim, step >= 1
-  Shape out;
-};
-
-SliceBounds slice_bounds(const Shape& in, const Attributes& attrs) {
-  const int rank = static_cast<int>(in.size());
-  SliceBounds b{attrs.ints("starts"), attrs.ints("ends"), attrs.ints("steps"), {}};
-  if (b.steps.empty()) b.steps.assign(rank, 1);
-  for (const auto& [name, list] : {std::pair<const char*, const Ints*>{"starts", &b.starts},
-                                   {"ends", &b.ends}, {"steps", &b.steps}}) {
-    KILN_CHECK(static_cast<int>(list->size()) == rank,
-               "{} {} has {} entries, expected one per dimension of {} ({})", name,
-               ints_text(*list), list->size(), to_string(in), rank);
-  }
-  for (int d = 0; d < rank; ++d) {
-    const int64_t dim = in[d];
-    const int64_t given_start = b.starts[d], given_end = b.ends[d];
-    int64_t& start = b.starts[d];
-    int64_t& end = b.ends[d];
-    if (start < 0) start += dim;
-    if (end < 0) end += dim;
-    KILN_CHECK(start >= 0 && start <= dim, "axis {}: start {} is out of range for dim {}", d,
-               given_start, dim);
-    KILN_CHECK(end >= 0 && end <= dim, "axis {}: end {} is out of range for dim {}", d, given_end,
-               dim);
-    KILN_CHECK(start <= end, "axis {}: start {} is after end {} (dim {})", d, given_start,
-               given_end, dim);
-    KILN_CHECK(b.steps[d] >= 1, "axis {}: step {} must be >= 1", d, b.steps[d]);
-    // ceil((end - start) / step) without overflowing for steps near INT64_MAX.
-    b.out.push_back(end == start ? 0 : (end - start - 1) / b.steps[d] + 1);
-  }
-  return b;
-}
 
 // ---- gradient rules ----
 
@@ -249,6 +216,36 @@ std::vector<Expr> scatter_add_gradient(const GradContext& c) {
 }
 
 }  // namespace
+
+SliceBounds slice_bounds(const Shape& in, const Attributes& attrs) {
+  const int rank = static_cast<int>(in.size());
+  SliceBounds b{attrs.ints("starts"), attrs.ints("ends"), attrs.ints("steps"), {}};
+  if (b.steps.empty()) b.steps.assign(rank, 1);
+  for (const auto& [name, list] : {std::pair<const char*, const Ints*>{"starts", &b.starts},
+                                   {"ends", &b.ends}, {"steps", &b.steps}}) {
+    KILN_CHECK(static_cast<int>(list->size()) == rank,
+               "{} {} has {} entries, expected one per dimension of {} ({})", name,
+               ints_text(*list), list->size(), to_string(in), rank);
+  }
+  for (int d = 0; d < rank; ++d) {
+    const int64_t dim = in[d];
+    const int64_t given_start = b.starts[d], given_end = b.ends[d];
+    int64_t& start = b.starts[d];
+    int64_t& end = b.ends[d];
+    if (start < 0) start += dim;
+    if (end < 0) end += dim;
+    KILN_CHECK(start >= 0 && start <= dim, "axis {}: start {} is out of range for dim {}", d,
+               given_start, dim);
+    KILN_CHECK(end >= 0 && end <= dim, "axis {}: end {} is out of range for dim {}", d, given_end,
+               dim);
+    KILN_CHECK(start <= end, "axis {}: start {} is after end {} (dim {})", d, given_start,
+               given_end, dim);
+    KILN_CHECK(b.steps[d] >= 1, "axis {}: step {} must be >= 1", d, b.steps[d]);
+    // ceil((end - start) / step) without overflowing for steps near INT64_MAX.
+    b.out.push_back(end == start ? 0 : (end - start - 1) / b.steps[d] + 1);
+  }
+  return b;
+}
 
 void define_shape_ops(OpRegistry& registry) {
   registry.define(Op::kReshape, OpDef{

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "ops/slice.h"
+
 namespace kiln {
 namespace {
 
@@ -25,23 +27,14 @@ bool overlap_in_time(const Buffer& a, const Buffer& b) {
 int64_t contiguous_slice_offset(const Node& node, const TensorType& in, const TensorType& out) {
   const Shape& dims = in.shape;
   const size_t rank = dims.size();
-  if (!node.attrs.has("starts") || !node.attrs.has("ends")) return -1;
-  const std::vector<int64_t>& starts = node.attrs.ints("starts");
-  const std::vector<int64_t>& ends = node.attrs.ints("ends");
-  static const std::vector<int64_t> kNoSteps;
-  const std::vector<int64_t>& steps = node.attrs.has("steps") ? node.attrs.ints("steps") : kNoSteps;
-  if (starts.size() != rank || ends.size() != rank || (!steps.empty() && steps.size() != rank)) return -1;
-  if (out.shape.size() != rank || out.numel() == 0) return -1;
-  std::vector<int64_t> start(rank), extent(rank);
+  if (out.numel() == 0) return -1;
+  const ops::SliceBounds b = ops::slice_bounds(dims, node.attrs);  // the graph is verified
+  std::vector<int64_t> extent(rank);
   for (size_t d = 0; d < rank; ++d) {
-    if (!steps.empty() && steps[d] != 1) return -1;
-    // Negative bounds count from the end (the slice op's rule; the verifier checked the range).
-    const int64_t s = starts[d] < 0 ? starts[d] + dims[d] : starts[d];
-    const int64_t e = ends[d] < 0 ? ends[d] + dims[d] : ends[d];
-    if (s < 0 || e > dims[d] || e - s != out.shape[d]) return -1;
-    start[d] = s;
-    extent[d] = e - s;
+    if (b.steps[d] != 1) return -1;
+    extent[d] = b.ends[d] - b.starts[d];
   }
+  const std::vector<int64_t>& start = b.starts;
   // a = the last dim not taken whole (0 if every dim is): every dim after it is whole, and
   // every dim before it must be a single index.
   size_t a = 0;

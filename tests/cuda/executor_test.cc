@@ -540,37 +540,10 @@ graph @views(%x: f32[64,48] data) {
   EXPECT_NE(profile_table(timings, 3).find("reshape[view]"), std::string::npos) << profile_table(timings, 3);
 }
 
-// As tests/runtime/executor_test.cc's kSliceViews: slices of rows of an intermediate, of graph
-// inputs, of a graph output that is also read, of the param, and one an in-place kernel must not
-// write over (64 bytes into its buffer).
-const char* kSliceViews = R"(
-graph @slices(%x: f32[6,16] data, %y: f32[3,2,16] data, %w: f32[4,16] param) {
-  %a = exp(%x)
-  %top = slice(%a) {starts=[0,0], ends=[4,16]}
-  %last = slice(%a) {starts=[5,0], ends=[6,16]}
-  %ys = slice(%y) {starts=[1,1,0], ends=[2,2,16]}
-  %yr = reshape(%ys) {shape=[1,16]}
-  %o = tanh(%a)
-  %os = slice(%o) {starts=[1,0], ends=[3,16]}
-  %xs = slice(%x) {starts=[2,0], ends=[4,16]}
-  %ws = slice(%w) {starts=[3,0], ends=[4,16]}
-  %m = mul(%top, %w)
-  %n = add(%xs, %os)
-  %p = add(%last, %yr)
-  %q = mul(%p, %ws)
-  %h = sigmoid(%x)
-  %h1 = slice(%h) {starts=[1,0], ends=[3,16]}
-  %z = neg(%h1)
-  %nw = sub(%w, %m)
-  %s = sum(%n)
-  update %w = %nw
-  return %s, %o, %q, %n, %z
-}
-)";
 
 TEST(CudaExecutor, SliceViewsAreBitIdenticalToPlanOff) {
   KILN_REQUIRE_GPU();
-  Graph g = parse(kSliceViews);
+  Graph g = parse(testing::kSliceViews);
   const std::vector<Tensor> host_a = host_inputs(g, 31, 1), host_b = host_inputs(g, 32, 1);
   for (bool graphs : {false, true}) {
     Executor planned(g, on_cuda(graphs)), oracle(g, plan_off_cuda());

@@ -232,4 +232,33 @@ inline train::TrainingGraph training_graph(const std::string& model, int64_t bat
   return train::build_training_graph(models::by_name(model, batch), train::OptimizerConfig{});
 }
 
+// The slice-view graph of both executors' tests (CPU and CUDA). Slices the plan makes views:
+// rows of an intermediate (rows 0..4 and row 5 of %a), of a graph input (%xs; %ys of a 3-D
+// one, through a reshape), of a graph output that is also read (%os), of the param (%ws, read
+// before its new value is made), and row 1..3 of %h, which dies at the neg that reads it (an in-place kernel must not write over it: it is 64 bytes into %h's buffer).
+inline constexpr const char* kSliceViews = R"(
+graph @slices(%x: f32[6,16] data, %y: f32[3,2,16] data, %w: f32[4,16] param) {
+  %a = exp(%x)
+  %top = slice(%a) {starts=[0,0], ends=[4,16]}
+  %last = slice(%a) {starts=[5,0], ends=[6,16]}
+  %ys = slice(%y) {starts=[1,1,0], ends=[2,2,16]}
+  %yr = reshape(%ys) {shape=[1,16]}
+  %o = tanh(%a)
+  %os = slice(%o) {starts=[1,0], ends=[3,16]}
+  %xs = slice(%x) {starts=[2,0], ends=[4,16]}
+  %ws = slice(%w) {starts=[3,0], ends=[4,16]}
+  %m = mul(%top, %w)
+  %n = add(%xs, %os)
+  %p = add(%last, %yr)
+  %q = mul(%p, %ws)
+  %h = sigmoid(%x)
+  %h1 = slice(%h) {starts=[1,0], ends=[3,16]}
+  %z = neg(%h1)
+  %nw = sub(%w, %m)
+  %s = sum(%n)
+  update %w = %nw
+  return %s, %o, %q, %n, %z
+}
+)";
+
 }  // namespace kiln::testing
