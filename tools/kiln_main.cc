@@ -300,6 +300,11 @@ int main(int argc, char** argv) {
   bench->add_option("--profile", bench_options.profile_path,
                     "After the timed steps, profile one step (CUDA events around every kernel): print a "
                     "per-kernel table and write a Chrome trace-event JSON to this file");
+  bench->add_option("--timeline", bench_options.timeline_path,
+                    "After the timed steps, trace graph-replayed steps as the GPU ran them (CUPTI): print "
+                    "each step's span, busy and idle time, its largest gaps and a per-node table, and "
+                    "write a Chrome trace-event JSON of them to this file");
+  bench->add_option("--timeline-steps", bench_options.timeline_steps, "Steps --timeline traces (default 10)");
 
   try {
     app.parse(argc, argv);

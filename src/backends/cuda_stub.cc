@@ -4,6 +4,7 @@
 #include "backends/backend.h"
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
+#include "backends/cuda/kernel_trace.h"
 #include "backends/cuda/memory.h"
 #include "support/error.h"
 
@@ -51,6 +52,14 @@ EventTimer::EventTimer(size_t) { no_cuda(); }
 EventTimer::~EventTimer() = default;
 void EventTimer::record(size_t, void*) { no_cuda(); }
 float EventTimer::elapsed_ms(size_t, size_t) const { no_cuda(); }
+
+bool kernel_trace_available() { return false; }
+struct KernelTrace::State {};
+KernelTrace::KernelTrace() { no_cuda(); }
+KernelTrace::~KernelTrace() = default;
+void KernelTrace::start() { no_cuda(); }
+std::vector<TraceEvent> KernelTrace::stop() { no_cuda(); }
+void set_trace_node(int64_t) {}
 
 CapturedGraph::~CapturedGraph() = default;
 void CapturedGraph::begin_capture(void*) { no_cuda(); }

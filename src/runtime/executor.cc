@@ -8,6 +8,7 @@
 
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
+#include "backends/cuda/kernel_trace.h"
 #include "ir/verifier.h"
 #include "support/error.h"
 
@@ -248,12 +249,7 @@ void Executor::setup_cuda() {
       output_tensors_.push_back(Tensor(graph_.type(id), arena_, output_offsets[output_tensors_.size()], Device::kCuda));
 }
 
-std::vector<NodeTiming> Executor::profile() const {
-  KILN_CHECK(timer_ != nullptr, "graph '{}': profile() needs an executor built with ExecutorOptions::profile on "
-             "device cuda (this one: profile {}, device {})", graph_.name, options_.profile,
-             device_name(options_.device));
-  KILN_CHECK(profiled_run_, "graph '{}': profile() before the first run", graph_.name);
-  synchronize();
+std::vector<NodeTiming> Executor::node_labels() const {
   std::vector<NodeTiming> out;
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
@@ -263,14 +259,22 @@ std::vector<NodeTiming> Executor::profile() const {
     t.dialect = kernels_[n]->dialect;
     if (node.op == Op::kFused && node.attrs.has("kind")) t.kind = node.attrs.s("kind");
     t.outputs = types_text(types_of(graph_, node.outputs));
-    if (is_view_node(n)) {
-      t.dialect = "view";  // no kernel ran: its output is its input's bytes, or a run of them
-      t.ms = 0;
-    } else {
-      t.ms = timer_->elapsed_ms(2 * n, 2 * n + 1);
-    }
+    // A view: no kernel ran, its output is its input's bytes (or a run of them).
+    if (is_view_node(n)) t.dialect = "view";
     out.push_back(std::move(t));
   }
+  return out;
+}
+
+std::vector<NodeTiming> Executor::profile() const {
+  KILN_CHECK(timer_ != nullptr, "graph '{}': profile() needs an executor built with ExecutorOptions::profile on "
+             "device cuda (this one: profile {}, device {})", graph_.name, options_.profile,
+             device_name(options_.device));
+  KILN_CHECK(profiled_run_, "graph '{}': profile() before the first run", graph_.name);
+  synchronize();
+  std::vector<NodeTiming> out = node_labels();
+  for (size_t n = 0; n < out.size(); ++n)
+    out[n].ms = is_view_node(n) ? 0 : timer_->elapsed_ms(2 * n, 2 * n + 1);
   return out;
 }
 
@@ -426,9 +430,12 @@ void Executor::enqueue_cuda(std::span<const Tensor> inputs) const {
     args.stream = stream_;
     args.body = node.body.get();
     if (timer_) timer_->record(2 * n, stream_);
+    cuda::set_trace_node(index);  // a kernel trace (kernel_trace.h) names the graph nodes captured now
     try {
       kernels_[n]->kernel(args);
+      cuda::set_trace_node(-1);
     } catch (const Error& e) {
+      cuda::set_trace_node(-1);
       fail("graph '{}': {} (cuda kernel '{}'): {}", graph_.name, node_text(graph_, n), kernels_[n]->dialect, e.what());
     }
     if (timer_) timer_->record(2 * n + 1, stream_);

@@ -109,6 +109,9 @@ class Executor {
   // CUDA with options.profile: waits for the last run, then returns one timing per node, in
   // node order. Throws kiln::Error without options.profile or before the first run.
   std::vector<NodeTiming> profile() const;
+  // One label per node, in node order (NodeTiming with ms 0): op, dialect (`view` for a view node,
+  // which runs no kernel), fused kind and output types.
+  std::vector<NodeTiming> node_labels() const;
 
   const Graph& graph() const { return graph_; }
   // The dialect chosen for each node, in node order.

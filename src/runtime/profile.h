@@ -37,12 +37,57 @@ std::string timing_label(const NodeTiming& t);
 std::vector<ProfileGroup> group_timings(const std::vector<NodeTiming>& timings, bool by_outputs = false);
 // A text report: the step's total, the groups, the `top` heaviest groups by output types too,
 // then the `top` slowest single nodes.
-std::string profile_table(const std::vector<NodeTiming>& timings, int top = 25);
+// `source` says where the times came from (the first line: "kernel time: X ms over N nodes (source)").
+std::string profile_table(const std::vector<NodeTiming>& timings, int top = 25,
+                          const std::string& source = "sum of per-node event times");
 // Writes Chrome trace-event JSON: one complete event (ph "X") per node, back to back in node
 // order (ts = sum of the earlier durations; ts and dur in microseconds), name = timing_label,
 // args = node index, outputs (and kind). The measured gaps between kernels (launch overhead)
 // are not shown: the timeline is the kernels' own times. Throws kiln::Error if `path` cannot be
 // written.
 void write_chrome_trace(const std::vector<NodeTiming>& timings, const std::string& path);
+
+// ---- timelines of real runs (cuda::KernelTrace) ----
+
+// One piece of device work in a traced run: a kernel, a copy or a fill.
+struct TraceEvent {
+  std::string name;       // the kernel's name (demangled), "memcpy <kind>" or "memset"
+  double start_us = 0;    // the device's clock
+  double end_us = 0;
+  uint64_t launch = 0;    // the launching API call's correlation id: one graph replay, one launch
+  int64_t node = -1;      // the graph node that enqueued it; -1: unknown
+};
+
+// The traced steps: the launches that ran more than one piece of work (graph replays; a step's
+// uploads and read-backs are single copies of their own), each one step, its events by start.
+std::vector<std::vector<TraceEvent>> split_steps(std::vector<TraceEvent> events);
+
+// One step's span (first start to last end), busy time (the union of its events' intervals) and
+// idle time between them.
+struct StepTimes {
+  double span_ms = 0;
+  double busy_ms = 0;
+  double idle_ms = 0;
+  int64_t gaps = 0;       // idle intervals between events
+};
+StepTimes step_times(const std::vector<TraceEvent>& step);
+
+// Per node of `labels` (one per graph node, in node order, as Executor::node_labels gives them),
+// the median over `steps` of the summed durations of its events; events of no known node are
+// grouped by name (node -1, dialect "unmapped").
+std::vector<NodeTiming> timeline_node_times(const std::vector<std::vector<TraceEvent>>& steps,
+                                            const std::vector<NodeTiming>& labels);
+
+// A text report of traced steps: span, busy and idle times (median and range), the time between
+// steps, the `gaps` largest gaps of the median step with the nodes around them, then
+// profile_table over timeline_node_times. Throws kiln::Error when `steps` is empty.
+std::string timeline_report(const std::vector<std::vector<TraceEvent>>& steps, const std::vector<NodeTiming>& labels,
+                            int top = 25, int gaps = 12);
+
+// Chrome trace-event JSON of traced steps on the device's clock (microseconds from the first
+// event): one complete event per piece of work named by its node (timing_label) or its kernel
+// name, args: kernel, node, step. Throws kiln::Error if `path` cannot be written.
+void write_timeline_trace(const std::vector<std::vector<TraceEvent>>& steps, const std::vector<NodeTiming>& labels,
+                          const std::string& path);
 
 }  // namespace kiln

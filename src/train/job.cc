@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backends/cuda/device.h"
+#include "backends/cuda/kernel_trace.h"
 #include "backends/cuda/memory.h"
 #include "models/models.h"
 #include "runtime/profile.h"
@@ -309,6 +310,12 @@ BenchResult run_benchmark(const BenchOptions& o) {
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
              "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
   KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
+  KILN_CHECK(o.timeline_path.empty() || on_cuda, "--timeline needs --device cuda (it traces the GPU's work)");
+  KILN_CHECK(o.timeline_path.empty() || cuda::kernel_trace_available(),
+             "--timeline: this build cannot trace (no CUPTI at configure time); --profile times kernels without it");
+  KILN_CHECK(o.timeline_path.empty() || o.cuda_graphs,
+             "--timeline traces graph-replayed steps: drop --no-cuda-graphs (--profile times kernels without graphs)");
+  KILN_CHECK(o.timeline_steps > 0, "--timeline-steps must be > 0, got {}", o.timeline_steps);
   KILN_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "--batch and --steps must be > 0 and --warmup >= 0, got {}, {}, {}",
              o.batch, o.steps, o.warmup);
   BenchResult r;
@@ -351,11 +358,11 @@ BenchResult run_benchmark(const BenchOptions& o) {
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
   executor_options.cuda_graphs = o.cuda_graphs;
-  // The profiling trainer (--profile) needs the initial params again: the first trainer is gone
-  // by then (two step arenas at once may not fit).
-  std::vector<Tensor> profile_init;
-  if (!o.profile_path.empty())
-    for (const Tensor& t : init) profile_init.push_back(t.clone());
+  // The profiling and tracing trainers (--profile, --timeline) need the initial params again:
+  // the first trainer is gone by then (two step arenas at once may not fit).
+  std::vector<Tensor> again_init;
+  if (!o.profile_path.empty() || !o.timeline_path.empty())
+    for (const Tensor& t : init) again_init.push_back(t.clone());
   size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;
   if (on_cuda) cuda::reset_peak_allocated_bytes();
   r.setup_s = seconds_since_process_start();
@@ -408,13 +415,35 @@ BenchResult run_benchmark(const BenchOptions& o) {
   r.kernels_per_step = static_cast<int64_t>(trainer.step_executor().graph().nodes.size());
   r.updates = trainer.step_executor().graph().updates.size();
   r.mfu = r.peak_flops > 0 ? r.flops_per_step / (r.median_ms / 1e3) / r.peak_flops : 0;
-  // --profile: before the report, so that the report (and its JSON line) stays last.
+  // --timeline and --profile: before the report, so that the report (and its JSON line) stays last.
+  if (!o.timeline_path.empty() || !o.profile_path.empty()) trainer_owner.reset();
+  auto another_trainer = [&](const ExecutorOptions& options) {
+    std::vector<Tensor> params;
+    for (const Tensor& t : again_init) params.push_back(t.clone());
+    return std::make_unique<Trainer>(forward, config, params, options, passes);
+  };
+  if (!o.timeline_path.empty()) {
+    // The trace exists before the trainer so that its graph's capture names every kernel's node.
+    cuda::KernelTrace trace;
+    std::unique_ptr<Trainer> traced = another_trainer(executor_options);
+    for (int i = 0; i < 3; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);  // run, capture, replay
+    traced->synchronize();
+    trace.start();
+    for (int64_t i = 0; i < o.timeline_steps; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);
+    traced->synchronize();
+    std::vector<std::vector<TraceEvent>> steps = split_steps(trace.stop());
+    const std::vector<NodeTiming> labels = traced->step_executor().node_labels();
+    write_timeline_trace(steps, labels, o.timeline_path);
+    if (o.out) {
+      fmt::print(o.out, "{}", timeline_report(steps, labels, 25));
+      fmt::print(o.out, "timeline written to {} (open in chrome://tracing or ui.perfetto.dev)\n", o.timeline_path);
+    }
+  }
   if (!o.profile_path.empty()) {
-    trainer_owner.reset();
     ExecutorOptions profile_options = executor_options;
     profile_options.profile = true;
-    Trainer profiling(forward, config, profile_init, profile_options, passes);
-    profile_init.clear();
+    std::unique_ptr<Trainer> profiling_owner = another_trainer(profile_options);
+    Trainer& profiling = *profiling_owner;
     for (int i = 0; i < 3; ++i) profiling.step(batches[static_cast<size_t>(i % 2)]);  // 2 warm-up + 1 profiled
     std::vector<NodeTiming> timings = profiling.step_executor().profile();  // the last step
     write_chrome_trace(timings, o.profile_path);

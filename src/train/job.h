@@ -67,6 +67,13 @@ struct BenchOptions {
   // and 1 profiled one; the per-kernel table (top 25 nodes) goes to `out`, before the report
   // (so that the JSON line stays last), and a Chrome trace-event JSON of the step to this path.
   std::string profile_path;
+  // cuda only (a build with CUPTI); "" = none. After the timed steps (and before --profile's), a
+  // trainer built while a cuda::KernelTrace exists runs 3 untraced steps (run, capture, replay),
+  // then `timeline_steps` graph-replayed steps back to back, traced: the step's span, busy and
+  // idle times, its largest gaps and a per-node table (timeline_report) go to `out`, and a
+  // Chrome trace-event JSON of the traced steps on the device's clock to this path.
+  std::string timeline_path;
+  int64_t timeline_steps = 10;
 };
 
 struct BenchResult {

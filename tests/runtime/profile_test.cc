@@ -158,6 +158,115 @@ TEST(Profile, UnwritableTracePathIsAClearError) {
   }
 }
 
+// ---- timelines (traced steps) ----
+
+TraceEvent event(std::string name, double start_us, double end_us, uint64_t launch, int64_t node) {
+  return TraceEvent{std::move(name), start_us, end_us, launch, node};
+}
+
+std::vector<NodeTiming> timeline_labels() {
+  return {timing(0, "matmul", "cublaslt", "", "bf16[4,8]", 0), timing(1, "fused", "nvrtc", "ew", "f32[4,8]", 0),
+          timing(2, "add", "cuda", "", "f32[4]", 0)};
+}
+
+// Three replayed steps (launches 7, 9 and 3: launch ids need not follow time) and a lone upload
+// between the first two, shuffled. Step A overlaps two events (node 1's second kernel and node 2).
+//   A: n0 [0,10] n1 [12,20] n1 [20,25] n2 [24,26] copy [30,31]   busy 25, span 31, 2 gaps
+//   B: n0 [100,104] n1 [105,115] n2 [115,116] copy [116,118]     busy 17, span 18, 1 gap
+//   C: n0 [200,206] n1 [206,210] n2 [212,213]                    busy 11, span 13, 1 gap
+std::vector<TraceEvent> traced() {
+  return {event("gemm", 105, 115, 9, 1),  event("k_add", 212, 213, 3, 2), event("memcpy DtoD", 30, 31, 7, -1),
+          event("gemm", 0, 10, 7, 0),     event("memcpy HtoD", 50, 51, 8, -1), event("ew", 12, 20, 7, 1),
+          event("ew2", 20, 25, 7, 1),     event("k_add", 24, 26, 7, 2),   event("gemm", 100, 104, 9, 0),
+          event("k_add", 115, 116, 9, 2), event("memcpy DtoD", 116, 118, 9, -1), event("gemm", 200, 206, 3, 0),
+          event("ew", 206, 210, 3, 1)};
+}
+
+TEST(Timeline, StepsAreLaunchesOfMoreThanOneEventInTimeOrder) {
+  const auto steps = split_steps(traced());
+  ASSERT_EQ(steps.size(), 3u);  // the upload (one event) is no step
+  EXPECT_EQ(steps[0].size(), 5u);
+  EXPECT_EQ(steps[1].size(), 4u);
+  EXPECT_EQ(steps[2].size(), 3u);
+  EXPECT_EQ(steps[0][0].start_us, 0);
+  EXPECT_EQ(steps[2][0].launch, 3u);
+  for (const auto& step : steps)
+    for (size_t i = 1; i < step.size(); ++i) EXPECT_LE(step[i - 1].start_us, step[i].start_us);
+}
+
+TEST(Timeline, SpanBusyAndIdleCountOverlapsOnce) {
+  const auto steps = split_steps(traced());
+  const double want_span[] = {31, 18, 13}, want_busy[] = {25, 17, 11};
+  const int64_t want_gaps[] = {2, 1, 1};
+  for (size_t s = 0; s < 3; ++s) {
+    StepTimes t = step_times(steps[s]);
+    EXPECT_NEAR(t.span_ms, want_span[s] / 1e3, 1e-12) << s;
+    EXPECT_NEAR(t.busy_ms, want_busy[s] / 1e3, 1e-12) << s;
+    EXPECT_NEAR(t.idle_ms, (want_span[s] - want_busy[s]) / 1e3, 1e-12) << s;
+    EXPECT_EQ(t.gaps, want_gaps[s]) << s;
+  }
+}
+
+TEST(Timeline, NodeTimesAreMediansOfPerStepSums) {
+  const auto times = timeline_node_times(split_steps(traced()), timeline_labels());
+  ASSERT_EQ(times.size(), 4u);  // three nodes, then the unmapped copy by name
+  // n0: 10, 4, 6 -> 6; n1: 8 + 5, 10, 4 -> 10; n2: 2, 1, 1 -> 1; copy: 1, 2, 0 -> 1 (us).
+  EXPECT_NEAR(times[0].ms, 0.006, 1e-12);
+  EXPECT_NEAR(times[1].ms, 0.010, 1e-12);
+  EXPECT_NEAR(times[2].ms, 0.001, 1e-12);
+  EXPECT_EQ(times[1].kind, "ew");
+  EXPECT_EQ(times[3].node, -1);
+  EXPECT_EQ(times[3].op, "memcpy DtoD");
+  EXPECT_EQ(times[3].dialect, "unmapped");
+  EXPECT_NEAR(times[3].ms, 0.001, 1e-12);
+}
+
+TEST(Timeline, ReportGivesMediansGapsAndTheNodeTable) {
+  const std::string report = timeline_report(split_steps(traced()), timeline_labels(), 10, 5);
+  // Span median 18 us (step B), range 13 .. 31; between steps 69 and 82 us -> 75.5.
+  EXPECT_NE(report.find("3 steps"), std::string::npos) << report;
+  EXPECT_NE(report.find("0.018 ms median (0.013 .. 0.031)"), std::string::npos) << report;
+  EXPECT_NE(report.find("0.076 ms median (0.069 .. 0.082)"), std::string::npos) << report;
+  // Step B's one gap: 1 us between node 0 and node 1.
+  EXPECT_NE(report.find("1.0 us  after node 0 matmul[cublaslt]  before node 1 fused:ew[nvrtc]"), std::string::npos)
+      << report;
+  // The node table sums the medians: 6 + 10 + 1 + 1 us.
+  EXPECT_NE(report.find("kernel time: 0.018 ms over 4 nodes"), std::string::npos) << report;
+  EXPECT_THROW(timeline_report({}, timeline_labels()), Error);
+}
+
+TEST(Timeline, TraceJsonIsOnTheDeviceClockFromTheFirstEvent) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("kiln_timeline_test_" + std::to_string(::getpid()) + ".json")).string();
+  write_timeline_trace(split_steps(traced()), timeline_labels(), path);
+  std::ifstream in(path);
+  nlohmann::json j = nlohmann::json::parse(in);
+  std::filesystem::remove(path);
+  const nlohmann::json& events = j["traceEvents"];
+  ASSERT_EQ(events.size(), 12u);
+  EXPECT_NEAR(events[0]["ts"].get<double>(), 0, 1e-9);
+  EXPECT_EQ(events[0]["name"], "matmul[cublaslt]");
+  EXPECT_EQ(events[0]["args"]["kernel"], "gemm");
+  EXPECT_EQ(events[4]["name"], "memcpy DtoD");  // unmapped: its own name
+  EXPECT_EQ(events[5]["args"]["step"], 1);
+  EXPECT_NEAR(events[5]["ts"].get<double>(), 100, 1e-9);
+  EXPECT_NEAR(events[6]["dur"].get<double>(), 10, 1e-9);
+}
+
+TEST(Profile, BenchTimelineOnTheCpuIsAClearError) {
+  train::BenchOptions o;
+  o.device = "cpu";
+  o.model = "mlp";
+  o.timeline_path = "/tmp/never-written.json";
+  o.out = nullptr;
+  try {
+    train::run_benchmark(o);
+    FAIL() << "expected kiln::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--timeline needs --device cuda"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Profile, BenchProfileOnTheCpuIsAClearError) {
   train::BenchOptions o;
   o.device = "cpu";
