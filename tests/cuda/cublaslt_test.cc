@@ -869,3 +869,55 @@ TEST(CublasLtSpeed, WeightGradientVariants) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// GPT-2's fc products with their GELU epilogues at B*T = 32768 (printed, not asserted): the
+// heuristic's first algorithm against the fastest of KILN_GEMM_CANDIDATES candidates (default 8)
+// timed by autotuning, beside the same product with a bias only and with no epilogue.
+TEST(CublasLtSpeed, GeluEpilogueTuning) {
+  KILN_REQUIRE_GPU();
+  const int64_t bt = 32768, c = 768, f = 3072;
+  Stream stream;
+  auto a = device_alloc(bt * f * 2), b = device_alloc(f * c * 2), d = device_alloc(bt * f * 2),
+       aux = device_alloc(bt * f * 2), bias = device_alloc(f * 2);
+  fill_random(a.get(), bt * f * 2, 1);
+  fill_random(b.get(), f * c * 2, 2);
+  fill_random(aux.get(), bt * f * 2, 3);
+  fill_random(bias.get(), f * 2, 4);
+  GemmOperands ops{a.get(), b.get(), nullptr, d.get()};
+  ops.bias = bias.get();
+  ops.aux = aux.get();
+  struct Case {
+    const char* name;
+    bool transpose_b;
+    Epilogue epilogue;
+  };
+  const Case cases[] = {{"fc forward, no epilogue", false, Epilogue::kNone},
+                        {"fc forward + bias", false, Epilogue::kBias},
+                        {"fc forward + bias, GELU, aux", false, Epilogue::kGeluAuxBias},
+                        {"fc dX = dy w^T, no epilogue", true, Epilogue::kNone},
+                        {"fc dX = dy w^T, DGELU(aux)", true, Epilogue::kDGelu}};
+  const double gflop = 2.0 * bt * f * c / 1e9;
+  for (const Case& k : cases) {
+    Gemm g;
+    g.m = bt, g.n = f, g.k = c, g.transpose_b = k.transpose_b;
+    g.a_type = g.d_type = DType::kBF16;
+    g.epilogue = k.epilogue;
+    cuda::set_gemm_autotune(false);
+    const double first = time_ms(g, ops, stream.s, 30);
+    const std::string first_algo = g.plan(ops, stream.s).algorithm();
+    cuda::set_gemm_autotune(true);
+    const double tuned = time_ms(g, ops, stream.s, 30);
+    const std::string tuned_algo = g.plan(ops, stream.s).algorithm();
+    cuda::set_gemm_autotune(false);
+    fmt::print("[speed] {:<32} heuristic {:7.1f} us ({:5.0f} TFLOP/s) {}\n", k.name, first * 1e3,
+               gflop / first, first_algo);
+    fmt::print("[speed] {:<32} tuned     {:7.1f} us ({:5.0f} TFLOP/s) {} of {} candidates\n", "", tuned * 1e3,
+               gflop / tuned, tuned_algo, cuda::gemm_autotune_candidates());
+  }
+}
+
+}  // namespace
+}  // namespace kiln

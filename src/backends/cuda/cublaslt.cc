@@ -256,6 +256,15 @@ bool gemm_autotune() {
 }
 void set_gemm_autotune(bool on) { autotune_setting().store(on ? 1 : 0); }
 
+int gemm_autotune_candidates() {
+  static const int n = [] {
+    const char* v = std::getenv("KILN_GEMM_CANDIDATES");
+    const int parsed = v ? std::atoi(v) : 0;
+    return parsed > 0 ? std::min(parsed, 128) : 8;
+  }();
+  return n;
+}
+
 bool matmul_allow_tf32() {
   int v = tf32_setting().load();
   if (v < 0) {
@@ -453,7 +462,7 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
     KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
     auto heuristic = [&] {
-      constexpr int kRequested = 8;
+      const int kRequested = gemm_autotune() ? gemm_autotune_candidates() : 8;
       results.assign(kRequested, {});
       int returned = 0;
       const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(

@@ -174,6 +174,8 @@ class GemmPlan {
 // Default: the environment variable KILN_GEMM_AUTOTUNE=1; this overrides it.
 bool gemm_autotune();
 void set_gemm_autotune(bool on);
+// How many of the heuristic's candidates autotuning times: KILN_GEMM_CANDIDATES (1-128), default 8.
+int gemm_autotune_candidates();
 // Whether the f32 matmul dialect uses TF32 (off by default, like PyTorch's matmul; the
 // environment variable KILN_ALLOW_TF32=1 turns it on; this overrides it).
 bool matmul_allow_tf32();
