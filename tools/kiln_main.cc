@@ -286,6 +286,9 @@ int main(int argc, char** argv) {
   bench->add_option("--steps", bench_options.steps, "Timed steps")->default_val(20);
   bench->add_option("--warmup", bench_options.warmup, "Untimed steps first")->default_val(5);
   bench->add_option("--peak-tflops", bench_peak_tflops, "The device's peak TFLOP/s for MFU (default: known GPUs' dense bf16/tf32 peak)");
+  bench->add_flag("--no-gemm-tuning", [&](int64_t) { bench_options.tune_gemms = false; },
+                  "Keep cuBLASLt's first-choice algorithms (by default the second step times the candidates of "
+                  "every product and keeps the fastest)");
   bench->add_flag("--no-cuda-graphs", [&](int64_t) { bench_options.cuda_graphs = false; },
                   "Launch every kernel each step instead of replaying a captured CUDA graph");
   bench->add_flag("--json", bench_options.json, "Also print the numbers as one JSON line, last");

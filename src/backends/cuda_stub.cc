@@ -21,6 +21,8 @@ void check_device_errors() {}
 double smoke_test_saxpy(int) { no_cuda(); }
 int current_device() { no_cuda(); }
 void set_current_device(int) { no_cuda(); }
+GemmTuningScope::GemmTuningScope() = default;
+GemmTuningScope::~GemmTuningScope() = default;
 
 MemoryInfo memory_info() { no_cuda(); }
 std::string format_bytes(size_t bytes) {

@@ -192,7 +192,19 @@ void Executor::plan_with_direct_updates() {
   last_use_ = plan_.liveness.last;
 }
 
+namespace {
+// Whether a node runs a cuBLASLt product: a matmul, or a fused body holding one.
+bool runs_gemm(const Node& node) {
+  if (node.op == Op::kMatmul) return true;
+  if (node.body)
+    for (const Node& n : node.body->nodes)
+      if (runs_gemm(n)) return true;
+  return false;
+}
+}  // namespace
+
 void Executor::setup_cuda() {
+  for (const Node& node : graph_.nodes) has_gemm_ = has_gemm_ || runs_gemm(node);
   if (options_.stream != nullptr) {
     stream_ = options_.stream;
   } else {
@@ -361,8 +373,21 @@ std::vector<Tensor> Executor::run_cuda(std::span<const Tensor> inputs) const {
   }
   std::vector<Tensor> outputs;
   for (ValueId id : graph_.outputs) outputs.push_back(output_tensors_[static_cast<size_t>(output_slot_[id])]);
+  // The run after the first tunes the products (options_.tune_gemms): the first run, and so the
+  // first step, keeps the heuristic's algorithms; the capture after the tuning run holds the winners.
+  const bool tuning_run = options_.tune_gemms && has_gemm_ && warmed_up_ && !tuned_;
+  auto enqueue_direct = [&] {
+    if (tuning_run) {
+      cuda::GemmTuningScope tuning;
+      enqueue_cuda(inputs);
+      tuned_ = true;
+    } else {
+      enqueue_cuda(inputs);
+    }
+    warmed_up_ = true;
+  };
   if (!options_.cuda_graphs || options_.profile) {
-    enqueue_cuda(inputs);
+    enqueue_direct();
     return outputs;
   }
   if (captured_.ready() && pointers == captured_pointers_) {
@@ -370,9 +395,8 @@ std::vector<Tensor> Executor::run_cuda(std::span<const Tensor> inputs) const {
     ++graph_replays_;
     return outputs;
   }
-  if (!warmed_up_) {
-    enqueue_cuda(inputs);
-    warmed_up_ = true;
+  if (!warmed_up_ || tuning_run) {
+    enqueue_direct();
     return outputs;
   }
   captured_.begin_capture(stream_);

@@ -358,6 +358,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
   executor_options.cuda_graphs = o.cuda_graphs;
+  executor_options.tune_gemms = o.tune_gemms;
   // The profiling and tracing trainers (--profile, --timeline) need the initial params again:
   // the first trainer is gone by then (two step arenas at once may not fit).
   std::vector<Tensor> again_init;
@@ -426,7 +427,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
     // The trace exists before the trainer so that its graph's capture names every kernel's node.
     cuda::KernelTrace trace;
     std::unique_ptr<Trainer> traced = another_trainer(executor_options);
-    for (int i = 0; i < 3; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);  // run, capture, replay
+    for (int i = 0; i < 4; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);  // run, tune, capture, replay
     traced->synchronize();
     trace.start();
     for (int64_t i = 0; i < o.timeline_steps; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);
@@ -444,7 +445,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
     profile_options.profile = true;
     std::unique_ptr<Trainer> profiling_owner = another_trainer(profile_options);
     Trainer& profiling = *profiling_owner;
-    for (int i = 0; i < 3; ++i) profiling.step(batches[static_cast<size_t>(i % 2)]);  // 2 warm-up + 1 profiled
+    for (int i = 0; i < 3; ++i) profiling.step(batches[static_cast<size_t>(i % 2)]);  // run, tune, profiled
     std::vector<NodeTiming> timings = profiling.step_executor().profile();  // the last step
     write_chrome_trace(timings, o.profile_path);
     if (o.out) {

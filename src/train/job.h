@@ -53,8 +53,9 @@ struct BenchOptions {
   std::string amp = "bf16";       // off | bf16 | f16
   std::string device = "cuda";    // cpu | cuda
   int64_t steps = 20;             // timed steps
-  int64_t warmup = 5;             // untimed steps first (on cuda the first two run and capture)
+  int64_t warmup = 5;             // untimed steps first (on cuda the first three run, tune and capture)
   bool cuda_graphs = true;
+  bool tune_gemms = true;         // ExecutorOptions::tune_gemms (the second step tunes the products)
   double peak_flops = 0;          // the device's peak rate for MFU; 0 = from the device table
   uint64_t seed = 0;
   std::FILE* out = stdout;        // the report; nullptr = none
@@ -68,8 +69,8 @@ struct BenchOptions {
   // (so that the JSON line stays last), and a Chrome trace-event JSON of the step to this path.
   std::string profile_path;
   // cuda only (a build with CUPTI); "" = none. After the timed steps (and before --profile's), a
-  // trainer built while a cuda::KernelTrace exists runs 3 untraced steps (run, capture, replay),
-  // then `timeline_steps` graph-replayed steps back to back, traced: the step's span, busy and
+  // trainer built while a cuda::KernelTrace exists runs 4 untraced steps (run, tune, capture,
+  // replay), then `timeline_steps` graph-replayed steps back to back, traced: the step's span, busy and
   // idle times, its largest gaps and a per-node table (timeline_report) go to `out`, and a
   // Chrome trace-event JSON of the traced steps on the device's clock to this path.
   std::string timeline_path;

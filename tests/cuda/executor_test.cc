@@ -21,6 +21,7 @@
 #include <cstring>
 #include <optional>
 
+#include "backends/cuda/cublaslt.h"
 #include "backends/cuda/memory.h"
 #include "gpu_test_util.h"
 #include "ir/text.h"
@@ -251,6 +252,40 @@ TEST(CudaExecutor, GraphReplayMatchesCaptureOff) {
   EXPECT_EQ(replaying.graph_captures(), 3);
   EXPECT_EQ(replaying.graph_replays(), 2);
   EXPECT_EQ(direct.graph_captures(), 0);
+}
+
+TEST(CudaExecutor, SecondRunTunesTheProductsAndTheThirdCaptures) {
+  KILN_REQUIRE_GPU();
+  // Shapes no other test uses, so that their plans are not tuned yet.
+  Graph g = parse(R"(
+graph @products(%x: f32[200, 72] data, %w: f32[72, 136] data, %v: f32[136, 40] data) {
+  %h = matmul(%x, %w)
+  %y = matmul(%h, %v)
+  return %y
+}
+)");
+  const std::vector<Tensor> inputs = host_inputs(g, 5, 1);
+  const std::vector<Tensor> want = Executor(g).run(inputs);
+  std::vector<Tensor> device = upload(inputs);
+  Executor e(g, on_cuda(true));
+  size_t tuned = cuda::gemm_tuned_plan_count();
+  for (int run = 0; run < 4; ++run) {
+    expect_close(download(e.run(device)), want, kGemm, "run " + std::to_string(run));
+    const size_t now = cuda::gemm_tuned_plan_count();
+    if (run == 0) EXPECT_EQ(now, tuned) << "the first run keeps the heuristic's algorithms";
+    if (run == 1) EXPECT_EQ(now, tuned + 2) << "the second run tunes both products";
+    if (run == 1) EXPECT_EQ(e.graph_captures(), 0);
+    tuned = now;
+  }
+  EXPECT_EQ(e.graph_captures(), 1);
+  EXPECT_EQ(e.graph_replays(), 1);
+  // Off: captured at the second run, as without products.
+  ExecutorOptions off = on_cuda(true);
+  off.tune_gemms = false;
+  Executor plain(g, off);
+  for (int run = 0; run < 3; ++run) expect_close(download(plain.run(device)), want, kGemm, "untuned");
+  EXPECT_EQ(plain.graph_captures(), 1);
+  EXPECT_EQ(plain.graph_replays(), 1);
 }
 
 TEST(CudaExecutor, UpdatesLandInTheInputsDeviceStorage) {

@@ -9,6 +9,8 @@
 // transposed, the batch folds into M: (B, T, C) @ (C, D) is one (B*T, C) @ (C, D) GEMM.
 #include "backends/cuda/cublaslt.h"
 
+#include "backends/cuda/device.h"
+
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -246,7 +248,15 @@ Scalars scalars_of(const GemmOperands& ops) {
 
 }  // namespace
 
+namespace {
+thread_local int t_tuning_scopes = 0;
+}  // namespace
+
+GemmTuningScope::GemmTuningScope() { ++t_tuning_scopes; }
+GemmTuningScope::~GemmTuningScope() { --t_tuning_scopes; }
+
 bool gemm_autotune() {
+  if (t_tuning_scopes > 0) return true;
   int v = autotune_setting().load();
   if (v < 0) {
     v = env_flag("KILN_GEMM_AUTOTUNE") ? 1 : 0;
@@ -279,6 +289,14 @@ size_t gemm_plan_cache_size() {
   Cache& c = cache();
   std::lock_guard lock(c.mutex);
   return c.plans.size();
+}
+
+size_t gemm_tuned_plan_count() {
+  Cache& c = cache();
+  std::lock_guard lock(c.mutex);
+  size_t n = 0;
+  for (const auto& [key, plan] : c.plans) n += plan->tuned();
+  return n;
 }
 
 std::string Gemm::to_string() const {
@@ -525,8 +543,10 @@ cublasStatus_t GemmPlanAccess::enqueue(GemmPlan& plan, const Gemm& g, const Gemm
                         &algo, device.workspace, kGemmWorkspaceBytes, stream);
 }
 
-// Times each candidate on scratch outputs (the inputs are only read, so the caller's data is
-// untouched; C, when D is C, is read from the real D) and keeps the fastest.
+// Times each candidate and keeps the fastest. The inputs are only read; the outputs (D, aux,
+// bias_grad) are written, which is harmless because run() writes them next, except where D is
+// also C (accumulating in place): then D goes to scratch and C is read from the real D. When the
+// scratch does not fit, the heuristic's choice stays (tuning must not make a full device fail).
 void GemmPlanAccess::tune(GemmPlan& plan, const Gemm& g, const GemmOperands& ops,
                           DeviceState& device,
                           const std::vector<cublasLtMatmulHeuristicResult_t>& results,
@@ -534,17 +554,7 @@ void GemmPlanAccess::tune(GemmPlan& plan, const Gemm& g, const GemmOperands& ops
   const Resolved r = resolve(g);
   const size_t out_size = dtype_size(g.d_type);
   const size_t d_bytes = static_cast<size_t>((g.batch - 1) * r.stride_d + g.m * r.ldd) * out_size;
-  const size_t aux_bytes =
-      static_cast<size_t>((g.batch - 1) * r.stride_aux + g.m * r.ld_aux) * out_size;
-  const size_t bias_bytes =
-      static_cast<size_t>((g.batch - 1) * g.stride_bias + std::max(g.m, g.n)) * out_size;
   std::vector<void*> scratch;
-  auto allocate = [&scratch](size_t bytes) {
-    void* p = nullptr;
-    KILN_CUDA_CHECK(cudaMalloc(&p, bytes));
-    scratch.push_back(p);
-    return p;
-  };
   cudaEvent_t start = nullptr, stop = nullptr;
   auto cleanup = [&] {
     for (void* p : scratch) cudaFree(p);
@@ -553,10 +563,18 @@ void GemmPlanAccess::tune(GemmPlan& plan, const Gemm& g, const GemmOperands& ops
   };
   try {
     GemmOperands t = ops;
-    if (!t.c) t.c = ops.d;  // read the real C, write the scratch D
-    t.d = allocate(d_bytes);
-    if (epilogue_writes_aux(g.epilogue)) t.aux = allocate(aux_bytes);
-    if (epilogue_writes_bias(g.epilogue)) t.bias_grad = allocate(bias_bytes);
+    const bool d_is_c = ops.beta != 0.0 && (ops.c == nullptr || ops.c == ops.d);
+    if (d_is_c) {
+      t.c = ops.d;  // read the real C, write the scratch D
+      void* p = nullptr;
+      if (cudaMalloc(&p, d_bytes) != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the allocation's error
+        plan.tuned_ = true;        // keep the heuristic's choice; do not retry each call
+        return;
+      }
+      scratch.push_back(p);
+      t.d = p;
+    }
     KILN_CUDA_CHECK(cudaEventCreate(&start));
     KILN_CUDA_CHECK(cudaEventCreate(&stop));
     // Two passes over the candidates, each keeping its faster pass: one pass in order let clock

@@ -171,7 +171,8 @@ class GemmPlan {
 };
 
 // Algorithm choice by timing the heuristic's top candidates (once per description, cached).
-// Default: the environment variable KILN_GEMM_AUTOTUNE=1; this overrides it.
+// Default: the environment variable KILN_GEMM_AUTOTUNE=1; this overrides it. True on a thread
+// holding a GemmTuningScope (device.h) whatever the setting.
 bool gemm_autotune();
 void set_gemm_autotune(bool on);
 // How many of the heuristic's candidates autotuning times: KILN_GEMM_CANDIDATES (1-128), default 8.
@@ -182,6 +183,8 @@ bool matmul_allow_tf32();
 void set_matmul_allow_tf32(bool on);
 // Number of plans in the cache (all devices): for tests and diagnostics.
 size_t gemm_plan_cache_size();
+// How many of those plans were tuned (their algorithm chosen by timing).
+size_t gemm_tuned_plan_count();
 
 inline constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
 

@@ -20,4 +20,16 @@ double smoke_test_saxpy(int n);
 int current_device();
 void set_current_device(int device);
 
+// While one exists on a thread, the cuBLASLt products that thread enqueues outside a graph
+// capture choose their algorithm by timing the heuristic's candidates (once per description; the
+// plan cache keeps the winner for every later run), as KILN_GEMM_AUTOTUNE=1 does everywhere.
+// The executor opens one for its tuning run (ExecutorOptions::tune_gemms). A no-op without CUDA.
+class GemmTuningScope {
+ public:
+  GemmTuningScope();
+  ~GemmTuningScope();
+  GemmTuningScope(const GemmTuningScope&) = delete;
+  GemmTuningScope& operator=(const GemmTuningScope&) = delete;
+};
+
 }  // namespace kiln::cuda
