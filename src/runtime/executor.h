@@ -116,6 +116,12 @@ class Executor {
   // CUDA with options.profile: waits for the last run, then returns one timing per node, in
   // node order. Throws kiln::Error without options.profile or before the first run.
   std::vector<NodeTiming> profile() const;
+  // Seconds the constructor spent choosing kernels, preparing them (compiles, cuDNN plans; on
+  // threads) and, on CUDA, planning memory and allocating the arena.
+  struct BuildTimes {
+    double select_s = 0, prepare_s = 0, setup_s = 0;
+  };
+  const BuildTimes& build_times() const { return build_times_; }
   // One label per node, in node order (NodeTiming with ms 0): op, dialect (`view` for a view node,
   // which runs no kernel), fused kind and output types.
   std::vector<NodeTiming> node_labels() const;
@@ -165,6 +171,7 @@ class Executor {
   mutable bool tuned_ = false;  // the tuning run (options_.tune_gemms) is done
   mutable int64_t graph_replays_ = 0;
   mutable int64_t graph_captures_ = 0;
+  BuildTimes build_times_;
   std::unique_ptr<cuda::EventTimer> timer_;  // options.profile: events 2n, 2n+1 around node n
   mutable bool profiled_run_ = false;
 };

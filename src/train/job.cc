@@ -301,6 +301,7 @@ double device_peak_flops(const std::string& name, const std::string& amp, std::s
 }
 
 BenchResult run_benchmark(const BenchOptions& o) {
+  const double entered_s = seconds_since_process_start();
   KILN_CHECK(o.device == "cpu" || o.device == "cuda", "unknown device '{}' (expected cpu or cuda)", o.device);
   const bool on_cuda = o.device == "cuda";
   if (on_cuda) {
@@ -364,15 +365,19 @@ BenchResult run_benchmark(const BenchOptions& o) {
   std::vector<Tensor> again_init;
   if (!o.profile_path.empty() || !o.timeline_path.empty())
     for (const Tensor& t : init) again_init.push_back(t.clone());
-  size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;
+  const double context_from_s = seconds_since_process_start();
+  size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;  // the first call: CUDA's context
   if (on_cuda) cuda::reset_peak_allocated_bytes();
   r.setup_s = seconds_since_process_start();
+  r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
+  if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Clock::time_point t0 = Clock::now();
   PassOptions passes;
   passes.disabled = {o.disabled_passes.begin(), o.disabled_passes.end()};
   auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes);
   Trainer& trainer = *trainer_owner;
   r.compile_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.build_parts = trainer.build_seconds();
   init.clear();
 
   Clock::time_point t1 = Clock::now();
@@ -478,6 +483,12 @@ BenchResult run_benchmark(const BenchOptions& o) {
                "  first step       {:.2f} s after process start (setup {:.2f} s, trainer build {:.2f} s, "
                "first step {:.2f} s)\n",
                r.first_step_s, r.setup_s, r.compile_s, r.first_run_s);
+    auto parts = [](const std::vector<std::pair<std::string, double>>& v) {
+      std::string out;
+      for (const auto& [name, s] : v) out += fmt::format("{}{} {:.2f}", out.empty() ? "" : ", ", name, s);
+      return out;
+    };
+    fmt::print(o.out, "                   setup: {}; trainer build: {}\n", parts(r.setup_parts), parts(r.build_parts));
     fmt::print(o.out, "  final loss       {:.4f}\n", r.final_loss);
     if (o.json) {
       auto gib = [](size_t bytes) { return std::round(static_cast<double>(bytes) / double(1ull << 30) * 100) / 100; };

@@ -92,6 +92,9 @@ struct BenchResult {
   double compile_s = 0;           // trainer construction: passes, kernel choice, memory plan
   double setup_s = 0;             // process start to the trainer's construction (model, init)
   double first_run_s = 0;         // the first step itself: kernel compiles, capture, the step
+  // Where setup_s and compile_s went, in order (seconds): setup's "start" (process start to the
+  // benchmark: loading, the CLI), "model and params", "CUDA context"; then Trainer::build_seconds.
+  std::vector<std::pair<std::string, double>> setup_parts, build_parts;
   double final_loss = 0;
   // CUDA memory: what kiln allocated (params + state, the step's arena and outputs, anything
   // else through cuda::allocate such as kernel workspaces), its peak, and cudaMemGetInfo's

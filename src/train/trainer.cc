@@ -1,4 +1,5 @@
 #include "train/trainer.h"
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -17,7 +18,18 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   if (!pass_options.memory_budget && config_.memory_budget > 0) pass_options.memory_budget = config_.memory_budget;
   if (config_.logits_chunk_bytes) pass_options.logits_chunk_bytes = *config_.logits_chunk_bytes;
   pass_options.target = executor_options.device;
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  Clock::time_point t0 = Clock::now();
   pass_records_ = default_pipeline(std::move(pass_options)).run(program_.graph);
+  build_seconds_.emplace_back("passes", seconds_since(t0));
+  // The step executor's own phases, once it exists.
+  auto executor_phases = [this] {
+    const Executor::BuildTimes& t = step_executor_->build_times();
+    build_seconds_.emplace_back("kernel choice", t.select_s);
+    build_seconds_.emplace_back("kernels prepared", t.prepare_s);
+    if (executor_options_.device == Device::kCuda) build_seconds_.emplace_back("memory plan", t.setup_s);
+  };
   const Graph& g = program_.graph;
   KILN_CHECK(params.size() == program_.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
              forward.name, program_.param_inputs.size(), params.size());
@@ -38,6 +50,7 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   executor_options_ = std::move(executor_options);
   if (executor_options_.device != Device::kCuda) {
     step_executor_ = std::make_unique<Executor>(g, executor_options_);
+    executor_phases();
     return;
   }
   // CUDA: one stream for steps, evaluation and copies; the executor checks that its arena and
@@ -49,10 +62,13 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   ExecutorOptions step_options = executor_options_;
   for (const GraphInput& in : g.inputs) step_options.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
   step_executor_ = std::make_unique<Executor>(g, step_options);
+  executor_phases();
+  t0 = Clock::now();
   for (size_t i = 0; i < inputs_.size(); ++i) {
     if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
     else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // data and lr buffers
   }
+  build_seconds_.emplace_back("upload", seconds_since(t0));
   staging_ = std::make_unique<cuda::UploadStaging>(2);
   loss_type_ = g.type(g.outputs.at(0));
   KILN_CHECK(loss_type_.bytes() <= 8, "the loss must be a scalar, got {}", to_string(loss_type_));

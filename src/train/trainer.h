@@ -62,6 +62,9 @@ class Trainer {
   const OptimizerConfig& config() const { return config_; }
   const TrainingGraph& program() const { return program_; }  // after the pipeline
   const std::vector<PassRecord>& pass_records() const { return pass_records_; }
+  // Where construction's time went, in order: "passes", the step executor's "kernel choice",
+  // "kernels prepared", on CUDA "memory plan" and "upload" (params and state to the device).
+  const std::vector<std::pair<std::string, double>>& build_seconds() const { return build_seconds_; }
   // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step"),
   // on the trainer's device (device tensors on CUDA: writing them changes the trainer's state).
   std::map<std::string, Tensor> named_tensors() const;
@@ -93,6 +96,7 @@ class Trainer {
   std::vector<Tensor> inputs_;
   int64_t steps_done_ = 0;
   std::vector<PassRecord> pass_records_;
+  std::vector<std::pair<std::string, double>> build_seconds_;
   std::vector<double> losses_;  // taken losses not yet returned by take_losses()
   // CUDA: staging for the batch and lr; pinned slots the losses are copied into.
   std::unique_ptr<cuda::UploadStaging> staging_;
