@@ -1,6 +1,9 @@
 // The MLP and a 2-layer GPT built with the builder API, run by the executor, checked against
 // an independent plain-C++ computation written here (no kiln ops involved).
+#include <omp.h>
+
 #include <cmath>
+#include <cstring>
 
 #include "models/models.h"
 #include "runtime/executor.h"
@@ -203,7 +206,40 @@ TEST(Models, InitParamsFollowsGpt2Initialization) {
     } else {
       EXPECT_NEAR(stdev, 0.02, 0.002) << name;
     }
+    if (g.type(in.value).rank() == 2) {
+      // Normal, not just the right spread: about 68.3% within one standard deviation, 95.4% within
+      // two (a uniform of the same spread would give 57.7% and 100%).
+      EXPECT_NEAR(mean, 0.0, 0.1 * stdev) << name;
+      double one = 0, two = 0;
+      for (double e : v) {
+        one += std::abs(e - mean) < stdev;
+        two += std::abs(e - mean) < 2 * stdev;
+      }
+      // Three standard errors of a fraction of v.size() draws.
+      auto tol = [&](double p) { return 3 * std::sqrt(p * (1 - p) / static_cast<double>(v.size())); };
+      EXPECT_NEAR(one / v.size(), 0.6827, tol(0.6827)) << name;
+      EXPECT_NEAR(two / v.size(), 0.9545, tol(0.9545)) << name;
+    }
   }
+}
+
+TEST(Models, InitParamsDependOnTheSeedAloneNotTheThreads) {
+  models::GptConfig c = models::gpt_config("gpt2-tiny");
+  Graph g = models::gpt(c);
+  const std::vector<Tensor> a = models::init_params(g, 3, c.layers), other = models::init_params(g, 4, c.layers);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const std::vector<Tensor> one_thread = models::init_params(g, 3, c.layers);
+  omp_set_num_threads(threads);
+  ASSERT_EQ(a.size(), one_thread.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(std::memcmp(a[i].raw(), one_thread[i].raw(), a[i].bytes()), 0) << i;
+    differ += a[i].rank() == 2 && std::memcmp(a[i].raw(), other[i].raw(), a[i].bytes()) != 0;
+  }
+  EXPECT_GT(differ, 0u);
+  // Distinct tensors draw distinct values (each its own seed).
+  EXPECT_NE(std::memcmp(a[0].raw(), a[1].raw(), std::min(a[0].bytes(), a[1].bytes())), 0);
 }
 
 }  // namespace
