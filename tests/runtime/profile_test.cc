@@ -253,31 +253,21 @@ TEST(Timeline, TraceJsonIsOnTheDeviceClockFromTheFirstEvent) {
   EXPECT_NEAR(events[6]["dur"].get<double>(), 10, 1e-9);
 }
 
-TEST(Profile, BenchTimelineOnTheCpuIsAClearError) {
-  train::BenchOptions o;
-  o.device = "cpu";
-  o.model = "mlp";
-  o.timeline_path = "/tmp/never-written.json";
-  o.out = nullptr;
-  try {
-    train::run_benchmark(o);
-    FAIL() << "expected kiln::Error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--timeline needs --device cuda"), std::string::npos) << e.what();
-  }
-}
-
-TEST(Profile, BenchProfileOnTheCpuIsAClearError) {
-  train::BenchOptions o;
-  o.device = "cpu";
-  o.model = "mlp";
-  o.profile_path = "/tmp/never-written.json";
-  o.out = nullptr;
-  try {
-    train::run_benchmark(o);
-    FAIL() << "expected kiln::Error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--profile needs --device cuda"), std::string::npos) << e.what();
+TEST(Profile, BenchProfileAndTimelineOnTheCpuAreClearErrors) {
+  for (bool timeline : {false, true}) {
+    train::BenchOptions o;
+    o.device = "cpu";
+    o.model = "mlp";
+    (timeline ? o.timeline_path : o.profile_path) = "/tmp/never-written.json";
+    o.out = nullptr;
+    try {
+      train::run_benchmark(o);
+      ADD_FAILURE() << "expected kiln::Error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(timeline ? "--timeline needs --device cuda" : "--profile needs --device cuda"),
+                std::string::npos)
+          << e.what();
+    }
   }
 }
 
