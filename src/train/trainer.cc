@@ -31,6 +31,7 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     if (executor_options_.device == Device::kCuda) build_seconds_.emplace_back("memory plan", t.setup_s);
   };
   const Graph& g = program_.graph;
+  const bool on_cuda = executor_options.device == Device::kCuda;
   KILN_CHECK(params.size() == program_.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
              forward.name, program_.param_inputs.size(), params.size());
   inputs_.resize(g.inputs.size());
@@ -38,12 +39,15 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     const Value& v = g.value(g.inputs[program_.param_inputs[i]].value);
     KILN_CHECK(params[i].type() == v.type, "param '{}' must be {}, got {}", v.name, to_string(v.type),
                to_string(params[i].type()));
-    inputs_[program_.param_inputs[i]] = params[i].clone();  // the trainer owns its params
+    // The trainer owns its params: a copy (on CUDA the upload below is that copy).
+    inputs_[program_.param_inputs[i]] = on_cuda ? params[i] : params[i].clone();
   }
   for (int i : program_.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
-    inputs_[i] = Tensor(v.type);  // zeros, unless the program says otherwise (amp.scale)
     auto initial = program_.state_initial_values.find(v.name);
+    // Zeros (AdamW's moments: twice the params' bytes) are made on the device, not uploaded.
+    if (initial == program_.state_initial_values.end() && on_cuda) continue;
+    inputs_[i] = Tensor(v.type);  // zeros, unless the program says otherwise (amp.scale)
     if (initial != program_.state_initial_values.end())
       for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
   }
@@ -66,7 +70,7 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   t0 = Clock::now();
   for (size_t i = 0; i < inputs_.size(); ++i) {
     if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
-    else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // data and lr buffers
+    else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // zero state, data and lr buffers
   }
   build_seconds_.emplace_back("upload", seconds_since(t0));
   staging_ = std::make_unique<cuda::UploadStaging>(2);
