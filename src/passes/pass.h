@@ -26,6 +26,10 @@ class Pass {
   virtual bool run(Graph& graph) = 0;
 };
 
+// The default cap of PassOptions::logits_chunk_bytes (and ClassifierChunksPass's): why 2 GiB is in
+// passes/classifier_chunks.h.
+inline constexpr size_t kDefaultLogitsChunkBytes = size_t{2} << 30;
+
 struct PassOptions {
   std::set<std::string> disabled;   // pass names to skip
   std::set<std::string> print_after;  // pass names, or "all"
@@ -34,7 +38,7 @@ struct PassOptions {
   std::optional<size_t> memory_budget;
   // A language-model head's logits are computed in chunks of at most this many bytes
   // (passes/classifier_chunks.h; 0: never chunked).
-  size_t logits_chunk_bytes = size_t{1} << 30;
+  size_t logits_chunk_bytes = kDefaultLogitsChunkBytes;
   // The backend the graph will run on. Most passes pay off everywhere; the pipeline skips those
   // measured to cost time on a target (pipeline.cc says which and why).
   Device target = Device::kCpu;
