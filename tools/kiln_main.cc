@@ -87,6 +87,10 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
 #endif
 }
 
+constexpr const char* kLogitsChunkHelp =
+    "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB "
+    "(default 2GiB; 0: all rows at once)";
+
 // --logits-chunk's size: 0 (no chunks) or a memory size.
 size_t parse_logits_chunk(const std::string& text) { return text == "0" ? 0 : kiln::parse_byte_size(text); }
 
@@ -232,7 +236,7 @@ int main(int argc, char** argv) {
                           "Recompute activations so the step's planned arena fits, e.g. 512MiB, 2GiB, bytes");
   std::string compile_logits_chunk;
   compile_cmd->add_option("--logits-chunk", compile_logits_chunk,
-                          "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 2GiB; 0: all rows at once)");
+                          kLogitsChunkHelp);
   std::string compile_target = "cpu";
   compile_cmd->add_option("--target", compile_target,
                           "The device the pipeline prepares the graph for: cpu | cuda (no GPU needed)")
@@ -273,7 +277,7 @@ int main(int argc, char** argv) {
 
   std::string train_logits_chunk;
   train->add_option("--logits-chunk", train_logits_chunk,
-                    "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 2GiB; 0: all rows at once)");
+                    kLogitsChunkHelp);
 
   auto* bench = app.add_subcommand("bench", "Time training steps of a model on random data: ms/step, tokens/s, MFU, memory");
   kiln::train::BenchOptions bench_options;
@@ -301,7 +305,7 @@ int main(int argc, char** argv) {
                     "in the same memory)");
   std::string bench_logits_chunk;
   bench->add_option("--logits-chunk", bench_logits_chunk,
-                    "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. 256MiB (default 2GiB; 0: all rows at once)");
+                    kLogitsChunkHelp);
   bench->add_option("--profile", bench_options.profile_path,
                     "After the timed steps, profile one step (CUDA events around every kernel): print a "
                     "per-kernel table and write a Chrome trace-event JSON to this file");

@@ -133,34 +133,50 @@ std::vector<std::vector<TraceEvent>> split_steps(std::vector<TraceEvent> events)
   return steps;
 }
 
+namespace {
+// The idle intervals of a step (events by start): each gap's length and the events on either
+// side (the one that last extended the covered time, and the next to start); `end` gets the
+// step's last end.
+struct Gap {
+  double us;
+  size_t before, after;
+};
+std::vector<Gap> gaps_of(const std::vector<TraceEvent>& step, double* end) {
+  std::vector<Gap> gaps;
+  double covered_to = step.empty() ? 0 : step[0].end_us;
+  size_t last = 0;
+  for (size_t i = 1; i < step.size(); ++i) {
+    if (step[i].start_us > covered_to) gaps.push_back({step[i].start_us - covered_to, last, i});
+    if (step[i].end_us > covered_to) {
+      covered_to = step[i].end_us;
+      last = i;
+    }
+  }
+  *end = covered_to;
+  return gaps;
+}
+}  // namespace
+
 StepTimes step_times(const std::vector<TraceEvent>& step) {
   StepTimes t;
   if (step.empty()) return t;
-  const double first = step[0].start_us;
-  double covered_to = first, busy = 0;
-  for (const TraceEvent& e : step) {  // by start: sweep the union of the intervals
-    if (e.start_us > covered_to) {
-      ++t.gaps;
-      covered_to = e.start_us;
-    }
-    if (e.end_us > covered_to) {
-      busy += e.end_us - covered_to;
-      covered_to = e.end_us;
-    }
-  }
-  t.span_ms = (covered_to - first) / 1e3;
-  t.busy_ms = busy / 1e3;
-  t.idle_ms = t.span_ms - t.busy_ms;
+  double end = 0;
+  const std::vector<Gap> gaps = gaps_of(step, &end);
+  t.gaps = static_cast<int64_t>(gaps.size());
+  for (const Gap& g : gaps) t.idle_ms += g.us / 1e3;
+  t.span_ms = (end - step[0].start_us) / 1e3;
+  t.busy_ms = t.span_ms - t.idle_ms;
   return t;
 }
 
-namespace {
 double median_of(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+namespace {
 
 // The node an event belongs to, if `labels` knows it.
 bool known_node(const TraceEvent& e, const std::vector<NodeTiming>& labels) {
@@ -215,9 +231,8 @@ std::string timeline_report(const std::vector<std::vector<TraceEvent>>& steps, c
     busy.push_back(times.back().busy_ms);
     idle.push_back(times.back().idle_ms);
     if (s > 0) {
-      double last_end = 0;
-      for (const TraceEvent& e : steps[s - 1]) last_end = std::max(last_end, e.end_us);
-      between.push_back((steps[s][0].start_us - last_end) / 1e3);
+      const double last_end_us = steps[s - 1][0].start_us + 1e3 * times[s - 1].span_ms;
+      between.push_back((steps[s][0].start_us - last_end_us) / 1e3);
     }
   }
   // The step whose span is the median's (the lower one for an even count): its gaps are shown.
@@ -235,21 +250,9 @@ std::string timeline_report(const std::vector<std::vector<TraceEvent>>& steps, c
   out += fmt::format("  idle        {}  {} gaps between them in the median step\n", range(idle), times[mid].gaps);
   if (!between.empty()) out += fmt::format("  between     {}  one step's last end to the next's first start\n", range(between));
   // The median step's largest gaps, with the work on either side.
-  struct Gap {
-    double us;
-    size_t before, after;
-  };
-  std::vector<Gap> found;
   const std::vector<TraceEvent>& step = steps[mid];
-  double covered_to = step[0].end_us;
-  size_t last = 0;
-  for (size_t i = 1; i < step.size(); ++i) {
-    if (step[i].start_us > covered_to) found.push_back({step[i].start_us - covered_to, last, i});
-    if (step[i].end_us > covered_to) {
-      covered_to = step[i].end_us;
-      last = i;
-    }
-  }
+  double end = 0;
+  std::vector<Gap> found = gaps_of(step, &end);
   std::sort(found.begin(), found.end(), [](const Gap& a, const Gap& b) { return a.us > b.us; });
   const size_t shown = std::min(found.size(), static_cast<size_t>(std::max(gaps, 0)));
   if (shown > 0) {

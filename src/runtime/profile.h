@@ -72,6 +72,9 @@ struct StepTimes {
 };
 StepTimes step_times(const std::vector<TraceEvent>& step);
 
+// The median of `v` (the mean of the middle two for an even count); 0 when empty.
+double median_of(std::vector<double> v);
+
 // Per node of `labels` (one per graph node, in node order, as Executor::node_labels gives them),
 // the median over `steps` of the summed durations of its events; events of no known node are
 // grouped by name (node -1, dialect "unmapped").

@@ -270,12 +270,6 @@ double seconds_since_process_start() {
   return 0;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
-}
-
 }  // namespace
 
 double device_peak_flops(const std::string& name, const std::string& amp, std::string* note) {
@@ -399,7 +393,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   std::vector<double> losses = trainer.take_losses();  // waits for the last step
   r.pipelined_ms = 1e3 * std::chrono::duration<double>(Clock::now() - s).count() / static_cast<double>(o.steps);
   r.final_loss = losses.empty() ? NAN : losses.back();
-  r.median_ms = median(ms);
+  r.median_ms = median_of(ms);
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.median_ms / 1e3);
   if (on_cuda) {
     r.device_name = cuda::describe_device(0);

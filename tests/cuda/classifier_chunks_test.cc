@@ -7,7 +7,6 @@
 // 5e-2; a chunk's rows misplaced or its gradient scaled wrong is off by far more.
 #include "gpu_test_util.h"
 #include "passes/classifier.h"
-#include "passes/pipeline.h"
 #include "training_step_util.h"
 
 namespace kiln {
@@ -21,12 +20,10 @@ void check(const std::string& amp, double rtol) {
   const Graph forward = models::by_name("gpt2-tiny", 3, 0);
   const train::TrainingGraph program = testing::sgd_program(forward, amp);
   PassOptions chunked, whole;
-  chunked.target = whole.target = Device::kCuda;
   chunked.logits_chunk_bytes = 128 * 256 * (amp == "off" ? 4 : 2);
   whole.logits_chunk_bytes = 0;
-  Graph with = program.graph, without = program.graph;
-  default_pipeline(chunked).run(with);
-  default_pipeline(whole).run(without);
+  const Graph with = testing::prepared_for_cuda(program.graph, chunked);
+  const Graph without = testing::prepared_for_cuda(program.graph, whole);
   int classifiers = 0;
   for (const Node& node : with.nodes)
     classifiers += node.op == Op::kFused && node.attrs.s("kind") == "classifier";

@@ -272,9 +272,12 @@ graph @products(%x: f32[200, 72] data, %w: f32[72, 136] data, %v: f32[136, 40] d
   for (int run = 0; run < 4; ++run) {
     expect_close(download(e.run(device)), want, kGemm, "run " + std::to_string(run));
     const size_t now = cuda::gemm_tuned_plan_count();
-    if (run == 0) EXPECT_EQ(now, tuned) << "the first run keeps the heuristic's algorithms";
-    if (run == 1) EXPECT_EQ(now, tuned + 2) << "the second run tunes both products";
-    if (run == 1) EXPECT_EQ(e.graph_captures(), 0);
+    if (run == 0) {
+      EXPECT_EQ(now, tuned) << "the first run keeps the heuristic's algorithms";
+    } else if (run == 1) {
+      EXPECT_EQ(now, tuned + 2) << "the second run tunes both products";
+      EXPECT_EQ(e.graph_captures(), 0);
+    }
     tuned = now;
   }
   EXPECT_EQ(e.graph_captures(), 1);
@@ -443,11 +446,29 @@ ExecutorOptions plan_off_cuda() {
   return o;
 }
 
+// Runs a random graph (testing::random_graph) on both executors with inputs a, a, a (warm-up,
+// capture, replay), b (new pointers: a new capture; views of graph inputs see them), b, a, and
+// expects the same bits every time: outputs and the updated param (input 2).
+void expect_runs_bitwise_equal(const Graph& g, const Executor& planned, const Executor& oracle, uint64_t seed) {
+  std::vector<Tensor> host_a = host_inputs(g, seed, 1), host_b = host_inputs(g, seed + 100, 1);
+  std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
+  std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
+  int run = 0;
+  for (bool use_a : {true, true, true, false, false, true}) {
+    std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
+    std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
+    std::vector<Tensor> got = download(planned.run(in_planned));
+    std::vector<Tensor> want = download(oracle.run(in_oracle));
+    got.push_back(cuda::to_host(in_planned[2]));
+    want.push_back(cuda::to_host(in_oracle[2]));
+    expect_bitwise(got, want, "seed " + std::to_string(seed) + ", run " + std::to_string(run++));
+  }
+}
+
 TEST(CudaExecutor, RandomGraphsWithViewsAreBitIdenticalToPlanOff) {
   KILN_REQUIRE_GPU();
   // The random graphs' kernels (elementwise, concat, split, row sums) add in a fixed order, so
-  // the same kernels on the same bytes give the same bits. Inputs a, a, a (warm-up, capture,
-  // replay), b (new pointers: a new capture; views of graph inputs see them), b, a.
+  // the same kernels on the same bytes give the same bits (expect_runs_bitwise_equal).
   size_t views = 0, input_views = 0;
   for (uint64_t seed = 1; seed <= 12; ++seed) {
     Graph g = testing::random_graph(seed, 60);
@@ -459,19 +480,7 @@ TEST(CudaExecutor, RandomGraphsWithViewsAreBitIdenticalToPlanOff) {
     for (size_t v = 0; v < g.values.size(); ++v)
       if (plan.is_view(static_cast<ValueId>(v)))
         input_views += g.input_index(view_root(plan.views, static_cast<ValueId>(v))) >= 0;
-    std::vector<Tensor> host_a = host_inputs(g, seed, 1), host_b = host_inputs(g, seed + 100, 1);
-    std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
-    std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
-    int run = 0;
-    for (bool use_a : {true, true, true, false, false, true}) {
-      std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
-      std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
-      std::vector<Tensor> got = download(planned.run(in_planned));
-      std::vector<Tensor> want = download(oracle.run(in_oracle));
-      got.push_back(cuda::to_host(in_planned[2]));  // the updated param
-      want.push_back(cuda::to_host(in_oracle[2]));
-      expect_bitwise(got, want, "seed " + std::to_string(seed) + ", run " + std::to_string(run++));
-    }
+    expect_runs_bitwise_equal(g, planned, oracle, seed);
     EXPECT_EQ(planned.graph_captures(), 3) << "seed " << seed;
     EXPECT_EQ(planned.graph_replays(), 2) << "seed " << seed;
   }
@@ -630,19 +639,7 @@ TEST(CudaExecutor, RandomGraphsWithSliceViewsAreBitIdenticalToPlanOff) {
     EXPECT_TRUE(testing::no_live_overlap(g, plan)) << "seed " << seed;
     for (size_t v = 0; v < g.values.size(); ++v)
       offset_views += plan.is_view(static_cast<ValueId>(v)) && plan.root_offset(static_cast<ValueId>(v)) > 0;
-    std::vector<Tensor> host_a = host_inputs(g, seed, 1), host_b = host_inputs(g, seed + 100, 1);
-    std::vector<Tensor> a_planned = upload(host_a), a_oracle = upload(host_a);
-    std::vector<Tensor> b_planned = upload(host_b), b_oracle = upload(host_b);
-    int run = 0;
-    for (bool use_a : {true, true, true, false, false, true}) {
-      std::vector<Tensor>& in_planned = use_a ? a_planned : b_planned;
-      std::vector<Tensor>& in_oracle = use_a ? a_oracle : b_oracle;
-      std::vector<Tensor> got = download(planned.run(in_planned));
-      std::vector<Tensor> want = download(oracle.run(in_oracle));
-      got.push_back(cuda::to_host(in_planned[2]));  // the updated param
-      want.push_back(cuda::to_host(in_oracle[2]));
-      expect_bitwise(got, want, "seed " + std::to_string(seed) + ", run " + std::to_string(run++));
-    }
+    expect_runs_bitwise_equal(g, planned, oracle, seed);
   }
   EXPECT_GT(offset_views, 0u);
 }

@@ -6,7 +6,6 @@
 
 #include "backends/cuda/kernel_trace.h"
 #include "gpu_test_util.h"
-#include "passes/pipeline.h"
 #include "training_step_util.h"
 
 namespace kiln {
@@ -17,10 +16,7 @@ TEST(CudaKernelTrace, GraphReplaysNameTheirNodes) {
   if (!cuda::kernel_trace_available()) GTEST_SKIP() << "built without CUPTI";
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
   const train::TrainingGraph program = testing::sgd_program(forward, "bf16");
-  Graph g = program.graph;
-  PassOptions passes;
-  passes.target = Device::kCuda;
-  default_pipeline(passes).run(g);
+  const Graph g = testing::prepared_for_cuda(program.graph, {});
   std::vector<Tensor> inputs;
   for (const Tensor& t : testing::step_inputs(program, forward, 2, 256)) inputs.push_back(cuda::to_device(t));
 
@@ -60,8 +56,11 @@ TEST(CudaKernelTrace, GraphReplaysNameTheirNodes) {
       if (!seen.count(n)) missing.push_back(n);
     EXPECT_TRUE(missing.empty()) << missing.size() << " nodes ran no traced work, e.g. node " << missing[0] << " "
                                  << timing_label(labels[static_cast<size_t>(missing[0])]);
-    if (s == 0) first_order = order;
-    else EXPECT_EQ(order, first_order);
+    if (s == 0) {
+      first_order = order;
+    } else {
+      EXPECT_EQ(order, first_order);
+    }
     const StepTimes t = step_times(steps[s]);
     EXPECT_GT(t.busy_ms, 0);
     EXPECT_LE(t.busy_ms, t.span_ms + 1e-9);

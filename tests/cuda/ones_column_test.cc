@@ -7,7 +7,6 @@
 // kernels skip the reference's intermediate roundings). A wrong row of the product would be off
 // by its whole size.
 #include "gpu_test_util.h"
-#include "passes/pipeline.h"
 #include "training_step_util.h"
 
 namespace kiln {
@@ -20,12 +19,10 @@ void check(const std::string& amp, double rtol) {
   SCOPED_TRACE("amp " + amp);
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
   const train::TrainingGraph program = testing::sgd_program(forward, amp);
-  PassOptions on, off;
-  on.target = off.target = Device::kCuda;
+  PassOptions off;
   off.disabled = {"ones-column"};
-  Graph with_pass = program.graph, without = program.graph;
-  default_pipeline(on).run(with_pass);
-  default_pipeline(off).run(without);
+  const Graph with_pass = testing::prepared_for_cuda(program.graph, {});
+  const Graph without = testing::prepared_for_cuda(program.graph, off);
   int padded = 0;
   for (const Node& node : with_pass.nodes)
     if (node.op == Op::kFused && node.body)

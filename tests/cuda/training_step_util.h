@@ -12,6 +12,7 @@
 
 #include "backends/cuda/memory.h"
 #include "models/models.h"
+#include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "test_util.h"
 #include "train/optimizer.h"
@@ -70,6 +71,14 @@ inline void expect_step_close(const std::vector<Tensor>& got, const std::vector<
     EXPECT_LE(max_scaled_error(got[i], want[i], rtol * scale, 0.0), 1.0)
         << "result " << i << " (max " << scale << ")";
   }
+}
+
+// `g` through the default pipeline prepared for CUDA, with `options` (their target set to cuda).
+inline Graph prepared_for_cuda(const Graph& g, PassOptions options) {
+  options.target = Device::kCuda;
+  Graph out = g;
+  default_pipeline(options).run(out);
+  return out;
 }
 
 }  // namespace kiln::testing

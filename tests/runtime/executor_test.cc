@@ -92,6 +92,16 @@ ExecutorOptions poisoned_arena(std::vector<std::string> dialects = {}) {
   return o;
 }
 
+// One run of a random graph (testing::random_graph) on copies of `inputs`: its outputs, then the
+// updated param (input 2).
+std::vector<Tensor> run_random_graph(const Graph& g, const std::vector<Tensor>& inputs, ExecutorOptions options) {
+  std::vector<Tensor> in;
+  for (const Tensor& t : inputs) in.push_back(t.clone());
+  std::vector<Tensor> out = Executor(g, std::move(options)).run(in);
+  out.push_back(in[2]);
+  return out;
+}
+
 // The same nodes in a random topological order (Kahn's algorithm, random ready node).
 Graph shuffled(const Graph& g, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -253,13 +263,7 @@ TEST(ExecutorPlan, RandomGraphsMatchTheSimpleAllocator) {
     Graph g = testing::random_graph(seed, 60);
     views += Executor(g).memory_plan()->view_count;
     std::vector<Tensor> inputs = make_inputs(g, {}, seed, 1);
-    auto run = [&](ExecutorOptions options) {
-      std::vector<Tensor> in;
-      for (const Tensor& t : inputs) in.push_back(t.clone());
-      std::vector<Tensor> out = Executor(g, options).run(in);
-      out.push_back(in[2]);  // the updated param
-      return out;
-    };
+    auto run = [&](ExecutorOptions options) { return run_random_graph(g, inputs, std::move(options)); };
     expect_same_results(run(simple_allocator()), run(poisoned_arena()),
                         "seed " + std::to_string(seed));
     ExecutorOptions reference_only = simple_allocator();
@@ -374,13 +378,7 @@ TEST(ExecutorPlan, RandomGraphsWithSlicesMatchTheSimpleAllocator) {
         input_views += g.input_index(view_root(plan.views, id)) >= 0 && plan.root_offset(id) > 0;
       }
       std::vector<Tensor> inputs = make_inputs(g, {}, seed, 1);
-      auto run = [&](ExecutorOptions options) {
-        std::vector<Tensor> in;
-        for (const Tensor& t : inputs) in.push_back(t.clone());
-        std::vector<Tensor> out = Executor(g, options).run(in);
-        out.push_back(in[2]);  // the updated param
-        return out;
-      };
+      auto run = [&](ExecutorOptions options) { return run_random_graph(g, inputs, std::move(options)); };
       ExecutorOptions simple = simple_allocator();
       simple.dialects = dialects;
       expect_same_results(run(simple), run(poisoned_arena(dialects)),

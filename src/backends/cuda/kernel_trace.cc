@@ -65,10 +65,10 @@ std::string demangled(const char* name) {
   return out;
 }
 
-int64_t node_of(uint64_t graph_node) {
+// The caller holds shared().mu.
+int64_t node_of_locked(uint64_t graph_node) {
   if (graph_node == 0) return -1;
-  Shared& s = shared();
-  std::lock_guard lock(s.mu);
+  const Shared& s = shared();
   auto it = s.node_of.find(graph_node);
   return it == s.node_of.end() ? -1 : it->second;
 }
@@ -111,7 +111,8 @@ const char* copy_kind(uint8_t kind) {
 }
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
-  std::vector<TraceEvent> got;
+  Shared& s = shared();
+  std::lock_guard lock(s.mu);
   CUpti_Activity* record = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     TraceEvent e;
@@ -119,28 +120,25 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-        e = {demangled(k->name), k->start / 1e3, k->end / 1e3, k->correlationId, node_of(k->graphNodeId)};
+        e = {demangled(k->name), k->start / 1e3, k->end / 1e3, k->correlationId, node_of_locked(k->graphNodeId)};
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
-        e = {copy_kind(m->copyKind), m->start / 1e3, m->end / 1e3, m->correlationId, node_of(m->graphNodeId)};
+        e = {copy_kind(m->copyKind), m->start / 1e3, m->end / 1e3, m->correlationId, node_of_locked(m->graphNodeId)};
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
-        e = {"memset", m->start / 1e3, m->end / 1e3, m->correlationId, node_of(m->graphNodeId)};
+        e = {"memset", m->start / 1e3, m->end / 1e3, m->correlationId, node_of_locked(m->graphNodeId)};
         break;
       }
       default:
         continue;
     }
-    got.push_back(std::move(e));
+    s.events.push_back(std::move(e));
   }
   std::free(buffer);
-  Shared& s = shared();
-  std::lock_guard lock(s.mu);
-  for (TraceEvent& e : got) s.events.push_back(std::move(e));
 }
 
 constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
