@@ -4,7 +4,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +21,7 @@
 #include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "runtime/memory_plan.h"
+#include "support/stopwatch.h"
 #include "runtime/executor.h"
 #include "support/error.h"
 #include "train/job.h"
@@ -62,7 +62,6 @@ void print_outputs(const kiln::Graph& graph, const std::vector<kiln::Tensor>& ou
   }
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start);
 
 // `kiln compile --dump-kernels DIR`: one .cu file per fused node (node index and kind in the
 // name) with the nvrtc dialect's generated source; codegen needs no GPU.
@@ -99,15 +98,15 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
              const std::vector<std::string>& print_after, const std::vector<std::string>& disabled,
              bool report, const std::string& memory_budget, const std::string& amp,
              const std::string& dump_kernels_dir, const std::string& target, const std::string& logits_chunk) {
-  auto start = std::chrono::steady_clock::now();
+  const kiln::Stopwatch total;
+  kiln::Stopwatch phase;
   kiln::Graph forward = kiln::models::by_name(model, batch, seq);
-  double build_s = seconds_since(start);
+  double build_s = phase.lap();
   kiln::train::OptimizerConfig config;
   config.name = optimizer;
   config.amp = amp;
-  auto t0 = std::chrono::steady_clock::now();
   kiln::train::TrainingGraph program = kiln::train::build_training_graph(forward, config);
-  double autodiff_s = seconds_since(t0);
+  double autodiff_s = phase.lap();
   kiln::PassOptions options;
   options.print_after = {print_after.begin(), print_after.end()};
   options.disabled = {disabled.begin(), disabled.end()};
@@ -152,11 +151,7 @@ void compile(const std::string& model, int64_t batch, int64_t seq, const std::st
   fmt::print("  memory: inputs (params, state, batch) {}; intermediates planned {}"
              " (lower bound {}, one buffer each {})\n",
              size(input_bytes), size(plan.arena_bytes), size(plan.live_peak_bytes), size(plan.naive_bytes));
-  fmt::print("  total {:.3f} s\n", seconds_since(start));
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fmt::print("  total {:.3f} s\n", total.seconds());
 }
 
 }  // namespace
@@ -332,9 +327,9 @@ int main(int argc, char** argv) {
     } else if (app.got_subcommand(run)) {
       kiln::Graph graph = parse_file(run_file);
       kiln::Executor executor(graph, kiln::ExecutorOptions{kiln::Device::kCpu, dialects});
-      auto start = std::chrono::steady_clock::now();
+      const kiln::Stopwatch watch;
       std::vector<kiln::Tensor> outputs = executor.run(random_inputs(graph, seed, int_high));
-      fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), seconds_since(start));
+      fmt::print("graph @{}: {} nodes, ran in {:.3f} s\n", graph.name, graph.nodes.size(), watch.seconds());
       print_outputs(graph, outputs);
     } else if (app.got_subcommand(compile_cmd)) {
       compile(compile_model, compile_batch, compile_seq, compile_optimizer, print_after, disabled_passes, compile_report,

@@ -1,11 +1,11 @@
 #include "passes/pass.h"
 
 #include <algorithm>
-#include <chrono>
 
 #include "ir/text.h"
 #include "ir/verifier.h"
 #include "support/error.h"
+#include "support/stopwatch.h"
 
 namespace kiln {
 
@@ -36,14 +36,14 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     r.name = pass->name();
     r.nodes_before = graph.nodes.size();
     if (!options_.disabled.count(r.name)) {
-      auto start = std::chrono::steady_clock::now();
+      const Stopwatch watch;
       try {
         r.changed = pass->run(graph);
         verify(graph);
       } catch (const Error& e) {
         fail("pass {}: {}", r.name, e.what());
       }
-      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      r.seconds = watch.seconds();
       r.ran = true;
     }
     r.nodes_after = graph.nodes.size();

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <thread>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +10,7 @@
 #include "backends/cuda/device_errors.h"
 #include "backends/cuda/kernel_trace.h"
 #include "ir/verifier.h"
+#include "support/stopwatch.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -54,9 +54,7 @@ Executor::Executor(Graph graph, ExecutorOptions options)
     KILN_CHECK(cuda::device_count() > 0, "graph '{}' asks for device cuda, but there is no CUDA device: {}",
                graph_.name, cuda::describe_device(0));
   }
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  Clock::time_point t0 = Clock::now();
+  Stopwatch phase;
   const KernelRegistry& registry = options_.registry ? *options_.registry : kernel_registry();
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
@@ -69,14 +67,12 @@ Executor::Executor(Graph graph, ExecutorOptions options)
            e.what());
     }
   }
-  build_times_.select_s = seconds_since(t0);
-  t0 = Clock::now();
+  build_times_.select_s = phase.lap();
   prepare_kernels();
-  build_times_.prepare_s = seconds_since(t0);
-  t0 = Clock::now();
+  build_times_.prepare_s = phase.lap();
   if (on_cuda) {
     setup_cuda();
-    build_times_.setup_s = seconds_since(t0);
+    build_times_.setup_s = phase.lap();
   } else if (options_.plan_memory) {
     plan_with_direct_updates();
     arena_ = allocate_arena(plan_.arena_bytes, options_.poison_arena);

@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +17,7 @@
 #include "models/models.h"
 #include "runtime/profile.h"
 #include "support/error.h"
+#include "support/stopwatch.h"
 #include "train/data/fashion_mnist.h"
 #include "train/data/loader.h"
 #include "train/data/text.h"
@@ -26,7 +26,6 @@
 namespace kiln::train {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 bool is_language_model(const std::string& model) { return model.rfind("gpt2", 0) == 0; }
 
@@ -150,7 +149,7 @@ JobResult run_training_job(const JobOptions& o) {
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
              "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
   validate(o.optimizer);
-  const Clock::time_point start = Clock::now();
+  const Stopwatch run_time;
   Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
 
   ExecutorOptions executor_options;
@@ -188,7 +187,7 @@ JobResult run_training_job(const JobOptions& o) {
   KILN_CHECK(first < o.steps, "the checkpoint is already at step {}; ask for more --steps than that", first);
   BatchPrefetcher prefetcher([&](int64_t i) { return task.train_batch(first + i); }, o.steps - first);
   JobResult result;
-  Clock::time_point loop_start = Clock::now();
+  const Stopwatch loop_time;
   double ema_loss = NAN;
   std::string eval_note;
   // On CUDA the loss is read only at the progress interval (and at evaluations and the end), so
@@ -206,7 +205,7 @@ JobResult run_training_job(const JobOptions& o) {
 
     std::vector<double> losses = trainer.take_losses();
     KILN_CHECK(losses.size() == unread_lrs.size(), "internal: {} losses for {} steps", losses.size(), unread_lrs.size());
-    double elapsed = std::chrono::duration<double>(Clock::now() - loop_start).count();
+    double elapsed = loop_time.seconds();
     double rate = static_cast<double>((done - first) * task.items_per_step) / elapsed;
     double eta = elapsed / static_cast<double>(done - first) * static_cast<double>(o.steps - done);
     std::vector<nlohmann::json> records;
@@ -242,7 +241,7 @@ JobResult run_training_job(const JobOptions& o) {
   }
   if (tty) fmt::print(o.out, "\n");
   result.steps_done = trainer.steps_done();
-  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  result.seconds = run_time.seconds();
   fmt::print(o.out, "done: {} steps in {}, final loss {:.4f}, test {} {}\n", result.steps_done,
              format_duration(result.seconds), result.final_loss, result.eval_name,
              result.eval_name == "accuracy" ? fmt::format("{:.2f}%", 100 * result.eval_metric)
@@ -365,33 +364,33 @@ BenchResult run_benchmark(const BenchOptions& o) {
   r.setup_s = seconds_since_process_start();
   r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
-  Clock::time_point t0 = Clock::now();
+  Stopwatch phase;
   PassOptions passes;
   passes.disabled = {o.disabled_passes.begin(), o.disabled_passes.end()};
   auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes);
   Trainer& trainer = *trainer_owner;
-  r.compile_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.compile_s = phase.lap();
   r.build_parts = trainer.build_seconds();
   init.clear();
 
-  Clock::time_point t1 = Clock::now();
+  phase.lap();
   trainer.step(batches[0]);
   trainer.synchronize();
   r.first_step_s = seconds_since_process_start();
-  r.first_run_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  r.first_run_s = phase.lap();
   for (int64_t i = 1; i < o.warmup; ++i) trainer.step(batches[i % 2]);
   trainer.synchronize();
   std::vector<double> ms;
   for (int64_t i = 0; i < o.steps; ++i) {
-    Clock::time_point s = Clock::now();
+    const Stopwatch step_time;
     trainer.step(batches[i % 2]);
     trainer.synchronize();
-    ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - s).count());
+    ms.push_back(1e3 * step_time.seconds());
   }
-  Clock::time_point s = Clock::now();
+  const Stopwatch back_to_back;
   for (int64_t i = 0; i < o.steps; ++i) trainer.step(batches[i % 2]);
   std::vector<double> losses = trainer.take_losses();  // waits for the last step
-  r.pipelined_ms = 1e3 * std::chrono::duration<double>(Clock::now() - s).count() / static_cast<double>(o.steps);
+  r.pipelined_ms = 1e3 * back_to_back.seconds() / static_cast<double>(o.steps);
   r.final_loss = losses.empty() ? NAN : losses.back();
   r.median_ms = median_of(ms);
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.median_ms / 1e3);

@@ -1,5 +1,4 @@
 #include "train/trainer.h"
-#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -7,6 +6,7 @@
 #include "backends/cuda/device_errors.h"
 #include "passes/pipeline.h"
 #include "support/error.h"
+#include "support/stopwatch.h"
 #include "train/checkpoint/safetensors.h"
 
 namespace kiln::train {
@@ -18,11 +18,9 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   if (!pass_options.memory_budget && config_.memory_budget > 0) pass_options.memory_budget = config_.memory_budget;
   if (config_.logits_chunk_bytes) pass_options.logits_chunk_bytes = *config_.logits_chunk_bytes;
   pass_options.target = executor_options.device;
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  Clock::time_point t0 = Clock::now();
+  Stopwatch phase;
   pass_records_ = default_pipeline(std::move(pass_options)).run(program_.graph);
-  build_seconds_.emplace_back("passes", seconds_since(t0));
+  build_seconds_.emplace_back("passes", phase.lap());
   // The step executor's own phases, once it exists.
   auto executor_phases = [this] {
     const Executor::BuildTimes& t = step_executor_->build_times();
@@ -67,12 +65,12 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   for (const GraphInput& in : g.inputs) step_options.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
   step_executor_ = std::make_unique<Executor>(g, step_options);
   executor_phases();
-  t0 = Clock::now();
+  phase.lap();
   for (size_t i = 0; i < inputs_.size(); ++i) {
     if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
     else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // zero state, data and lr buffers
   }
-  build_seconds_.emplace_back("upload", seconds_since(t0));
+  build_seconds_.emplace_back("upload", phase.lap());
   staging_ = std::make_unique<cuda::UploadStaging>(2);
   loss_type_ = g.type(g.outputs.at(0));
   KILN_CHECK(loss_type_.bytes() <= 8, "the loss must be a scalar, got {}", to_string(loss_type_));
