@@ -4,14 +4,18 @@
 # short table last. Full logs go to $OUT (the device tool brings them back) or ./gpu-out.
 #
 #   bash scripts/gpu-check.sh [--no-tests | --tests GTEST_FILTER] [--no-torch]
-#                             [--bench "[NAME=value ...] ARGS"] ...
+#                             [--bench "[NAME=value ...] ARGS"] ... [--base DIR] [--rounds N]
+#
+# --base DIR: a second source tree (e.g. `git archive <commit>` unpacked under .carry/) built the
+# same way and benchmarked on the same lines, alternating with this tree's runs (--rounds times,
+# default 2), so that a change is measured against its baseline in one call on one GPU.
 #
 # The PyTorch reference is ../shared/bench/torch_gpt2.py; only the repository travels to the GPU
 # machine, so copy it to .carry/torch_gpt2.py (ignored by git) and carry .carry along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-tests=1; torch=1; test_filter='*'
+tests=1; torch=1; test_filter='*'; base=""; rounds=1
 benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
 torch_runs="gpt2:eager:32 gpt2:compile:32"
 while [ $# -gt 0 ]; do
@@ -22,6 +26,8 @@ while [ $# -gt 0 ]; do
     --bench) shift; benches+=("$1") ;;
     --only-bench) shift; benches=("$1") ;;
     --torch) shift; torch_runs="$1" ;;
+    --base) shift; base="$1"; rounds=2 ;;
+    --rounds) shift; rounds="$1" ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -33,11 +39,19 @@ start=$(date +%s)
 # copy in .carry/cudnn_frontend_include (pip nvidia-cudnn-frontend's include/ folder).
 frontend=()
 [ -d .carry/cudnn_frontend_include ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$out/configure.log" 2>&1 &&
-  cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests >"$out/build.log" 2>&1
+build_tree() {  # SOURCE BUILD_DIR LOG
+  cmake -S "$1" -B "$2" -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$3" 2>&1 &&
+    cmake --build "$2" -j16 --target kiln-cli kiln_gpu_tests >>"$3" 2>&1
+}
+build_tree . build-gpu "$out/build.log"
 build_rc=$?
 echo "build: rc=$build_rc in $(( $(date +%s) - start )) s"
 if [ $build_rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
+if [ -n "$base" ]; then
+  build_tree "$base" build-base "$out/build-base.log" ||
+    { echo "base build failed"; grep -E "error|FAILED" "$out/build-base.log" | head -20; exit 1; }
+  echo "base build: done in $(( $(date +%s) - start )) s"
+fi
 
 test_summary="not run"
 if [ $tests = 1 ]; then
@@ -47,7 +61,8 @@ if [ $tests = 1 ]; then
 fi
 
 : >"$out/bench.jsonl"
-for b in "${benches[@]}"; do
+bench_one() {  # WHO BINARY "LINE"
+  local who="$1" bin="$2" b="$3"
   # The whole report (and a --profile table) to bench.log; the JSON line, with the arguments, to
   # bench.jsonl for the table below.
   # Leading NAME=value words are environment settings for the run (e.g. KILN_GEMM_AUTOTUNE=1).
@@ -55,13 +70,19 @@ for b in "${benches[@]}"; do
   for w in $b; do
     if [ ${#args[@]} -eq 0 ] && [[ "$w" == [A-Z]*=* ]]; then envs+=("$w"); else args+=("$w"); fi
   done
-  line=$(env "${envs[@]}" ./build-gpu/kiln bench "${args[@]}" --device cuda --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
+  line=$(env "${envs[@]}" "$bin" bench "${args[@]}" --device cuda --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
   if [ "${line:0:1}" = "{" ]; then
-    python3 -c 'import json, sys; r = json.loads(sys.argv[2]); r["args"] = sys.argv[1]; print(json.dumps(r))' \
-      "$b" "$line" >>"$out/bench.jsonl"
+    python3 -c 'import json, sys; r = json.loads(sys.argv[3]); r["args"] = sys.argv[2]; r["who"] = sys.argv[1]; print(json.dumps(r))' \
+      "$who" "$b" "$line" >>"$out/bench.jsonl"
   else
-    echo "{\"args\": \"$b\", \"error\": \"$(tail -1 "$out/bench.err")\"}" >>"$out/bench.jsonl"
+    echo "{\"who\": \"$who\", \"args\": \"$b\", \"error\": \"$(tail -1 "$out/bench.err")\"}" >>"$out/bench.jsonl"
   fi
+}
+for b in "${benches[@]}"; do
+  for ((r = 0; r < rounds; ++r)); do
+    [ -n "$base" ] && bench_one base ./build-base/kiln "$b"
+    bench_one kiln ./build-gpu/kiln "$b"
+  done
 done
 if [ $torch = 1 ] && [ -f .carry/torch_gpt2.py ]; then
   # shellcheck disable=SC2086
@@ -73,12 +94,13 @@ echo "GPU tests: $test_summary"
 python3 - "$out/bench.jsonl" "$out/torch.jsonl" <<'PY'
 import json, sys, os
 rows = []
-for path, who in ((sys.argv[1], "kiln"), (sys.argv[2], "torch")):
+for path, default_who in ((sys.argv[1], "kiln"), (sys.argv[2], "torch")):
     if not os.path.exists(path): continue
     for line in open(path):
         line = line.strip()
         if not line.startswith("{"): continue
         r = json.loads(line)
+        who = r.get("who", default_who)
         if "error" in r: rows.append((who, r.get("args", "?"), "error: " + r["error"][:90])); continue
         if r.get("oom"): rows.append((who, f'{r["cfg"]} {r["mode"]} B={r["B"]}', "out of memory")); continue
         name = r.get("args") or f'{r.get("cfg", r.get("model"))} {r.get("mode", r.get("amp", ""))} B={r.get("B", r.get("batch"))}'
