@@ -19,7 +19,7 @@
 #include <limits>
 #include <tuple>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
 #include "passes/autodiff.h"
 

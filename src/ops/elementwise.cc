@@ -33,7 +33,7 @@
 #include <limits>
 #include <numbers>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
 #include "passes/autodiff.h"
 #include "support/philox.h"

@@ -52,7 +52,7 @@
 #include <cmath>
 #include <limits>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
 #include "passes/autodiff.h"
 

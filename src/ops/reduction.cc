@@ -12,7 +12,7 @@
 #include <cmath>
 #include <vector>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
 #include "passes/autodiff.h"
 

@@ -16,7 +16,7 @@
 // integer input and no gradient.
 #include <algorithm>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
 #include "ops/slice.h"
 #include "passes/autodiff.h"

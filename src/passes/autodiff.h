@@ -13,7 +13,7 @@
 
 #include <vector>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ir/graph.h"
 
 namespace kiln {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "gradcheck.h"
 #include "ops/elementwise_test_util.h"
 #include "passes/autodiff.h"

@@ -5,7 +5,7 @@
 // both outputs, out and lse, and on out alone, the usual case).
 #include <map>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "gradcheck.h"
 #include "passes/autodiff.h"
 

@@ -3,7 +3,7 @@
 // (equal shares) and NaN rule (zero), and argmax refusing to carry a gradient.
 #include <cmath>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "gradcheck.h"
 #include "ops/elementwise_test_util.h"
 #include "passes/autodiff.h"

@@ -3,7 +3,7 @@
 // backward graphs where it matters (a strided slice scatters, a plain one pads).
 #include <map>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "gradcheck.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"
