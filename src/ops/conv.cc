@@ -21,7 +21,7 @@
 
 #include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 
 namespace kiln::ops {
 namespace {

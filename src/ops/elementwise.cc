@@ -35,7 +35,7 @@
 
 #include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 #include "support/philox.h"
 
 namespace kiln::ops {

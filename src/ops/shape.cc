@@ -18,8 +18,8 @@
 
 #include "ir/builder.h"
 #include "ops/common.h"
+#include "ops/gradient.h"
 #include "ops/slice.h"
-#include "passes/autodiff.h"
 
 namespace kiln::ops {
 namespace {
