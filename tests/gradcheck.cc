@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"
 

@@ -20,7 +20,7 @@
 #include "passes/fusion/fusion.h"
 #include "passes/pipeline.h"
 #include "passes/remat.h"
-#include "runtime/memory_plan.h"
+#include "analysis/memory_plan.h"
 #include "support/stopwatch.h"
 #include "runtime/executor.h"
 #include "support/error.h"

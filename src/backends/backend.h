@@ -33,7 +33,7 @@ struct KernelImpl {
   // The kernel reads element i of every input before writing element i of its output (or, for
   // a row kernel, a whole row before writing it), and its pointers are not __restrict__, so the
   // memory plan may put the node's output over a same-typed input that dies at the node
-  // (runtime/memory_plan.h).
+  // (analysis/memory_plan.h).
   bool in_place_ok = false;
   // Optional one-time work for a node before its first run (compiling a generated kernel,
   // building a library's plan for these types): the executor calls it at construction for

@@ -19,7 +19,7 @@ namespace kiln {
 class Tensor;
 class Expr;
 class Graph;
-struct GradContext;  // passes/autodiff.h
+struct GradContext;  // ops/gradient.h
 
 struct AttrSpec {
   std::string name;
@@ -49,7 +49,7 @@ using KernelFn = std::function<void(const KernelArgs& args)>;
 using BodyInferFn = std::function<std::vector<TensorType>(
     std::span<const TensorType> inputs, const Attributes& attrs, const Graph& body)>;
 // Builds the gradient of a node: one Expr per input (an empty Expr where that input gets no
-// gradient). Rules are written with the builder API; see passes/autodiff.h.
+// gradient). Rules are written with the builder API; see ops/gradient.h.
 using GradFn = std::function<std::vector<Expr>(const GradContext& context)>;
 
 struct OpDef {

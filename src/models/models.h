@@ -6,7 +6,7 @@
 #include <map>
 #include <string>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "tensor/tensor.h"
 
 namespace kiln::models {

@@ -19,9 +19,9 @@
 #include <limits>
 #include <tuple>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 
 namespace kiln::ops {
 namespace {

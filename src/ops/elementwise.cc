@@ -33,9 +33,9 @@
 #include <limits>
 #include <numbers>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 #include "support/philox.h"
 
 namespace kiln::ops {

@@ -52,9 +52,9 @@
 #include <cmath>
 #include <limits>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 
 namespace kiln::ops {
 namespace {

@@ -12,9 +12,9 @@
 #include <cmath>
 #include <vector>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
-#include "passes/autodiff.h"
+#include "ops/gradient.h"
 
 namespace kiln::ops {
 namespace {

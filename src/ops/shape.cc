@@ -16,10 +16,10 @@
 // integer input and no gradient.
 #include <algorithm>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ops/common.h"
+#include "ops/gradient.h"
 #include "ops/slice.h"
-#include "passes/autodiff.h"
 
 namespace kiln::ops {
 namespace {

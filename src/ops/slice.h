@@ -1,5 +1,5 @@
 // A slice's bounds, normalized: what the slice op's shape inference, its gradient rule and the
-// memory plan's slice views (runtime/memory_plan.h) all read from its attributes.
+// memory plan's slice views (analysis/memory_plan.h) all read from its attributes.
 #pragma once
 
 #include <cstdint>

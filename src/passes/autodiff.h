@@ -3,8 +3,9 @@
 // Given a scalar loss and the values to differentiate with respect to (usually the params),
 // appends the backward pass to the same graph, so forward and backward form ONE joint graph that
 // later passes optimize as a whole. Gradient rules live with each op (OpDef::gradient in
-// src/ops/); this pass only walks the graph in reverse, seeds d(loss) = 1, calls the rules,
-// accumulates fan-out gradients by addition, and reports non-differentiable paths clearly.
+// src/ops/; what a rule sees: ops/gradient.h); this pass only walks the graph in reverse, seeds
+// d(loss) = 1, calls the rules, accumulates fan-out gradients by addition, and reports
+// non-differentiable paths clearly.
 //
 // Expects: a verified graph, loss a float scalar. Guarantees: the returned graph is verified, its
 // outputs are unchanged, and gradients[i] has the type of wrt[i] (zeros when the loss does not
@@ -13,29 +14,10 @@
 
 #include <vector>
 
-#include "frontend/builder.h"
 #include "ir/graph.h"
+#include "ops/gradient.h"
 
 namespace kiln {
-
-// What a gradient rule sees: the builder (to emit backward nodes), the node, its inputs and
-// outputs as Exprs, and the gradient of each output (zeros where an output got none).
-struct GradContext {
-  Builder& builder;
-  const Node& node;
-  std::vector<Expr> inputs;
-  std::vector<Expr> outputs;
-  std::vector<Expr> output_grads;
-
-  const Expr& x(size_t i = 0) const { return inputs.at(i); }
-  const Expr& y(size_t i = 0) const { return outputs.at(i); }
-  const Expr& dy(size_t i = 0) const { return output_grads.at(i); }
-  const Attributes& attrs() const { return node.attrs; }
-};
-
-// Sums `grad` over the axes that broadcasting added or stretched so it has `shape` again:
-// the gradient of an input that was broadcast in the forward pass.
-Expr reduce_to_shape(Expr grad, const Shape& shape);
 
 struct AutodiffResult {
   Graph graph;                     // forward + backward

@@ -27,7 +27,7 @@
 //   F  reads X' and slices x[..., :K] in its body: cuBLASLt reads A in place with lda K + p
 //      (backends/cuda/nvrtc.cc, gemm_core);
 //   D  multiplies reshape(X') (M, K + p): dW = slice of rows [0, K), db = reshape of the slice
-//      of row K: views at an offset in the memory plan (runtime/memory_plan.h), no copies;
+//      of row K: views at an offset in the memory plan (analysis/memory_plan.h), no copies;
 //   S  is gone.
 // Every reader of X must be an F or the reshape of a D (one X may feed several layers' worth:
 // separate q, k, v products); otherwise the activation is left alone. Every reader of the old

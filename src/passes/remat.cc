@@ -7,8 +7,8 @@
 #include <set>
 #include <tuple>
 
+#include "analysis/memory_plan.h"
 #include "passes/schedule.h"
-#include "runtime/memory_plan.h"
 #include "support/error.h"
 
 namespace kiln {

@@ -4,7 +4,7 @@
 #include <numeric>
 #include <queue>
 
-#include "runtime/memory_plan.h"
+#include "analysis/memory_plan.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -14,7 +14,7 @@ size_t aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // Facts about the graph that do not depend on the order. Bytes belong to buffers: a value and
 // its views (reshapes and contiguous slices the memory plan gives no bytes of their own, a
-// slice's at an offset inside its root's: runtime/memory_plan.h) are one buffer of the root's
+// slice's at an offset inside its root's: analysis/memory_plan.h) are one buffer of the root's
 // size, named by its root value, live from the root's node to the last read of any of them.
 struct Dependencies {
   std::vector<int> producer;                 // per value: defining node, or -1

@@ -1,5 +1,5 @@
 // The schedule pass ("schedule"): reorders the nodes into another topological order that keeps
-// fewer bytes live at once, so the memory plan (runtime/memory_plan.h) needs a smaller arena.
+// fewer bytes live at once, so the memory plan (analysis/memory_plan.h) needs a smaller arena.
 //
 // Why: a graph's node order is whatever its builder produced (autodiff appends the backward in
 // reverse, the optimizer appends every update last). An order that runs each consumer soon

@@ -3,7 +3,7 @@
 //
 // Memory: by default the graph's intermediates (every node output that is not a graph output,
 // update values included) live in ONE arena allocated at construction and reused by every run,
-// at the offsets computed by plan_memory() (runtime/memory_plan.h); a kernel gets Tensor views
+// at the offsets computed by plan_memory() (analysis/memory_plan.h); a kernel gets Tensor views
 // of it. Graph outputs get their own buffers each run, so callers may keep them. With
 // ExecutorOptions::plan_memory off, each value gets a fresh buffer when produced and is released
 // after its last use (the simple allocator: what the plan is tested against).
@@ -50,10 +50,10 @@
 #include <string>
 #include <vector>
 
+#include "analysis/memory_plan.h"
 #include "backends/backend.h"
 #include "backends/cuda/memory.h"
 #include "ir/graph.h"
-#include "runtime/memory_plan.h"
 #include "runtime/profile.h"
 #include "tensor/tensor.h"
 

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "backends/trace_event.h"
+
 namespace kiln {
 
 // One node's kernel in one run, in node order.
@@ -47,16 +49,7 @@ std::string profile_table(const std::vector<NodeTiming>& timings, int top = 25,
 // written.
 void write_chrome_trace(const std::vector<NodeTiming>& timings, const std::string& path);
 
-// ---- timelines of real runs (cuda::KernelTrace) ----
-
-// One piece of device work in a traced run: a kernel, a copy or a fill.
-struct TraceEvent {
-  std::string name;       // the kernel's name (demangled), "memcpy <kind>" or "memset"
-  double start_us = 0;    // the device's clock
-  double end_us = 0;
-  uint64_t launch = 0;    // the launching API call's correlation id: one graph replay, one launch
-  int64_t node = -1;      // the graph node that enqueued it; -1: unknown
-};
+// ---- timelines of real runs (cuda::KernelTrace; their events: backends/trace_event.h) ----
 
 // The traced steps: the launches that ran more than one piece of work (graph replays; a step's
 // uploads and read-backs are single copies of their own), each one step, its events by start.

@@ -25,7 +25,7 @@
 #include <set>
 #include <vector>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 
 namespace kiln::train {
 

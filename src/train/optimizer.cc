@@ -3,7 +3,7 @@
 #include <cmath>
 #include <set>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ir/verifier.h"
 #include "passes/autodiff.h"
 #include "support/error.h"

@@ -24,7 +24,7 @@
 #include "ir/graph.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
-#include "runtime/compile_cache.h"
+#include "support/compile_cache.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 
@@ -355,7 +355,7 @@ TEST(NvrtcCodegenTest, CompileErrorsNameTheLine) {
   EXPECT_TRUE(contains(message, "source line 3")) << message;
 }
 
-// The on-disk compile cache (runtime/compile_cache.h) through KILN_CACHE_DIR: the second
+// The on-disk compile cache (support/compile_cache.h) through KILN_CACHE_DIR: the second
 // compile of a source is a hit with the first's bytes; another arch is another entry; a compile
 // error stores nothing; a damaged entry is compiled again and rewritten.
 TEST(NvrtcCodegenTest, DiskCacheHitsTheSecondCompileWithTheSameBytes) {

@@ -21,13 +21,13 @@
 #include <cstring>
 #include <optional>
 
+#include "analysis/plan_check.h"
 #include "backends/cuda/cublaslt.h"
 #include "backends/cuda/memory.h"
 #include "gpu_test_util.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "runtime/executor.h"
-#include "runtime/plan_check.h"
 #include "train/optimizer.h"
 
 namespace kiln {

@@ -6,6 +6,7 @@
 
 #include "backends/cuda/kernel_trace.h"
 #include "gpu_test_util.h"
+#include "runtime/profile.h"
 #include "training_step_util.h"
 
 namespace kiln {

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <numbers>
 
-#include "frontend/builder.h"
 #include "gradcheck.h"
+#include "ir/builder.h"
 #include "ops/elementwise_test_util.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"

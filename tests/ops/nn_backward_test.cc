@@ -6,7 +6,7 @@
 #include <cmath>
 #include <functional>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "runtime/executor.h"
 #include "test_util.h"
 

@@ -5,8 +5,8 @@
 // both outputs, out and lse, and on out alone, the usual case).
 #include <map>
 
-#include "frontend/builder.h"
 #include "gradcheck.h"
+#include "ir/builder.h"
 #include "passes/autodiff.h"
 
 namespace kiln {

@@ -6,7 +6,7 @@
 #include <functional>
 #include <limits>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "runtime/executor.h"
 #include "test_util.h"
 

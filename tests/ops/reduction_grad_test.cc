@@ -3,8 +3,8 @@
 // (equal shares) and NaN rule (zero), and argmax refusing to carry a gradient.
 #include <cmath>
 
-#include "frontend/builder.h"
 #include "gradcheck.h"
+#include "ir/builder.h"
 #include "ops/elementwise_test_util.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"

@@ -9,7 +9,7 @@
 #include <map>
 #include <set>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "passes/autodiff.h"

@@ -1,7 +1,7 @@
 // The autodiff pass itself: fan-out accumulation, broadcast reduction, integer inputs, errors.
 // (Each op's gradient rule is checked in tests/ops/*_grad_test.cc.)
-#include "frontend/builder.h"
 #include "gradcheck.h"
+#include "ir/builder.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"
 

@@ -12,13 +12,13 @@
 
 #include <algorithm>
 
+#include "analysis/memory_plan.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "passes/classifier.h"
 #include "passes/pipeline.h"
 #include "passes/schedule.h"
 #include "passes/simplify/dead_code.h"
-#include "runtime/memory_plan.h"
 #include "simplify/simplify_test_util.h"
 #include "train/optimizer.h"
 

@@ -6,10 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include "analysis/memory_plan.h"
 #include "backends/cpu/fused.h"
 #include "models/models.h"
 #include "passes/schedule.h"
-#include "runtime/memory_plan.h"
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/constant_fold.h"
 #include "passes/simplify/cse.h"

@@ -10,11 +10,11 @@
 
 #include <gtest/gtest.h>
 
+#include "analysis/memory_plan.h"
 #include "models/models.h"
 #include "passes/fusion/fusion.h"
 #include "passes/pipeline.h"
 #include "runtime/executor.h"
-#include "runtime/memory_plan.h"
 #include "simplify/simplify_test_util.h"
 #include "train/optimizer.h"
 

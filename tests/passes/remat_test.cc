@@ -8,11 +8,11 @@
 #include <cstring>
 #include <regex>
 
+#include "analysis/memory_plan.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
 #include "runtime/executor.h"
-#include "runtime/memory_plan.h"
 #include "test_util.h"
 #include "train/trainer.h"
 

@@ -7,9 +7,9 @@
 #include <numeric>
 #include <set>
 
+#include "analysis/memory_plan.h"
+#include "analysis/plan_check.h"
 #include "ir/text.h"
-#include "runtime/memory_plan.h"
-#include "runtime/plan_check.h"
 
 namespace kiln {
 namespace {

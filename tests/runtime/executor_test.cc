@@ -15,10 +15,10 @@
 #include <mutex>
 #include <thread>
 
+#include "analysis/plan_check.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "passes/schedule.h"
-#include "runtime/plan_check.h"
 #include "test_util.h"
 
 namespace kiln {

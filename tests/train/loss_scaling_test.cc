@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <limits>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
 #include "runtime/executor.h"

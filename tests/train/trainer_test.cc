@@ -3,7 +3,7 @@
 #include <cmath>
 #include <filesystem>
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "models/models.h"
 #include "test_util.h"
 #include "train/trainer.h"

@@ -8,9 +8,9 @@
 // into the node's output tensors.
 #include <cuda_runtime.h>
 
+#include "analysis/memory_plan.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/registration.h"
-#include "runtime/memory_plan.h"
 
 namespace kiln::cuda {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/profile.h"
+#include "backends/trace_event.h"
 
 namespace kiln::cuda {
 

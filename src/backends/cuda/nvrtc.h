@@ -8,7 +8,7 @@
 // one, which is how CI catches syntax errors in generated code. Loading and launching need one.
 // Compiled images are cached by source text (one compile per distinct body, thread-safe; two
 // threads asking for the same new source compile it once); modules are loaded once per device.
-// Across processes, CUBINs are kept in the on-disk compile cache (runtime/compile_cache.h), so
+// Across processes, CUBINs are kept in the on-disk compile cache (support/compile_cache.h), so
 // a second run of a model loads its kernels from disk instead of compiling them.
 #pragma once
 
@@ -19,7 +19,7 @@
 
 #include "backends/cuda/codegen.h"
 #include "ir/op_def.h"
-#include "runtime/compile_cache.h"
+#include "support/compile_cache.h"
 #include "support/error.h"
 
 // Every NVRTC call goes through this: a failure throws kiln::Error with file:line and the name.
@@ -44,7 +44,7 @@ std::string gpu_architecture(int device);
 // kiln::Error with NVRTC's log and the source line it names. Uncached (nvrtc_compile_cached is
 // the cached path).
 std::string nvrtc_compile(const std::string& source, const std::string& arch);
-// nvrtc_compile through the on-disk compile cache (runtime/compile_cache.h): `cache`, or when
+// nvrtc_compile through the on-disk compile cache (support/compile_cache.h): `cache`, or when
 // null CompileCache::global("nvrtc") ($KILN_CACHE_DIR/nvrtc, ~/.cache/kiln/nvrtc;
 // KILN_CACHE_DIR=off disables it). A hit returns the stored CUBIN without compiling; a miss
 // compiles and stores. The key is nvrtc_cache_key's text. A compile error stores nothing.

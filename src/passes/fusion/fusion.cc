@@ -8,10 +8,10 @@
 #include <queue>
 #include <set>
 
+#include "analysis/memory_plan.h"
 #include "ir/op_def.h"
 #include "passes/schedule.h"
 #include "passes/simplify/compact.h"
-#include "runtime/memory_plan.h"
 #include "support/error.h"
 
 namespace kiln {

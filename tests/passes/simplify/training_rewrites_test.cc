@@ -4,7 +4,7 @@
 // cross_entropy_grad whose labels nobody checks.
 #include "passes/simplify/training_rewrites.h"
 
-#include "frontend/builder.h"
+#include "ir/builder.h"
 #include "ir/text.h"
 #include "simplify_test_util.h"
 

@@ -1,6 +1,6 @@
 // The on-disk compile cache (compile_cache.h): hashing, the entry file format, atomic writes,
 // the size bound, and the process-wide instances.
-#include "runtime/compile_cache.h"
+#include "support/compile_cache.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

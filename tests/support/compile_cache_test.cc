@@ -1,8 +1,8 @@
-// The on-disk compile cache (runtime/compile_cache.h): round trips, distinct keys, corrupt and
+// The on-disk compile cache (support/compile_cache.h): round trips, distinct keys, corrupt and
 // truncated entries (a miss, then rewritten), unwritable folders (no throw), the disabled mode
 // and where the folder comes from, concurrent writers, and the least-recently-used size bound.
 // Every test works in a fresh folder under the system temp folder and removes it.
-#include "runtime/compile_cache.h"
+#include "support/compile_cache.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

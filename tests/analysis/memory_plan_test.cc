@@ -4,12 +4,12 @@
 // rows at its byte offset; which slices stay copies; chains whose offsets add up; no in-place
 // reuse over a view at an offset), and on random and training graphs that no two values live at
 // one node share bytes.
-#include "runtime/memory_plan.h"
+#include "analysis/memory_plan.h"
 
+#include "analysis/plan_check.h"
 #include "ir/text.h"
 #include "passes/schedule.h"
 #include "runtime/executor.h"
-#include "runtime/plan_check.h"
 
 namespace kiln {
 namespace {

@@ -1,4 +1,4 @@
-#include "frontend/builder.h"
+#include "ir/builder.h"
 
 #include "ir/verifier.h"
 #include "support/error.h"

@@ -6,9 +6,9 @@
 
 #include <random>
 
+#include "analysis/memory_plan.h"
 #include "ir/graph.h"
 #include "models/models.h"
-#include "runtime/memory_plan.h"
 #include "train/optimizer.h"
 
 namespace kiln::testing {
