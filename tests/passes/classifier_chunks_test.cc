@@ -14,6 +14,7 @@
 
 #include "ir/text.h"
 #include "models/models.h"
+#include "ops/fused/classifier.h"
 #include "passes/classifier.h"
 #include "passes/pipeline.h"
 #include "passes/schedule.h"
