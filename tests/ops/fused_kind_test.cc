@@ -208,7 +208,8 @@ TEST(FusedKind, FusionKindsRejectColumnValuesReadInsideTheBody) {
                     "node 0 (sum) is a column reduction read inside the body");
   // layer_norm_grad's dgamma (output 1) likewise.
   EXPECT_KILN_ERROR(with_fused("rows",
-                               "graph @b(%x: f32[4,3] data, %g: f32[3] data, %dy: f32[4,3] data) {\n"
+                               "graph @b(%x: f32[4,3] data, %g: f32[3] data, "
+                               "%dy: f32[4,3] data) {\n"
                                "  %dx, %dg, %db = layer_norm_grad(%x, %g, %dy) : f32[4,3], f32[3], "
                                "f32[3]\n"
                                "  %1 = mul(%dx, %dg) : f32[4,3]\n"
@@ -244,7 +245,8 @@ TEST(FusedKind, GemmEpilogueKindRejectsBodyWithoutExactlyOneMatmulOfItsInputs) {
   EXPECT_KILN_ERROR(with_fused("gemm-epilogue", kRows), "not a \"gemm-epilogue\" body",
                     "no matmul");
   EXPECT_KILN_ERROR(with_fused("gemm-epilogue",
-                               "graph @b(%x: f32[5,8] data, %w: f32[8,6] data, %v: f32[8,6] data) {\n"
+                               "graph @b(%x: f32[5,8] data, %w: f32[8,6] data, "
+                               "%v: f32[8,6] data) {\n"
                                "  %0 = matmul(%x, %w) : f32[5,6]\n"
                                "  %1 = matmul(%x, %v) : f32[5,6]\n"
                                "  %2 = add(%0, %1) : f32[5,6]\n"

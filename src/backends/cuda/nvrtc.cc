@@ -212,7 +212,8 @@ void launch_generated(const GeneratedKernel& kernel, const KernelArgs& args) {
              "nvrtc: the kernel takes {} tensors, {} inputs and {} outputs were given",
              kernel.param_element_bytes.size(), args.inputs.size(), args.outputs.size());
   const bool columns = !kernel.column_outputs.empty();
-  if ((kernel.kind == FusedKind::kElementwise && kernel.row_length == 0) || (kernel.rows == 0 && !columns))
+  if ((kernel.kind == FusedKind::kElementwise && kernel.row_length == 0) ||
+      (kernel.rows == 0 && !columns))
     return;
   const auto stream = static_cast<cudaStream_t>(args.stream);
   std::vector<void*> pointers;

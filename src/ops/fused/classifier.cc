@@ -19,7 +19,8 @@ std::optional<ClassifierBody> refuse(std::string* why, std::string reason) {
 std::optional<ClassifierBody> match_classifier_body(const Graph& body, std::string* why) {
   if (body.inputs.size() != 3 || body.outputs.size() != 2)
     return refuse(why, fmt::format("{} inputs and {} outputs, expected 3 (logits, labels, dloss) "
-                                   "and 2 (loss, dlogits)", body.inputs.size(), body.outputs.size()));
+                                   "and 2 (loss, dlogits)",
+                                   body.inputs.size(), body.outputs.size()));
   if (body.nodes.size() < 2 || body.nodes.size() > 4)
     return refuse(why, fmt::format("{} nodes, expected 2 to 4 ([cast], cross_entropy, "
                                    "cross_entropy_grad, [cast])", body.nodes.size()));

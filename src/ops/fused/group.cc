@@ -33,7 +33,8 @@ std::optional<GroupBody> refuse(std::string* why, std::string reason) {
 
 GroupRole group_role(const Graph& graph, const Node& node) {
   const Op op = node.op;
-  if (has_flag(op, kElementwise)) return op == Op::kDropout ? GroupRole::kOther : GroupRole::kElementwise;
+  if (has_flag(op, kElementwise))
+    return op == Op::kDropout ? GroupRole::kOther : GroupRole::kElementwise;
   switch (op) {
     case Op::kSoftmax:
     case Op::kLogSoftmax:
@@ -84,7 +85,9 @@ std::optional<GroupBody> match_group_body(FusedKind kind, const Graph& body, std
       int& r = reader[static_cast<size_t>(id)];
       r = r == -1 || r == static_cast<int>(n) ? static_cast<int>(n) : -2;
     }
-  auto node_text = [&](size_t n) { return fmt::format("node {} ({})", n, op_name(body.nodes[n].op)); };
+  auto node_text = [&](size_t n) {
+    return fmt::format("node {} ({})", n, op_name(body.nodes[n].op));
+  };
   auto read_inside = [&](ValueId id) { return reader[static_cast<size_t>(id)] != -1; };
 
   GroupBody out;
