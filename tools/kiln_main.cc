@@ -72,8 +72,8 @@ void dump_kernels(const kiln::Graph& graph, const std::string& dir) {
   for (size_t i = 0; i < graph.nodes.size(); ++i) {
     const kiln::Node& node = graph.nodes[i];
     if (node.op != kiln::Op::kFused || !node.body) continue;
-    const std::string& kind = node.attrs.s("kind");
-    const std::string path = fmt::format("{}/node{:04}_{}.cu", dir, i, kind);
+    const kiln::FusedKind kind = kiln::fused_kind(node);
+    const std::string path = fmt::format("{}/node{:04}_{}.cu", dir, i, kiln::fused_kind_name(kind));
     std::ofstream out(path, std::ios::binary);
     out << kiln::cuda::fused_kernel_listing(*node.body, kind);
     KILN_CHECK(out.good(), "cannot write '{}'", path);

@@ -1,12 +1,13 @@
 // The fused op: a node that holds a subgraph (Node::body) and computes exactly what the body
 // computes. The fusion pass (passes/fusion/fusion.h) outlines each fusion group into one.
 //   fused(x0, x1, ...) {kind} : the body's output types.
-//     kind: what the group is, for kernels and reports: "elementwise", "rows" (holds a row op:
-//     softmax, a norm, a last-axis reduction) or "gemm-epilogue" (a matmul and what consumes
-//     its tiles); any non-empty string is accepted.
+//     kind: what the body is, one of the fused kinds (ops/fused/kind.h: "elementwise", "rows",
+//     "gemm-epilogue", "classifier", ...), each with a body contract.
 //   Body: a graph whose inputs (all role data) match the node's inputs 1:1 in type, with no
-//   updates, at least one output, and no fused node inside (fusion never nests).
-// Inference checks all of that (verifying the body) and returns the body's output types. The
+//   updates, at least one output, no fused node inside (fusion never nests), and meeting its
+//   kind's contract (check_fused_body).
+// Inference checks all of that (verifying the body) and returns the body's output types: so
+// verify() rejects a body that is not what its kind says, right after the pass that built it. The
 // reference kernel runs the body node by node with every op's reference kernel on whole tensors:
 // no tiling, so it is the oracle for the fast tiled kernels. Not differentiable: fusion runs
 // after autodiff.
@@ -15,14 +16,16 @@
 #include "ir/graph.h"
 #include "ir/verifier.h"
 #include "ops/common.h"
+#include "ops/fused/kind.h"
 
 namespace kiln::ops {
 namespace {
 
 std::vector<TensorType> infer_fused(std::span<const TensorType> inputs, const Attributes& a,
                                     const Graph& body) {
-  KILN_CHECK(!a.s("kind").empty(), "attribute 'kind' is empty, expected a group kind such as "
-             "\"elementwise\"");
+  KILN_CHECK(!a.s("kind").empty(), "attribute 'kind' is empty, expected one of: {}",
+             known_fused_kinds());
+  const FusedKind kind = fused_kind(a);
   KILN_CHECK(body.inputs.size() == inputs.size(), "the body @{} has {} inputs, the node has {}",
              body.name, body.inputs.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -47,6 +50,7 @@ std::vector<TensorType> infer_fused(std::span<const TensorType> inputs, const At
   } catch (const Error& e) {
     fail("body @{}: {}", body.name, e.what());
   }
+  check_fused_body(kind, body);
   std::vector<TensorType> out;
   for (ValueId id : body.outputs) out.push_back(body.type(id));
   return out;

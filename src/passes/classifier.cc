@@ -4,6 +4,8 @@
 #include <memory>
 #include <vector>
 
+#include "ops/fused/classifier.h"
+#include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
 #include "passes/uses.h"
 #include "support/error.h"
@@ -114,57 +116,14 @@ bool ClassifierPass::run(Graph& graph) {
       auto body = std::make_shared<Graph>(*node.body);
       body->name = fmt::format("classifier_{}", fired);
       node.body = std::move(body);
-      node.attrs.set("kind", std::string("classifier"));
-      KILN_CHECK(match_classifier_body(*node.body).has_value(),
-                 "classifier: the outlined body is not of the classifier form");
+      node.attrs = fused_attrs(FusedKind::kClassifier);
+      std::string why;
+      KILN_CHECK(match_classifier_body(*node.body, &why).has_value(),
+                 "classifier: the outlined body is not of the classifier form: {}", why);
     }
     ++fired;
   }
   return fired > 0;
-}
-
-std::optional<ClassifierBody> match_classifier_body(const Graph& body) {
-  if (body.inputs.size() != 3 || body.outputs.size() != 2 || body.nodes.size() < 2 ||
-      body.nodes.size() > 4 || !body.updates.empty())
-    return std::nullopt;
-  const ValueId x = body.inputs[0].value, labels = body.inputs[1].value,
-                dloss = body.inputs[2].value;
-  size_t n = 0;
-  ValueId logits = x;
-  if (body.nodes[n].op == Op::kCast) {
-    const Node& cast = body.nodes[n++];
-    if (cast.inputs[0] != x || !is_16bit_float(body.type(x).dtype)) return std::nullopt;
-    logits = cast.outputs[0];
-  }
-  if (n + 2 > body.nodes.size()) return std::nullopt;
-  const Node& ce = body.nodes[n++];
-  const Node& grad = body.nodes[n++];
-  if (ce.op != Op::kCrossEntropy || grad.op != Op::kCrossEntropyGrad) return std::nullopt;
-  if (ce.inputs != std::vector<ValueId>{logits, labels} ||
-      grad.inputs != std::vector<ValueId>{logits, labels, dloss} ||
-      !same_values(ce.attrs, grad.attrs))
-    return std::nullopt;
-  ValueId g = grad.outputs[0];
-  if (n < body.nodes.size()) {
-    const Node& cast = body.nodes[n++];
-    if (cast.op != Op::kCast || cast.inputs[0] != g ||
-        !is_16bit_float(body.type(cast.outputs[0]).dtype))
-      return std::nullopt;
-    g = cast.outputs[0];
-  }
-  if (body.outputs[0] != ce.outputs[0] || body.outputs[1] != g) return std::nullopt;
-  const TensorType& logits_type = body.type(logits);
-  if (logits_type.dtype != DType::kF32) return std::nullopt;
-  ClassifierBody out;
-  out.logits = body.type(x).dtype;
-  out.labels = body.type(labels).dtype;
-  out.grad = body.type(g).dtype;
-  out.ignore_index = ce.attrs.i("ignore_index");
-  out.reduction = ce.attrs.s("reduction");
-  out.vocab = logits_type.shape.back();
-  out.rows = 1;
-  for (int64_t d : body.type(labels).shape) out.rows *= d;
-  return out;
 }
 
 }  // namespace kiln

@@ -6,8 +6,8 @@
 // What: a cross_entropy(L, labels) and THE cross_entropy_grad(L, labels, dloss) of the same L,
 // labels, ignore_index and reduction, with L of dtype f32, become
 //     %loss, %dlogits = fused(%X, %labels, %dloss) {kind="classifier"} { body }
-// whose body holds exactly the matched ops, in this order (the only form the kernels take;
-// match_classifier_body reads it back):
+// whose body holds exactly the matched ops, in this order (the kind's contract,
+// ops/fused/classifier.h, which the verifier and the kernels read it back with):
 //     [%L = cast(%X) {dtype=f32}]                     absorbed when L = cast(X) of a bf16/f16 X
 //     %loss = cross_entropy(%L, %labels) {ignore_index, reduction}
 //     %g = cross_entropy_grad(%L, %labels, %dloss) {ignore_index, reduction}
@@ -28,7 +28,6 @@
 // in the same order); values compacted.
 #pragma once
 
-#include <optional>
 #include <string>
 
 #include "passes/pass.h"
@@ -40,21 +39,5 @@ class ClassifierPass : public Pass {
   std::string name() const override { return "classifier"; }
   bool run(Graph& graph) override;
 };
-
-// What a fused "classifier" node computes, read from its body: for the kernels' supports() and
-// kernels, which take exactly the form ClassifierPass builds. Node inputs: logits (rows..., V)
-// of `logits`, labels (rows...) of `labels`, dloss (f32: the loss's shape). Node outputs: the
-// loss (f32: scalar, or per row for "none") and dlogits (logits' shape, of `grad`).
-struct ClassifierBody {
-  DType logits = DType::kF32;  // f32, bf16 or f16
-  DType labels = DType::kI64;  // i32 or i64
-  DType grad = DType::kF32;    // f32, bf16 or f16
-  int64_t ignore_index = -100;
-  std::string reduction = "mean";  // "mean", "sum" or "none"
-  int64_t rows = 0;                // product of the labels' dims
-  int64_t vocab = 0;               // the logits' last dim
-};
-// The body's description, or nullopt when `body` is not of the form above.
-std::optional<ClassifierBody> match_classifier_body(const Graph& body);
 
 }  // namespace kiln

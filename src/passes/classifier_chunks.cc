@@ -6,7 +6,8 @@
 #include <set>
 #include <vector>
 
-#include "passes/classifier.h"
+#include "ops/fused/classifier.h"
+#include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
 #include "passes/simplify/compact.h"
 #include "passes/uses.h"
@@ -72,9 +73,7 @@ bool is_scatter_into_zeros(const Graph& graph, const Uses& uses, int n) {
 
 std::optional<Head> match_head(const Graph& graph, const Uses& uses, int c) {
   const Node& cls = graph.nodes[static_cast<size_t>(c)];
-  if (cls.op != Op::kFused || !cls.body || !cls.attrs.has("kind") ||
-      cls.attrs.s("kind") != "classifier")
-    return std::nullopt;
+  if (!is_fused(cls, FusedKind::kClassifier)) return std::nullopt;
   Head h;
   h.classifier = c;
   std::optional<ClassifierBody> body = match_classifier_body(*cls.body);

@@ -7,6 +7,7 @@
 #include <optional>
 #include <set>
 
+#include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
 #include "passes/schedule.h"
 #include "passes/simplify/compact.h"
@@ -17,11 +18,10 @@ namespace {
 
 // ---- inlining fusion groups -----------------------------------------------------------------
 
-// The kinds the fusion pass gives its groups: those may be taken apart and outlined again.
-bool is_fusion_group(const Node& node) {
-  if (node.op != Op::kFused || !node.body) return false;
-  const std::string& kind = node.attrs.s("kind");
-  if (kind != "elementwise" && kind != "rows" && kind != "gemm-epilogue") return false;
+// A node of the kinds the fusion pass gives its groups: those may be taken apart and outlined
+// again.
+bool is_outlined_group(const Node& node) {
+  if (node.op != Op::kFused || !node.body || !is_fusion_group(fused_kind(node))) return false;
   // Inlining maps each body output to one outer value: a body input passed through, or a value
   // output twice, has no node of its own to produce it (fusion makes neither).
   std::set<ValueId> seen;
@@ -97,19 +97,19 @@ std::string fresh_name(std::set<std::string>& used, const std::string& stem) {
 }
 
 // Gives every body not in `before` (made by fusion::outline, which numbers its bodies from
-// fused_0 on each call) a name no other body has; kind_of(node) is the kind to set, or empty to
-// keep the one outline gave (the fusion pass's).
+// fused_0 on each call) a name no other body has; kind_of(node) is the kind to set, or nullopt
+// to keep the one outline gave (the fusion pass's).
 void rename_new_bodies(Graph& graph, const std::set<const Graph*>& before,
-                       const std::function<std::string(const Node&)>& kind_of) {
+                       const std::function<std::optional<FusedKind>(const Node&)>& kind_of) {
   std::set<std::string> used;
   for (const Node& node : graph.nodes)
     if (node.body && before.count(node.body.get())) used.insert(node.body->name);
   for (Node& node : graph.nodes) {
     if (!node.body || before.count(node.body.get())) continue;
-    const std::string kind = kind_of(node);
-    if (!kind.empty()) node.attrs.set("kind", kind);
+    const std::optional<FusedKind> kind = kind_of(node);
+    if (kind) node.attrs = fused_attrs(*kind);
     auto body = std::make_shared<Graph>(*node.body);
-    std::string stem = kind.empty() ? "fused" : kind;
+    std::string stem = kind ? std::string(fused_kind_name(*kind)) : "fused";
     std::replace(stem.begin(), stem.end(), '-', '_');
     body->name = fresh_name(used, stem);
     node.body = std::move(body);
@@ -197,14 +197,14 @@ std::vector<std::vector<int>> find_norms(const Graph& graph) {
 bool group_global_norms(Graph& graph) {
   // Fusion may hold parts of the pattern: look for it with every fusion group inlined, then
   // inline only the groups that hold part of it.
-  const Flat all = inline_groups(graph, [&](size_t n) { return is_fusion_group(graph.nodes[n]); });
+  const Flat all = inline_groups(graph, [&](size_t n) { return is_outlined_group(graph.nodes[n]); });
   std::vector<std::vector<int>> norms = find_norms(all.graph);
   if (norms.empty()) return false;
   std::set<int> touched;
   for (const auto& norm : norms)
     for (int n : norm) touched.insert(all.origin[static_cast<size_t>(n)]);
   Flat flat = inline_groups(graph, [&](size_t n) {
-    return touched.count(static_cast<int>(n)) && is_fusion_group(graph.nodes[n]);
+    return touched.count(static_cast<int>(n)) && is_outlined_group(graph.nodes[n]);
   });
   norms = find_norms(flat.graph);
   const int first_new = static_cast<int>(graph.nodes.size());
@@ -235,10 +235,10 @@ bool group_global_norms(Graph& graph) {
   } catch (const Error&) {
     return false;  // taking the pattern out would make a cycle through a group: leave it
   }
-  rename_new_bodies(out, before, [&](const Node& node) -> std::string {
+  rename_new_bodies(out, before, [&](const Node& node) -> std::optional<FusedKind> {
     for (ValueId id : node.outputs)
-      if (root_names.count(out.value(id).name)) return "global-norm";
-    return "";
+      if (root_names.count(out.value(id).name)) return FusedKind::kGlobalNorm;
+    return std::nullopt;
   });
   graph = std::move(out);
   return true;
@@ -280,7 +280,7 @@ std::array<size_t, 2> scheduled_peaks(const Graph& graph) {
 
 // `graph` with each list of `groups` (node indices) outlined into one node of `kind`.
 Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& groups,
-                     const std::string& kind) {
+                     FusedKind kind) {
   std::vector<int> group_of(graph.nodes.size());
   for (size_t n = 0; n < graph.nodes.size(); ++n) group_of[n] = static_cast<int>(n);
   const int first_new = static_cast<int>(graph.nodes.size());
@@ -289,7 +289,7 @@ Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& gr
   const std::set<const Graph*> before = bodies_of(graph);
   Graph out = graph;
   fusion::outline(out, group_of);
-  rename_new_bodies(out, before, [&](const Node&) { return kind; });
+  rename_new_bodies(out, before, [&](const Node&) -> std::optional<FusedKind> { return kind; });
   return out;
 }
 
@@ -299,7 +299,7 @@ Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& gr
 // changes nothing. Returns whether it changed `graph`. `peaks`: scheduled_peaks(graph) if
 // known (each measure schedules the whole step), and so again on return.
 using Peaks = std::optional<std::array<size_t, 2>>;
-bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, const std::string& kind,
+bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, FusedKind kind,
                       const std::function<size_t(int)>& member_bytes, Peaks& peaks) {
   if (whole.empty()) return false;
   if (!peaks) peaks = scheduled_peaks(graph);
@@ -362,7 +362,7 @@ bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, 
   return false;
 }
 
-bool group_updates(Graph& graph, Op op, size_t scalars_from, const std::string& kind, Peaks& peaks) {
+bool group_updates(Graph& graph, Op op, size_t scalars_from, FusedKind kind, Peaks& peaks) {
   // Candidates by key, in node order.
   std::vector<UpdateKey> keys;
   std::vector<std::vector<int>> by_key;
@@ -411,7 +411,7 @@ bool group_param_casts(Graph& graph, Peaks& peaks) {
   if (members.size() < 2) return false;
   // Chunks are capped by the bytes of their results: what a chunk makes alive before its
   // readers need it.
-  return group_under_peak(graph, {members}, "multi-tensor-cast", [&](int n) {
+  return group_under_peak(graph, {members}, FusedKind::kMultiTensorCast, [&](int n) {
     return graph.type(graph.nodes[static_cast<size_t>(n)].outputs[0]).bytes();
   }, peaks);
 }
@@ -455,8 +455,8 @@ bool MultiTensorPass::run(Graph& graph) {
   bool changed = fold_gradient_casts(graph);
   changed = group_global_norms(graph) || changed;
   Peaks peaks;  // of the graph as it is, once measured
-  changed = group_updates(graph, Op::kAdamwUpdate, 4, "multi-tensor-adamw", peaks) || changed;
-  changed = group_updates(graph, Op::kSgdUpdate, 3, "multi-tensor-sgd", peaks) || changed;
+  changed = group_updates(graph, Op::kAdamwUpdate, 4, FusedKind::kMultiTensorAdamw, peaks) || changed;
+  changed = group_updates(graph, Op::kSgdUpdate, 3, FusedKind::kMultiTensorSgd, peaks) || changed;
   if (group_casts_) changed = group_param_casts(graph, peaks) || changed;
   return changed;
 }

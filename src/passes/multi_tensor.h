@@ -4,7 +4,7 @@
 // launch (GPT-2: 148 adamw_update nodes, 148 sum-of-squares reductions, 147 scalar adds and,
 // under --amp, ~74 casts otherwise: each a launch-bound kernel of a few microseconds).
 //
-// What it makes (bodies: backends/multi_tensor.h describes them exactly):
+// What it makes (bodies: their contracts in ops/fused/multi_tensor.h state them exactly):
 //   kind "multi-tensor-adamw" / "multi-tensor-sgd": adamw_update (sgd_update) nodes with equal
 //     attributes, the same scalar operands (lr, step) and the same operand dtypes. The body
 //     holds the nodes unchanged; the fused node's outputs are their results, each still the

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "ir/op_def.h"
+#include "ops/fused/group.h"
 #include "passes/fusion/fusion.h"
 #include "passes/simplify/compact.h"
 #include "passes/uses.h"
@@ -14,11 +15,6 @@
 
 namespace kiln {
 namespace {
-
-bool is_kind(const Node& node, const char* kind) {
-  return node.op == Op::kFused && node.body && node.attrs.has("kind") &&
-         node.attrs.s("kind") == kind;
-}
 
 // The value whose bytes `id` is, looking through reshapes.
 ValueId reshape_root(const Graph& graph, const Uses& uses, ValueId id) {
@@ -36,7 +32,7 @@ bool is_transposed_a_product(const Node& mm) {
 }
 bool is_weight_gradient(const Node& node) {
   if (is_transposed_a_product(node)) return true;
-  if (!is_kind(node, "gemm-epilogue")) return false;
+  if (!is_fused(node, FusedKind::kGemmEpilogue)) return false;
   const Graph& body = *node.body;
   if (body.inputs.size() != 2 || body.outputs.size() != 1) return false;
   if (body.nodes.empty() || body.nodes.size() > 2) return false;
@@ -63,20 +59,17 @@ bool is_column_sum(const Graph& graph, const Node& node) {
 // F: the body's one matmul reads body input `input` as its untransposed A, and nothing else
 // in the body reads it.
 bool reads_as_a(const Node& node, size_t input) {
-  if (!is_kind(node, "gemm-epilogue")) return false;
+  if (!is_fused(node, FusedKind::kGemmEpilogue)) return false;
   const Graph& body = *node.body;
+  const std::optional<GroupBody> group = match_group_body(FusedKind::kGemmEpilogue, body);
+  if (!group) return false;
+  const Node& mm = body.nodes[static_cast<size_t>(group->matmul)];
   const ValueId in = body.inputs[input].value;
-  int matmuls = 0, reads = 0;
-  bool as_a = false;
-  for (const Node& n : body.nodes) {
-    if (n.op == Op::kMatmul) {
-      ++matmuls;
-      as_a = n.inputs[0] == in && n.inputs[1] != in && !n.attrs.b("transpose_a");
-    }
+  int reads = 0;
+  for (const Node& n : body.nodes)
     reads += static_cast<int>(std::count(n.inputs.begin(), n.inputs.end(), in));
-  }
   for (ValueId out : body.outputs) reads += out == in;
-  return matmuls == 1 && as_a && reads == 1;
+  return mm.inputs[0] == in && mm.inputs[1] != in && !mm.attrs.b("transpose_a") && reads == 1;
 }
 
 // A lone row op (an f32 LayerNorm, which fusion left alone): outlined as a "rows" node of one
@@ -94,21 +87,20 @@ void outline_alone(Graph& graph, size_t n) {
     inputs.push_back(body->add_input(fmt::format("in{}", k), graph.type(node.inputs[k]), Role::kData));
   body->outputs = body->add_node(node.op, inputs, node.attrs);
   node.op = Op::kFused;
-  node.attrs = normalize_attributes(Op::kFused, {{"kind", std::string("rows")}});
+  node.attrs = fused_attrs(FusedKind::kRows);
   node.body = std::move(body);
 }
 
 // P: a body with a row op (so its kernel is a generated rows kernel, which stores padded rows)
 // computing body output `output`, which no other output slot repeats.
 bool writes_padded(const Node& node, size_t output) {
-  if (!is_kind(node, "rows") && !is_kind(node, "gemm-epilogue")) return false;
+  if (!is_fused(node, FusedKind::kRows) && !is_fused(node, FusedKind::kGemmEpilogue)) return false;
   const Graph& body = *node.body;
   const ValueId x = body.outputs[output];
   if (body.input_index(x) >= 0) return false;
   if (std::count(body.outputs.begin(), body.outputs.end(), x) != 1) return false;
-  for (const Node& n : body.nodes)
-    if (fusion::classify_node(body, n).kind == fusion::ItemKind::kRowOp) return true;
-  return false;
+  const std::optional<GroupBody> group = match_group_body(fused_kind(node), body);
+  return group && group->row_ops > 0;
 }
 
 // One weight gradient D to rewrite: its reshape of X, and the bias gradient to replace.

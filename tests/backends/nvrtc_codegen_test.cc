@@ -88,8 +88,8 @@ Body broadcast_chain(DType d, int64_t n) {
 TEST(NvrtcCodegenTest, ElementwiseF32UsesFourWideVectorsAndBroadcastIndexing) {
   Body b = broadcast_chain(DType::kF32, 64);
   std::string why;
-  ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
   EXPECT_EQ(k.vector_width, 4);  // 16 bytes of f32
   EXPECT_EQ(k.entry, "kiln_fused_vec");
   EXPECT_EQ(k.scalar_entry, "kiln_fused");
@@ -109,23 +109,23 @@ TEST(NvrtcCodegenTest, ElementwiseF32UsesFourWideVectorsAndBroadcastIndexing) {
 
 TEST(NvrtcCodegenTest, VectorWidthFollowsStorageAndRowLength) {
   // bf16: 8 elements are 16 bytes.
-  GeneratedKernel bf = cuda::generate_kernel(*broadcast_chain(DType::kBF16, 64).g, "elementwise");
+  GeneratedKernel bf = cuda::generate_kernel(*broadcast_chain(DType::kBF16, 64).g, FusedKind::kElementwise);
   EXPECT_EQ(bf.vector_width, 8);
   EXPECT_TRUE(contains(bf.source, "__bfloat162float(")) << bf.source;
   EXPECT_TRUE(contains(bf.source, "__float2bfloat16_rn(")) << bf.source;
   expect_compiles(bf);
   // f16 with a row of 66: 66 = 2 * 33, so 2 wide.
-  GeneratedKernel h = cuda::generate_kernel(*broadcast_chain(DType::kF16, 66).g, "elementwise");
+  GeneratedKernel h = cuda::generate_kernel(*broadcast_chain(DType::kF16, 66).g, FusedKind::kElementwise);
   EXPECT_EQ(h.vector_width, 2);
   expect_compiles(h);
   // An odd row: scalar only, a single entry point.
-  GeneratedKernel odd = cuda::generate_kernel(*broadcast_chain(DType::kF32, 63).g, "elementwise");
+  GeneratedKernel odd = cuda::generate_kernel(*broadcast_chain(DType::kF32, 63).g, FusedKind::kElementwise);
   EXPECT_EQ(odd.vector_width, 1);
   EXPECT_EQ(odd.entry, "kiln_fused");
   EXPECT_TRUE(odd.scalar_entry.empty());
   expect_compiles(odd);
   // f64: 2 wide.
-  EXPECT_EQ(cuda::generate_kernel(*broadcast_chain(DType::kF64, 64).g, "elementwise").vector_width,
+  EXPECT_EQ(cuda::generate_kernel(*broadcast_chain(DType::kF64, 64).g, FusedKind::kElementwise).vector_width,
             2);
 }
 
@@ -139,7 +139,7 @@ TEST(NvrtcCodegenTest, MiddleAxisBroadcastAndMixedDtypes) {
   ValueId pos = b.op(Op::kGt, {x, y});
   ValueId w = b.op(Op::kWhere, {pos, x, p});
   b.out({c, w});
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
   EXPECT_EQ(k.vector_width, 4);  // f32 is the widest stored type; 8 % 4 == 0
   EXPECT_TRUE(contains(k.source, "(i % 8LL) + (i / 24LL) * 8LL")) << k.source;
   EXPECT_TRUE(contains(k.source, "__float2bfloat16_rn")) << k.source;
@@ -154,10 +154,10 @@ TEST(NvrtcCodegenTest, RowsLayerNormWithResidual) {
   ValueId y = b.op(Op::kLayerNorm, {h, g, be});
   b.out({h, y});
   std::string why;
-  ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
-  EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+  ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kRows, &why)) << why;
+  EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
   EXPECT_TRUE(contains(why, "rows")) << why;
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
   EXPECT_EQ(k.rows, 10);
   EXPECT_EQ(k.row_length, 96);
   EXPECT_EQ(k.blocks, 2);     // a warp per row, 8 rows per block: 10 rows in 2 blocks
@@ -179,7 +179,7 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     Body b;
     ValueId x = b.in("x", DType::kF32, {3, 1000}), s = b.in("scale", DType::kF32, {});
     b.out({b.op(Op::kSoftmax, {b.op(Op::kMul, {x, s})})});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
     EXPECT_EQ(k.threads, 256);  // 8 warps, a row each
     EXPECT_EQ(k.blocks, 1);
     EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 1>")) << k.source;  // max
@@ -191,7 +191,7 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     Body b;
     ValueId x = b.in("x", DType::kF32, {3, 2000});
     b.out({b.op(Op::kSoftmax, {x})});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
     EXPECT_EQ(k.threads, 512);
     EXPECT_EQ(k.blocks, 3);
     EXPECT_TRUE(contains(k.source, "one block of 512 threads per row")) << k.source;
@@ -202,7 +202,7 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     ValueId logits = b.in("logits", DType::kF16, {4, 7, 50}),
             labels = b.in("labels", DType::kI64, {4, 7});
     b.out({b.op(Op::kCrossEntropy, {logits, labels}, {{"reduction", std::string("none")}})});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
     EXPECT_EQ(k.rows, 28);
     EXPECT_TRUE(contains(k.source, "out0[row] =")) << k.source;
     EXPECT_TRUE(contains(k.source, "in1[row]")) << k.source;
@@ -213,7 +213,7 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     ValueId logits = b.in("logits", DType::kF32, {6, 33}), labels = b.in("labels", DType::kI32, {6});
     ValueId dl = b.in("dloss", DType::kF32, {});
     b.out({b.op(Op::kCrossEntropyGrad, {logits, labels, dl}, {{"reduction", std::string("sum")}})});
-    expect_compiles(cuda::generate_kernel(*b.g, "rows"));
+    expect_compiles(cuda::generate_kernel(*b.g, FusedKind::kRows));
   }
   {
     // x - mean(x, keepdims), sum without keepdims as a second (per-row) output, log_softmax_grad.
@@ -224,7 +224,7 @@ TEST(NvrtcCodegenTest, RowsSoftmaxCrossEntropyAndReductions) {
     ValueId s = b.op(Op::kSum, {c}, {{"axes", std::vector<int64_t>{1}}});
     ValueId g = b.op(Op::kLogSoftmaxGrad, {c, dy});
     b.out({g, s});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
     expect_compiles(k);
   }
 }
@@ -235,32 +235,32 @@ TEST(NvrtcCodegenTest, RefusesWhatItCannotGenerate) {
     Body b;  // matmul has no elementwise emitter
     ValueId x = b.in("x", DType::kF32, {4, 8}), w = b.in("w", DType::kF32, {8, 8});
     b.out({b.op(Op::kRelu, {b.op(Op::kMatmul, {x, w})})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
     EXPECT_TRUE(contains(why, "matmul has no emitter")) << why;
-    EXPECT_THROW(cuda::generate_kernel(*b.g, "elementwise"), Error);
+    EXPECT_THROW(cuda::generate_kernel(*b.g, FusedKind::kElementwise), Error);
   }
   {
     Body b;  // mean cross-entropy divides by a count over all rows
     ValueId logits = b.in("logits", DType::kF32, {6, 33}), labels = b.in("labels", DType::kI32, {6});
     b.out({b.op(Op::kCrossEntropy, {logits, labels})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kRows, &why));
     EXPECT_TRUE(contains(why, "column reduction")) << why;
   }
   {
     Body b;  // a reduction over a middle axis (neither along the row nor over the rows)
     ValueId x = b.in("x", DType::kF32, {6, 4, 32});
     b.out({b.op(Op::kSum, {b.op(Op::kExp, {x})}, {{"axes", std::vector<int64_t>{1}}})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kRows, &why));
     EXPECT_TRUE(contains(why, "last axis")) << why;
   }
   {
     Body b;  // integer arithmetic is not generated
     ValueId x = b.in("x", DType::kI32, {6, 32});
     b.out({b.op(Op::kAdd, {x, x})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
     EXPECT_TRUE(contains(why, "only float dtypes")) << why;
   }
-  EXPECT_FALSE(cuda::can_generate(*broadcast_chain(DType::kF32, 8).g, "gemm-epilogue", &why));
+  EXPECT_FALSE(cuda::can_generate(*broadcast_chain(DType::kF32, 8).g, FusedKind::kGemmEpilogue, &why));
   EXPECT_TRUE(contains(why, "gemm-epilogue")) << why;
 }
 
@@ -282,7 +282,7 @@ Body padded_layer_norm(int64_t n, int64_t pad, bool read_inside) {
 
 TEST(NvrtcCodegenTest, PaddedRowOutputs) {
   {
-    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(768, 8, false).g, "rows");
+    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(768, 8, false).g, FusedKind::kRows);
     EXPECT_EQ(k.vector_width, 4);
     EXPECT_TRUE(contains(k.source, "out0 + row * 776LL + j0")) << k.source;
     EXPECT_TRUE(contains(k.source, "kiln_o0.v[u] = __float2bfloat16_rn(v")) << k.source;
@@ -290,15 +290,15 @@ TEST(NvrtcCodegenTest, PaddedRowOutputs) {
     expect_compiles(k);
   }
   // A pad of 2: rows of 770 are not 4-aligned, so scalar stores only.
-  EXPECT_EQ(cuda::generate_kernel(*padded_layer_norm(768, 2, false).g, "rows").vector_width, 1);
+  EXPECT_EQ(cuda::generate_kernel(*padded_layer_norm(768, 2, false).g, FusedKind::kRows).vector_width, 1);
   // A block per row.
   {
-    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(2500, 4, false).g, "rows");
+    const GeneratedKernel k = cuda::generate_kernel(*padded_layer_norm(2500, 4, false).g, FusedKind::kRows);
     EXPECT_TRUE(contains(k.source, "out0[row * 2504LL + j] =")) << k.source;
     expect_compiles(k);
   }
   std::string why;
-  EXPECT_FALSE(cuda::can_generate(*padded_layer_norm(768, 8, true).g, "rows", &why));
+  EXPECT_FALSE(cuda::can_generate(*padded_layer_norm(768, 8, true).g, FusedKind::kRows, &why));
   EXPECT_TRUE(contains(why, "read inside the body")) << why;
   {
     Body b;  // elementwise: no rows to pad
@@ -306,21 +306,21 @@ TEST(NvrtcCodegenTest, PaddedRowOutputs) {
     ValueId ones = b.op(Op::kFull, {}, {{"value", 1.0}, {"dtype", DType::kF32},
                                         {"shape", std::vector<int64_t>{4, 4}}});
     b.out({b.op(Op::kConcat, {b.op(Op::kExp, {x}), ones}, {{"axis", int64_t{-1}}})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
   }
   {
     Body b;  // the pad is an input, not a full
     ValueId x = b.in("x", DType::kF32, {4, 8}), p = b.in("p", DType::kF32, {4, 4});
     ValueId g = b.in("gamma", DType::kF32, {8}), be = b.in("beta", DType::kF32, {8});
     b.out({b.op(Op::kConcat, {b.op(Op::kLayerNorm, {x, g, be}), p}, {{"axis", int64_t{-1}}})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kRows, &why));
     EXPECT_TRUE(contains(why, "not a full")) << why;
   }
 }
 
 TEST(NvrtcCodegenTest, DeterministicSourceAndEveryEmitterListed) {
-  const std::string a = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, "elementwise").source;
-  const std::string b = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, "elementwise").source;
+  const std::string a = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, FusedKind::kElementwise).source;
+  const std::string b = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g, FusedKind::kElementwise).source;
   EXPECT_EQ(a, b);
   const std::vector<Op> ops = cuda::ops_with_emitters();
   EXPECT_GE(ops.size(), 40u);
@@ -340,11 +340,11 @@ TEST(NvrtcCodegenTest, LayersWithTheSameBodyShareOneSource) {
     return b.out({b.op(Op::kCast, {b.op(Op::kLayerNorm, {x, g, beta})}, {{"dtype", DType::kBF16}})});
   };
   Body a = layer_norm("h0"), b = layer_norm("h1");
-  EXPECT_EQ(cuda::generate_kernel(*a.g, "rows").source, cuda::generate_kernel(*b.g, "rows").source);
-  EXPECT_FALSE(contains(cuda::generate_kernel(*a.g, "rows").source, "h0.")) << "names in the source";
-  const std::string listing = cuda::fused_kernel_listing(*b.g, "rows");
+  EXPECT_EQ(cuda::generate_kernel(*a.g, FusedKind::kRows).source, cuda::generate_kernel(*b.g, FusedKind::kRows).source);
+  EXPECT_FALSE(contains(cuda::generate_kernel(*a.g, FusedKind::kRows).source, "h0.")) << "names in the source";
+  const std::string listing = cuda::fused_kernel_listing(*b.g, FusedKind::kRows);
   EXPECT_TRUE(contains(listing, "in1 %h1.ln.weight")) << listing;
-  EXPECT_TRUE(contains(listing, cuda::generate_kernel(*b.g, "rows").source)) << listing;
+  EXPECT_TRUE(contains(listing, cuda::generate_kernel(*b.g, FusedKind::kRows).source)) << listing;
 }
 
 TEST(NvrtcCodegenTest, CompileErrorsNameTheLine) {
@@ -384,7 +384,7 @@ TEST(NvrtcCodegenTest, DiskCacheHitsTheSecondCompileWithTheSameBytes) {
   CompileCache& cache = CompileCache::global("nvrtc");
   ASSERT_EQ(cache.dir(), dir / "nvrtc");
   const std::string source = cuda::generate_kernel(*broadcast_chain(DType::kF32, 64).g,
-                                                   "elementwise").source;
+                                                   FusedKind::kElementwise).source;
   const std::string first = cuda::nvrtc_compile_cached(source, "sm_90a");
   EXPECT_GT(first.size(), 100u);
   EXPECT_EQ(cache.stats().misses, 1u);
@@ -491,8 +491,8 @@ TEST(NvrtcCodegenTest, ColumnSumElementwiseKernelStructure) {
   // ceil(256 / 42) = 7 rows, rounded up to a multiple of kTY = 8: 8-row tiles, 32 of them.
   Body b = gelu_grad_bias(DType::kBF16, DType::kF32, {4, 64, 3072});
   std::string why;
-  ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
   EXPECT_EQ(k.column_outputs, std::vector<int>{0});
   EXPECT_EQ(k.vector_width, 4);
   EXPECT_EQ(k.threads, 256);
@@ -525,14 +525,14 @@ TEST(NvrtcCodegenTest, ColumnSumElementwiseKernelStructure) {
   EXPECT_TRUE(contains(k.source, "// ops: cast, gelu_grad, sum, cast")) << k.source;
   expect_compiles(k);
   // Deterministic text.
-  EXPECT_EQ(cuda::generate_kernel(*b.g, "elementwise").source, k.source);
+  EXPECT_EQ(cuda::generate_kernel(*b.g, FusedKind::kElementwise).source, k.source);
 }
 
 TEST(NvrtcCodegenTest, ColumnSumGeometryForOddAndNarrowShapes) {
   {
     // 37 rows of 33 (odd): scalar only; 33 columns -> a warp per strip of 32 columns, 2 strips.
     Body b = gelu_grad_bias(DType::kF32, DType::kF32, {37, 33});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
     EXPECT_EQ(k.vector_width, 1);
     EXPECT_EQ(k.entry, "kiln_fused_columns");
     EXPECT_TRUE(k.scalar_entry.empty());
@@ -545,7 +545,7 @@ TEST(NvrtcCodegenTest, ColumnSumGeometryForOddAndNarrowShapes) {
   {
     // bf16 only, rows of 64: 8 wide, 8 threads across the row, 32 rows of threads.
     Body b = gelu_grad_bias(DType::kBF16, DType::kBF16, {100, 64});
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
     EXPECT_EQ(k.vector_width, 8);
     EXPECT_EQ(k.blocks, 1);
     EXPECT_TRUE(contains(k.source, "kTX = 8, kTY = 32, kV = 8, kStrip = 64;")) << k.source;
@@ -564,8 +564,8 @@ TEST(NvrtcCodegenTest, ColumnMeanKeepdimsAndBodiesOfOnlyColumnOutputs) {
   ValueId m = b.op(Op::kMean, {x}, {{"axes", std::vector<int64_t>{1, 0}}, {"keepdims", true}});
   b.out({s, m});
   std::string why;
-  ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+  ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
   EXPECT_EQ(k.rows, 30);
   EXPECT_EQ(k.row_length, 40);
   EXPECT_EQ(k.column_outputs, (std::vector<int>{0, 1}));
@@ -597,8 +597,8 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   ValueId dbeta = b.op(Op::kSum, {d}, lead);
   b.out({dx, dgamma, dbeta});
   std::string why;
-  ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
-  GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+  ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kRows, &why)) << why;
+  GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
   EXPECT_EQ(k.column_outputs, (std::vector<int>{1, 2}));
   // With column sums a block is 4 warps (a row each): 1400 rows in 350 blocks.
   EXPECT_EQ(k.threads, 128);
@@ -640,7 +640,7 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   ValueId w = wide.in("w", DType::kF32, {1400, 3000});
   ValueId sw = wide.op(Op::kSoftmax, {w});
   wide.out({sw, wide.op(Op::kSum, {sw}, {{"axes", std::vector<int64_t>{0}}})});
-  GeneratedKernel kw = cuda::generate_kernel(*wide.g, "rows");
+  GeneratedKernel kw = cuda::generate_kernel(*wide.g, FusedKind::kRows);
   EXPECT_EQ(kw.threads, 1024);
   EXPECT_EQ(kw.blocks, 1024);
   EXPECT_EQ(kw.partial_tiles, 1024);
@@ -653,7 +653,7 @@ TEST(NvrtcCodegenTest, RowsKernelWithColumnSums) {
   ValueId x = small.in("x", DType::kF32, {3, 40});
   ValueId sm = small.op(Op::kSoftmax, {x});
   small.out({sm, small.op(Op::kSum, {sm}, {{"axes", std::vector<int64_t>{0}}})});
-  GeneratedKernel ks = cuda::generate_kernel(*small.g, "rows");
+  GeneratedKernel ks = cuda::generate_kernel(*small.g, FusedKind::kRows);
   EXPECT_EQ(ks.blocks, 1);
   EXPECT_EQ(ks.column_outputs, std::vector<int>{1});
   expect_compiles(ks);
@@ -675,8 +675,8 @@ TEST(NvrtcCodegenTest, NormGradientsAreRowOpsWithColumnOutputs) {
     outs.insert(outs.end(), grads.begin() + 1, grads.end());
     b.out(outs);
     std::string why;
-    ASSERT_TRUE(cuda::can_generate(*b.g, "rows", &why)) << why;
-    GeneratedKernel k = cuda::generate_kernel(*b.g, "rows");
+    ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kRows, &why)) << why;
+    GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kRows);
     EXPECT_EQ(k.column_outputs, op == Op::kLayerNormGrad ? (std::vector<int>{2, 3, 4})
                                                          : (std::vector<int>{2, 3}));
     EXPECT_EQ(k.rows, 1024);
@@ -702,7 +702,7 @@ TEST(NvrtcCodegenTest, RefusesColumnReductionsItCannotGenerate) {
     ValueId x = b.in("x", DType::kF32, {6, 32});
     ValueId s = b.op(Op::kSum, {x}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}});
     b.out({b.op(Op::kSub, {x, s})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
     EXPECT_TRUE(contains(why, "column reduction's result")) << why;
   }
   {
@@ -713,7 +713,7 @@ TEST(NvrtcCodegenTest, RefusesColumnReductionsItCannotGenerate) {
     const Attributes lead{{"axes", std::vector<int64_t>{0}}};
     b.out({b.op(Op::kSum, {sm}, lead), b.op(Op::kSum, {x}, lead),
            b.op(Op::kSum, {b.op(Op::kExp, {x})}, lead)});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "rows", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kRows, &why));
     EXPECT_TRUE(contains(why, "shared memory")) << why;
     EXPECT_TRUE(contains(why, "4096")) << why;
   }
@@ -722,7 +722,7 @@ TEST(NvrtcCodegenTest, RefusesColumnReductionsItCannotGenerate) {
     Body b;
     ValueId x = b.in("x", DType::kF32, {6, 4, 32});
     b.out({b.op(Op::kSum, {x}, {{"axes", std::vector<int64_t>{1}}})});
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
   }
 }
 
@@ -740,7 +740,7 @@ TEST(NvrtcCodegenTest, GemmCastToF32AndAddendMapOntoCublasLt) {
     const std::string d = cuda::describe_gemm_epilogue(*b.g);
     EXPECT_TRUE(contains(d, "(m 256, n 64, k 512) transpose_a bf16->f32")) << d;
     EXPECT_FALSE(contains(d, "epilogue")) << d;
-    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, "gemm-epilogue"));
+    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, FusedKind::kGemmEpilogue));
   }
   {
     // ... plus the f32 gradient of the tied embedding (an addend of the product's shape: C).
@@ -786,8 +786,8 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
     EXPECT_TRUE(contains(why, "mul")) << why;
     ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
-    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, "gemm-epilogue", &why)) << why;
-    const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
+    EXPECT_TRUE(cuda::nvrtc_supports(*b.g, FusedKind::kGemmEpilogue, &why)) << why;
+    const std::string listing = cuda::fused_kernel_listing(*b.g, FusedKind::kGemmEpilogue);
     EXPECT_TRUE(contains(listing, "runs as a cuBLASLt product into a scratch buffer")) << listing;
     // The product goes through scratch in its own 16 bits (the cast's f32 value is no output,
     // so the GEMM does not absorb it): the epilogue reads it as its last input, in4, and casts.
@@ -811,7 +811,7 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     b.out({db, b.op(Op::kCast, {dx}, {{"dtype", DType::kBF16}})});
     EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g, &why));
     ASSERT_TRUE(cuda::gemm_split_supported(*b.g, &why)) << why;
-    const std::string listing = cuda::fused_kernel_listing(*b.g, "gemm-epilogue");
+    const std::string listing = cuda::fused_kernel_listing(*b.g, FusedKind::kGemmEpilogue);
     EXPECT_TRUE(contains(listing, "kiln_fused_columns_finish")) << listing;
     if (headers_available()) {
       EXPECT_NO_THROW(cuda::nvrtc_compile(listing, "sm_90a")) << listing;
@@ -823,7 +823,7 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
     ValueId x = b.in("x", DType::kF32, {8, 8}), w = b.in("w", DType::kF32, {8, 8});
     ValueId mm = b.op(Op::kMatmul, {x, w});
     b.out({b.op(Op::kMatmul, {mm, w})});
-    EXPECT_FALSE(cuda::nvrtc_supports(*b.g, "gemm-epilogue", &why));
+    EXPECT_FALSE(cuda::nvrtc_supports(*b.g, FusedKind::kGemmEpilogue, &why));
     EXPECT_TRUE(contains(why, "more than one matmul")) << why;
   }
 }
@@ -842,8 +842,8 @@ void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
   int checked = 0, columns = 0, gemms = 0;
   for (const Node& node : graph.nodes) {
     if (node.op != Op::kFused || !node.body) continue;
-    const std::string& kind = node.attrs.s("kind");
-    if (kind != "elementwise" && kind != "rows" && kind != "gemm-epilogue") continue;
+    const FusedKind kind = fused_kind(node);
+    if (!is_fusion_group(kind)) continue;
     std::vector<TensorType> in, out;
     for (ValueId id : node.inputs) in.push_back(graph.type(id));
     for (ValueId id : node.outputs) out.push_back(graph.type(id));
@@ -851,7 +851,7 @@ void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
         kernel_registry().select(NodeView{node, in, out}, Device::kCuda, {});
     std::string why;
     EXPECT_EQ(impl.dialect, "nvrtc")
-        << kind << " node " << node.body->name << ": "
+        << fused_kind_name(kind) << " node " << node.body->name << ": "
         << (cuda::nvrtc_supports(*node.body, kind, &why) ? "" : why);
     ++checked;
     for (const Node& n : node.body->nodes) {
@@ -859,7 +859,7 @@ void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
       const int rank = node.body->type(n.inputs[0]).rank();
       if (rank >= 2 && n.attrs.ints("axes").size() + 1 == static_cast<size_t>(rank)) ++columns;
     }
-    gemms += kind == "gemm-epilogue";
+    gemms += kind == FusedKind::kGemmEpilogue;
   }
   // The graph has what the profile showed on cuda-body: column sums and GEMM epilogues. (Under
   // amp without training-rewrites the bias gradients are plain sums of 16-bit gradients: the

@@ -112,7 +112,7 @@ void expect_residual_projections(const std::string& model, int64_t batch, int la
     std::string why;
     EXPECT_FALSE(cuda::gemm_epilogue_supported(body, &why));
     EXPECT_TRUE(cuda::gemm_split_supported(body, &why)) << why;
-    const std::string listing = cuda::fused_kernel_listing(body, "gemm-epilogue");
+    const std::string listing = cuda::fused_kernel_listing(body, FusedKind::kGemmEpilogue);
     EXPECT_NE(listing.find("runs as a cuBLASLt product into a scratch buffer"), std::string::npos)
         << listing;
     EXPECT_NE(listing.find("bf16->bf16"), std::string::npos) << listing;  // product 16-bit

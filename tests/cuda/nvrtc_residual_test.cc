@@ -68,7 +68,7 @@ void expect_one_call(DType d, Shape y_shape, int64_t n, bool residual_left, uint
                                   dtype_name(d))),
             std::string::npos)
       << desc;
-  const std::string listing = cuda::fused_kernel_listing(g, "gemm-epilogue");
+  const std::string listing = cuda::fused_kernel_listing(g, FusedKind::kGemmEpilogue);
   EXPECT_NE(listing.find("runs as one cuBLASLt product with a fused epilogue, no generated source"),
             std::string::npos)
       << listing;
@@ -77,8 +77,7 @@ void expect_one_call(DType d, Shape y_shape, int64_t n, bool residual_left, uint
   for (size_t i = 0; i < g.inputs.size(); ++i)
     inputs.push_back(testing::rand(g.type(g.inputs[i].value).dtype,
                                    g.type(g.inputs[i].value).shape, seed + i));
-  const Attributes attrs =
-      normalize_attributes(Op::kFused, {{"kind", std::string("gemm-epilogue")}});
+  const Attributes attrs = fused_attrs(FusedKind::kGemmEpilogue);
   std::vector<Tensor> expected{Tensor(g.type(g.outputs[0]))};
   op_def(Op::kFused).reference(KernelArgs{attrs, inputs, expected, nullptr, body.g.get()});
 

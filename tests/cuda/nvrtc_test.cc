@@ -64,9 +64,9 @@ std::vector<Tensor> random_inputs(const Graph& body, uint64_t seed) {
   return inputs;
 }
 
-std::vector<Tensor> run_reference(const Body& b, const std::string& kind,
+std::vector<Tensor> run_reference(const Body& b, FusedKind kind,
                                   const std::vector<Tensor>& inputs) {
-  const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", kind}});
+  const Attributes attrs = fused_attrs(kind);
   std::vector<Tensor> outputs;
   for (ValueId id : b.g->outputs) outputs.emplace_back(b.g->type(id));
   op_def(Op::kFused).reference(KernelArgs{attrs, inputs, outputs, nullptr, b.g.get()});
@@ -82,10 +82,10 @@ Tensor misaligned_device_tensor(const TensorType& t) {
   return Tensor(t, storage, dtype_size(t.dtype), Device::kCuda);
 }
 
-std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
+std::vector<Tensor> run_nvrtc(const Body& b, FusedKind kind,
                               const std::vector<Tensor>& inputs,
                               const std::string& dialect = "nvrtc", bool misaligned = false) {
-  const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", kind}});
+  const Attributes attrs = fused_attrs(kind);
   std::vector<TensorType> in_types, out_types;
   for (const Tensor& t : inputs) in_types.push_back(t.type());
   for (ValueId id : b.g->outputs) out_types.push_back(b.g->type(id));
@@ -114,11 +114,11 @@ std::vector<Tensor> run_nvrtc(const Body& b, const std::string& kind,
   return host;
 }
 
-void expect_matches(const Body& b, const std::string& kind, const std::vector<Tensor>& inputs,
+void expect_matches(const Body& b, FusedKind kind, const std::vector<Tensor>& inputs,
                     const std::string& what, bool misaligned = false) {
   SCOPED_TRACE(what);
   std::string why;
-  if (kind != "gemm-epilogue") {
+  if (kind != FusedKind::kGemmEpilogue) {
     ASSERT_TRUE(cuda::can_generate(*b.g, kind, &why)) << why;
   }
   const std::vector<Tensor> expected = run_reference(b, kind, inputs);
@@ -155,10 +155,10 @@ TEST(NvrtcTest, CudaBodyFallbackRunsWhatNvrtcCannot) {
     ValueId db = b.op(Op::kSum, {dx}, {{"axes", std::vector<int64_t>{0}}, {"keepdims", true}});
     b.out({dx, b.op(Op::kSub, {dx, db}), x, dx});
     std::string why;
-    EXPECT_FALSE(cuda::can_generate(*b.g, "elementwise", &why));
+    EXPECT_FALSE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why));
     const std::vector<Tensor> inputs = random_inputs(*b.g, 91);
-    const std::vector<Tensor> expected = run_reference(b, "elementwise", inputs);
-    const std::vector<Tensor> actual = run_nvrtc(b, "elementwise", inputs, "cuda-body");
+    const std::vector<Tensor> expected = run_reference(b, FusedKind::kElementwise, inputs);
+    const std::vector<Tensor> actual = run_nvrtc(b, FusedKind::kElementwise, inputs, "cuda-body");
     ASSERT_EQ(actual.size(), expected.size());
     for (size_t i = 0; i < actual.size(); ++i) {
       // The column sum adds 300 rounded terms: 4x the elementwise tolerance.
@@ -174,13 +174,13 @@ TEST(NvrtcTest, ElementwiseChainsWithBroadcasts) {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (int64_t n : {64, 66, 63, 1024}) {
       Body b = broadcast_chain(d, 37, n);
-      expect_matches(b, "elementwise", random_inputs(*b.g, 10 + n),
+      expect_matches(b, FusedKind::kElementwise, random_inputs(*b.g, 10 + n),
                      fmt::format("{} n={}", dtype_name(d), n));
     }
   }
   // A large one: the grid-stride loop covers more elements than one wave of blocks.
   Body big = broadcast_chain(DType::kBF16, 4096, 3072);
-  expect_matches(big, "elementwise", random_inputs(*big.g, 3), "bf16 4096 x 3072");
+  expect_matches(big, FusedKind::kElementwise, random_inputs(*big.g, 3), "bf16 4096 x 3072");
 }
 
 TEST(NvrtcTest, MiddleAxisBroadcastCastAndWhere) {
@@ -191,7 +191,7 @@ TEST(NvrtcTest, MiddleAxisBroadcastCastAndWhere) {
   ValueId c = b.op(Op::kCast, {b.op(Op::kSigmoid, {p})}, {{"dtype", DType::kBF16}});
   ValueId w = b.op(Op::kWhere, {b.op(Op::kGt, {x, y}), x, b.op(Op::kMaximum, {p, y})});
   b.out({c, w});
-  expect_matches(b, "elementwise", random_inputs(*b.g, 5), "mul/cast/where");
+  expect_matches(b, FusedKind::kElementwise, random_inputs(*b.g, 5), "mul/cast/where");
 }
 
 TEST(NvrtcTest, ResidualLayerNorm) {
@@ -205,7 +205,7 @@ TEST(NvrtcTest, ResidualLayerNorm) {
       b.out({h, b.op(Op::kLayerNorm, {h, g, be})});
       // Rows of 96 and 768 take the 4-wide entry when aligned, the scalar one when not.
       for (bool misaligned : {false, true})
-        expect_matches(b, "rows", random_inputs(*b.g, 20 + n),
+        expect_matches(b, FusedKind::kRows, random_inputs(*b.g, 20 + n),
                        fmt::format("{} n={} misaligned {}", dtype_name(d), n, misaligned),
                        misaligned);
     }
@@ -219,7 +219,7 @@ TEST(NvrtcTest, SoftmaxOfScaledInputAndRowReductions) {
       Body b;
       ValueId x = b.in("x", d, {2, 5, n}), s = b.in("scale", d, {});
       b.out({b.op(Op::kSoftmax, {b.op(Op::kMul, {x, s})})});
-      expect_matches(b, "rows", random_inputs(*b.g, 30 + n),
+      expect_matches(b, FusedKind::kRows, random_inputs(*b.g, 30 + n),
                      fmt::format("softmax {} n={}", dtype_name(d), n));
     }
   }
@@ -229,7 +229,7 @@ TEST(NvrtcTest, SoftmaxOfScaledInputAndRowReductions) {
   ValueId c = b.op(Op::kSub, {x, m});
   ValueId s = b.op(Op::kMax, {c}, {{"axes", std::vector<int64_t>{1}}});
   b.out({b.op(Op::kLogSoftmaxGrad, {c, dy}), s, b.op(Op::kRmsNorm, {x, b.in("g", DType::kF32, {300})})});
-  expect_matches(b, "rows", random_inputs(*b.g, 7), "mean/max/log_softmax_grad/rms_norm");
+  expect_matches(b, FusedKind::kRows, random_inputs(*b.g, 7), "mean/max/log_softmax_grad/rms_norm");
 }
 
 TEST(NvrtcTest, CrossEntropyRows) {
@@ -246,7 +246,7 @@ TEST(NvrtcTest, CrossEntropyRows) {
         Body b;
         ValueId x = b.in("logits", d, {3, 4, vocab}), l = b.in("labels", DType::kI64, {3, 4});
         b.out({b.op(Op::kCrossEntropy, {x, l}, {{"reduction", std::string("none")}})});
-        expect_matches(b, "rows", {logits, labels},
+        expect_matches(b, FusedKind::kRows, {logits, labels},
                        fmt::format("cross_entropy {} V={}", dtype_name(d), vocab));
       }
       {
@@ -254,7 +254,7 @@ TEST(NvrtcTest, CrossEntropyRows) {
         ValueId x = b.in("logits", d, {3, 4, vocab}), l = b.in("labels", DType::kI64, {3, 4});
         ValueId dl = b.in("dloss", d, {});
         b.out({b.op(Op::kCrossEntropyGrad, {x, l, dl}, {{"reduction", std::string("sum")}})});
-        expect_matches(b, "rows", {logits, labels, rand(d, {}, 9, 0.5, 2.0)},
+        expect_matches(b, FusedKind::kRows, {logits, labels, rand(d, {}, 9, 0.5, 2.0)},
                        fmt::format("cross_entropy_grad {} V={}", dtype_name(d), vocab));
       }
     }
@@ -279,7 +279,7 @@ TEST(NvrtcTest, GemmEpilogues) {
       }
       std::string why;
       ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
-      expect_matches(b, "gemm-epilogue", random_inputs(*b.g, 50 + variant),
+      expect_matches(b, FusedKind::kGemmEpilogue, random_inputs(*b.g, 50 + variant),
                      fmt::format("{} variant {}: {}", dtype_name(d), variant,
                                  cuda::describe_gemm_epilogue(*b.g)));
     }
@@ -295,8 +295,8 @@ TEST(NvrtcTest, GemmEpilogues) {
     std::vector<Tensor> inputs = random_inputs(*b.g, 60);
     // The reference sums bf16-rounded dx over 48 rows; cuBLASLt sums f32 values: compare the
     // bias gradient with a tolerance for 48 terms.
-    const std::vector<Tensor> expected = run_reference(b, "gemm-epilogue", inputs);
-    const std::vector<Tensor> actual = run_nvrtc(b, "gemm-epilogue", inputs);
+    const std::vector<Tensor> expected = run_reference(b, FusedKind::kGemmEpilogue, inputs);
+    const std::vector<Tensor> actual = run_nvrtc(b, FusedKind::kGemmEpilogue, inputs);
     EXPECT_LE(max_scaled_error(actual[0], expected[0], 3e-2, 3e-2), 1.0);
     EXPECT_LE(max_scaled_error(actual[1], expected[1], 1e-1, 3e-2), 1.0)
         << summarize(actual[1]) << " vs " << summarize(expected[1]);
@@ -307,12 +307,12 @@ TEST(NvrtcTest, CompilesEachDistinctBodyOnce) {
   KILN_REQUIRE_GPU();
   Body a = broadcast_chain(DType::kF32, 5, 128);
   Body b = broadcast_chain(DType::kF32, 5, 128);  // equal body, another graph object
-  expect_matches(a, "elementwise", random_inputs(*a.g, 1), "first");
+  expect_matches(a, FusedKind::kElementwise, random_inputs(*a.g, 1), "first");
   const size_t after_first = cuda::nvrtc_cache_size();
-  expect_matches(b, "elementwise", random_inputs(*b.g, 2), "same body again");
+  expect_matches(b, FusedKind::kElementwise, random_inputs(*b.g, 2), "same body again");
   EXPECT_EQ(cuda::nvrtc_cache_size(), after_first);
   Body c = broadcast_chain(DType::kF32, 5, 256);  // another shape: another kernel
-  expect_matches(c, "elementwise", random_inputs(*c.g, 3), "another shape");
+  expect_matches(c, FusedKind::kElementwise, random_inputs(*c.g, 3), "another shape");
   EXPECT_EQ(cuda::nvrtc_cache_size(), after_first + 1);
 }
 
@@ -320,7 +320,7 @@ TEST(NvrtcTest, CompilesEachDistinctBodyOnce) {
 
 // Column outputs (listed in `columns`) within rel * rows * term_bound of the reference; every
 // other output within the per-dtype elementwise tolerance.
-void expect_columns_match(const Body& b, const std::string& kind, const std::vector<Tensor>& inputs,
+void expect_columns_match(const Body& b, FusedKind kind, const std::vector<Tensor>& inputs,
                           const std::vector<int>& columns, int64_t rows, double term_bound,
                           DType compute, const std::string& what, bool misaligned = false) {
   SCOPED_TRACE(what);
@@ -368,11 +368,11 @@ TEST(NvrtcTest, ColumnSumsInElementwiseKernels) {
     const int64_t rows = numel(shape) / shape.back();
     for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
       Body b = gelu_grad_bias(d, shape, false);
-      expect_columns_match(b, "elementwise", random_inputs(*b.g, 70 + rows), {0}, rows, 1.2, d,
+      expect_columns_match(b, FusedKind::kElementwise, random_inputs(*b.g, 70 + rows), {0}, rows, 1.2, d,
                            fmt::format("{} {}", dtype_name(d), to_string(shape)));
     }
     Body amp = gelu_grad_bias(DType::kF32, shape, true);
-    expect_columns_match(amp, "elementwise", random_inputs(*amp.g, 80 + rows), {0}, rows, 1.2,
+    expect_columns_match(amp, FusedKind::kElementwise, random_inputs(*amp.g, 80 + rows), {0}, rows, 1.2,
                          DType::kF32, fmt::format("bf16 amp {}", to_string(shape)));
   }
   {
@@ -382,7 +382,7 @@ TEST(NvrtcTest, ColumnSumsInElementwiseKernels) {
     ValueId s = b.op(Op::kSum, {b.op(Op::kMul, {x, w})}, {{"axes", std::vector<int64_t>{0, 1}}});
     ValueId m = b.op(Op::kMean, {x}, {{"axes", std::vector<int64_t>{0, 1}}, {"keepdims", true}});
     b.out({s, m});
-    expect_columns_match(b, "elementwise", random_inputs(*b.g, 90), {0, 1}, 306, 1.0,
+    expect_columns_match(b, FusedKind::kElementwise, random_inputs(*b.g, 90), {0, 1}, 306, 1.0,
                          DType::kF32, "sum and mean");
   }
 }
@@ -393,8 +393,8 @@ TEST(NvrtcTest, ColumnSumsAreDeterministicAndAlignmentIndependent) {
   // scalar entry, same geometry): bit-equal column sums.
   Body b = gelu_grad_bias(DType::kF32, {700, 96}, false);
   const std::vector<Tensor> inputs = random_inputs(*b.g, 5);
-  const std::vector<Tensor> first = run_nvrtc(b, "elementwise", inputs);
-  const std::vector<Tensor> second = run_nvrtc(b, "elementwise", inputs);
+  const std::vector<Tensor> first = run_nvrtc(b, FusedKind::kElementwise, inputs);
+  const std::vector<Tensor> second = run_nvrtc(b, FusedKind::kElementwise, inputs);
   ASSERT_EQ(first[0].bytes(), second[0].bytes());
   EXPECT_EQ(std::memcmp(first[0].raw(), second[0].raw(), first[0].bytes()), 0);
   // Misaligned copies: allocate one element more and view from element 1.
@@ -406,9 +406,9 @@ TEST(NvrtcTest, ColumnSumsAreDeterministicAndAlignmentIndependent) {
     device_inputs.push_back(d);
   }
   for (ValueId id : b.g->outputs) outputs.push_back(misaligned(b.g->type(id)));
-  const Attributes attrs = normalize_attributes(Op::kFused, {{"kind", std::string("elementwise")}});
+  const Attributes attrs = fused_attrs(FusedKind::kElementwise);
   cuda::Stream stream;
-  cuda::launch_generated(cuda::generate_kernel(*b.g, "elementwise"),
+  cuda::launch_generated(cuda::generate_kernel(*b.g, FusedKind::kElementwise),
                          KernelArgs{attrs, device_inputs, outputs, stream.handle(), b.g.get()});
   stream.synchronize();
   const Tensor third = cuda::to_host(outputs[0]), dx = cuda::to_host(outputs[1]);
@@ -446,7 +446,7 @@ TEST(NvrtcTest, ColumnSumsInRowsKernels) {
   for (const Shape& shape : {Shape{2, 700, 96}, Shape{3, 5, 33}, Shape{2100, 768}, Shape{7, 1000}})
     for (DType d : {DType::kF32, DType::kBF16}) {
       Body b = layer_norm_backward(d, shape);
-      expect_columns_match(b, "rows", random_inputs(*b.g, 30), {0, 1},
+      expect_columns_match(b, FusedKind::kRows, random_inputs(*b.g, 30), {0, 1},
                            numel(shape) / shape.back(), 1.0, DType::kF32,
                            fmt::format("dy {} {}", dtype_name(d), to_string(shape)));
     }
@@ -457,7 +457,7 @@ TEST(NvrtcTest, ColumnSumsInRowsKernels) {
   ValueId g = b.op(Op::kSub, {b.op(Op::kSoftmax, {logits}), onehot});
   b.out({b.op(Op::kSum, {g}, {{"axes", std::vector<int64_t>{0}}}),
          b.op(Op::kCast, {g}, {{"dtype", DType::kBF16}})});
-  expect_columns_match(b, "rows", random_inputs(*b.g, 31), {0}, 45, 2.0, DType::kF32, "softmax");
+  expect_columns_match(b, FusedKind::kRows, random_inputs(*b.g, 31), {0}, 45, 2.0, DType::kF32, "softmax");
 }
 
 // The norm gradient ops themselves (not decomposed: training-rewrites off, as on CUDA), with
@@ -488,7 +488,7 @@ TEST(NvrtcTest, NormGradientsInRowsKernels) {
       const std::vector<int> columns =
           op == Op::kLayerNormGrad ? std::vector<int>{2, 3, 4} : std::vector<int>{2, 3};
       for (bool misaligned : {false, true})
-        expect_columns_match(b, "rows", random_inputs(*b.g, 40), columns,
+        expect_columns_match(b, FusedKind::kRows, random_inputs(*b.g, 40), columns,
                              numel(shape) / shape.back(), 4.0, DType::kF32,
                              fmt::format("{} {} misaligned {}", op_name(op), to_string(shape),
                                          misaligned),
@@ -501,7 +501,7 @@ TEST(NvrtcTest, NormGradientsInRowsKernels) {
 // Output i within tols[i] (or tols[0] for all) of the fused reference.
 void expect_gemm_close(const Body& b, const std::vector<Tensor>& inputs,
                        const std::vector<Tolerance>& tols, bool split, const std::string& what) {
-  SCOPED_TRACE(what + ": " + cuda::fused_kernel_listing(*b.g, "gemm-epilogue").substr(0, 400));
+  SCOPED_TRACE(what + ": " + cuda::fused_kernel_listing(*b.g, FusedKind::kGemmEpilogue).substr(0, 400));
   std::string why;
   if (split) {
     EXPECT_FALSE(cuda::gemm_epilogue_supported(*b.g));
@@ -509,8 +509,8 @@ void expect_gemm_close(const Body& b, const std::vector<Tensor>& inputs,
   } else {
     ASSERT_TRUE(cuda::gemm_epilogue_supported(*b.g, &why)) << why;
   }
-  const std::vector<Tensor> expected = run_reference(b, "gemm-epilogue", inputs);
-  const std::vector<Tensor> actual = run_nvrtc(b, "gemm-epilogue", inputs);
+  const std::vector<Tensor> expected = run_reference(b, FusedKind::kGemmEpilogue, inputs);
+  const std::vector<Tensor> actual = run_nvrtc(b, FusedKind::kGemmEpilogue, inputs);
   ASSERT_EQ(actual.size(), expected.size());
   for (size_t i = 0; i < actual.size(); ++i)
     EXPECT_LE(max_scaled_error(actual[i], expected[i], tols[tols.size() == 1 ? 0 : i].atol,
@@ -637,7 +637,7 @@ TEST(NvrtcTest, PaddedRowsOfALayerNorm) {
                                           {"shape", std::vector<int64_t>{3, 7, pad}}});
       b.out({h, b.op(Op::kConcat, {y, ones}, {{"axis", int64_t{-1}}})});
       for (bool misaligned : {false, true})
-        expect_matches(b, "rows", random_inputs(*b.g, 30 + n),
+        expect_matches(b, FusedKind::kRows, random_inputs(*b.g, 30 + n),
                        fmt::format("{} n={} misaligned {}", dtype_name(d), n, misaligned),
                        misaligned);
     }
@@ -679,7 +679,7 @@ TEST(NvrtcTest, GemmReadsAPrefixSliceOfItsA) {
       for (int64_t i = 0; i < inputs[0].numel(); ++i)
         if (i % (k + pad) >= k) inputs[0].set(i, std::nan(""));
       // The reference slices first, so it never sees them either.
-      expect_matches(b, "gemm-epilogue", inputs,
+      expect_matches(b, FusedKind::kGemmEpilogue, inputs,
                      fmt::format("{} variant {}", dtype_name(d), variant));
     }
   }

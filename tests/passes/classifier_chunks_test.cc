@@ -15,6 +15,7 @@
 #include "analysis/memory_plan.h"
 #include "ir/text.h"
 #include "models/models.h"
+#include "ops/fused/classifier.h"
 #include "passes/classifier.h"
 #include "passes/pipeline.h"
 #include "passes/schedule.h"

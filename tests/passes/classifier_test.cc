@@ -11,6 +11,7 @@
 
 #include "ir/text.h"
 #include "models/models.h"
+#include "ops/fused/classifier.h"
 #include "passes/fusion/fusion.h"
 #include "passes/pipeline.h"
 #include "simplify/simplify_test_util.h"

@@ -1,6 +1,6 @@
 // The fused classifier (loss and logits gradient in one pass) on the CPU: dialect "cpu" for
-// `fused` nodes of kind "classifier" (passes/classifier.h builds them; match_classifier_body
-// says which bodies, and this kernel takes every one of them).
+// `fused` nodes of kind "classifier" (passes/classifier.h builds them; their contract,
+// ops/fused/classifier.h, says which bodies, and this kernel takes every one of them).
 //
 // Per row, in f32 (the body's compute dtype): the row as f32 (converted from bf16/f16 into a
 // per-thread buffer; f32 rows are read in place), its max, e_i = exp(x_i - max) into the buffer
@@ -25,7 +25,8 @@
 #include "backends/cpu/cpu_kernels.h"
 #include "backends/cpu/fast_math.h"
 #include "backends/cpu/row_ops.h"
-#include "passes/classifier.h"
+#include "ops/fused/classifier.h"
+#include "ops/fused/kind.h"
 #include "support/parallel.h"
 #include "tensor/tensor.h"
 
@@ -154,8 +155,7 @@ void dispatch_grad(const KernelArgs& args, const ClassifierBody& spec) {
 
 bool classifier_supported(const NodeView& view) {
   const Node& node = view.node;
-  return node.body != nullptr && node.attrs.has("kind") &&
-         node.attrs.s("kind") == "classifier" && match_classifier_body(*node.body).has_value();
+  return is_fused(node, FusedKind::kClassifier) && match_classifier_body(*node.body).has_value();
 }
 
 void run_classifier(const KernelArgs& args) {

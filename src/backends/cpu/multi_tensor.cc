@@ -1,6 +1,6 @@
 // Grouped optimizer updates and the global gradient norm on the CPU (dialect "cpu"), for the
 // fused nodes the multi-tensor pass makes (passes/multi_tensor.h; bodies described in
-// backends/multi_tensor.h):
+// ops/fused/multi_tensor.h):
 //   "multi-tensor-adamw", "multi-tensor-sgd"  each member through the fast per-tensor update
 //       kernel (train_kernels.cc, found in the registry, so the arithmetic is exactly that of
 //       the ungrouped step), in waves that respect overlaps between members
@@ -16,6 +16,7 @@
 // bodies' update ops tile by tile through their reference kernels.
 #include "backends/cpu/cpu_kernels.h"
 #include "backends/multi_tensor.h"
+#include "ops/fused/kind.h"
 
 namespace kiln::cpu {
 namespace {
@@ -26,10 +27,6 @@ std::vector<TensorType> types_of(const Graph& g, const std::vector<ValueId>& ids
   std::vector<TensorType> out;
   for (ValueId id : ids) out.push_back(g.type(id));
   return out;
-}
-
-bool has_kind(const NodeView& view, const char* kind) {
-  return view.node.body != nullptr && view.node.attrs.has("kind") && view.node.attrs.s("kind") == kind;
 }
 
 // The kernel each member runs: the best CPU kernel of its op that may write in place, else the
@@ -82,14 +79,14 @@ void run_updates(const KernelArgs& args, Op op) {
   }
 }
 
-bool updates_supported(const NodeView& view, const char* kind, Op op) {
-  return has_kind(view, kind) && multi_tensor::update_body(*view.node.body, op).has_value();
+bool updates_supported(const NodeView& view, FusedKind kind, Op op) {
+  return is_fused(view.node, kind) && multi_tensor::update_body(*view.node.body, op).has_value();
 }
 
 // ---- global norm ----------------------------------------------------------------------------
 
 bool norm_supported(const NodeView& view) {
-  return has_kind(view, "global-norm") && multi_tensor::norm_body(*view.node.body).has_value();
+  return is_fused(view.node, FusedKind::kGlobalNorm) && multi_tensor::norm_body(*view.node.body).has_value();
 }
 
 // Each term's nodes (cast, square, sum) through the best CPU kernel of each, on whole tensors,
@@ -133,7 +130,7 @@ void run_norm(const KernelArgs& args) {
 // ---- casts of the params ---------------------------------------------------------------------
 
 bool cast_supported(const NodeView& view) {
-  return has_kind(view, "multi-tensor-cast") && multi_tensor::cast_body(*view.node.body).has_value();
+  return is_fused(view.node, FusedKind::kMultiTensorCast) && multi_tensor::cast_body(*view.node.body).has_value();
 }
 
 void run_casts(const KernelArgs& args) {
@@ -165,13 +162,13 @@ void run_casts(const KernelArgs& args) {
 void register_multi_tensor_kernels(KernelRegistry& registry) {
   registry.add(Op::kFused, KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority,
                                       [](const NodeView& v) {
-                                        return updates_supported(v, "multi-tensor-adamw", Op::kAdamwUpdate);
+                                        return updates_supported(v, FusedKind::kMultiTensorAdamw, Op::kAdamwUpdate);
                                       },
                                       [](const KernelArgs& a) { run_updates(a, Op::kAdamwUpdate); },
                                       /*in_place_ok=*/true});
   registry.add(Op::kFused, KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority,
                                       [](const NodeView& v) {
-                                        return updates_supported(v, "multi-tensor-sgd", Op::kSgdUpdate);
+                                        return updates_supported(v, FusedKind::kMultiTensorSgd, Op::kSgdUpdate);
                                       },
                                       [](const KernelArgs& a) { run_updates(a, Op::kSgdUpdate); },
                                       /*in_place_ok=*/true});

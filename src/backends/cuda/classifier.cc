@@ -1,5 +1,5 @@
 // The fused classifier (loss and logits gradient in one pass) on the GPU: the "cuda-nn" kernel
-// for `fused` nodes of kind "classifier" (passes/classifier.h), launched through
+// for `fused` nodes of kind "classifier" (ops/fused/classifier.h), launched through
 // classifier::fused_classifier (classifier.cu). Every classifier body is taken: logits f32, bf16
 // or f16, a gradient of the logits' type (or 16 bits from f32 logits), i32/i64 labels, every
 // reduction. dloss stays on the device.
@@ -8,7 +8,8 @@
 #include <cuda_runtime.h>
 
 #include "backends/cuda/registration.h"
-#include "passes/classifier.h"
+#include "ops/fused/classifier.h"
+#include "ops/fused/kind.h"
 
 namespace kiln::cuda {
 namespace {
@@ -29,9 +30,7 @@ std::optional<classifier::Float> float_of(DType d) {
 }
 
 std::optional<ClassifierBody> body_of(const Node& node) {
-  if (node.op != Op::kFused || node.body == nullptr || !node.attrs.has("kind") ||
-      node.attrs.s("kind") != "classifier")
-    return std::nullopt;
+  if (!is_fused(node, FusedKind::kClassifier)) return std::nullopt;
   std::optional<ClassifierBody> spec = match_classifier_body(*node.body);
   if (!spec || !float_of(spec->logits) || !float_of(spec->grad)) return std::nullopt;
   if (spec->grad != spec->logits && spec->logits != DType::kF32) return std::nullopt;

@@ -1,5 +1,5 @@
 // Launcher of the fused classifier kernel (backends/cuda/classifier.cu; registered by
-// classifier.cc for `fused` nodes of kind "classifier", passes/classifier.h). C++17-clean:
+// classifier.cc for `fused` nodes of kind "classifier", ops/fused/classifier.h). C++17-clean:
 // plain pointers, int64_t, cudaStream_t.
 //
 // One call computes, for logits (rows, vocab) and labels (rows):

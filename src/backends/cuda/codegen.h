@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "ir/graph.h"
+#include "ops/fused/kind.h"
 
 namespace kiln::cuda {
 
@@ -52,7 +53,7 @@ namespace kiln::cuda {
 // one per body output, in order, and with column reductions the partials buffer last (nothing
 // else: every size is a compile-time constant).
 struct GeneratedKernel {
-  std::string kind;    // "elementwise" | "rows"
+  FusedKind kind = FusedKind::kElementwise;  // kElementwise | kRows
   std::string source;  // CUDA C++ for NVRTC (includes only cuda_fp16.h and cuda_bf16.h)
   std::string entry;   // extern "C" kernel name
   // Elementwise only: the entry point for any pointer alignment (vector_width 1); empty when
@@ -82,11 +83,12 @@ struct GeneratedKernel {
   int finish_threads = 0;
 };
 
-// Whether `body` (with the node's `kind`) can be generated; if not, `why` says what is missing
-// (e.g. "op conv2d has no emitter"). Never throws.
-bool can_generate(const Graph& body, const std::string& kind, std::string* why = nullptr);
+// Whether `body` can be generated as a kernel of `kind` (elementwise or rows: the two kernel
+// shapes above); if not, `why` says what is missing (e.g. "op conv2d has no emitter"). Never
+// throws.
+bool can_generate(const Graph& body, FusedKind kind, std::string* why = nullptr);
 // The kernel for `body`. Throws kiln::Error (with can_generate's reason) when it cannot.
-GeneratedKernel generate_kernel(const Graph& body, const std::string& kind);
+GeneratedKernel generate_kernel(const Graph& body, FusedKind kind);
 // Ops that have an emitter (any kind), sorted by name: for tests and reports.
 std::vector<Op> ops_with_emitters();
 

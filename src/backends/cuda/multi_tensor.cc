@@ -1,5 +1,5 @@
 // Grouped optimizer updates and the global gradient norm on the GPU: the fused nodes the
-// multi-tensor pass makes (passes/multi_tensor.h; bodies in backends/multi_tensor.h), run by
+// multi-tensor pass makes (passes/multi_tensor.h; bodies in ops/fused/multi_tensor.h), run by
 // the multi-tensor kernels of multi_tensor.cu, dialect "cuda-nn" (hand-written kernels):
 //   "multi-tensor-adamw", "multi-tensor-sgd"  f32 params and state, f32/bf16/f16 grads, any
 //       float scalars: one launch per kMaxTensorsPerLaunch members (GPT-2's 148: one), the
@@ -23,6 +23,7 @@
 #include "backends/cuda/registration.h"
 #include "backends/cuda/scratch.cuh"
 #include "backends/multi_tensor.h"
+#include "ops/fused/kind.h"
 
 namespace kiln::cuda {
 namespace {
@@ -33,14 +34,10 @@ nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 size_t aligned_bytes_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-bool has_kind(const NodeView& view, const char* kind) {
-  return view.node.body != nullptr && view.node.attrs.has("kind") && view.node.attrs.s("kind") == kind;
-}
-
 // The members' operand dtypes (param, grad, state) if all members share them and the kernels
 // take them, and every scalar operand is a float.
-bool updates_supported(const NodeView& view, const char* kind, Op op, size_t scalars_from) {
-  if (!has_kind(view, kind)) return false;
+bool updates_supported(const NodeView& view, FusedKind kind, Op op, size_t scalars_from) {
+  if (!is_fused(view.node, kind)) return false;
   const std::optional<kiln::multi_tensor::UpdateBody> body =
       kiln::multi_tensor::update_body(*view.node.body, op);
   if (!body) return false;
@@ -144,7 +141,7 @@ void run_updates(const KernelArgs& args, Op op) {
 bool norm_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
 bool norm_supported(const NodeView& view) {
-  if (!has_kind(view, "global-norm")) return false;
+  if (!is_fused(view.node, FusedKind::kGlobalNorm)) return false;
   for (const TensorType& t : view.input_types)
     if (!norm_dtype(t.dtype)) return false;
   const std::optional<kiln::multi_tensor::NormBody> norm = kiln::multi_tensor::norm_body(*view.node.body);
@@ -169,7 +166,7 @@ void run_norm(const KernelArgs& args) {
 }
 
 bool cast_supported(const NodeView& view) {
-  return has_kind(view, "multi-tensor-cast") && kiln::multi_tensor::cast_body(*view.node.body).has_value();
+  return is_fused(view.node, FusedKind::kMultiTensorCast) && kiln::multi_tensor::cast_body(*view.node.body).has_value();
 }
 
 void run_casts(const KernelArgs& args) {
@@ -194,14 +191,14 @@ void register_multi_tensor_kernels(KernelRegistry& registry) {
   registry.add(Op::kFused,
                KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
                           [](const NodeView& v) {
-                            return updates_supported(v, "multi-tensor-adamw", Op::kAdamwUpdate, 4);
+                            return updates_supported(v, FusedKind::kMultiTensorAdamw, Op::kAdamwUpdate, 4);
                           },
                           [](const KernelArgs& a) { run_updates(a, Op::kAdamwUpdate); },
                           /*in_place_ok=*/true});
   registry.add(Op::kFused,
                KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
                           [](const NodeView& v) {
-                            return updates_supported(v, "multi-tensor-sgd", Op::kSgdUpdate, 3);
+                            return updates_supported(v, FusedKind::kMultiTensorSgd, Op::kSgdUpdate, 3);
                           },
                           [](const KernelArgs& a) { run_updates(a, Op::kSgdUpdate); },
                           /*in_place_ok=*/true});

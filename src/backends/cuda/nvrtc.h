@@ -81,13 +81,13 @@ bool gemm_epilogue_supported(const Graph& body, std::string* why = nullptr);
 bool gemm_split_supported(const Graph& body, std::string* why = nullptr);
 // What the nvrtc dialect's supports() decides for a fused node of `kind` with `body` (needs no
 // GPU); `why` says why not. A node it refuses runs on the cuda-body fallback.
-bool nvrtc_supports(const Graph& body, const std::string& kind, std::string* why = nullptr);
+bool nvrtc_supports(const Graph& body, FusedKind kind, std::string* why = nullptr);
 // What `kiln compile --dump-kernels` writes for a fused node of `kind`: the generated source, a
 // comment naming the cuBLASLt product for "gemm-epilogue" bodies (followed by the generated
 // epilogue kernel for a product + generated epilogue), or a comment saying why the body is not
 // generated (it then runs on a lower-priority dialect): `grep -l "not generated" DIR/*` lists
 // the refused nodes. Needs no GPU.
-std::string fused_kernel_listing(const Graph& body, const std::string& kind);
+std::string fused_kernel_listing(const Graph& body, FusedKind kind);
 // Whether case 1 takes a bias in the product's 16-bit dtype on a product cast to f32 (GPT-2's
 // residual projections under amp, x + f32(y W + b): then one product, D (f32) = y W + b + x).
 // Off by default: cuBLASLt refused the 16-bit bias on an f32 D on the H100 (CUDA 13), so the

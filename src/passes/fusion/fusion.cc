@@ -10,6 +10,7 @@
 
 #include "analysis/memory_plan.h"
 #include "ir/op_def.h"
+#include "ops/fused/group.h"
 #include "passes/schedule.h"
 #include "passes/simplify/compact.h"
 #include "support/error.h"
@@ -70,75 +71,27 @@ bool row_friendly_broadcast(const Shape& input, const Shape& output) {
   return row_vector || per_row;
 }
 
-bool is_last_axis(const Graph& graph, const Node& node) {
-  const int rank = graph.type(node.inputs[0]).rank();
-  if (rank == 0) return false;
-  return normalize_axis(node.attrs.i("axis"), rank) == rank - 1;
-}
-
-// The axes a sum/mean/max reduces, as a mask over the input's dimensions.
-std::vector<bool> reduced_mask(const Graph& graph, const Node& node) {
-  const int rank = graph.type(node.inputs[0]).rank();
-  const std::vector<int64_t>& axes = node.attrs.ints("axes");
-  std::vector<bool> reduced(static_cast<size_t>(rank), axes.empty());
-  for (int64_t a : axes) reduced[static_cast<size_t>(normalize_axis(a, rank))] = true;
-  return reduced;
-}
-
 }  // namespace
 
 NodeClass classify_node(const Graph& graph, const Node& node) {
   if (node.op == Op::kFused || !operands_fusable(graph, node)) return {};
-  const Op op = node.op;
-  if (has_flag(op, kElementwise) && op != Op::kDropout) {
-    const Shape& out = graph.type(node.outputs[0]).shape;
-    for (ValueId in : node.inputs)
-      if (!row_friendly_broadcast(graph.type(in).shape, out)) return {};
-    return make_class(ItemKind::kElementwise, out);
-  }
-  const Shape& in0 = node.inputs.empty() ? Shape{} : graph.type(node.inputs[0]).shape;
-  switch (op) {
-    case Op::kSoftmax:
-    case Op::kLogSoftmax:
-    case Op::kSoftmaxGrad:
-    case Op::kLogSoftmaxGrad:
-      if (!is_last_axis(graph, node)) return {};
-      return make_class(ItemKind::kRowOp, in0);
-    case Op::kLayerNorm:
-    case Op::kRmsNorm:
-    case Op::kLayerNormGrad:  // dx per row; dgamma (and dbeta) are column values
-    case Op::kRmsNormGrad:
-      return make_class(ItemKind::kRowOp, in0);
-    case Op::kCrossEntropy:
-    case Op::kCrossEntropyGrad:
-      if (node.attrs.s("reduction") != "none") return {};
-      return make_class(ItemKind::kRowOp, in0);
-    case Op::kSum:
-    case Op::kMean:
-    case Op::kMax: {
-      const size_t rank = in0.size();
-      if (rank == 0) return {};
-      std::vector<bool> reduced = reduced_mask(graph, node);
-      const bool last_only =
-          reduced.back() && std::count(reduced.begin(), reduced.end(), true) == 1;
-      if (last_only) return make_class(ItemKind::kRowOp, in0);
-      const bool all_but_last = rank >= 2 && !reduced.back() &&
-                                std::count(reduced.begin(), reduced.end(), true) ==
-                                    static_cast<long>(rank - 1);
-      if (all_but_last && op != Op::kMax) return make_class(ItemKind::kColumnReduction, in0);
-      return {};
+  switch (group_role(graph, node)) {
+    case GroupRole::kElementwise: {
+      const Shape& out = graph.type(node.outputs[0]).shape;
+      for (ValueId in : node.inputs)
+        if (!row_friendly_broadcast(graph.type(in).shape, out)) return {};
+      return make_class(ItemKind::kElementwise, out);
     }
-    case Op::kMatmul: {
-      // A 2-D product, or a batch of rows times one matrix ((B, T, C) @ (C, D): a linear layer
-      // on a sequence), which is the 2-D product of the flattened rows.
-      const int a_rank = graph.type(node.inputs[0]).rank();
-      if (graph.type(node.inputs[1]).rank() != 2 || a_rank < 2) return {};
-      if (a_rank > 2 && node.attrs.b("transpose_a")) return {};
+    case GroupRole::kRowOp:
+      return make_class(ItemKind::kRowOp, graph.type(node.inputs[0]).shape);
+    case GroupRole::kColumnReduction:
+      return make_class(ItemKind::kColumnReduction, graph.type(node.inputs[0]).shape);
+    case GroupRole::kGemm:
       return make_class(ItemKind::kGemm, graph.type(node.outputs[0]).shape);
-    }
-    default:
+    case GroupRole::kOther:
       return {};
   }
+  return {};
 }
 
 namespace {
@@ -236,14 +189,14 @@ Problem build_problem(const Graph& graph) {
 
 namespace {
 
-std::string group_kind(const Graph& graph, const std::vector<int>& members) {
+FusedKind group_kind(const Graph& graph, const std::vector<int>& members) {
   bool gemm = false, rows = false;
   for (int n : members) {
     ItemKind k = classify_node(graph, graph.nodes[static_cast<size_t>(n)]).kind;
     gemm = gemm || k == ItemKind::kGemm;
     rows = rows || k == ItemKind::kRowOp;
   }
-  return gemm ? "gemm-epilogue" : rows ? "rows" : "elementwise";
+  return gemm ? FusedKind::kGemmEpilogue : rows ? FusedKind::kRows : FusedKind::kElementwise;
 }
 
 std::string describe_group(const Graph& graph, const std::vector<int>& members) {
@@ -369,10 +322,8 @@ int outline(Graph& graph, const std::vector<int>& group_of) {
         }
       }
     }
-    Attributes attrs = normalize_attributes(
-        Op::kFused, Attributes{{"kind", group_kind(graph, group)}});
     nodes.push_back(Node{Op::kFused, std::move(outer_inputs), std::move(outer_outputs),
-                         std::move(attrs), std::move(body)});
+                         fused_attrs(group_kind(graph, group)), std::move(body)});
     ++fused_count;
   }
   graph.nodes = std::move(nodes);
@@ -388,7 +339,7 @@ std::vector<FusedNodeReport> report(const Graph& graph) {
     const Graph& body = *node.body;
     FusedNodeReport r;
     r.node = n;
-    r.kind = node.attrs.s("kind");
+    r.kind = std::string(fused_kind_name(fused_kind(node)));
     std::set<ValueId> leaving(body.outputs.begin(), body.outputs.end());
     for (const Node& inner : body.nodes) {
       r.ops.emplace_back(op_name(inner.op));

@@ -12,7 +12,9 @@
 // last, row length = the last dimension, of the item's full-size operand. Items of one group
 // share (rows, row length); Item::space is a key for that pair (equal pairs, equal keys).
 //
-// Which op is which ItemKind (a node whose operands fail the dtype rule below is kOpaque):
+// Which op is which ItemKind: the op's role in a fusion group (ops/fused/group.h, group_role,
+// which the fused kinds' body contracts use too), then the dtype rule below (failing it: kOpaque)
+// and, for elementwise ops, the broadcast rule:
 //   kElementwise   every kElementwise op of the op table except dropout (its counter-based
 //                  mask is indexed by the element's global position: left to its own kernel);
 //                  cast between float dtypes; where (its bool condition may come from outside).
@@ -52,9 +54,10 @@
 // be one of those, and so must every input, except where's bool condition and the labels of
 // the cross-entropy row ops. (f64 runs unfused: it is for checks, not speed.)
 //
-// Fused node kind: "gemm-epilogue" when the group holds a matmul, else "rows" when it holds a
-// row op, else "elementwise". A body may also hold column reductions; they are never read
-// inside it (partition legality).
+// Fused node kind (ops/fused/kind.h): gemm-epilogue when the group holds a matmul, else rows
+// when it holds a row op, else elementwise. A body may also hold column reductions; they are
+// never read inside it (partition legality). The verifier holds every fused node to its kind's
+// contract (ops/fused/group.h), which states these guarantees.
 //
 // Expects: a verified graph after autodiff and simplification. Guarantees: the same inputs,
 // outputs and updates; results equal up to nothing (the reference kernel of a fused node runs
