@@ -221,7 +221,7 @@ void training_step(const std::string& model, int reps) {
   auto time_steps = [&](PassOptions passes, int* fused_nodes) {
     std::vector<Tensor> params;
     for (const Tensor& t : init) params.push_back(t.clone());
-    train::Trainer trainer(forward, train::OptimizerConfig{}, params, {}, std::move(passes));
+    train::Trainer trainer(forward, OptimizerConfig{}, params, {}, std::move(passes));
     *fused_nodes = 0;
     for (const Node& node : trainer.program().graph.nodes) *fused_nodes += node.op == Op::kFused;
     int on_reference = 0;

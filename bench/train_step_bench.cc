@@ -3,8 +3,8 @@
 // T 64), next to bench/torch_cpu_train_step.py's PyTorch numbers (bench/NOTES.md).
 //
 // For each model it prints the median / min / max ms of N timed steps after W warmup steps,
-// the forward alone and forward + backward (Executor on the forward graph and on the autodiff
-// graph), and a per-op profile of the training graph: the executor's loop run here node by
+// the forward alone (a compiled forward step) and forward + backward (an Executor on the raw
+// autodiff graph), and a per-op profile of the training graph: the executor's loop run here node by
 // node with a clock around each kernel, summed per (op, dialect) over the timed repetitions.
 // The profile's total is close to the step's (it leaves out only the Trainer's bookkeeping).
 //
@@ -22,10 +22,10 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "compile/compile_step.h"
 #include "ir/op.h"
 #include "models/models.h"
 #include "passes/autodiff.h"
-#include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "train/trainer.h"
 
@@ -135,18 +135,20 @@ std::map<std::string, double> profile(const Graph& g, std::span<const Tensor> in
 }
 
 void run(const Task& task, int warmup, int steps, int top) {
-  train::OptimizerConfig config;  // adamw, lr 1e-3, weight_decay 0, constant schedule
+  OptimizerConfig config;  // adamw, lr 1e-3, weight_decay 0, constant schedule
   train::Trainer trainer(task.forward, config, task.params);
   const Stats step = time_calls(warmup, steps, [&] { trainer.step(task.batch); });
   // The same step with every pass of the pipeline disabled: what the passes are worth.
   PassOptions no_passes;
-  for (const std::string& name : default_pipeline().names()) no_passes.disabled.insert(name);
+  no_passes.disabled = {"all"};
   train::Trainer plain(task.forward, config, task.params, {}, no_passes);
   const Stats plain_step = time_calls(warmup, steps, [&] { plain.step(task.batch); });
 
-  Executor forward(task.forward);
+  CompileOptions forward_only;
+  forward_only.kind = StepKind::kForward;
+  const CompiledStep forward = compile_step(task.forward, forward_only);
   const std::vector<Tensor> fwd_inputs = bind_inputs(task.forward, task);
-  const Stats fwd = time_calls(warmup, steps, [&] { forward.run(fwd_inputs); });
+  const Stats fwd = time_calls(warmup, steps, [&] { forward.executor->run(fwd_inputs); });
 
   std::vector<ValueId> wrt;
   for (const GraphInput& in : task.forward.inputs)

@@ -34,7 +34,7 @@ struct GptConfig {
 // GPT-2: pre-LayerNorm blocks, learned positions, tied embedding / LM head, tanh-GELU, causal
 // attention. idx (B, T) i64 and targets (B, T) i64 data. With dropout, a state input
 // "rng.offset" (i64 scalar) keys the dropout masks; the training step advances it (see
-// train/optimizer.h), so every step draws new masks and a resumed run draws the same ones.
+// compile/training_graph.h), so every step draws new masks and a resumed run draws the same ones.
 Graph gpt(const GptConfig& config);
 // Named configs: gpt2-tiny (CPU tests), gpt2 (124M), gpt2-medium (350M).
 GptConfig gpt_config(const std::string& name);

@@ -5,7 +5,7 @@
 // (cast's gradient casts back), so the backward of a low-precision matmul is itself a
 // low-precision matmul, and every gradient comes back in its param's dtype (f32 master weights)
 // with no extra rule. It is therefore a plain Pass that build_training_graph applies to the
-// forward graph (train/optimizer.h), not part of the default pipeline, which sees the joint
+// forward graph (compile/training_graph.h), not part of the default pipeline, which sees the joint
 // training graph (where the optimizer state must stay f32 and the casts already exist).
 //
 // A policy table says, per op, how it runs (std::map<Op, Precision>; an op not in the table

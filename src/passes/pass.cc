@@ -35,7 +35,7 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     PassRecord r;
     r.name = pass->name();
     r.nodes_before = graph.nodes.size();
-    if (!options_.disabled.count(r.name)) {
+    if (!options_.disabled.count(r.name) && !options_.disabled.count("all")) {
       const Stopwatch watch;
       try {
         r.changed = pass->run(graph);

@@ -31,7 +31,7 @@ class Pass {
 inline constexpr size_t kDefaultLogitsChunkBytes = size_t{2} << 30;
 
 struct PassOptions {
-  std::set<std::string> disabled;   // pass names to skip
+  std::set<std::string> disabled;   // pass names to skip, or "all"
   std::set<std::string> print_after;  // pass names, or "all"
   std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
   // Planned arena bytes a step may use: adds rematerialization (passes/remat.h) to the pipeline.
@@ -42,6 +42,9 @@ struct PassOptions {
   // The backend the graph will run on. Most passes pay off everywhere; the pipeline skips those
   // measured to cost time on a target (pipeline.cc says which and why).
   Device target = Device::kCpu;
+  // The mixed-precision pass's 16-bit dtype (bf16 or f16) when made by name (make_pass, `kiln
+  // opt`); a training step takes it from OptimizerConfig::amp instead.
+  DType low_precision = DType::kBF16;
 };
 
 struct PassRecord {

@@ -3,6 +3,7 @@
 #include "passes/classifier.h"
 #include "passes/classifier_chunks.h"
 #include "passes/fusion/fusion.h"
+#include "passes/mixed_precision.h"
 #include "passes/multi_tensor.h"
 #include "passes/ones_column.h"
 #include "passes/remat.h"
@@ -12,8 +13,45 @@
 #include "passes/simplify/cse.h"
 #include "passes/simplify/dead_code.h"
 #include "passes/simplify/training_rewrites.h"
+#include "support/error.h"
 
 namespace kiln {
+namespace {
+
+// One of every pass, made as make_pass says. Cheap: passes do their work in run().
+std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
+  MixedPrecisionOptions mixed_precision;
+  mixed_precision.low = options.low_precision;
+  std::vector<std::unique_ptr<Pass>> passes;
+  passes.push_back(std::make_unique<MixedPrecisionPass>(mixed_precision));
+  passes.push_back(std::make_unique<ClassifierPass>());
+  passes.push_back(std::make_unique<ClassifierChunksPass>(options.logits_chunk_bytes));
+  passes.push_back(std::make_unique<TrainingRewrites>());
+  passes.push_back(std::make_unique<AlgebraicSimplifier>());
+  passes.push_back(std::make_unique<ConstantFolding>());
+  passes.push_back(std::make_unique<CommonSubexpressionElimination>());
+  passes.push_back(std::make_unique<DeadCodeElimination>());
+  passes.push_back(std::make_unique<FusionPass>());
+  passes.push_back(std::make_unique<OnesColumnPass>());
+  passes.push_back(std::make_unique<MultiTensorPass>());
+  passes.push_back(std::make_unique<Rematerialize>(options.memory_budget, !options.disabled.count("schedule")));
+  passes.push_back(std::make_unique<SchedulePass>());
+  return passes;
+}
+
+}  // namespace
+
+std::unique_ptr<Pass> make_pass(std::string_view name, const PassOptions& options) {
+  for (std::unique_ptr<Pass>& pass : every_pass(options))
+    if (pass->name() == name) return std::move(pass);
+  fail("unknown pass '{}' (passes: {})", name, fmt::join(pass_names(), ", "));
+}
+
+std::vector<std::string> pass_names() {
+  std::vector<std::string> names;
+  for (const std::unique_ptr<Pass>& pass : every_pass({})) names.push_back(pass->name());
+  return names;
+}
 
 PassManager default_pipeline(PassOptions options) {
   // On CUDA the decomposed LayerNorm gradient of training-rewrites costs more than it saves:

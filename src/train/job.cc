@@ -154,7 +154,7 @@ JobResult run_training_job(const JobOptions& o) {
 
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
-  Trainer trainer(task.forward, o.optimizer, task.init, executor_options);
+  Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes);
   std::string checkpoint = o.checkpoint_dir.empty() ? "" : (std::filesystem::path(o.checkpoint_dir) / "last.safetensors").string();
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
   if (o.resume) {
@@ -346,8 +346,6 @@ BenchResult run_benchmark(const BenchOptions& o) {
   OptimizerConfig config;
   config.amp = o.amp;
   config.lr = 1e-4;
-  config.memory_budget = o.memory_budget;
-  config.logits_chunk_bytes = o.logits_chunk_bytes;
   validate(config);
   ExecutorOptions executor_options;
   executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
@@ -365,9 +363,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Stopwatch phase;
-  PassOptions passes;
-  passes.disabled = {o.disabled_passes.begin(), o.disabled_passes.end()};
-  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes);
+  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, o.passes);
   Trainer& trainer = *trainer_owner;
   r.compile_s = phase.lap();
   r.build_parts = trainer.build_seconds();
@@ -419,7 +415,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   auto another_trainer = [&](const ExecutorOptions& options) {
     std::vector<Tensor> params;
     for (const Tensor& t : again_init) params.push_back(t.clone());
-    return std::make_unique<Trainer>(forward, config, params, options, passes);
+    return std::make_unique<Trainer>(forward, config, params, options, o.passes);
   };
   if (!o.timeline_path.empty()) {
     // The trace exists before the trainer so that its graph's capture names every kernel's node.
@@ -469,9 +465,9 @@ BenchResult run_benchmark(const BenchOptions& o) {
       fmt::print(o.out, "  device memory    kiln peak {} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
                  cuda::format_bytes(r.kiln_peak_bytes), cuda::format_bytes(r.param_state_bytes),
                  cuda::format_bytes(r.arena_bytes), cuda::format_bytes(r.device_used_delta_bytes));
-    if (o.memory_budget > 0)
+    if (o.passes.memory_budget)
       fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
-                 cuda::format_bytes(o.memory_budget));
+                 cuda::format_bytes(*o.passes.memory_budget));
     fmt::print(o.out,
                "  first step       {:.2f} s after process start (setup {:.2f} s, trainer build {:.2f} s, "
                "first step {:.2f} s)\n",

@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
+#include "passes/pass.h"
 
 namespace kiln::train {
 
@@ -21,6 +22,7 @@ struct JobOptions {
   int64_t batch = 64;
   int64_t seq = 0;                    // LM sequence length; 0 = the config's
   OptimizerConfig optimizer;
+  PassOptions passes;                 // the pipeline's: memory budget, logits chunks, disabled passes
   uint64_t seed = 0;
   std::string device = "cpu";         // cpu | cuda
   std::string checkpoint_dir = "";    // "" = no checkpoints
@@ -60,9 +62,7 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::FILE* out = stdout;        // the report; nullptr = none
   bool json = false;              // also one JSON line with the numbers, last (scripts/gpu-check.sh)
-  std::vector<std::string> disabled_passes;  // passes of the default pipeline to skip
-  size_t memory_budget = 0;       // > 0: rematerialize so the step's planned arena fits (remat.h)
-  std::optional<size_t> logits_chunk_bytes;  // OptimizerConfig's
+  PassOptions passes;             // the pipeline's: disabled passes, memory budget (remat.h), logits chunks
   // cuda only; "" = none. After the timed steps, a second trainer whose step executor profiles
   // (ExecutorOptions::profile: events around every kernel, no CUDA graph) runs 2 warm-up steps
   // and 1 profiled one; the per-kernel table (top 25 nodes) goes to `out`, before the report

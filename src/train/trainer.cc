@@ -4,7 +4,6 @@
 
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
-#include "passes/pipeline.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #include "train/checkpoint/safetensors.h"
@@ -13,59 +12,48 @@ namespace kiln::train {
 
 Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
                  ExecutorOptions executor_options, PassOptions pass_options)
-    : config_(std::move(config)), program_(build_training_graph(forward, config_)), forward_(forward) {
-  // Passes keep graph inputs in place, so program_'s input indices stay valid.
-  if (!pass_options.memory_budget && config_.memory_budget > 0) pass_options.memory_budget = config_.memory_budget;
-  if (config_.logits_chunk_bytes) pass_options.logits_chunk_bytes = *config_.logits_chunk_bytes;
-  pass_options.target = executor_options.device;
-  Stopwatch phase;
-  pass_records_ = default_pipeline(std::move(pass_options)).run(program_.graph);
-  build_seconds_.emplace_back("passes", phase.lap());
-  // The step executor's own phases, once it exists.
-  auto executor_phases = [this] {
-    const Executor::BuildTimes& t = step_executor_->build_times();
-    build_seconds_.emplace_back("kernel choice", t.select_s);
-    build_seconds_.emplace_back("kernels prepared", t.prepare_s);
-    if (executor_options_.device == Device::kCuda) build_seconds_.emplace_back("memory plan", t.setup_s);
-  };
-  const Graph& g = program_.graph;
-  const bool on_cuda = executor_options.device == Device::kCuda;
-  KILN_CHECK(params.size() == program_.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
-             forward.name, program_.param_inputs.size(), params.size());
+    : config_(std::move(config)), forward_(forward), executor_options_(std::move(executor_options)),
+      pass_options_(std::move(pass_options)) {
+  const bool on_cuda = executor_options_.device == Device::kCuda;
+  if (on_cuda) {
+    // One stream for steps, evaluation and copies.
+    KILN_CHECK(cuda::built_with_cuda(), "a trainer on cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
+    KILN_CHECK(cuda::device_count() > 0, "a trainer on cuda: no CUDA device ({})", cuda::describe_device(0));
+    stream_ = std::make_unique<cuda::Stream>();
+    executor_options_.stream = stream_->handle();
+  }
+  CompileOptions options;
+  options.optimizer = config_;
+  options.passes = pass_options_;
+  options.executor = executor_options_;
+  // CUDA: the executor checks that its arena and every input (uploaded below) fit before
+  // anything is allocated.
+  options.inputs_allocated_after = true;
+  step_ = compile_step(forward, options);
+  build_seconds_ = step_.phase_seconds;
+  const StepProgram& program = step_.program;
+  const Graph& g = program.graph;
+  KILN_CHECK(params.size() == program.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
+             forward.name, program.param_inputs.size(), params.size());
   inputs_.resize(g.inputs.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    const Value& v = g.value(g.inputs[program_.param_inputs[i]].value);
+    const Value& v = g.value(g.inputs[program.param_inputs[i]].value);
     KILN_CHECK(params[i].type() == v.type, "param '{}' must be {}, got {}", v.name, to_string(v.type),
                to_string(params[i].type()));
     // The trainer owns its params: a copy (on CUDA the upload below is that copy).
-    inputs_[program_.param_inputs[i]] = on_cuda ? params[i] : params[i].clone();
+    inputs_[program.param_inputs[i]] = on_cuda ? params[i] : params[i].clone();
   }
-  for (int i : program_.state_inputs) {
+  for (int i : program.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
-    auto initial = program_.state_initial_values.find(v.name);
+    auto initial = program.state_initial_values.find(v.name);
     // Zeros (AdamW's moments: twice the params' bytes) are made on the device, not uploaded.
-    if (initial == program_.state_initial_values.end() && on_cuda) continue;
+    if (initial == program.state_initial_values.end() && on_cuda) continue;
     inputs_[i] = Tensor(v.type);  // zeros, unless the program says otherwise (amp.scale)
-    if (initial != program_.state_initial_values.end())
+    if (initial != program.state_initial_values.end())
       for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
   }
-  executor_options_ = std::move(executor_options);
-  if (executor_options_.device != Device::kCuda) {
-    step_executor_ = std::make_unique<Executor>(g, executor_options_);
-    executor_phases();
-    return;
-  }
-  // CUDA: one stream for steps, evaluation and copies; the executor checks that its arena and
-  // every input fit before anything is allocated.
-  KILN_CHECK(cuda::built_with_cuda(), "a trainer on cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
-  KILN_CHECK(cuda::device_count() > 0, "a trainer on cuda: no CUDA device ({})", cuda::describe_device(0));
-  stream_ = std::make_unique<cuda::Stream>();
-  executor_options_.stream = stream_->handle();
-  ExecutorOptions step_options = executor_options_;
-  for (const GraphInput& in : g.inputs) step_options.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
-  step_executor_ = std::make_unique<Executor>(g, step_options);
-  executor_phases();
-  phase.lap();
+  if (!on_cuda) return;
+  Stopwatch phase;
   for (size_t i = 0; i < inputs_.size(); ++i) {
     if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
     else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // zero state, data and lr buffers
@@ -98,16 +86,24 @@ void Trainer::synchronize() const {
 }
 
 const Executor& Trainer::eval_executor() const {
-  if (!eval_executor_) eval_executor_ = std::make_unique<Executor>(forward_, executor_options_);
-  return *eval_executor_;
+  if (!eval_) {
+    CompileOptions options;
+    options.kind = StepKind::kForward;
+    options.optimizer.amp = "off";  // the f32 forward (trainer.h says why)
+    options.passes = pass_options_;
+    options.passes.print_after.clear();  // the step's IR was printed; the forward's is not asked for
+    options.executor = executor_options_;
+    eval_ = std::make_unique<CompiledStep>(compile_step(forward_, options));
+  }
+  return *eval_->executor;
 }
 
 std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
-  KILN_CHECK(data.size() == program_.data_inputs.size(), "a step takes {} data tensors, {} given",
-             program_.data_inputs.size(), data.size());
-  const Graph& g = program_.graph;
+  KILN_CHECK(data.size() == step_.program.data_inputs.size(), "a step takes {} data tensors, {} given",
+             step_.program.data_inputs.size(), data.size());
+  const Graph& g = step_.program.graph;
   for (size_t i = 0; i < data.size(); ++i) {
-    const Value& v = g.value(g.inputs[program_.data_inputs[i]].value);
+    const Value& v = g.value(g.inputs[step_.program.data_inputs[i]].value);
     KILN_CHECK(data[i].defined() && data[i].type() == v.type, "data input '{}' must be {}, got {}", v.name,
                to_string(v.type), data[i].defined() ? to_string(data[i].type()) : "no tensor");
     KILN_CHECK(data[i].device() == Device::kCpu, "data input '{}' must be a host tensor, got a {} tensor", v.name,
@@ -116,20 +112,20 @@ std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
   Tensor lr(TensorType{DType::kF32, {}});
   lr.set(0, current_lr());
   if (!stream_) {
-    for (size_t i = 0; i < data.size(); ++i) inputs_[program_.data_inputs[i]] = data[i];
-    inputs_[program_.lr_input] = lr;
-    std::vector<Tensor> outputs = step_executor_->run(inputs_);
-    for (int i : program_.data_inputs) inputs_[i] = Tensor();  // do not keep the batch alive
+    for (size_t i = 0; i < data.size(); ++i) inputs_[step_.program.data_inputs[i]] = data[i];
+    inputs_[step_.program.lr_input] = lr;
+    std::vector<Tensor> outputs = step_.executor->run(inputs_);
+    for (int i : step_.program.data_inputs) inputs_[i] = Tensor();  // do not keep the batch alive
     losses_.push_back(outputs[0].get(0));
     ++steps_done_;
     return outputs;
   }
   std::vector<Tensor> hosts = data, devices;
   hosts.push_back(lr);
-  for (int i : program_.data_inputs) devices.push_back(inputs_[i]);
-  devices.push_back(inputs_[program_.lr_input]);
+  for (int i : step_.program.data_inputs) devices.push_back(inputs_[i]);
+  devices.push_back(inputs_[step_.program.lr_input]);
   staging_->upload(hosts, devices, stream_->handle());
-  std::vector<Tensor> outputs = step_executor_->run(inputs_);
+  std::vector<Tensor> outputs = step_.executor->run(inputs_);
   if (pending_losses_ == kLossSlots) {
     // Nobody read for kLossSlots steps: one wait to free the slots.
     std::vector<double> taken = take_losses();
@@ -154,11 +150,11 @@ std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
   size_t d = 0;
   for (size_t i = 0; i < forward_.inputs.size(); ++i) {
     if (forward_.inputs[i].role == Role::kData) {
-      KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", program_.data_inputs.size(), data.size());
+      KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", step_.program.data_inputs.size(), data.size());
       if (stream_) {
         // The step's data buffers have the same types: the copy is ordered after the steps
         // that read them, on the one stream.
-        const Tensor& device = inputs_[program_.data_inputs[d]];
+        const Tensor& device = inputs_[step_.program.data_inputs[d]];
         KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}",
                    d, to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
         staging_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), stream_->handle());
@@ -182,9 +178,9 @@ std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
 
 std::map<std::string, Tensor> Trainer::named_tensors() const {
   std::map<std::string, Tensor> out;
-  const Graph& g = program_.graph;
-  for (int i : program_.param_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
-  for (int i : program_.state_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
+  const Graph& g = step_.program.graph;
+  for (int i : step_.program.param_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
+  for (int i : step_.program.state_inputs) out[g.value(g.inputs[i].value).name] = inputs_[i];
   return out;
 }
 
@@ -203,7 +199,7 @@ size_t Trainer::param_and_state_bytes() const {
 
 std::vector<Tensor> Trainer::params() const {
   std::vector<Tensor> out;
-  for (int i : program_.param_inputs) out.push_back(inputs_[i]);
+  for (int i : step_.program.param_inputs) out.push_back(inputs_[i]);
   return out;
 }
 

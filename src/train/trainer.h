@@ -1,6 +1,7 @@
 // The Trainer owns a compiled training step and the tensors it updates: step(batch) -> loss,
 // with params and optimizer state updated in place by the graph's updates. It also evaluates
-// the forward graph with the current params, and saves/loads exact checkpoints.
+// the forward graph (a compiled forward step) with the current params, and saves/loads exact
+// checkpoints. Both steps come out of compile_step (compile/compile_step.h).
 //
 // On CUDA (ExecutorOptions::device == Device::kCuda): params and state are uploaded once at
 // construction and stay on the device (the graph's updates rewrite them there). Each step
@@ -17,18 +18,18 @@
 #include <string>
 #include <vector>
 
-#include "passes/pass.h"
 #include "backends/cuda/memory.h"
+#include "compile/compile_step.h"
+#include "passes/pass.h"
 #include "runtime/executor.h"
-#include "train/optimizer.h"
 
 namespace kiln::train {
 
 class Trainer {
  public:
   // `params` are the forward graph's param inputs, in order.
-  // The training graph goes through the default pass pipeline (passes/pipeline.h) with
-  // `pass_options` before it is bound to kernels.
+  // compile_step builds the training step: the training graph, the default pass pipeline
+  // (passes/pipeline.h) with `pass_options`, kernels for executor_options.device.
   // `params` and the data are host tensors on every device.
   // Throws kiln::Error (on CUDA: when the params, state and step do not fit in device memory,
   // naming the bytes needed and free).
@@ -46,8 +47,9 @@ class Trainer {
   // device on CUDA.
   std::vector<double> take_losses();
   // The forward graph with the current params (no update), on host data; returns host tensors
-  // on every device. Under amp it is still the f32 forward: the master weights are f32, and
-  // evaluation is not where the speed of 16 bits matters.
+  // on every device. A forward step compiled at the first call, through the same pipeline
+  // (the step's pass options, without printing). Under amp it is still the f32 forward: the
+  // master weights are f32, and evaluation is not where the speed of 16 bits matters.
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
   // Waits for every step enqueued so far, then throws the first data error a CUDA kernel
   // recorded (a label or index out of range); no-op on the CPU. take_losses() and evaluate() do
@@ -55,15 +57,16 @@ class Trainer {
   void synchronize() const;
   Device device() const { return executor_options_.device; }
   // The step's executor (its memory plan, device bytes, CUDA graph counters).
-  const Executor& step_executor() const { return *step_executor_; }
+  const Executor& step_executor() const { return *step_.executor; }
 
   int64_t steps_done() const { return steps_done_; }
   double current_lr() const { return learning_rate(config_, steps_done_); }
   const OptimizerConfig& config() const { return config_; }
-  const TrainingGraph& program() const { return program_; }  // after the pipeline
-  const std::vector<PassRecord>& pass_records() const { return pass_records_; }
-  // Where construction's time went, in order: "passes", the step executor's "kernel choice",
-  // "kernels prepared", on CUDA "memory plan" and "upload" (params and state to the device).
+  const StepProgram& program() const { return step_.program; }  // after the pipeline
+  const std::vector<PassRecord>& pass_records() const { return step_.pass_records; }
+  // Where construction's time went, in order: compile_step's phases ("training graph",
+  // "passes", "kernel choice", "kernels prepared", on CUDA "memory plan"), then on CUDA
+  // "upload" (params and state to the device).
   const std::vector<std::pair<std::string, double>>& build_seconds() const { return build_seconds_; }
   // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step"),
   // on the trainer's device (device tensors on CUDA: writing them changes the trainer's state).
@@ -84,18 +87,17 @@ class Trainer {
   const Executor& eval_executor() const;
 
   OptimizerConfig config_;
-  TrainingGraph program_;
   Graph forward_;
   ExecutorOptions executor_options_;
+  PassOptions pass_options_;
   // CUDA: declared before the executors, so it outlives them (they wait for it when destroyed).
   std::unique_ptr<cuda::Stream> stream_;
-  std::unique_ptr<Executor> step_executor_;
-  mutable std::unique_ptr<Executor> eval_executor_;  // built at the first evaluate()
+  CompiledStep step_;
+  mutable std::unique_ptr<CompiledStep> eval_;  // the forward step, compiled at the first evaluate()
   // Training-graph inputs: params and state bound; the CPU binds data per step, CUDA binds
   // device buffers for the data and lr once and copies each step's values into them.
   std::vector<Tensor> inputs_;
   int64_t steps_done_ = 0;
-  std::vector<PassRecord> pass_records_;
   std::vector<std::pair<std::string, double>> build_seconds_;
   std::vector<double> losses_;  // taken losses not yet returned by take_losses()
   // CUDA: staging for the batch and lr; pinned slots the losses are copied into.

@@ -9,7 +9,7 @@
 #include "analysis/memory_plan.h"
 #include "ir/graph.h"
 #include "models/models.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln::testing {
 
@@ -228,8 +228,8 @@ inline Graph random_graph(uint64_t seed, int nodes, bool slices = false) {
 }
 
 // The training graph of a zoo model (AdamW).
-inline train::TrainingGraph training_graph(const std::string& model, int64_t batch) {
-  return train::build_training_graph(models::by_name(model, batch), train::OptimizerConfig{});
+inline StepProgram training_graph(const std::string& model, int64_t batch) {
+  return build_training_graph(models::by_name(model, batch), OptimizerConfig{});
 }
 
 // The slice-view graph of both executors' tests (CPU and CUDA). Slices the plan makes views:

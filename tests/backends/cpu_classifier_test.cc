@@ -179,7 +179,7 @@ std::vector<double> gpt2_tiny_losses(const std::string& amp, PassOptions passes,
   models::GptConfig config = models::gpt_config("gpt2-tiny");
   config.batch = 2;
   Graph forward = models::gpt(config);
-  train::OptimizerConfig opt;
+  OptimizerConfig opt;
   opt.amp = amp;
   opt.lr = 1e-3;
   train::Trainer trainer(forward, opt, models::init_params(forward, 3, config.layers), {},

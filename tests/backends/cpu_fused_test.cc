@@ -360,7 +360,7 @@ TEST(CpuFusedTiles, ExecutorPicksTheTiledKernel) {
 TEST(CpuFusedTraining, Gpt2TinyStepsWithFusionEqualUnfused) {
   const models::GptConfig config = models::gpt_config("gpt2-tiny");
   const Graph forward = models::gpt(config);
-  train::OptimizerConfig optimizer;
+  OptimizerConfig optimizer;
   optimizer.name = "sgd";
   optimizer.momentum = 0.0;
   optimizer.lr = 0.1;

@@ -364,7 +364,7 @@ TEST(CpuMultiTensor, CastBodyRefusesOtherBodies) {
 // ---- training -------------------------------------------------------------------------------
 
 std::vector<Tensor> train_steps(const Graph& forward, double clip, bool pass) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.grad_clip = clip;
   config.weight_decay = 0.1;
   PassOptions passes;

@@ -26,7 +26,7 @@
 #include "passes/pipeline.h"
 #include "support/compile_cache.h"
 #include "test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -833,9 +833,9 @@ TEST(NvrtcCodegenTest, GemmWithAnEpilogueCublasLtLacksRunsAsProductPlusGenerated
 // supports() needs no GPU, so this runs on CPU-only machines.
 void expect_no_cuda_body(const std::string& amp, bool training_rewrites) {
   SCOPED_TRACE("amp " + amp + (training_rewrites ? "" : ", training-rewrites disabled"));
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.amp = amp;
-  Graph graph = train::build_training_graph(models::by_name("gpt2-tiny", 2), config).graph;
+  Graph graph = build_training_graph(models::by_name("gpt2-tiny", 2), config).graph;
   PassOptions options;
   if (!training_rewrites) options.disabled = {"training-rewrites"};
   default_pipeline(options).run(graph);

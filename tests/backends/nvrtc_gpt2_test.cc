@@ -19,7 +19,7 @@
 #include "backends/cuda/nvrtc.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -31,9 +31,9 @@ std::string ops_of(const Graph& body) {
 }
 
 TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.amp = "bf16";
-  Graph graph = train::build_training_graph(models::by_name("gpt2-tiny", 2), config).graph;
+  Graph graph = build_training_graph(models::by_name("gpt2-tiny", 2), config).graph;
   PassOptions options;
   options.target = Device::kCuda;
   default_pipeline(options).run(graph);
@@ -89,9 +89,9 @@ void expect_residual_projections(const std::string& model, int64_t batch, int la
     bool was;
     ~Restore() { cuda::set_mixed_bias_gemm(was); }
   } restore{was};
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.amp = "bf16";
-  Graph graph = train::build_training_graph(models::by_name(model, batch), config).graph;
+  Graph graph = build_training_graph(models::by_name(model, batch), config).graph;
   PassOptions options;
   options.target = Device::kCuda;
   default_pipeline(options).run(graph);

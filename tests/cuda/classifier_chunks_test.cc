@@ -18,7 +18,7 @@ using testing::run_step_on;
 void check(const std::string& amp, double rtol) {
   SCOPED_TRACE("amp " + amp);
   const Graph forward = models::by_name("gpt2-tiny", 3, 0);
-  const train::TrainingGraph program = testing::sgd_program(forward, amp);
+  const StepProgram program = testing::sgd_program(forward, amp);
   PassOptions chunked, whole;
   chunked.logits_chunk_bytes = 128 * 256 * (amp == "off" ? 4 : 2);
   whole.logits_chunk_bytes = 0;

@@ -28,7 +28,7 @@
 #include "ir/text.h"
 #include "models/models.h"
 #include "runtime/executor.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -131,11 +131,11 @@ void expect_bitwise(const std::vector<Tensor>& a, const std::vector<Tensor>& b, 
   }
 }
 
-train::TrainingGraph sgd_training_graph(const Graph& forward) {
-  train::OptimizerConfig config;
+StepProgram sgd_training_graph(const Graph& forward) {
+  OptimizerConfig config;
   config.name = "sgd";
   config.momentum = 0.9;
-  return train::build_training_graph(forward, config);
+  return build_training_graph(forward, config);
 }
 
 const char* kElementwiseGraph = R"(
@@ -211,7 +211,7 @@ TEST(CudaExecutor, Gpt2TinyTrainingStepsMatchCpu) {
 
 TEST(CudaExecutor, AdamwStepsApplyEveryUpdateOnTheDevice) {
   KILN_REQUIRE_GPU();
-  Graph g = train::build_training_graph(models::mlp(models::MlpConfig{16, 40, {24}, 5}), train::OptimizerConfig{}).graph;
+  Graph g = build_training_graph(models::mlp(models::MlpConfig{16, 40, {24}, 5}), OptimizerConfig{}).graph;
   std::vector<Tensor> gpu = run_steps(g, on_cuda(), 3, 5);
   std::vector<Tensor> initial = host_inputs(g, 1, 5);
   // The tail of gpu: params and state in input order; opt.step counted 3 steps, exactly.

@@ -16,7 +16,7 @@ TEST(CudaKernelTrace, GraphReplaysNameTheirNodes) {
   KILN_REQUIRE_GPU();
   if (!cuda::kernel_trace_available()) GTEST_SKIP() << "built without CUPTI";
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
-  const train::TrainingGraph program = testing::sgd_program(forward, "bf16");
+  const StepProgram program = testing::sgd_program(forward, "bf16");
   const Graph g = testing::prepared_for_cuda(program.graph, {});
   std::vector<Tensor> inputs;
   for (const Tensor& t : testing::step_inputs(program, forward, 2, 256)) inputs.push_back(cuda::to_device(t));

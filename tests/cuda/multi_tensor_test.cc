@@ -323,7 +323,7 @@ TEST(CudaMultiTensor, CastOfMoreMembersThanOneLaunchHolds) {
 
 std::vector<Tensor> train_on_gpu(const Graph& forward, bool pass, size_t* direct, std::vector<std::string>* dialects,
                                  const std::string& amp = "off", int steps = 3) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.amp = amp;
   config.grad_clip = 0.5;
   config.weight_decay = 0.1;

@@ -18,7 +18,7 @@ using testing::run_step_on;
 void check(const std::string& amp, double rtol) {
   SCOPED_TRACE("amp " + amp);
   const Graph forward = models::by_name("gpt2-tiny", 4, 0);
-  const train::TrainingGraph program = testing::sgd_program(forward, amp);
+  const StepProgram program = testing::sgd_program(forward, amp);
   PassOptions off;
   off.disabled = {"ones-column"};
   const Graph with_pass = testing::prepared_for_cuda(program.graph, {});

@@ -15,22 +15,22 @@
 #include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln::testing {
 
 // gpt2-tiny's training program with SGD without momentum: the new momentum buffer is the
 // gradient itself, so every gradient is among the step's results.
-inline train::TrainingGraph sgd_program(const Graph& forward, const std::string& amp) {
-  train::OptimizerConfig config;
+inline StepProgram sgd_program(const Graph& forward, const std::string& amp) {
+  OptimizerConfig config;
   config.name = "sgd";
   config.momentum = 0.0;
   config.amp = amp;
-  return train::build_training_graph(forward, config);
+  return build_training_graph(forward, config);
 }
 
 // The program's inputs: `forward`'s initial params, random data (token ids below `vocab`).
-inline std::vector<Tensor> step_inputs(const train::TrainingGraph& program, const Graph& forward,
+inline std::vector<Tensor> step_inputs(const StepProgram& program, const Graph& forward,
                                        int64_t layers, int64_t vocab) {
   const std::vector<Tensor> params = models::init_params(forward, 7, layers);
   std::vector<Tensor> inputs;

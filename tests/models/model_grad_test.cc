@@ -2,7 +2,7 @@
 // differences of the loss, for every parameter.
 #include "gradcheck.h"
 #include "models/models.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -37,7 +37,7 @@ TEST(ModelGradients, GptMatchesFiniteDifferences) {
 
 TEST(ModelGradients, GptWithDropoutAdvancesItsMaskCounterEveryStep) {
   models::GptConfig c{1, 4, 7, 1, 1, 4, 0.1};
-  train::TrainingGraph t = train::build_training_graph(models::gpt(c), train::OptimizerConfig{});
+  StepProgram t = build_training_graph(models::gpt(c), OptimizerConfig{});
   bool found = false;
   for (const Update& u : t.graph.updates)
     if (t.graph.value(u.target).name == "rng.offset") found = true;

@@ -17,7 +17,7 @@
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/dead_code.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -124,8 +124,8 @@ TEST(AttentionPacked, Gpt2TinyTrainingGraphUsesThePackedOps) {
   // step unchanged.
   models::GptConfig config = models::gpt_config("gpt2-tiny");
   config.batch = 1;
-  const train::TrainingGraph training =
-      train::build_training_graph(models::gpt(config), train::OptimizerConfig{});
+  const StepProgram training =
+      build_training_graph(models::gpt(config), OptimizerConfig{});
   Graph g = training.graph;
   run_simplify_pipeline(g);
   std::map<Op, int> counts = op_counts(g);

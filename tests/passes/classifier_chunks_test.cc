@@ -21,7 +21,7 @@
 #include "passes/schedule.h"
 #include "passes/simplify/dead_code.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -56,12 +56,12 @@ int scatters_into_zeros(const Graph& g) {
   return count;
 }
 
-train::TrainingGraph training(const std::string& amp, int64_t batch) {
-  train::OptimizerConfig config;
+StepProgram training(const std::string& amp, int64_t batch) {
+  OptimizerConfig config;
   config.name = "sgd";
   config.momentum = 0.0;  // the new momentum buffer is the gradient itself
   config.amp = amp;
-  return train::build_training_graph(models::by_name("gpt2-tiny", batch, 0), config);
+  return build_training_graph(models::by_name("gpt2-tiny", batch, 0), config);
 }
 
 Graph prepared(const Graph& graph, size_t chunk_bytes, Device target = Device::kCpu) {
@@ -90,7 +90,7 @@ TEST(ClassifierChunksPass, Gpt2TinyStepMatchesTheUnchunkedStep) {
   for (const std::string amp : {"off", "bf16", "f16"}) {
     for (Device target : {Device::kCpu, Device::kCuda}) {
       SCOPED_TRACE("amp " + amp + (target == Device::kCuda ? ", prepared for cuda" : ""));
-      const train::TrainingGraph program = training(amp, 3);
+      const StepProgram program = training(amp, 3);
       const size_t row_bytes = 256 * (amp == "off" ? 4 : 2);
       // A cap of 128 rows: two chunks, 128 and 64 rows.
       const Graph without = prepared(program.graph, 0, target);
@@ -107,7 +107,7 @@ TEST(ClassifierChunksPass, Gpt2TinyStepMatchesTheUnchunkedStep) {
 }
 
 TEST(ClassifierChunksPass, ChunkRowsFollowTheCap) {
-  const train::TrainingGraph program = training("off", 4);  // 256 rows of 1 KiB logits
+  const StepProgram program = training("off", 4);  // 256 rows of 1 KiB logits
   EXPECT_EQ(classifier_rows(prepared(program.graph, 256 * 1024)), std::vector<int64_t>{256});
   EXPECT_EQ(classifier_rows(prepared(program.graph, 256 * 1024 - 1)), (std::vector<int64_t>{128, 128}));
   EXPECT_EQ(classifier_rows(prepared(program.graph, 100 * 1024)), (std::vector<int64_t>{64, 64, 64, 64}));

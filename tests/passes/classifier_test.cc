@@ -15,7 +15,7 @@
 #include "passes/fusion/fusion.h"
 #include "passes/pipeline.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -292,20 +292,20 @@ int count_classifiers(const Graph& g, size_t* body_nodes) {
 }
 
 TEST(ClassifierPass, FiresOnceOnGpt2TinyBf16TrainingGraph) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.amp = "bf16";
   Graph forward = models::gpt(models::gpt_config("gpt2-tiny"));
   // With the logits kept as a step output, the node reads the f32 logits and absorbs only the
   // cast back.
   config.keep_forward_outputs = true;
-  Graph g = train::build_training_graph(forward, config).graph;
+  Graph g = build_training_graph(forward, config).graph;
   default_pipeline().run(g);
   size_t body_nodes = 0;
   EXPECT_EQ(count_classifiers(g, &body_nodes), 1);
   EXPECT_EQ(body_nodes, 3u);
   // As built by default (the loss the only output), both casts go in: no f32 copy of the logits.
   config.keep_forward_outputs = false;
-  g = train::build_training_graph(forward, config).graph;
+  g = build_training_graph(forward, config).graph;
   default_pipeline().run(g);
   EXPECT_EQ(count_classifiers(g, &body_nodes), 1);
   EXPECT_EQ(body_nodes, 4u);

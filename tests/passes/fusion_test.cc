@@ -16,7 +16,7 @@
 #include "passes/simplify/dead_code.h"
 #include "passes/simplify/training_rewrites.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -506,9 +506,9 @@ TEST(FusionUnstretch, StretchAwayFromThePeakIsKept) {
 // The training step of `forward` (autodiff, clipping, optimizer), simplified with and without
 // training-rewrites: fusing (greedy and optimal) changes no bit of the outputs and updates.
 void check_training_graph(const Graph& forward, uint64_t seed, int64_t int_high) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.grad_clip = 1.0;
-  train::TrainingGraph program = train::build_training_graph(forward, config);
+  StepProgram program = build_training_graph(forward, config);
   std::vector<Tensor> inputs = random_inputs(program.graph, seed, 0, int_high);
   for (bool rewrites : {false, true}) {
     Graph plain = program.graph;

@@ -16,7 +16,7 @@
 #include "passes/pipeline.h"
 #include "runtime/executor.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -433,10 +433,10 @@ TEST(MultiTensorPass, CastsAreChunkedWhereOneNodeWouldRaiseThePeak) {
 void check_training(const Graph& forward, const std::string& amp, bool expect_grouped_updates,
                     uint64_t seed, int64_t int_high) {
   SCOPED_TRACE(forward.name + " amp " + amp);
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.grad_clip = 1.0;
   config.amp = amp;
-  train::TrainingGraph program = train::build_training_graph(forward, config);
+  StepProgram program = build_training_graph(forward, config);
   PassOptions off;
   off.disabled = {"multi-tensor"};
   Graph without = program.graph, with_pass = program.graph;

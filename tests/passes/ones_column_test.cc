@@ -13,7 +13,7 @@
 #include "models/models.h"
 #include "passes/pipeline.h"
 #include "simplify/simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -45,15 +45,15 @@ Counts count(const Graph& g) {
   return c;
 }
 
-train::TrainingGraph training(const std::string& amp) {
-  train::OptimizerConfig config;
+StepProgram training(const std::string& amp) {
+  OptimizerConfig config;
   config.name = "sgd";
   config.momentum = 0.0;  // the new momentum buffer is the gradient itself
   config.amp = amp;
-  return train::build_training_graph(models::by_name("gpt2-tiny", 4, 0), config);
+  return build_training_graph(models::by_name("gpt2-tiny", 4, 0), config);
 }
 
-Graph prepared(const train::TrainingGraph& program, bool with_pass) {
+Graph prepared(const StepProgram& program, bool with_pass) {
   PassOptions options;
   options.target = Device::kCuda;
   if (!with_pass) options.disabled = {"ones-column"};
@@ -66,7 +66,7 @@ Graph prepared(const train::TrainingGraph& program, bool with_pass) {
 // sums): the pass does not match them, and the step must stay the same.
 void check(const std::string& amp, bool rewritten) {
   SCOPED_TRACE("amp " + amp);
-  const train::TrainingGraph program = training(amp);
+  const StepProgram program = training(amp);
   const Graph without = prepared(program, false), with_pass = prepared(program, true);
   const int layers = rewritten ? 2 : 0;  // gpt2-tiny's
   const Counts a = count(without), b = count(with_pass);
@@ -102,7 +102,7 @@ TEST(OnesColumnPass, Gpt2TinyBiasGradientsComeFromTheWeightGradientGemm) {
 }
 
 TEST(OnesColumnPass, NotOnTheCpu) {
-  const train::TrainingGraph program = training("bf16");
+  const StepProgram program = training("bf16");
   Graph g = program.graph;
   default_pipeline().run(g);
   EXPECT_EQ(count(g).padded, 0);
@@ -110,7 +110,7 @@ TEST(OnesColumnPass, NotOnTheCpu) {
 
 // A LayerNorm output that is also a graph output keeps its shape: that layer keeps its sum.
 TEST(OnesColumnPass, ActivationWithAnotherReaderIsLeftAlone) {
-  const train::TrainingGraph program = training("bf16");
+  const StepProgram program = training("bf16");
   // The graph as the pass sees it in the pipeline: right after fusion.
   PassOptions options;
   options.target = Device::kCuda;

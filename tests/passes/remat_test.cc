@@ -22,9 +22,9 @@ namespace {
 // A zoo model's training graph through the default pipeline up to (not including) schedule:
 // what remat sees there.
 Graph before_schedule(const Graph& forward) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.grad_clip = 1.0;
-  Graph g = train::build_training_graph(forward, config).graph;
+  Graph g = build_training_graph(forward, config).graph;
   PassOptions options;
   options.disabled = {"schedule"};
   default_pipeline(options).run(g);
@@ -82,7 +82,7 @@ TEST(Remat, WithoutBudgetOrWithinItTheGraphIsUnchanged) {
 std::vector<Tensor> train_two_steps(const Graph& forward, const std::vector<Tensor>& init,
                                     const std::vector<std::vector<Tensor>>& batches,
                                     PassOptions passes, Graph* program = nullptr) {
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.grad_clip = 1.0;
   train::Trainer trainer(forward, config, init, {}, std::move(passes));
   std::vector<Tensor> out;

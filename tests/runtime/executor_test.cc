@@ -220,7 +220,7 @@ TEST(ExecutorPlan, TrainingStepsAreBitIdenticalWithPlanAndSchedule) {
 
 TEST(ExecutorPlan, ReferenceKernelsRunInPlaceWithTheSameResults) {
   Graph forward = models::mlp(models::MlpConfig{4, 24, {16}, 5});
-  Graph g = train::build_training_graph(forward, train::OptimizerConfig{}).graph;
+  Graph g = build_training_graph(forward, OptimizerConfig{}).graph;
   std::vector<Tensor> params = models::init_params(forward, 3);
   ExecutorOptions reference_only;
   reference_only.dialects = {"reference"};

@@ -102,7 +102,7 @@ TEST(Gpt2Reference, EveryGradientMatchesPyTorch) {
 
 TEST(Gpt2Reference, AdamwStepLossesMatchPyTorch) {
   Graph forward = tiny_gpt();
-  train::OptimizerConfig config;
+  OptimizerConfig config;
   config.name = "adamw";
   config.lr = 1e-3;
   config.beta1 = 0.9;

@@ -1,7 +1,7 @@
 // Mixed-precision training: the overflow flag and the scale rule as graphs, loss scaling
 // rescuing gradients below f16's range, a skipped step on overflow, scale growth, and the tiny
 // GPT trained under f32, bf16 and f16 from the same init and data.
-#include "train/loss_scaling.h"
+#include "compile/loss_scaling.h"
 
 #include <cmath>
 #include <cstdio>
@@ -86,14 +86,14 @@ std::vector<Tensor> mlp_batch(uint64_t seed) {
           testing::rand(DType::kI64, {4}, seed + 1000, 0, 3)};
 }
 
-std::string input_name(const TrainingGraph& t, int index) {
+std::string input_name(const StepProgram& t, int index) {
   return t.graph.value(t.graph.inputs[index].value).name;
 }
 
 TEST(LossScaling, TrainingGraphStateByAmpMode) {
   OptimizerConfig c;
   c.amp = "f16";
-  TrainingGraph f16 = build_training_graph(tiny_mlp(), c);
+  StepProgram f16 = build_training_graph(tiny_mlp(), c);
   std::vector<std::string> state;
   for (int i : f16.state_inputs) state.push_back(input_name(f16, i));
   EXPECT_EQ(state.front(), "amp.scale");
@@ -101,7 +101,7 @@ TEST(LossScaling, TrainingGraphStateByAmpMode) {
   EXPECT_EQ(state.back(), "opt.step");
   EXPECT_EQ(f16.state_initial_values.at("amp.scale"), 65536.0);
   c.amp = "bf16";  // the pass only: no scale state
-  TrainingGraph bf16 = build_training_graph(tiny_mlp(), c);
+  StepProgram bf16 = build_training_graph(tiny_mlp(), c);
   for (int i : bf16.state_inputs)
     EXPECT_EQ(input_name(bf16, i).rfind("amp.", 0), std::string::npos);
   EXPECT_TRUE(bf16.state_initial_values.empty());
@@ -110,7 +110,7 @@ TEST(LossScaling, TrainingGraphStateByAmpMode) {
     has_bf16_matmul |= n.op == Op::kMatmul && bf16.graph.type(n.outputs[0]).dtype == DType::kBF16;
   EXPECT_TRUE(has_bf16_matmul);
   // Gradients and optimizer state stay f32 in both.
-  for (const TrainingGraph* t : {&f16, &bf16})
+  for (const StepProgram* t : {&f16, &bf16})
     for (int i : t->state_inputs)
       EXPECT_EQ(t->graph.type(t->graph.inputs[i].value).dtype, DType::kF32);
 }
@@ -244,7 +244,7 @@ TEST(LossScaling, F16TrainingGraphSurvivesTheDefaultPipeline) {
   OptimizerConfig c;
   c.amp = "f16";
   Graph g = tiny_mlp();
-  TrainingGraph t = build_training_graph(g, c);
+  StepProgram t = build_training_graph(g, c);
   Graph compiled = t.graph;
   default_pipeline().run(compiled);
   std::vector<Tensor> init = models::init_params(g, 14);

@@ -16,7 +16,7 @@
 #include "passes/simplify/dead_code.h"
 #include "passes/simplify/training_rewrites.h"
 #include "simplify_test_util.h"
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 namespace kiln {
 namespace {
@@ -56,7 +56,7 @@ std::vector<PassCase> pass_cases() {
 }
 
 void check_model(const std::string& model, const Graph& forward, int64_t int_high) {
-  train::TrainingGraph training = train::build_training_graph(forward, train::OptimizerConfig{});
+  StepProgram training = build_training_graph(forward, OptimizerConfig{});
   const Graph& graph = training.graph;
   std::vector<Tensor> inputs = testing::random_inputs(graph, 21, 0, int_high);
   std::vector<Tensor> before = testing::run_step(graph, inputs);

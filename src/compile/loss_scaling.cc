@@ -1,10 +1,10 @@
-#include "train/loss_scaling.h"
+#include "compile/loss_scaling.h"
 
 #include <cmath>
 
 #include "support/error.h"
 
-namespace kiln::train {
+namespace kiln {
 namespace {
 
 Expr as_f32(Expr x) { return x.dtype() == DType::kF32 ? x : cast(x, DType::kF32); }
@@ -74,4 +74,4 @@ void update_loss_scale(Builder& b, const LossScaleState& state, Expr overflow,
   b.graph().updates.push_back(Update{state.good_steps.id(), new_good_steps.id()});
 }
 
-}  // namespace kiln::train
+}  // namespace kiln

@@ -27,7 +27,7 @@
 
 #include "ir/builder.h"
 
-namespace kiln::train {
+namespace kiln {
 
 inline constexpr const char* kLossScaleName = "amp.scale";
 inline constexpr const char* kGoodStepsName = "amp.good_steps";
@@ -61,4 +61,4 @@ void skip_updates_on_overflow(Builder& b, Expr overflow, const std::set<ValueId>
 void update_loss_scale(Builder& b, const LossScaleState& state, Expr overflow,
                        const LossScaleOptions& options);
 
-}  // namespace kiln::train
+}  // namespace kiln

@@ -1,6 +1,7 @@
 // The training program: the forward graph, its backward pass (autodiff), optional global-norm
 // gradient clipping and the optimizer update, as ONE graph whose Graph::updates write the new
-// params and optimizer state over the old ones.
+// params and optimizer state over the old ones. compile_step (compile/compile_step.h) builds it
+// before the pass pipeline; the trainer (train/trainer.h) runs it.
 //
 // Learning rate: a scalar data input ("lr"), computed each step on the host by
 // learning_rate(). Why not in the graph: the host issues every step and already knows the step
@@ -15,21 +16,20 @@
 // Mixed precision (amp = "bf16" or "f16"): the mixed-precision pass (passes/mixed_precision.h)
 // rewrites the FORWARD graph before autodiff, so matmuls and attention run in 16 bits while
 // params (master weights), gradients and optimizer state stay f32. "f16" adds dynamic loss
-// scaling (train/loss_scaling.h): the loss is scaled before autodiff, gradients are unscaled
+// scaling (compile/loss_scaling.h): the loss is scaled before autodiff, gradients are unscaled
 // before clipping and the update, and a step whose gradients overflow updates nothing but the
 // scale. "bf16" needs no scaling (f32's exponent range).
 #pragma once
 
 #include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
+#include "compile/loss_scaling.h"
 #include "ir/graph.h"
 #include "passes/mixed_precision.h"
-#include "train/loss_scaling.h"
 
-namespace kiln::train {
+namespace kiln {
 
 struct OptimizerConfig {
   std::string name = "adamw";  // "adamw" or "sgd"
@@ -45,12 +45,6 @@ struct OptimizerConfig {
   std::string amp = "off";     // "off", "bf16" or "f16" (see above)
   PrecisionPolicy amp_policy = default_precision_policy();  // per-op precision under amp
   LossScaleOptions loss_scale;  // f16 only
-  // Planned arena bytes the step may use (passes/remat.h recomputes activations to fit); 0 = no
-  // budget. Trainer passes it to the pipeline unless its PassOptions name one.
-  size_t memory_budget = 0;
-  // A language model's logits are computed in row chunks of at most this many bytes
-  // (passes/classifier_chunks.h; 0: whole); unset, the pipeline's default (PassOptions).
-  std::optional<size_t> logits_chunk_bytes;
   // The step's outputs: false (default) only the loss; true every output of the forward graph
   // (loss first). An extra output such as GPT-2's logits is kept in its own buffer each step and
   // pins its producers: at B=32 that is 6.6 GB of f32 logits, and it stops the fused classifier
@@ -63,19 +57,25 @@ void validate(const OptimizerConfig& config);
 // The learning rate of 0-based step `step`: linear warmup, then cosine decay, then constant.
 double learning_rate(const OptimizerConfig& config, int64_t step);
 
-struct TrainingGraph {
+// A step's graph and the roles of its inputs: what build_training_graph builds, and what a
+// forward step (compile_step with StepKind::kForward) is, with no lr and no added state.
+struct StepProgram {
   Graph graph;  // outputs: the loss, or (keep_forward_outputs) all the forward's (loss first)
   std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
   // The forward's state, then (f16) amp.scale and amp.good_steps, then per-param
   // moments/buffers, opt.step.
   std::vector<int> state_inputs;
   std::vector<int> data_inputs;   // the forward's data inputs, in order
-  int lr_input = -1;              // the scalar learning-rate input
+  int lr_input = -1;              // the scalar learning-rate input; -1 in a forward step
   // State inputs (by name) that start at a value other than zero: amp.scale.
   std::map<std::string, double> state_initial_values;
 };
 
 // `forward` must have a scalar float loss as outputs[0] and at least one param.
-TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& config);
+StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config);
 
-}  // namespace kiln::train
+// The mixed-precision pass as `config.amp` and `config.amp_policy` say (nothing when amp is
+// "off"), on a forward graph: what build_training_graph does first, and a forward step too.
+void apply_mixed_precision(Graph& forward, const OptimizerConfig& config);
+
+}  // namespace kiln

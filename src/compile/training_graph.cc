@@ -1,4 +1,4 @@
-#include "train/optimizer.h"
+#include "compile/training_graph.h"
 
 #include <cmath>
 #include <set>
@@ -8,7 +8,7 @@
 #include "passes/autodiff.h"
 #include "support/error.h"
 
-namespace kiln::train {
+namespace kiln {
 
 void validate(const OptimizerConfig& c) {
   KILN_CHECK(c.name == "adamw" || c.name == "sgd", "unknown optimizer '{}' (expected adamw or sgd)", c.name);
@@ -31,10 +31,20 @@ double learning_rate(const OptimizerConfig& c, int64_t step) {
   return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
 }
 
-TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& config) {
+void apply_mixed_precision(Graph& forward, const OptimizerConfig& config) {
+  validate(config);
+  if (config.amp == "off") return;
+  MixedPrecisionOptions options;
+  options.low = config.amp == "f16" ? DType::kF16 : DType::kBF16;
+  options.policy = config.amp_policy;
+  MixedPrecisionPass(options).run(forward);
+  verify(forward);
+}
+
+StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config) {
   validate(config);
   KILN_CHECK(!forward.outputs.empty(), "graph '{}' has no outputs (the loss must be the first)", forward.name);
-  TrainingGraph out;
+  StepProgram out;
   std::vector<ValueId> params;
   for (size_t i = 0; i < forward.inputs.size(); ++i) {
     if (forward.inputs[i].role == Role::kParam) {
@@ -51,14 +61,8 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
   // The pass keeps the inputs in order (so the input indices above stay valid) and the outputs'
   // types, but renumbers values: from here on ids refer to `amp_forward`.
   Graph amp_forward = forward;
-  if (config.amp != "off") {
-    MixedPrecisionOptions options;
-    options.low = config.amp == "f16" ? DType::kF16 : DType::kBF16;
-    options.policy = config.amp_policy;
-    MixedPrecisionPass(options).run(amp_forward);
-    verify(amp_forward);
-    for (size_t i = 0; i < params.size(); ++i) params[i] = amp_forward.inputs[out.param_inputs[i]].value;
-  }
+  apply_mixed_precision(amp_forward, config);
+  for (size_t i = 0; i < params.size(); ++i) params[i] = amp_forward.inputs[out.param_inputs[i]].value;
   // f16: the loss scale is state of the graph and multiplies the loss before autodiff.
   const bool scaled = config.amp == "f16";
   Builder forward_builder(amp_forward);
@@ -160,4 +164,4 @@ TrainingGraph build_training_graph(const Graph& forward, const OptimizerConfig& 
   return out;
 }
 
-}  // namespace kiln::train
+}  // namespace kiln

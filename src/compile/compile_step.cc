@@ -1,0 +1,58 @@
+#include "compile/compile_step.h"
+
+#include "ir/verifier.h"
+#include "passes/pipeline.h"
+#include "support/error.h"
+#include "support/stopwatch.h"
+
+namespace kiln {
+namespace {
+
+// The forward step's program: the graph as given, its inputs' roles read off the graph.
+StepProgram forward_program(const Graph& forward, const OptimizerConfig& config) {
+  StepProgram out;
+  out.graph = forward;
+  apply_mixed_precision(out.graph, config);
+  for (size_t i = 0; i < forward.inputs.size(); ++i) {
+    const int index = static_cast<int>(i);
+    switch (forward.inputs[i].role) {
+      case Role::kParam: out.param_inputs.push_back(index); break;
+      case Role::kData: out.data_inputs.push_back(index); break;
+      default: out.state_inputs.push_back(index); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
+  CompiledStep step;
+  Stopwatch phase;
+  const bool training = options.kind == StepKind::kTraining;
+  step.program = training ? build_training_graph(forward, options.optimizer)
+                          : forward_program(forward, options.optimizer);
+  step.phase_seconds.emplace_back(training ? "training graph" : "forward graph", phase.lap());
+
+  // Passes keep graph inputs in place, so the program's input indices stay valid.
+  PassOptions passes = options.passes;
+  passes.target = options.executor.device;
+  step.nodes_before_passes = step.program.graph.nodes.size();
+  step.pass_records = default_pipeline(std::move(passes)).run(step.program.graph);
+  step.phase_seconds.emplace_back("passes", phase.lap());
+  if (!options.bind_kernels) return step;
+
+  ExecutorOptions executor = options.executor;
+  if (options.inputs_allocated_after && executor.device == Device::kCuda) {
+    const Graph& g = step.program.graph;
+    for (const GraphInput& in : g.inputs) executor.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
+  }
+  step.executor = std::make_unique<Executor>(step.program.graph, executor);
+  const Executor::BuildTimes& t = step.executor->build_times();
+  step.phase_seconds.emplace_back("kernel choice", t.select_s);
+  step.phase_seconds.emplace_back("kernels prepared", t.prepare_s);
+  if (executor.device == Device::kCuda) step.phase_seconds.emplace_back("memory plan", t.setup_s);
+  return step;
+}
+
+}  // namespace kiln

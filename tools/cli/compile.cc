@@ -1,0 +1,149 @@
+// `kiln compile`: compile a model's step (a forward graph from the model zoo or an IR file) with
+// compile_step up to the end of the pass pipeline, without binding kernels (so that `--device
+// cuda` shows what a GPU run would compile on any machine); write its IR, its fused kernels'
+// CUDA sources, or a report of the passes, the fusion groups and the memory plan.
+#include <filesystem>
+#include <fstream>
+
+#include "compile/compile_step.h"
+#include "ir/text.h"
+#include "models/models.h"
+#include "ops/fused/kind.h"
+#include "options.h"
+#include "passes/fusion/fusion.h"
+#include "analysis/memory_plan.h"
+#include "support/stopwatch.h"
+#ifdef KILN_HAVE_CUDA
+#include "backends/cuda/nvrtc.h"
+#endif
+
+namespace kiln::cli {
+namespace {
+
+struct CompileCommand {
+  std::string file;  // a forward graph's IR text; empty: --model
+  std::string model = "gpt2-tiny";
+  int64_t batch = 8, seq = 0;
+  bool forward_only = false;
+  bool report = false;
+  std::string output;
+  std::string dump_kernels_dir;
+  CompileOptions compile;
+};
+
+// `--dump-kernels DIR`: one .cu file per fused node (node index and kind in the name) with the
+// nvrtc dialect's generated source; codegen needs no GPU.
+void dump_kernels(const Graph& graph, const std::string& dir) {
+#ifdef KILN_HAVE_CUDA
+  std::filesystem::create_directories(dir);
+  int written = 0;
+  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+    const Node& node = graph.nodes[i];
+    if (node.op != Op::kFused || !node.body) continue;
+    const FusedKind kind = fused_kind(node);
+    const std::string path = fmt::format("{}/node{:04}_{}.cu", dir, i, fused_kind_name(kind));
+    std::ofstream out(path, std::ios::binary);
+    out << cuda::fused_kernel_listing(*node.body, kind);
+    KILN_CHECK(out.good(), "cannot write '{}'", path);
+    ++written;
+  }
+  fmt::print("wrote {} fused kernel sources to {}\n", written, dir);
+#else
+  (void)graph;
+  fail("--dump-kernels {}: this build has no CUDA backend (configure with -DKILN_CUDA=ON)", dir);
+#endif
+}
+
+// MiB below a GiB, so that small models show their numbers.
+std::string format_size(double bytes) {
+  return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
+                                 : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
+}
+
+// `source`: where the forward graph came from ("build forward", "parse FILE"), in `build_s`.
+void report(const std::string& what, const std::string& source, const Graph& forward, double build_s,
+            const CompiledStep& step, double total_s) {
+  const Graph& graph = step.program.graph;
+  int64_t param_count = 0;
+  for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
+  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
+  fmt::print("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward.nodes.size(), param_count,
+             program_phase, step.nodes_before_passes);
+  fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
+  fmt::print("  {:<22} {:>9.2f} {:>8}\n", source, 1e3 * build_s, forward.nodes.size());
+  fmt::print("  {:<22} {:>9.2f} {:>8}\n", program_phase, 1e3 * program_s, step.nodes_before_passes);
+  for (const PassRecord& r : step.pass_records)
+    fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
+               r.nodes_after, r.changed ? "yes" : "no");
+  // The fusion groups: one line per fused node, then the total.
+  std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
+  int64_t kept_bytes = 0;
+  fmt::print("  fusion: {} fused node{}\n", fused.size(), fused.size() == 1 ? "" : "s");
+  for (const fusion::FusedNodeReport& f : fused) {
+    kept_bytes += f.bytes_kept;
+    fmt::print("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind, f.bytes_kept / double(1 << 20),
+               fmt::join(f.ops, " "));
+  }
+  fmt::print("  fusion total: {:.3f} MiB kept out of memory\n", kept_bytes / double(1 << 20));
+  MemoryPlan plan = plan_memory(graph);
+  int64_t input_bytes = 0;
+  for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
+  fmt::print("  memory: inputs (params, state, batch) {}; intermediates planned {}"
+             " (lower bound {}, one buffer each {})\n",
+             format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
+             format_size(plan.naive_bytes));
+  fmt::print("  total {:.3f} s\n", total_s);
+}
+
+void compile(CompileCommand o) {
+  const Stopwatch total;
+  Stopwatch phase;
+  const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, o.seq) : parse_file(o.file);
+  const double build_s = phase.lap();
+  o.compile.kind = o.forward_only ? StepKind::kForward : StepKind::kTraining;
+  o.compile.bind_kernels = false;
+  const CompiledStep step = compile_step(forward, o.compile);
+  if (!o.dump_kernels_dir.empty()) dump_kernels(step.program.graph, o.dump_kernels_dir);
+  if (o.output == "-") {
+    fmt::print("{}", print(step.program.graph));
+  } else if (!o.output.empty()) {
+    std::ofstream out(o.output, std::ios::binary);
+    out << print(step.program.graph);
+    KILN_CHECK(out.good(), "cannot write '{}'", o.output);
+  }
+  if (o.report)
+    report(o.file.empty() ? fmt::format("model {}", o.model) : fmt::format("graph @{} ({})", forward.name, o.file),
+           o.file.empty() ? "build forward" : "parse", forward, build_s, step, total.seconds());
+}
+
+}  // namespace
+
+void add_compile_command(CLI::App& app) {
+  CLI::App* command = app.add_subcommand(
+      "compile", "Compile a model's training step (or forward step) through the pass pipeline; write its IR or a report");
+  auto o = std::make_shared<CompileCommand>();
+  command->add_option("FILE", o->file, "A forward graph's IR text file ('-': standard input); default: --model");
+  add_model_option(command, o->model, "gpt2-tiny");
+  command->add_option("--batch", o->batch, "Batch size of --model")->default_val(8);
+  command->add_option("--seq", o->seq, "Sequence length of --model gpt2* (default: the config's)");
+  command->add_flag("--forward-only", o->forward_only,
+                    "Compile the graph as given (an evaluation or inference step): no autodiff, no optimizer");
+  command->add_option("--optimizer", o->compile.optimizer.name, "adamw | sgd")
+      ->check(CLI::IsMember({"adamw", "sgd"}))
+      ->default_val("adamw");
+  add_amp_option(command, o->compile.optimizer.amp, "Mixed precision: off | bf16 | f16");
+  add_device_option(command, o->compile.executor.device,
+                    "The device the pipeline prepares the step for: cpu | cuda (no GPU needed)", "--device,--target");
+  add_pass_options(command, o->compile.passes);
+  command->add_option("-o,--output", o->output, "Write the compiled step's IR text to FILE ('-': standard output)")
+      ->type_name("FILE");
+  command->add_flag("--report", o->report,
+                    "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept "
+                    "out of memory; and the total) and the memory plan");
+  command->add_option("--dump-kernels", o->dump_kernels_dir,
+                      "Write each fused node's generated CUDA source to DIR (one .cu file per node)")
+      ->type_name("DIR");
+  command->callback([o] { compile(*o); });
+}
+
+}  // namespace kiln::cli

@@ -1,0 +1,105 @@
+#include "options.h"
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "ir/text.h"
+#include "passes/remat.h"
+#include "support/error.h"
+
+namespace kiln::cli {
+namespace {
+
+// A memory size flag ("512MiB", "2GiB", bytes): a CLI error (with the flag's name) when it does
+// not parse.
+size_t parse_size_flag(const std::string& flag, const std::string& text) {
+  try {
+    return parse_byte_size(text);
+  } catch (const Error& e) {
+    throw CLI::ValidationError(flag, e.what());
+  }
+}
+
+}  // namespace
+
+void add_model_option(CLI::App* command, std::string& model, const std::string& default_model) {
+  command->add_option("--model", model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
+      ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))
+      ->default_val(default_model);
+}
+
+void add_device_option(CLI::App* command, Device& device, const std::string& help, const std::string& names) {
+  command
+      ->add_option_function<std::string>(
+          names, [&device](const std::string& name) { device = name == "cuda" ? Device::kCuda : Device::kCpu; },
+          help)
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->default_str(std::string(device_name(device)));
+}
+
+void add_amp_option(CLI::App* command, std::string& amp, const std::string& help) {
+  command->add_option("--amp", amp, help)->check(CLI::IsMember({"off", "bf16", "f16"}))->default_val(amp);
+}
+
+void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects) {
+  command->add_option("--dialects", dialects, "Kernel dialects to choose from, e.g. reference,cpu,openblas (default: all)")
+      ->delimiter(',')
+      ->type_name("DIALECT");
+}
+
+void add_pass_options(CLI::App* command, PassOptions& passes) {
+  CLI::Option_group* group = command->add_option_group("Pass pipeline");
+  group->add_option_function<std::vector<std::string>>(
+          "--disable-pass", [&passes](const std::vector<std::string>& names) { passes.disabled.insert(names.begin(), names.end()); },
+          "Skip these passes ('all': every one)")
+      ->delimiter(',')
+      ->type_name("PASS");
+  group->add_option_function<std::vector<std::string>>(
+          "--print-after",
+          [&passes](const std::vector<std::string>& names) { passes.print_after.insert(names.begin(), names.end()); },
+          "Print the IR after these passes ('all': after each)")
+      ->delimiter(',')
+      ->type_name("PASS");
+  group->add_option_function<std::string>(
+      "--memory-budget",
+      [&passes](const std::string& text) { passes.memory_budget = parse_size_flag("--memory-budget", text); },
+      "Recompute activations so that the step's planned arena fits, e.g. 512MiB, 2GiB, bytes")
+      ->type_name("SIZE");
+  group->add_option_function<std::string>(
+      "--logits-chunk",
+      [&passes](const std::string& text) {
+        passes.logits_chunk_bytes = text == "0" ? 0 : parse_size_flag("--logits-chunk", text);
+      },
+      "Compute a language model's logits, loss and their gradients in row chunks of at most this size, e.g. "
+      "256MiB (default 2GiB; 0: all rows at once)")
+      ->type_name("SIZE");
+}
+
+Graph parse_file(const std::string& path) {
+  std::stringstream text;
+  if (path == "-") {
+    text << std::cin.rdbuf();
+  } else {
+    std::ifstream in(path, std::ios::binary);
+    KILN_CHECK(in.good(), "cannot open '{}'", path);
+    text << in.rdbuf();
+  }
+  try {
+    return parse(text.str());
+  } catch (const ParseError& e) {
+    throw Error(path + ":" + e.what());
+  }
+}
+
+std::vector<Tensor> random_inputs(const Graph& graph, uint64_t seed, double int_high) {
+  std::vector<Tensor> inputs;
+  for (size_t i = 0; i < graph.inputs.size(); ++i) {
+    const TensorType& type = graph.type(graph.inputs[i].value);
+    const bool integer = is_integer(type.dtype);
+    inputs.push_back(random_tensor(type, seed + i, integer ? 0.0 : -1.0, integer ? int_high : 1.0));
+  }
+  return inputs;
+}
+
+}  // namespace kiln::cli

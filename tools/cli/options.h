@@ -1,0 +1,46 @@
+// What the `kiln` subcommands share: the option groups that several of them take (model,
+// device, mixed precision, kernel dialects, the pass pipeline's options), each defined once so
+// that a flag means the same and says the same in every --help, and reading IR files.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+#include "passes/pass.h"
+#include "tensor/tensor.h"
+
+namespace kiln::cli {
+
+// Each subcommand, in its own file: adds itself to `app` with its options and a callback that
+// runs it (after parsing; errors are kiln::Error, which main prints as one line).
+void add_version_command(CLI::App& app);
+void add_check_command(CLI::App& app);
+void add_run_command(CLI::App& app);
+void add_opt_command(CLI::App& app);
+void add_compile_command(CLI::App& app);
+void add_train_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
+
+// --model NAME: the model zoo's models (models/models.h).
+void add_model_option(CLI::App* command, std::string& model, const std::string& default_model);
+// --device cpu|cuda under `names` (CLI11's "--device,--target" for aliases), with the command's
+// own help (what the device is for: running, or only preparing the graph).
+void add_device_option(CLI::App* command, Device& device, const std::string& help,
+                       const std::string& names = "--device");
+// --amp off|bf16|f16.
+void add_amp_option(CLI::App* command, std::string& amp, const std::string& help);
+// --dialects a,b: the kernel dialects kernel selection may choose from.
+void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects);
+// The pipeline's options, as one group: --disable-pass, --print-after, --memory-budget,
+// --logits-chunk.
+void add_pass_options(CLI::App* command, PassOptions& passes);
+
+// The IR text of PATH ('-': standard input), parsed and verified; errors name the file.
+Graph parse_file(const std::string& path);
+// Random inputs in graph-input order: floats uniform in [-1, 1), integers in [0, int_high).
+std::vector<Tensor> random_inputs(const Graph& graph, uint64_t seed, double int_high);
+
+}  // namespace kiln::cli

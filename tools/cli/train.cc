@@ -1,0 +1,50 @@
+// `kiln train`: a training job (train/job.h) with progress, evaluation and checkpoints.
+#include "options.h"
+#include "train/job.h"
+
+namespace kiln::cli {
+
+void add_train_command(CLI::App& app) {
+  CLI::App* command = app.add_subcommand("train", "Train a model on the CPU or a CUDA GPU, printing progress");
+  auto job = std::make_shared<train::JobOptions>();
+  auto device = std::make_shared<Device>(Device::kCpu);
+  add_model_option(command, job->model, "mlp");
+  command->add_option("--data", job->data,
+                      "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*); default: fashion-mnist, or a GPL text "
+                      "for gpt2*");
+  command->add_option("--data-dir", job->data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
+  command->add_option("--steps", job->steps, "Total training steps")->default_val(3000);
+  command->add_option("--batch", job->batch, "Batch size")->default_val(64);
+  command->add_option("--seq", job->seq, "Sequence length for gpt2* (default: the config's)");
+  command->add_option("--lr", job->optimizer.lr, "Peak learning rate")->default_val(1e-3);
+  command->add_option("--optimizer", job->optimizer.name, "adamw | sgd")
+      ->check(CLI::IsMember({"adamw", "sgd"}))
+      ->default_val("adamw");
+  command->add_option("--weight-decay", job->optimizer.weight_decay, "Decoupled (adamw) or L2 (sgd) weight decay")
+      ->default_val(0.0);
+  command->add_option("--momentum", job->optimizer.momentum, "SGD momentum")->default_val(0.9);
+  command->add_flag("--nesterov", job->optimizer.nesterov, "SGD with Nesterov momentum");
+  command->add_option("--grad-clip", job->optimizer.grad_clip, "Clip the global gradient norm to this (0 = off)")
+      ->default_val(0.0);
+  command->add_option("--warmup", job->optimizer.warmup_steps, "Linear warmup steps")->default_val(0);
+  command->add_option("--decay-steps", job->optimizer.decay_steps,
+                      "Cosine decay to 0.1 x lr by this step (0 = constant lr; -1 = --steps)")
+      ->default_val(-1);
+  add_amp_option(command, job->optimizer.amp, "Mixed precision: off | bf16 | f16 (f16 with dynamic loss scaling)");
+  command->add_option("--seed", job->seed, "Seed for init and data order")->default_val(0);
+  add_device_option(command, *device, "cpu | cuda (cuda needs a build with the CUDA backend and a GPU)");
+  command->add_option("--checkpoint-dir", job->checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
+  command->add_flag("--resume", job->resume, "Continue from --checkpoint-dir's last checkpoint");
+  command->add_option("--eval-every", job->eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")
+      ->default_val(500);
+  command->add_option("--log-every", job->log_every, "Log line interval when not on a terminal")->default_val(100);
+  command->add_option("--metrics", job->metrics_path, "Append metrics as JSON lines to FILE");
+  add_pass_options(command, job->passes);
+  command->callback([job, device] {
+    job->device = device_name(*device);
+    if (job->optimizer.decay_steps < 0) job->optimizer.decay_steps = job->steps;
+    train::run_training_job(*job);
+  });
+}
+
+}  // namespace kiln::cli
