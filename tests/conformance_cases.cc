@@ -753,17 +753,20 @@ void add_fused(std::vector<Case>& c) {
               "%beta: $T[128] data) {\n"
               "  %h = add(%x, %res)\n  %y = layer_norm(%h, %gamma, %beta)\n  return %h, %y\n}\n",
               4);
-  // softmax(x) * m + x, a hand-decomposed softmax with per-row columns, a row mean, and a where
+  // softmax(x) * m + x; a hand-decomposed softmax with per-row columns, a row mean, and a where
   // on a per-row bool column (the cross-entropy gradient's mask).
-  fusion_case("fused_rows_softmax_and_row_reductions",
-              "graph @g(%x: $T[6,23,70] data, %m: $T[6,23,70] data, %keep: bool[6,23,1] data, "
-              "%other: $T[] data) {\n"
+  fusion_case("fused_rows_softmax_epilogue",
+              "graph @g(%x: $T[6,23,70] data, %m: $T[6,23,70] data) {\n"
               "  %p = softmax(%x) {axis=-1}\n  %pm = mul(%p, %m)\n  %y = add(%pm, %x)\n"
+              "  return %y\n}\n",
+              4);
+  fusion_case("fused_rows_decomposed_softmax",
+              "graph @g(%x: $T[6,23,70] data, %keep: bool[6,23,1] data, %other: $T[] data) {\n"
               "  %row_max = max(%x) {axes=[-1], keepdims=true}\n  %d = sub(%x, %row_max)\n"
               "  %e = exp(%d)\n  %row_sum = sum(%e) {axes=[2], keepdims=true}\n"
-              "  %q = div(%e, %row_sum)\n  %row_mean = mean(%x) {axes=[-1]}\n"
+              "  %q = div(%e, %row_sum)\n  %row_mean = mean(%q) {axes=[-1]}\n"
               "  %masked = where(%keep, %q, %other)\n"
-              "  return %y, %q, %row_mean, %masked\n}\n",
+              "  return %q, %row_mean, %masked\n}\n",
               4);
   // A bias gradient (column sum) next to the full-size gradient, and a column mean.
   fusion_case("fused_column_reductions",
