@@ -61,23 +61,35 @@ Instance instantiate_graph(const Case& c, DType dtype, uint64_t seed, Instance i
 
 }  // namespace
 
-Instance instantiate(const Case& c, DType dtype, uint64_t seed) {
+Instance instance_of(Op op, std::vector<Tensor> inputs, const Attributes& attrs) {
   Instance inst;
-  inst.name = fmt::format("{}/{}", c.name, dtype_name(dtype));
-  if (c.graph) return instantiate_graph(c, dtype, seed, std::move(inst));
-  Attributes attrs = c.attrs;
-  if (c.dtype_attr) attrs.set("dtype", dtype);
-  for (size_t k = 0; k < c.inputs.size(); ++k) inst.inputs.push_back(c.inputs[k](dtype, seed + 17 * k));
-  if (c.derive) c.derive(inst.inputs, normalize_attributes(c.op, attrs));
   auto graph = std::make_shared<Graph>();
   std::vector<ValueId> ids;
-  for (size_t k = 0; k < inst.inputs.size(); ++k) {
-    ids.push_back(graph->add_input(fmt::format("x{}", k), inst.inputs[k].type(), Role::kData));
-    inst.input_types.push_back(inst.inputs[k].type());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    ids.push_back(graph->add_input(fmt::format("x{}", k), inputs[k].type(), Role::kData));
+    inst.input_types.push_back(inputs[k].type());
   }
-  graph->outputs = graph->add_node(c.op, ids, attrs);
+  graph->outputs = graph->add_node(op, ids, attrs);
   for (ValueId id : graph->outputs) inst.output_types.push_back(graph->type(id));
   inst.graph = std::move(graph);
+  inst.inputs = std::move(inputs);
+  return inst;
+}
+
+Instance instantiate(const Case& c, DType dtype, uint64_t seed) {
+  const std::string name = fmt::format("{}/{}", c.name, dtype_name(dtype));
+  if (c.graph) {
+    Instance inst;
+    inst.name = name;
+    return instantiate_graph(c, dtype, seed, std::move(inst));
+  }
+  Attributes attrs = c.attrs;
+  if (c.dtype_attr) attrs.set("dtype", dtype);
+  std::vector<Tensor> inputs;
+  for (size_t k = 0; k < c.inputs.size(); ++k) inputs.push_back(c.inputs[k](dtype, seed + 17 * k));
+  if (c.derive) c.derive(inputs, normalize_attributes(c.op, attrs));
+  Instance inst = instance_of(c.op, std::move(inputs), attrs);
+  inst.name = name;
   return inst;
 }
 

@@ -64,6 +64,8 @@ struct Instance {
   NodeView view() const { return NodeView{node(), input_types, output_types}; }
 };
 Instance instantiate(const Case& c, DType dtype, uint64_t seed);
+// The node of `op` on these inputs with these attributes (normalized), as an op case makes it.
+Instance instance_of(Op op, std::vector<Tensor> inputs, const Attributes& attrs);
 
 // (atol, rtol) of an output dtype: f32 1e-5, f64 1e-12, f16 2e-3, bf16 1e-2, integers and bool
 // exact; |actual - expected| <= atol + rtol |expected| element-wise.
