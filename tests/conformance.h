@@ -39,6 +39,9 @@ struct Case {
   // Ported cases of a single float dtype that were checked tighter (or looser) than the dtype's
   // default: this (atol, rtol) for every output instead.
   std::optional<Tolerance> exact_tolerance = std::nullopt;
+  // Dialects that must take the node on the device that has them (a case ported from a
+  // dialect's own test keeps asserting that the dialect serves it), e.g. {"openblas"}.
+  std::vector<std::string> taken_by = {};
   // Rewrites inputs from the others once they are drawn (e.g. attention_grad's out and lse from
   // the forward pass on its q, k, v), with the node's normalized attributes.
   std::function<void(std::vector<Tensor>& inputs, const Attributes& attrs)> derive = nullptr;
@@ -74,6 +77,7 @@ Tolerance tolerance_of(DType dtype);
 // Runs `kernel` on `device` for the instance: inputs copied there, outputs poisoned with 0xFF
 // bytes, the kernel's prepare hook first (as the executor does), then the kernel on a stream
 // of its own (CUDA), synchronized and the device's data errors checked; host outputs back.
+// Throws kiln::Error (as the kernel does) when the kernel wrote one of its inputs.
 std::vector<Tensor> run_kernel(Device device, const KernelImpl& kernel, const Instance& instance);
 
 // The sweep's body for one op: every case of `op` at every dtype, through every kernel of
