@@ -599,6 +599,36 @@ void add_training_kernels(std::vector<Case>& c) {
                .attrs = {{"causal", true}, {"scale", 4.0}}, .exact_tolerance = Tolerance{1e-4, 1e-4}, .taken_by = {"openblas"},
                .derive = forward_out_and_lse});
 
+  // The GPU kernels' geometry (tensor cores: head dims multiple of 8 up to 128; T not a
+  // multiple of the 64-row tile; both layouts; Tq != Tk), every float dtype; q and k in [-2, 2]
+  // so the softmax is far from uniform. 16-bit kernels round P and dS before their products.
+  struct Tiled {
+    Shape q, k;
+    bool causal, bthd;
+  };
+  const std::vector<Tiled> tiled = {
+      {{2, 3, 77, 64}, {2, 3, 77, 64}, true, false},
+      {{2, 77, 3, 32}, {2, 77, 3, 32}, true, true},
+      {{1, 2, 40, 128}, {1, 2, 77, 128}, false, false},
+  };
+  for (const Tiled& a : tiled) {
+    const Attributes attrs = attention_attrs(a.causal, 0, a.bthd);
+    Shape lse = a.q;
+    lse.pop_back();
+    if (a.bthd) std::swap(lse[lse.size() - 1], lse[lse.size() - 2]);
+    const std::string name = fmt::format("attention_tiled_{}_{}", tag(a.q), tag(a.k));
+    c.push_back({.name = name, .op = Op::kAttention, .dtypes = kFloats,
+                 .inputs = {uniform(a.q), uniform(a.k), uniform(a.k, -1, 1)}, .attrs = attrs,
+                 .tolerance = 2});
+    c.push_back({.name = name + "_grad", .op = Op::kAttentionGrad, .dtypes = kFloats,
+                 .inputs = {uniform(a.q), uniform(a.k), uniform(a.k, -1, 1), uniform(a.q),
+                            uniform(a.q, -1, 1), uniform(lse)},
+                 .attrs = attrs, .tolerance = 4, .derive = forward_out_and_lse});
+  }
+  c.push_back({.name = "attention_qkv_tiled", .op = Op::kAttentionQkv, .dtypes = kFloats,
+               .inputs = {uniform({2, 77, 3, 3, 64})}, .attrs = {{"causal", true}},
+               .tolerance = 2});
+
   // attention_qkv and its gradient (on the forward's out and lse): (..., T, 3, H, D).
   struct Packed {
     Shape qkv;
