@@ -36,11 +36,10 @@ struct Case {
   // Factor on the output dtype's tolerance (tolerance_of), for ops that sum many rounded terms.
   double tolerance = 1.0;
   bool dtype_attr = false;  // set attrs["dtype"] to the case's dtype (sources, one_hot)
-  // Ported cases of a single float dtype that were checked tighter (or looser) than the dtype's
-  // default: this (atol, rtol) for every output instead.
-  std::optional<Tolerance> exact_tolerance = std::nullopt;
-  // Dialects that must take the node on the device that has them (a case ported from a
-  // dialect's own test keeps asserting that the dialect serves it), e.g. {"openblas"}.
+  // A case ported from a dialect's own test: those dialects must take the node (on the device
+  // that has them), e.g. {"openblas"}, and are held to the (atol, rtol) they always held, for
+  // every output; every other kernel gets the looser of that and its output dtype's tolerance.
+  std::optional<Tolerance> taken_by_tolerance = std::nullopt;
   std::vector<std::string> taken_by = {};
   // Rewrites inputs from the others once they are drawn (e.g. attention_grad's out and lse from
   // the forward pass on its q, k, v), with the node's normalized attributes.
