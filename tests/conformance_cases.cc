@@ -137,6 +137,11 @@ void add_every_op(std::vector<Case>& c) {
                {{"shape", Ints{2, 3, 4}}}});
   c.push_back({"slice", Op::kSlice, kAll, {uniform({6, 7, 5})},
                {{"starts", Ints{1, -5, 0}}, {"ends", Ints{5, 7, 5}}, {"steps", Ints{2, 1, 3}}}});
+  // Contiguous runs (steps 1): a last-axis range (the qkv split) and a range of rows.
+  c.push_back({"slice_last_axis_run", Op::kSlice, kAll, {uniform({2, 5, 24})},
+               {{"starts", Ints{0, 0, 8}}, {"ends", Ints{2, 5, 16}}}});
+  c.push_back({"slice_rows", Op::kSlice, kAll, {uniform({6, 7, 5})},
+               {{"starts", Ints{1, 0, 0}}, {"ends", Ints{5, 7, 5}}}});
   c.push_back({"concat", Op::kConcat, kAll,
                {uniform({2, 3, 4}), uniform({2, 1, 4}), uniform({2, 5, 4})}, {{"axis", 1}}});
   c.push_back({"split", Op::kSplit, kAll, {uniform({2, 9, 4})},

@@ -22,10 +22,11 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaConformance, ::testing::ValuesIn(conformance::
                            return std::string(op_name(info.param));
                          });
 
-// The table the issue quotes: per op, the nodes each dialect of each device ran (the CPU
-// columns run in kiln_tests); the kernels no case reached.
+// The table the issue quotes: per op, the nodes each dialect of each device runs (the CPU
+// columns run in kiln_tests); the kernels no case reached. supports() reads only types and
+// attributes, so this needs the CUDA build, not a device.
 TEST(CudaConformanceTable, PrintsCoverage) {
-  KILN_REQUIRE_GPU();
+  if (!cuda::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
   const conformance::Coverage coverage = conformance::coverage({Device::kCpu, Device::kCuda});
   std::cout << coverage.table;
   for (const std::string& kernel : coverage.unreached) std::cout << "unreached: " << kernel << "\n";
