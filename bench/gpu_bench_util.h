@@ -8,10 +8,10 @@
 
 #include <algorithm>
 #include <functional>
-#include <set>
-#include <utility>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/backend.h"
@@ -57,7 +57,8 @@ inline Tensor random_device(const TensorType& type, uint64_t seed, double low = 
   Tensor device = cuda::device_tensor(type, /*zero=*/false);
   for (size_t off = 0; off < type.bytes(); off += block.bytes())
     KILN_CUDA_CHECK(cudaMemcpy(device.raw() + off, block.raw(),
-                               std::min(block.bytes(), type.bytes() - off), cudaMemcpyHostToDevice));
+                               std::min(block.bytes(), type.bytes() - off),
+                               cudaMemcpyHostToDevice));
   return device;
 }
 
@@ -89,13 +90,15 @@ inline ChosenKernel choose_kernel(Op op, std::vector<TensorType> inputs, Attribu
 // A GPU benchmark's main: runs the sections named on the command line (all when none), after
 // printing the device; a message and a non-zero status for an unknown section, no device, or a
 // kiln::Error.
-inline int run_sections(const char* program, int argc, char** argv,
-                        const std::vector<std::pair<std::string, std::function<void()>>>& sections) {
+inline int run_sections(
+    const char* program, int argc, char** argv,
+    const std::vector<std::pair<std::string, std::function<void()>>>& sections) {
   std::set<std::string> chosen(argv + 1, argv + argc);
   std::string names;
   for (const auto& [name, fn] : sections) names += (names.empty() ? "" : ", ") + name;
   for (const std::string& name : chosen)
-    if (std::none_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; })) {
+    if (std::none_of(sections.begin(), sections.end(),
+                     [&](const auto& s) { return s.first == name; })) {
       fmt::print(stderr, "{}: unknown section {} (sections: {})\n", program, name, names);
       return 2;
     }

@@ -54,10 +54,11 @@ void print_speed(const std::string& what, Gemm g, int reps) {
   g.plan(ops, s);
   cuda::set_gemm_autotune(false);
   const double tuned = gemm_ms(g, ops, s, reps);
-  fmt::print("{:<34} {:>5}x{:<5}x{:>5} {:<14}: heuristic {:7.1f} TFLOP/s ({:.3f} ms), "
-             "tuned {:7.1f} TFLOP/s ({:.3f} ms)\n    heuristic {}\n    tuned     {}\n",
-             what, g.m, g.n, g.k, cuda::epilogue_name(g.epilogue), flop / heuristic * 1e-9,
-             heuristic, flop / tuned * 1e-9, tuned, heuristic_algo, g.plan(ops, s).algorithm());
+  fmt::print(
+      "{:<34} {:>5}x{:<5}x{:>5} {:<14}: heuristic {:7.1f} TFLOP/s ({:.3f} ms), "
+      "tuned {:7.1f} TFLOP/s ({:.3f} ms)\n    heuristic {}\n    tuned     {}\n",
+      what, g.m, g.n, g.k, cuda::epilogue_name(g.epilogue), flop / heuristic * 1e-9, heuristic,
+      flop / tuned * 1e-9, tuned, heuristic_algo, g.plan(ops, s).algorithm());
 }
 
 Gemm bf16_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, Epilogue e) {
@@ -83,13 +84,14 @@ void tflops() {
                           {"fc", c, 4 * c, Epilogue::kGeluAuxBias},
                           {"fc proj", 4 * c, c, Epilogue::kBias}};
   for (const Layer& l : layers) {
-    print_speed(fmt::format("{} forward", l.name), bf16_gemm(bt, l.out, l.in, false, false, Epilogue::kNone), 50);
+    print_speed(fmt::format("{} forward", l.name),
+                bf16_gemm(bt, l.out, l.in, false, false, Epilogue::kNone), 50);
     print_speed(fmt::format("{} forward +epilogue", l.name),
                 bf16_gemm(bt, l.out, l.in, false, false, l.forward), 50);
     print_speed(fmt::format("{} dx = dy w^T", l.name),
                 bf16_gemm(bt, l.in, l.out, false, true,
                           l.forward == Epilogue::kBias && l.in == 4 * c ? Epilogue::kDGeluBGrad
-                                                                       : Epilogue::kNone),
+                                                                        : Epilogue::kNone),
                 50);
     print_speed(fmt::format("{} dw = x^T dy +bgrad", l.name),
                 bf16_gemm(l.in, l.out, bt, true, false, Epilogue::kBGradB), 50);
@@ -119,9 +121,10 @@ void residual_projections() {
     ops.beta = 1.0;
     ops.bias = bias.get();
     const double fused_ms = gemm_ms(fused, ops, s, 50);
-    fmt::print("residual projection {}x{}x{}: bf16 product alone {:.1f} us; f32 D = A B + bf16 "
-               "bias + f32 C in one call {:.1f} us\n    {}\n",
-               m, n, k, bare_ms * 1e3, fused_ms * 1e3, fused.plan(ops, s).algorithm());
+    fmt::print(
+        "residual projection {}x{}x{}: bf16 product alone {:.1f} us; f32 D = A B + bf16 "
+        "bias + f32 C in one call {:.1f} us\n    {}\n",
+        m, n, k, bare_ms * 1e3, fused_ms * 1e3, fused.plan(ops, s).algorithm());
   }
 }
 
@@ -158,9 +161,10 @@ void weight_gradients() {
     f.lda = 0;
     f.k = padded;
     const double wider = us(f);
-    fmt::print("dW {}x{}x{}: f32 out {:.1f} us, bf16 out {:.1f} us, m=776 bf16 {:.1f} us, m=776 "
-               "f32 {:.1f} us; forward packed {:.1f} us, lda 776 {:.1f} us, k=776 {:.1f} us\n",
-               c, out, bt, f32_out, bf16_out, ones, ones_f32, packed, strided, wider);
+    fmt::print(
+        "dW {}x{}x{}: f32 out {:.1f} us, bf16 out {:.1f} us, m=776 bf16 {:.1f} us, m=776 "
+        "f32 {:.1f} us; forward packed {:.1f} us, lda 776 {:.1f} us, k=776 {:.1f} us\n",
+        c, out, bt, f32_out, bf16_out, ones, ones_f32, packed, strided, wider);
   }
 }
 

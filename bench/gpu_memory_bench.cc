@@ -44,7 +44,8 @@ std::vector<Tensor> device_inputs(const std::vector<TensorType>& types) {
   std::vector<Tensor> in;
   uint64_t seed = 200;
   for (const TensorType& t : types)
-    in.push_back(is_float(t.dtype) ? random_device(t, seed++) : random_device(t, seed++, 0.0, 700.0));
+    in.push_back(is_float(t.dtype) ? random_device(t, seed++)
+                                   : random_device(t, seed++, 0.0, 700.0));
   return in;
 }
 
@@ -78,8 +79,9 @@ void nn() {
     run(Op::kCrossEntropyGrad, {{d, {ce_rows, v}}, {DType::kI64, {ce_rows}}, {d, {}}}, {},
         "cross_entropy_grad 8192x50257 " + t, 2.0 * ce_rows * v * e);
     run(Op::kSoftmax, {{d, {ce_rows, v}}}, {}, "softmax 8192x50257 " + t, 2.0 * ce_rows * v * e);
-    run(Op::kGeluGrad, {{d, {rows, 4 * c}}, {d, {rows, 4 * c}}}, {{"approximate", std::string("tanh")}},
-        "gelu_grad 32768x3072 " + t, 3.0 * rows * 4 * c * e);
+    run(Op::kGeluGrad, {{d, {rows, 4 * c}}, {d, {rows, 4 * c}}},
+        {{"approximate", std::string("tanh")}}, "gelu_grad 32768x3072 " + t,
+        3.0 * rows * 4 * c * e);
   }
   const int64_t params = 124'000'000;
   const TensorType p{DType::kF32, {params}}, scalar{DType::kF32, {}};
@@ -109,7 +111,8 @@ void movement() {
     const double generic_ms = time_ms(stream, kReps, [&] { generic(in, out, stream); });
     const double fast_ms = time_ms(stream, kReps, [&] { fast(in, out, stream); });
     fmt::print("{:<52} generic {:8.3f} ms {:6.0f} GB/s | movement {:8.3f} ms {:6.0f} GB/s\n", what,
-               generic_ms, bytes / (generic_ms * 1e-3) / 1e9, fast_ms, bytes / (fast_ms * 1e-3) / 1e9);
+               generic_ms, bytes / (generic_ms * 1e-3) / 1e9, fast_ms,
+               bytes / (fast_ms * 1e-3) / 1e9);
   };
   using Ints = std::vector<int64_t>;
   const DType bf16 = DType::kBF16, f32 = DType::kF32;
@@ -135,7 +138,8 @@ void movement() {
   run(Op::kSum, {{f32, {32768, 768}}}, {{"axes", Ints{1}}}, "sum f32 (32768,768) axes [1]");
   run(Op::kReshape, {{bf16, {32, 1024, 768}}}, {{"shape", Ints{32768, 768}}},
       "reshape bf16 (32,1024,768)");
-  run(Op::kSplit, {{bf16, {32, 1024, 2304}}}, {{"axis", int64_t{-1}}, {"sizes", Ints{768, 768, 768}}},
+  run(Op::kSplit, {{bf16, {32, 1024, 2304}}},
+      {{"axis", int64_t{-1}}, {"sizes", Ints{768, 768, 768}}},
       "split bf16 (32,1024,2304) -> 3x768");
   run(Op::kConcat, {{bf16, {32, 1024, 768}}, {bf16, {32, 1024, 768}}, {bf16, {32, 1024, 768}}},
       {{"axis", int64_t{-1}}}, "concat bf16 3x(32,1024,768) -> 2304");
@@ -155,7 +159,8 @@ void classifier() {
   const auto stream = static_cast<cudaStream_t>(stream_owner.handle());
   const Shape logits_shape = {rows, vocab};
   const Tensor labels = random_device({DType::kI64, {rows}}, 1, 0, vocab);
-  const Tensor dloss = cuda::to_device(Tensor::from_f64({DType::kF32, {}}, std::vector<double>{1.0}));
+  const Tensor dloss =
+      cuda::to_device(Tensor::from_f64({DType::kF32, {}}, std::vector<double>{1.0}));
   Tensor loss = cuda::device_tensor({DType::kF32, {}});
   for (int variant = 0; variant < 3; ++variant) {
     // bf16 logits, gradient in place (the form with both casts absorbed), the row kept in
@@ -181,13 +186,14 @@ void classifier() {
     const double logits_bytes = static_cast<double>(logits.bytes());
     const double grad_bytes = static_cast<double>(rows * vocab * 2);
     const cls::LaunchInfo info = cls::launch_info(p.logits_t, vocab);
-    fmt::print("fused classifier, {} logits -> bf16 grad{}, {} x {}: {:.3f} ms; bytes (logits "
-               "read twice + grad written once) {:.2f} GB -> {:.0f} GB/s; DRAM bytes if the row "
-               "is read once {:.2f} GB -> {:.0f} GB/s (threads {}, row in shared memory: {})\n",
-               dtype_name(logits_t), logits_t == DType::kBF16 ? " in place" : "", rows, vocab, ms,
-               (2 * logits_bytes + grad_bytes) / 1e9, (2 * logits_bytes + grad_bytes) / ms / 1e6,
-               (logits_bytes + grad_bytes) / 1e9, (logits_bytes + grad_bytes) / ms / 1e6,
-               info.threads, info.row_in_shared_memory ? "yes" : "no");
+    fmt::print(
+        "fused classifier, {} logits -> bf16 grad{}, {} x {}: {:.3f} ms; bytes (logits "
+        "read twice + grad written once) {:.2f} GB -> {:.0f} GB/s; DRAM bytes if the row "
+        "is read once {:.2f} GB -> {:.0f} GB/s (threads {}, row in shared memory: {})\n",
+        dtype_name(logits_t), logits_t == DType::kBF16 ? " in place" : "", rows, vocab, ms,
+        (2 * logits_bytes + grad_bytes) / 1e9, (2 * logits_bytes + grad_bytes) / ms / 1e6,
+        (logits_bytes + grad_bytes) / 1e9, (logits_bytes + grad_bytes) / ms / 1e6, info.threads,
+        info.row_in_shared_memory ? "yes" : "no");
   }
   cls::set_row_path(cls::RowPath::kShared);  // the default
   cuda::check_device_errors();
@@ -211,10 +217,11 @@ void classifier() {
     call(grad_k, {f32_logits, labels, dloss}, {g32});
     call(cast_down, {g32}, {gbf});
   });
-  fmt::print("unfused: cast ({}) + cross_entropy ({}) + cross_entropy_grad ({}) + cast ({}): "
-             "{:.3f} ms\n",
-             cast_up.impl->dialect, loss_k.impl->dialect, grad_k.impl->dialect,
-             cast_down.impl->dialect, ms);
+  fmt::print(
+      "unfused: cast ({}) + cross_entropy ({}) + cross_entropy_grad ({}) + cast ({}): "
+      "{:.3f} ms\n",
+      cast_up.impl->dialect, loss_k.impl->dialect, grad_k.impl->dialect, cast_down.impl->dialect,
+      ms);
   cuda::check_device_errors();
 }
 
@@ -223,7 +230,7 @@ std::vector<Shape> gpt2_shapes() {
   const int64_t C = 768, V = 50304, T = 1024;
   std::vector<Shape> s = {{V, C}, {T, C}};
   for (int layer = 0; layer < 12; ++layer) {
-    const std::vector<Shape> block = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C}, {C},
+    const std::vector<Shape> block = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
                                       {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
     s.insert(s.end(), block.begin(), block.end());
   }
@@ -239,7 +246,8 @@ std::vector<TensorType> input_types(const Graph& body) {
 }
 
 // The fused node of `body` (kind `kind`, as the multi-tensor pass makes it) on `dialect`.
-ChosenKernel fused_kernel(std::shared_ptr<const Graph> body, const char* kind, const char* dialect) {
+ChosenKernel fused_kernel(std::shared_ptr<const Graph> body, const char* kind,
+                          const char* dialect) {
   return choose_kernel(Op::kFused, input_types(*body), {{"kind", std::string(kind)}}, {dialect},
                        std::move(body));
 }
@@ -296,10 +304,11 @@ void multi_tensor() {
     for (size_t k = 0; k < alone.size(); ++k) alone[k](member_in[k], member_out[k], s);
   });
   const double bytes = 7.0 * 4.0 * static_cast<double>(params);
-  fmt::print("adamw over GPT-2's {} f32 params ({} elements): one multi-tensor call {:.3f} ms "
-             "({:.0f} GB/s), {} per-param launches {:.3f} ms ({:.0f} GB/s)\n",
-             shapes.size(), params, grouped_ms, bytes / grouped_ms / 1e6, shapes.size(),
-             per_param_ms, bytes / per_param_ms / 1e6);
+  fmt::print(
+      "adamw over GPT-2's {} f32 params ({} elements): one multi-tensor call {:.3f} ms "
+      "({:.0f} GB/s), {} per-param launches {:.3f} ms ({:.0f} GB/s)\n",
+      shapes.size(), params, grouped_ms, bytes / grouped_ms / 1e6, shapes.size(), per_param_ms,
+      bytes / per_param_ms / 1e6);
 
   // The global sum of squares over the same tensors (as grads) against square + sum per tensor
   // and the chain of adds, each through the kernels the ungrouped step would use (cuda-body).
@@ -307,7 +316,8 @@ void multi_tensor() {
   ValueId total = -1;
   std::vector<Tensor> grads;
   for (size_t k = 0; k < shapes.size(); ++k) {
-    const ValueId x = norm_body->add_input(fmt::format("g{}", k), {DType::kF32, shapes[k]}, Role::kData);
+    const ValueId x =
+        norm_body->add_input(fmt::format("g{}", k), {DType::kF32, shapes[k]}, Role::kData);
     const ValueId term = norm_body->add(Op::kSum, {norm_body->add(Op::kSquare, {x})});
     total = total < 0 ? term : norm_body->add(Op::kAdd, {total, term});
     grads.push_back(inputs[4 * k + 1]);
@@ -318,20 +328,23 @@ void multi_tensor() {
   std::vector<Tensor> norm_out = device_outputs(norm.outputs);
   const double norm_ms = time_ms(s, kReps, [&] { norm(grads, norm_out, s); });
   const double unfused_ms = time_ms(s, kReps, [&] { node_by_node(grads, norm_out, s); });
-  fmt::print("global sum of squares over the same {} tensors: multi-tensor {:.3f} ms ({:.0f} GB/s), "
-             "node by node (cuda-body: {} squares, sums and {} adds) {:.3f} ms\n",
-             shapes.size(), norm_ms, 4.0 * static_cast<double>(params) / norm_ms / 1e6,
-             shapes.size(), shapes.size() - 1, unfused_ms);
+  fmt::print(
+      "global sum of squares over the same {} tensors: multi-tensor {:.3f} ms ({:.0f} GB/s), "
+      "node by node (cuda-body: {} squares, sums and {} adds) {:.3f} ms\n",
+      shapes.size(), norm_ms, 4.0 * static_cast<double>(params) / norm_ms / 1e6, shapes.size(),
+      shapes.size() - 1, unfused_ms);
 
   // The casts mixed precision makes: every weight and bias but the LayerNorms' and wpe to bf16.
   auto cast_body = std::make_shared<Graph>();
   std::vector<Tensor> cast_in;
   int64_t cast_elements = 0;
   for (size_t k = 0; k < shapes.size(); ++k) {
-    const bool layer_norm = k >= 2 && k < 2 + 12 * 12 && ((k - 2) % 12 == 0 || (k - 2) % 12 == 1 ||
-                                                          (k - 2) % 12 == 6 || (k - 2) % 12 == 7);
+    const bool layer_norm =
+        k >= 2 && k < 2 + 12 * 12 &&
+        ((k - 2) % 12 == 0 || (k - 2) % 12 == 1 || (k - 2) % 12 == 6 || (k - 2) % 12 == 7);
     if (k == 1 || k >= 2 + 12 * 12 || layer_norm) continue;  // wpe is gathered in f32
-    const ValueId x = cast_body->add_input(fmt::format("w{}", k), {DType::kF32, shapes[k]}, Role::kData);
+    const ValueId x =
+        cast_body->add_input(fmt::format("w{}", k), {DType::kF32, shapes[k]}, Role::kData);
     cast_body->outputs.push_back(cast_body->add(Op::kCast, {x}, {{"dtype", DType::kBF16}}));
     cast_in.push_back(inputs[4 * k]);
     cast_elements += numel(shapes[k]);
@@ -340,16 +353,18 @@ void multi_tensor() {
   std::vector<Tensor> cast_out = device_outputs(casts.outputs);
   const double cast_ms = time_ms(s, kReps, [&] { casts(cast_in, cast_out, s); });
   std::vector<ChosenKernel> single;
-  for (const Tensor& w : cast_in) single.push_back(choose_kernel(Op::kCast, {w.type()}, {{"dtype", DType::kBF16}}));
+  for (const Tensor& w : cast_in)
+    single.push_back(choose_kernel(Op::kCast, {w.type()}, {{"dtype", DType::kBF16}}));
   const double single_ms = time_ms(s, kReps, [&] {
     for (size_t k = 0; k < single.size(); ++k)
       single[k](std::span<const Tensor>(&cast_in[k], 1), std::span<Tensor>(&cast_out[k], 1), s);
   });
-  fmt::print("cast of GPT-2's {} weights and biases to bf16 ({} elements): one multi-tensor call "
-             "{:.3f} ms ({:.0f} GB/s), {} single casts ({}) {:.3f} ms\n",
-             cast_in.size(), cast_elements, cast_ms,
-             6.0 * static_cast<double>(cast_elements) / cast_ms / 1e6, cast_in.size(),
-             single.empty() ? "" : single[0].impl->dialect, single_ms);
+  fmt::print(
+      "cast of GPT-2's {} weights and biases to bf16 ({} elements): one multi-tensor call "
+      "{:.3f} ms ({:.0f} GB/s), {} single casts ({}) {:.3f} ms\n",
+      cast_in.size(), cast_elements, cast_ms,
+      6.0 * static_cast<double>(cast_elements) / cast_ms / 1e6, cast_in.size(),
+      single.empty() ? "" : single[0].impl->dialect, single_ms);
 }
 
 }  // namespace

@@ -19,11 +19,16 @@ namespace kiln::testing::conformance {
 
 Tolerance tolerance_of(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return {1e-5, 1e-5};
-    case DType::kF64: return {1e-12, 1e-12};
-    case DType::kF16: return {2e-3, 2e-3};
-    case DType::kBF16: return {1e-2, 1e-2};
-    default: return {0.0, 0.0};  // integers and bool: exact
+    case DType::kF32:
+      return {1e-5, 1e-5};
+    case DType::kF64:
+      return {1e-12, 1e-12};
+    case DType::kF16:
+      return {2e-3, 2e-3};
+    case DType::kBF16:
+      return {1e-2, 1e-2};
+    default:
+      return {0.0, 0.0};  // integers and bool: exact
   }
 }
 
@@ -37,8 +42,8 @@ Instance instantiate_graph(const Case& c, DType dtype, uint64_t seed, Instance i
   std::vector<size_t> found;
   for (size_t n = 0; n < graph->nodes.size(); ++n)
     if (graph->nodes[n].op == c.op) found.push_back(n);
-  KILN_CHECK(found.size() == 1, "case {}: the graph holds {} {} nodes, expected one:\n{}", inst.name,
-             found.size(), op_name(c.op), print(*graph));
+  KILN_CHECK(found.size() == 1, "case {}: the graph holds {} {} nodes, expected one:\n{}",
+             inst.name, found.size(), op_name(c.op), print(*graph));
   inst.node_index = found[0];
   std::map<ValueId, Tensor> drawn;
   for (size_t k = 0; k < graph->inputs.size(); ++k) {
@@ -96,7 +101,8 @@ Instance instantiate(const Case& c, DType dtype, uint64_t seed) {
 namespace {
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && (a.bytes() == 0 || std::memcmp(a.raw(), b.raw(), a.bytes()) == 0);
+  return a.bytes() == b.bytes() &&
+         (a.bytes() == 0 || std::memcmp(a.raw(), b.raw(), a.bytes()) == 0);
 }
 
 // A kernel reads its inputs only: the executor hands the same buffer to later readers.
@@ -181,7 +187,8 @@ Tolerance tolerance_for(const Case& c, const KernelImpl& kernel, DType dtype) {
 
 void check_kernel(const Case& c, const Instance& inst, Device device, const KernelImpl* impl,
                   const std::vector<Tensor>& expected) {
-  SCOPED_TRACE(fmt::format("kernel {} on {}", kernel_label(c.op, device, impl), device_name(device)));
+  SCOPED_TRACE(
+      fmt::format("kernel {} on {}", kernel_label(c.op, device, impl), device_name(device)));
   std::vector<Tensor> actual;
   try {
     actual = run_kernel(device, *impl, inst);
@@ -237,8 +244,9 @@ void expect_kernels_match_reference(Op op, Device device) {
       }
       for (const std::string& dialect : c.taken_by) {
         const auto mine = kernel_registry().candidates(op, device);
-        const bool here = std::any_of(mine.begin(), mine.end(),
-                                      [&](const KernelImpl* impl) { return impl->dialect == dialect; });
+        const bool here = std::any_of(mine.begin(), mine.end(), [&](const KernelImpl* impl) {
+          return impl->dialect == dialect;
+        });
         EXPECT_TRUE(!here || took.count(dialect)) << "no " << dialect << " kernel took the node";
       }
     }
@@ -281,8 +289,10 @@ Coverage coverage(const std::vector<Device>& devices) {
         auto it = std::find_if(columns.begin(), columns.end(), [&](const Column& col) {
           return col.device == device && col.dialect == impl->dialect;
         });
-        if (it == columns.end()) columns.push_back({device, impl->dialect, impl->priority});
-        else it->priority = std::max(it->priority, impl->priority);
+        if (it == columns.end())
+          columns.push_back({device, impl->dialect, impl->priority});
+        else
+          it->priority = std::max(it->priority, impl->priority);
       }
   std::stable_sort(columns.begin(), columns.end(), [&](const Column& a, const Column& b) {
     if (a.device != b.device) return a.device < b.device;
@@ -303,7 +313,8 @@ Coverage coverage(const std::vector<Device>& devices) {
   Coverage out;
   std::string& t = out.table;
   t += "| op | cases |";
-  for (const Column& col : columns) t += fmt::format(" {}: {} |", device_name(col.device), col.dialect);
+  for (const Column& col : columns)
+    t += fmt::format(" {}: {} |", device_name(col.device), col.dialect);
   t += "\n|---|---|";
   for (size_t i = 0; i < columns.size(); ++i) t += "---|";
   t += "\n";
@@ -324,10 +335,9 @@ Coverage coverage(const std::vector<Device>& devices) {
         for (const Instance& inst : mine) mine_taken += takes(impl, inst);
         taken += mine_taken;
         if (mine_taken == 0)
-          out.unreached.push_back(fmt::format("{}: {} kernel {} (priority {})", op_name(op),
-                                              device_name(columns[k].device),
-                                              kernel_label(op, columns[k].device, impl),
-                                              impl->priority));
+          out.unreached.push_back(fmt::format(
+              "{}: {} kernel {} (priority {})", op_name(op), device_name(columns[k].device),
+              kernel_label(op, columns[k].device, impl), impl->priority));
       }
       totals[k] += taken;
       t += any ? fmt::format(" {} |", taken) : std::string(" - |");
@@ -338,8 +348,9 @@ Coverage coverage(const std::vector<Device>& devices) {
   for (int64_t n : totals) t += fmt::format(" {} |", n);
   t += "\n";
   for (Device device : devices)
-    for (int i = 0; i < kNumOps; ++i) kernels += static_cast<int64_t>(
-        kernel_registry().candidates(static_cast<Op>(i), device).size());
+    for (int i = 0; i < kNumOps; ++i)
+      kernels +=
+          static_cast<int64_t>(kernel_registry().candidates(static_cast<Op>(i), device).size());
   int64_t runs = 0;
   for (int64_t n : totals) runs += n;
   t += fmt::format(
