@@ -1,9 +1,9 @@
 // The CPU fast paths of conv2d and its gradients (dialect "openblas") and of the pools (dialect
-// "cpu") against the reference kernels: random f32 inputs (never zeros), odd sizes, stride 2,
-// padding 1, unequal per-dim attributes, 1x1 kernels, a single image, a batch large enough to be
-// split into several GEMM groups (with a last group of one image), and pools with tied maxima.
-// Also which dialect the registry picks, and that supports() leaves f64 and empty tensors to the
-// reference.
+// "cpu") beyond the conformance sweep (which runs them against the reference kernels on odd
+// sizes, strides, paddings, unequal per-dim attributes, 1x1 kernels, a single image and a CNN
+// batch: tests/conformance_cases.cc): a batch large enough to be split into several GEMM groups
+// (with a last group of one image), pools with tied maxima, which dialect the registry picks,
+// and that supports() leaves f64 and empty tensors to the reference.
 #include <cmath>
 
 #include "test_util.h"
@@ -22,8 +22,6 @@ using Ints = std::vector<int64_t>;
 
 // f32 against the f64-accumulated reference: GEMM sums of up to ~800 products of O(1) values.
 constexpr Tolerance kConvTolerance{2e-4, 2e-4};
-
-
 
 struct ConvCase {
   Shape x, w;
@@ -44,21 +42,6 @@ void check_conv(const ConvCase& c, uint64_t seed) {
   weight_attrs.set("weight_shape", c.w);
   expect_matches_reference("openblas", Op::kConv2dGradWeight, {x, dy}, weight_attrs,
                            kConvTolerance);
-}
-
-TEST(CpuConv, MatchesReference) {
-  const std::vector<ConvCase> cases = {
-      {{2, 3, 7, 9}, {5, 3, 3, 3}, {1, 1}, {1, 1}},
-      {{2, 3, 7, 9}, {5, 3, 3, 3}, {2, 2}, {1, 1}},     // stride 2, padding 1, odd sizes
-      {{3, 2, 8, 6}, {4, 2, 3, 3}, {2, 2}, {1, 1}},     // even sizes: the last row unused
-      {{2, 3, 9, 7}, {4, 3, 2, 3}, {2, 1}, {0, 1}},     // unequal per-dim attributes
-      {{3, 4, 5, 5}, {6, 4, 1, 1}, {1, 1}, {0, 0}},     // 1x1 kernel: a plain GEMM
-      {{1, 3, 11, 13}, {7, 3, 5, 5}, {3, 2}, {2, 2}},   // one image: the GEMM writes y directly
-      {{2, 1, 4, 4}, {2, 1, 3, 3}, {1, 1}, {3, 3}},     // padding wider than the kernel's reach
-      {{5, 1, 28, 28}, {16, 1, 3, 3}, {1, 1}, {1, 1}},  // the CNN's first layer
-  };
-  uint64_t seed = 100;
-  for (const ConvCase& c : cases) check_conv(c, seed += 10);
 }
 
 TEST(CpuConv, SplitsLargeBatchesIntoGroups) {
@@ -93,12 +76,6 @@ void check_pool(Op forward, Op backward, const PoolCase& c, const Tensor& x) {
   }
 }
 
-TEST(CpuPool, MaxMatchesReference) {
-  uint64_t seed = 200;
-  for (const PoolCase& c : kPoolCases)
-    check_pool(Op::kMaxPool2d, Op::kMaxPool2dGrad, c, rand(DType::kF32, c.x, ++seed));
-}
-
 TEST(CpuPool, MaxWithTiesSendsGradientToTheSameElement) {
   // Values in {-2, -1, 0, 1, 2}: most windows have a tied max; fast and reference must pick the
   // same (first) element.
@@ -108,12 +85,6 @@ TEST(CpuPool, MaxWithTiesSendsGradientToTheSameElement) {
     for (int64_t i = 0; i < x.numel(); ++i) x.set(i, std::floor(x.get(i)));
     check_pool(Op::kMaxPool2d, Op::kMaxPool2dGrad, c, x);
   }
-}
-
-TEST(CpuPool, AvgMatchesReference) {
-  uint64_t seed = 400;
-  for (const PoolCase& c : kPoolCases)
-    check_pool(Op::kAvgPool2d, Op::kAvgPool2dGrad, c, rand(DType::kF32, c.x, ++seed));
 }
 
 TEST(CpuConv, DialectSelection) {

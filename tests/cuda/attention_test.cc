@@ -9,7 +9,7 @@
 // (8 significant bits) before their matmuls; f16 4e-3 / 6e-3 (11 bits); f32 2e-4 (f32 sums
 // over up to 1024 keys against the reference's double). lse 1e-5 for every dtype: the scores
 // are f32 sums of exact products of the (same) rounded inputs, then an f32 log.
-// Also prints (does not assert) TFLOP/s at GPT-2 size.
+// (TFLOP/s at GPT-2 size: bench/gpu_attention_bench.cc.)
 // attention_qkv / attention_qkv_grad (q, k, v and dq, dk, dv strided inside one packed
 // (B, T, 3, H, D) tensor): against their reference kernels with the same tolerances (dq, dk, dv
 // compared part by part), and bit for bit against the plain "bthd" kernels on the unpacked parts
@@ -353,67 +353,6 @@ TEST(CudaAttention, OversizedHeadDimThrows) {
     ADD_FAILURE() << "expected kiln::Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("300"), std::string::npos) << e.what();
-  }
-}
-
-// GPT-2 size: B=32, H=12, T=1024, d=64 (and d=128), bf16. Printed, not asserted.
-TEST(CudaAttention, Throughput) {
-  KILN_REQUIRE_GPU();
-  const int64_t b = 32, h = 12, t = 1024;
-  for (int64_t d : {64, 128}) {
-    const TensorType type{DType::kBF16, {b, h, t, d}};
-    auto filled = [&](uint64_t seed) {  // a random 1M-element chunk, repeated
-      const Tensor chunk = rand(DType::kBF16, {1 << 20}, seed);
-      Tensor dev = poisoned_device(type);
-      for (size_t off = 0; off < type.bytes(); off += chunk.bytes())
-        KILN_CUDA_CHECK(cudaMemcpy(dev.raw() + off, chunk.raw(),
-                                   std::min(chunk.bytes(), type.bytes() - off),
-                                   cudaMemcpyHostToDevice));
-      return dev;
-    };
-    const TensorType lse_type{DType::kF32, {b, h, t}};
-    std::vector<Tensor> out = {poisoned_device(type), poisoned_device(lse_type)};
-    // q, k, v, out, dout, lse: out and lse are what the forward below writes.
-    const std::vector<Tensor> in = {filled(1), filled(2), filled(3), out[0], filled(4), out[1]};
-    std::vector<Tensor> grads = {poisoned_device(type), poisoned_device(type),
-                                 poisoned_device(type)};
-    cudaStream_t stream;
-    KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaEvent_t start, stop;
-    KILN_CUDA_CHECK(cudaEventCreate(&start));
-    KILN_CUDA_CHECK(cudaEventCreate(&stop));
-    for (bool causal : {true, false}) {
-      const Attributes attrs = normalize_attributes(Op::kAttention, {{"causal", causal}});
-      const std::span<const Tensor> fwd_in(in.data(), 3);
-      auto time_ms = [&](auto&& call) {
-        for (int i = 0; i < 3; ++i) call();
-        const int iters = 20;
-        KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-        for (int i = 0; i < iters; ++i) call();
-        KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-        KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-        float ms = 0.f;
-        KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        return ms / iters;
-      };
-      const double fwd_ms = time_ms([&] {
-        attention_impl(Op::kAttention).kernel(KernelArgs{attrs, fwd_in, out, stream});
-      });
-      // (the last forward call left this mask's out and lse for the backward)
-      const double bwd_ms = time_ms([&] {
-        attention_impl(Op::kAttentionGrad).kernel(KernelArgs{attrs, in, grads, stream});
-      });
-      const double fwd_flops = 4.0 * b * h * t * t * d / (causal ? 2.0 : 1.0);
-      std::printf("  cuda-attention bf16 B=%ld H=%ld T=%ld d=%ld %-10s forward %.3f ms %.1f "
-                  "TFLOP/s, backward %.3f ms %.1f TFLOP/s (2.5x forward FLOPs)\n",
-                  long(b), long(h), long(t), long(d), causal ? "causal" : "non-causal", fwd_ms,
-                  fwd_flops / fwd_ms * 1e-9, bwd_ms, 2.5 * fwd_flops / bwd_ms * 1e-9);
-    }
-    KILN_CUDA_CHECK(cudaEventDestroy(start));
-    KILN_CUDA_CHECK(cudaEventDestroy(stop));
-    KILN_CUDA_CHECK(cudaStreamDestroy(stream));
-    const Tensor host_out = to_host(out[0]);
-    EXPECT_TRUE(std::isfinite(host_out.get(12345)));
   }
 }
 

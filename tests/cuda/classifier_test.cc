@@ -13,8 +13,7 @@
 // (elements that cancel at the label) plus rtol 1e-4 (f32), 2^-7 (bf16: the roundings may land
 // one ulp apart), 2^-9 (f16).
 //
-// DISABLED_Bandwidth (run with --gtest_also_run_disabled_tests) times the kernel at GPT-2 size,
-// B*T = 32768 rows of V = 50304, and the unfused ops it replaces.
+// Its speed at GPT-2 size against the unfused ops it replaces: bench/gpu_memory_bench.cc.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -231,126 +230,6 @@ TEST(ClassifierGpu, LabelOutOfRangeIsADeviceDataError) {
   std::vector<Tensor> got = to_host(device_out);
   EXPECT_TRUE(std::isnan(got[0].get(0)));
   EXPECT_TRUE(std::isnan(got[1].get(2 * 300)));
-}
-
-// ---- benchmark ---------------------------------------------------------------------------
-
-// Milliseconds per call of fn on `stream`, median of 3 batches of 10 after 3 warm-up calls.
-template <typename Fn>
-double time_ms(cudaStream_t stream, Fn&& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int batch = 0; batch < 3; ++batch) {
-    KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-    for (int i = 0; i < 10; ++i) fn();
-    KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-    KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-    float elapsed = 0;
-    KILN_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-    ms.push_back(elapsed / 10.0);
-  }
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[1];
-}
-
-const KernelImpl& op_kernel(Op op, const std::vector<TensorType>& in, const Attributes& attrs) {
-  static std::vector<std::unique_ptr<Node>> nodes;  // kept alive for the NodeView
-  nodes.push_back(std::make_unique<Node>(Node{op, {}, {}, attrs, nullptr}));
-  const std::vector<TensorType> out = infer_types(op, in, attrs);
-  return kernel_registry().select(NodeView{*nodes.back(), in, out}, Device::kCuda, {});
-}
-
-TEST(ClassifierGpu, DISABLED_Bandwidth) {
-  KILN_REQUIRE_GPU();
-  const int64_t rows = 32768, vocab = 50304;
-  cuda::Stream stream_owner;
-  const auto stream = static_cast<cudaStream_t>(stream_owner.handle());
-  std::printf("device: %s\n", cuda::describe_device(0).c_str());
-  const Shape logits_shape = {rows, vocab};
-  Tensor labels = cuda::to_device(random_tensor({DType::kI64, {rows}}, 1, 0, vocab));
-  Tensor dloss = cuda::to_device(testing::make(DType::kF32, {}, {1.0}));
-  Tensor loss = cuda::device_tensor({DType::kF32, {}});
-  for (int variant = 0; variant < 3; ++variant) {
-    // bf16 logits, gradient in place (the form with both casts absorbed), the row kept in
-    // shared memory or read twice; f32 logits with a bf16 gradient (the form when the step also
-    // returns the f32 logits).
-    const DType logits_t = variant < 2 ? DType::kBF16 : DType::kF32;
-    const ScopedRowPath scoped(variant == 0 ? RowPath::kShared : RowPath::kReread);
-    Tensor logits = cuda::device_tensor({logits_t, logits_shape}, /*zero=*/false);
-    {
-      // 16 random rows repeated (the kernel's speed does not depend on the values).
-      std::vector<Tensor> host;
-      for (int k = 0; k < 16; ++k) host.push_back(random_tensor({logits_t, {vocab}}, 2 + k, -6.0, 6.0));
-      for (int64_t r = 0; r < rows; ++r)
-        KILN_CUDA_CHECK(cudaMemcpy(logits.raw() + r * vocab * dtype_size(logits_t),
-                                   host[r % 16].raw(), host[r % 16].bytes(),
-                                   cudaMemcpyHostToDevice));
-    }
-    Tensor grad = logits_t == DType::kBF16 ? logits
-                                           : cuda::device_tensor({DType::kBF16, logits_shape}, false);
-    cuda::classifier::Problem p;
-    p.logits_t = logits_t == DType::kBF16 ? cuda::classifier::Float::kBF16
-                                          : cuda::classifier::Float::kF32;
-    p.logits = logits.raw();
-    p.grad_t = cuda::classifier::Float::kBF16;
-    p.dlogits = grad.raw();
-    p.labels = labels.raw();
-    p.dloss = dloss.data<float>();
-    p.loss = loss.data<float>();
-    p.rows = rows;
-    p.vocab = vocab;
-    const double ms = time_ms(stream, [&] { cuda::classifier::fused_classifier(p, stream); });
-    const double logits_bytes = static_cast<double>(logits.bytes());
-    const double grad_bytes = static_cast<double>(rows * vocab * 2);
-    const cuda::classifier::LaunchInfo info = cuda::classifier::launch_info(p.logits_t, vocab);
-    std::printf(
-        "fused classifier, %s logits -> bf16 grad%s, %lld x %lld: %.3f ms; "
-        "bytes (logits read twice + grad written once) %.2f GB -> %.0f GB/s; "
-        "DRAM bytes if the row is read once %.2f GB -> %.0f GB/s (threads %d, row in shared "
-        "memory: %s)\n",
-        std::string(dtype_name(logits_t)).c_str(), logits_t == DType::kBF16 ? " in place" : "",
-        static_cast<long long>(rows), static_cast<long long>(vocab), ms,
-        (2 * logits_bytes + grad_bytes) / 1e9, (2 * logits_bytes + grad_bytes) / ms / 1e6,
-        (logits_bytes + grad_bytes) / 1e9, (logits_bytes + grad_bytes) / ms / 1e6, info.threads,
-        info.row_in_shared_memory ? "yes" : "no");
-  }
-  cuda::check_device_errors();
-  // The unfused ops it replaces, as the bf16 step runs them today: cast bf16 -> f32,
-  // cross_entropy, cross_entropy_grad (f32), cast f32 -> bf16.
-  {
-    Tensor bf = cuda::device_tensor({DType::kBF16, logits_shape});
-    Tensor f32 = cuda::device_tensor({DType::kF32, logits_shape});
-    Tensor g32 = cuda::device_tensor({DType::kF32, logits_shape});
-    Tensor gbf = cuda::device_tensor({DType::kBF16, logits_shape});
-    const Attributes ce = normalize_attributes(Op::kCrossEntropy, {});
-    const Attributes to_f32 = normalize_attributes(Op::kCast, {{"dtype", DType::kF32}});
-    const Attributes to_bf16 = normalize_attributes(Op::kCast, {{"dtype", DType::kBF16}});
-    const KernelImpl& cast_up = op_kernel(Op::kCast, {bf.type()}, to_f32);
-    const KernelImpl& loss_k = op_kernel(Op::kCrossEntropy, {f32.type(), labels.type()}, ce);
-    const KernelImpl& grad_k =
-        op_kernel(Op::kCrossEntropyGrad, {f32.type(), labels.type(), dloss.type()}, ce);
-    const KernelImpl& cast_down = op_kernel(Op::kCast, {g32.type()}, to_bf16);
-    auto call = [&](const KernelImpl& k, const Attributes& a, std::vector<Tensor> in,
-                    std::vector<Tensor> out) {
-      k.kernel(KernelArgs{a, in, out, stream, nullptr});
-    };
-    const double ms = time_ms(stream, [&] {
-      call(cast_up, to_f32, {bf}, {f32});
-      call(loss_k, ce, {f32, labels}, {loss});
-      call(grad_k, ce, {f32, labels, dloss}, {g32});
-      call(cast_down, to_bf16, {g32}, {gbf});
-    });
-    std::printf("unfused: cast (%s) + cross_entropy (%s) + cross_entropy_grad (%s) + cast (%s): "
-                "%.3f ms\n",
-                cast_up.dialect.c_str(), loss_k.dialect.c_str(), grad_k.dialect.c_str(),
-                cast_down.dialect.c_str(), ms);
-  }
-  cuda::check_device_errors();
 }
 
 }  // namespace

@@ -12,7 +12,7 @@
 // n <= 670) plus one rounding step of the storage type relative to the result (2^-23 f32,
 // 2^-10 f16, 2^-7 bf16: the f32 sum and the f64 sum may round to neighbouring values).
 // Fallbacks (the generic "cuda" dialect chosen) are asserted for what the dialect refuses.
-// DISABLED_ benchmark: GB/s of the generic and the movement kernels at GPT-2 shapes (printed).
+// (GB/s of the generic and the movement kernels at GPT-2 shapes: bench/gpu_memory_bench.cc.)
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -26,7 +26,6 @@
 namespace kiln {
 namespace {
 
-using testing::time_ms;
 
 using testing::rand;
 
@@ -487,88 +486,6 @@ TEST(CudaMovement, SumGpt2ShapesAndDeterminism) {
   const Tensor first = run_movement(Op::kSum, {qkv}, rows)[0];
   const Tensor second = run_movement(Op::kSum, {qkv}, rows)[0];
   expect_same_bits(second, first, "second run of the same sum");
-}
-
-// ---- bandwidth report ------------------------------------------------------------------------
-
-
-// Prints, per op at GPT-2 sizes, the time and GB/s (bytes read + written, over the time) of the
-// generic "cuda" kernel and of "cuda-movement". No assertions: timings depend on the machine.
-TEST(CudaMovementBench, DISABLED_Bandwidth) {
-  KILN_REQUIRE_GPU();
-  cuda::Stream stream_owner;
-  auto stream = static_cast<cudaStream_t>(stream_owner.handle());
-  constexpr int kReps = 20;
-  {
-    const size_t bytes = size_t{1} << 30;
-    auto a = cuda::allocate(bytes), b = cuda::allocate(bytes);
-    const double ms = time_ms(stream, kReps, [&] {
-      KILN_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    });
-    std::printf("[bandwidth] %-52s %8.3f ms %6.0f GB/s\n", "cudaMemcpy 1 GiB (read + write)", ms,
-                2.0 * bytes / (ms * 1e-3) / 1e9);
-  }
-  auto run = [&](Op op, const std::vector<TensorType>& in_types, Attributes attrs,
-                 const std::string& what) {
-    attrs = normalize_attributes(op, std::move(attrs));
-    const auto out_types = infer_types(op, in_types, attrs);
-    double bytes = 0;
-    for (const TensorType& t : in_types) bytes += static_cast<double>(t.bytes());
-    for (const TensorType& t : out_types) bytes += static_cast<double>(t.bytes());
-    std::vector<Tensor> inputs, outputs;
-    for (const TensorType& t : in_types) inputs.push_back(cuda::device_tensor(t, true));
-    for (const TensorType& t : out_types) outputs.push_back(cuda::device_tensor(t, false));
-    double ms[2];
-    const char* dialects[2] = {"cuda", kDialect};
-    for (int k = 0; k < 2; ++k) {
-      const KernelImpl& impl = select_kernel(op, in_types, attrs, {dialects[k]});
-      ms[k] = time_ms(stream, kReps,
-                      [&] { impl.kernel(KernelArgs{attrs, inputs, outputs, stream}); });
-    }
-    std::printf("[bandwidth] %-52s generic %8.3f ms %6.0f GB/s | movement %8.3f ms %6.0f GB/s\n",
-                what.c_str(), ms[0], bytes / (ms[0] * 1e-3) / 1e9, ms[1],
-                bytes / (ms[1] * 1e-3) / 1e9);
-  };
-  const DType bf16 = DType::kBF16, f32 = DType::kF32;
-  run(Op::kTranspose, {{bf16, {32, 1024, 12, 64}}}, ints_attr("perm", {0, 2, 1, 3}),
-      "transpose bf16 (32,1024,12,64) perm 0213");
-  run(Op::kTranspose, {{bf16, {32, 12, 1024, 64}}}, ints_attr("perm", {0, 2, 1, 3}),
-      "transpose bf16 (32,12,1024,64) perm 0213");
-  run(Op::kTranspose, {{f32, {32, 1024, 12, 64}}}, ints_attr("perm", {0, 2, 1, 3}),
-      "transpose f32 (32,1024,12,64) perm 0213");
-  run(Op::kTranspose, {{bf16, {32768, 768}}}, ints_attr("perm", {1, 0}),
-      "transpose bf16 (32768,768) perm 10 (tiled)");
-  run(Op::kTranspose, {{f32, {32768, 768}}}, ints_attr("perm", {1, 0}),
-      "transpose f32 (32768,768) perm 10 (tiled)");
-  run(Op::kCast, {{f32, {32, 1024, 768}}}, Attributes{{"dtype", bf16}},
-      "cast f32->bf16 (32,1024,768)");
-  run(Op::kCast, {{bf16, {32, 1024, 768}}}, Attributes{{"dtype", f32}},
-      "cast bf16->f32 (32,1024,768)");
-  run(Op::kCast, {{f32, {32, 1024, 50304}}}, Attributes{{"dtype", bf16}},
-      "cast f32->bf16 (32,1024,50304)");
-  run(Op::kCast, {{f32, {768, 2304}}}, Attributes{{"dtype", bf16}},
-      "cast f32->bf16 (768,2304) weight");
-  run(Op::kSum, {{f32, {32768, 2304}}}, ints_attr("axes", {0}), "sum f32 (32768,2304) axes [0]");
-  run(Op::kSum, {{f32, {32768, 768}}}, ints_attr("axes", {0}), "sum f32 (32768,768) axes [0]");
-  run(Op::kSum, {{bf16, {32, 1024, 3072}}}, ints_attr("axes", {0, 1}),
-      "sum bf16 (32,1024,3072) axes [0,1]");
-  run(Op::kSum, {{bf16, {32768, 2304}}}, ints_attr("axes", {0}), "sum bf16 (32768,2304) axes [0]");
-  run(Op::kSum, {{f32, {32768, 768}}}, ints_attr("axes", {1}), "sum f32 (32768,768) axes [1]");
-  run(Op::kReshape, {{bf16, {32, 1024, 768}}}, ints_attr("shape", {32768, 768}),
-      "reshape bf16 (32,1024,768)");
-  run(Op::kSplit, {{bf16, {32, 1024, 2304}}},
-      Attributes{{"axis", int64_t{-1}}, {"sizes", std::vector<int64_t>{768, 768, 768}}},
-      "split bf16 (32,1024,2304) -> 3x768");
-  run(Op::kConcat, {{bf16, {32, 1024, 768}}, {bf16, {32, 1024, 768}}, {bf16, {32, 1024, 768}}},
-      Attributes{{"axis", int64_t{-1}}}, "concat bf16 3x(32,1024,768) -> 2304");
-  run(Op::kSlice, {{bf16, {32, 1024, 2304}}},
-      Attributes{{"starts", std::vector<int64_t>{0, 0, 768}},
-                 {"ends", std::vector<int64_t>{32, 1024, 1536}}},
-      "slice bf16 (32,1024,2304)[..., 768:1536]");
-  run(Op::kBroadcastTo, {{bf16, {768}}}, ints_attr("shape", {32, 1024, 768}),
-      "broadcast_to bf16 (768) -> (32,1024,768)");
-  run(Op::kBroadcastTo, {{f32, {32768, 1}}}, ints_attr("shape", {32768, 768}),
-      "broadcast_to f32 (32768,1) -> (32768,768)");
 }
 
 }  // namespace

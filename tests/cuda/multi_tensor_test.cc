@@ -16,9 +16,7 @@
 //   - gpt2-tiny training with --grad-clip on the GPU with and without the pass: every update
 //     still written in place, params within atol 1e-6 / rtol 1e-4 (the norm's f32 rounding may
 //     differ by an ulp from the ungrouped kernels', which moves the clip factor by as much).
-// DISABLED_Gpt2Timing (run with --gtest_also_run_disabled_tests) prints the multi-tensor AdamW
-// over GPT-2's 148 f32 params against the 148 per-param launches, and the same for the norm and
-// for the casts of its 2-D weights and biases to bf16.
+// (Their speed over GPT-2's 148 params against per-param launches: bench/gpu_memory_bench.cc.)
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -36,7 +34,6 @@
 namespace kiln {
 namespace {
 
-using testing::time_ms;
 
 using testing::rand;
 
@@ -401,135 +398,6 @@ TEST(CudaMultiTensor, Gpt2TinyTrainsTheSameWithAndWithoutThePassUnderBf16) {
   // step, and each tensor compared as a whole: |with - without| / |without| (L2) within bf16's
   // rounding, 2^-8, far below what a wrong cast would give (~1).
   expect_each_close_in_l2(with, without, std::ldexp(1.0, -8));
-}
-
-// ---- timing ---------------------------------------------------------------------------------
-
-
-// GPT-2 (124M)'s 148 parameter shapes, in the model's order.
-std::vector<Shape> gpt2_shapes() {
-  const int64_t C = 768, V = 50304, T = 1024;
-  std::vector<Shape> s = {{V, C}, {T, C}};
-  for (int layer = 0; layer < 12; ++layer) {
-    const std::vector<Shape> block = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C}, {C},
-                                      {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
-    s.insert(s.end(), block.begin(), block.end());
-  }
-  s.push_back({C});
-  s.push_back({C});
-  return s;
-}
-
-TEST(CudaMultiTensor, DISABLED_Gpt2Timing) {
-  KILN_REQUIRE_GPU();
-  const std::vector<Shape> shapes = gpt2_shapes();
-  int64_t params = 0;
-  for (const Shape& s : shapes) params += numel(s);
-  const Group g = update_group(Op::kAdamwUpdate, shapes, DType::kF32, 1);
-  const Attributes attrs = kind_attrs("multi-tensor-adamw");
-  const KernelImpl& impl = select_fused(g.body, attrs, "cuda-nn");
-  std::vector<Tensor> inputs;
-  for (const Tensor& t : g.inputs) inputs.push_back(cuda::to_device(t));
-  std::vector<Tensor> outputs = device_outputs(*g.body);
-  cuda::Stream stream;
-  auto s = static_cast<cudaStream_t>(stream.handle());
-  constexpr int kReps = 20;
-  // In place, as in a training step: results over the params and moments.
-  std::vector<Tensor> in_place;
-  for (size_t k = 0; k < shapes.size(); ++k)
-    for (int r = 0; r < 3; ++r) in_place.push_back(inputs[4 * k + (r == 0 ? 0 : 1 + r)]);
-  const double grouped_ms = time_ms(s, kReps, [&] {
-    impl.kernel(KernelArgs{attrs, inputs, in_place, s, g.body.get()});
-  });
-  std::vector<const KernelImpl*> alone;
-  std::vector<std::vector<Tensor>> member_in, member_out;
-  for (size_t k = 0; k < g.body->nodes.size(); ++k) {
-    const Node& member = g.body->nodes[k];
-    std::vector<TensorType> in_types, out_types;
-    member_in.emplace_back();
-    for (ValueId id : member.inputs) {
-      member_in.back().push_back(inputs[static_cast<size_t>(g.body->input_index(id))]);
-      in_types.push_back(g.body->type(id));
-    }
-    for (ValueId id : member.outputs) out_types.push_back(g.body->type(id));
-    alone.push_back(&kernel_registry().select(NodeView{member, in_types, out_types}, Device::kCuda, {"cuda-nn"}));
-    member_out.push_back({in_place[3 * k], in_place[3 * k + 1], in_place[3 * k + 2]});
-  }
-  const double per_param_ms = time_ms(s, kReps, [&] {
-    for (size_t k = 0; k < alone.size(); ++k)
-      alone[k]->kernel(KernelArgs{g.body->nodes[k].attrs, member_in[k], member_out[k], s, nullptr});
-  });
-  const double bytes = 7.0 * 4.0 * static_cast<double>(params);
-  std::printf("[multi-tensor] adamw over GPT-2's %zu f32 params (%lld elements): one multi-tensor "
-              "call %.3f ms (%.0f GB/s), %zu per-param launches %.3f ms (%.0f GB/s)\n",
-              shapes.size(), static_cast<long long>(params), grouped_ms, bytes / grouped_ms / 1e6,
-              shapes.size(), per_param_ms, bytes / per_param_ms / 1e6);
-
-  // The global sum of squares over the same tensors (as grads) against square + sum per
-  // tensor and the chain of adds, each through the kernels the ungrouped step would use.
-  auto body = std::make_shared<Graph>();
-  ValueId total = -1;
-  for (size_t k = 0; k < shapes.size(); ++k) {
-    const ValueId x = body->add_input(fmt::format("g{}", k), {DType::kF32, shapes[k]}, Role::kData);
-    const ValueId term = body->add(Op::kSum, {body->add(Op::kSquare, {x})});
-    total = total < 0 ? term : body->add(Op::kAdd, {total, term});
-  }
-  body->outputs.push_back(total);
-  const Attributes norm_attrs = kind_attrs("global-norm");
-  const KernelImpl& norm = select_fused(body, norm_attrs, "cuda-nn");
-  std::vector<Tensor> grads;
-  for (size_t k = 0; k < shapes.size(); ++k) grads.push_back(inputs[4 * k + 1]);
-  std::vector<Tensor> norm_out = device_outputs(*body);
-  const double norm_ms = time_ms(s, kReps, [&] {
-    norm.kernel(KernelArgs{norm_attrs, grads, norm_out, s, body.get()});
-  });
-  const KernelImpl& body_run = select_fused(body, norm_attrs, "cuda-body");
-  const double unfused_ms = time_ms(s, kReps, [&] {
-    body_run.kernel(KernelArgs{norm_attrs, grads, norm_out, s, body.get()});
-  });
-  std::printf("[multi-tensor] global sum of squares over the same %zu tensors: multi-tensor %.3f ms "
-              "(%.0f GB/s), node by node (cuda-body: %zu squares, sums and %zu adds) %.3f ms\n",
-              shapes.size(), norm_ms, 4.0 * static_cast<double>(params) / norm_ms / 1e6, shapes.size(),
-              shapes.size() - 1, unfused_ms);
-
-  // The casts mixed precision makes: every weight and bias but the LayerNorms' and wpe to bf16.
-  std::vector<Shape> cast_shapes;
-  std::vector<Tensor> cast_in;
-  for (size_t k = 0; k < shapes.size(); ++k) {
-    const bool layer_norm = k >= 2 && k < 2 + 12 * 12 && ((k - 2) % 12 == 0 || (k - 2) % 12 == 1 ||
-                                                          (k - 2) % 12 == 6 || (k - 2) % 12 == 7);
-    if (k == 1 || k >= 2 + 12 * 12 || layer_norm) continue;  // wpe is gathered in f32
-    cast_shapes.push_back(shapes[k]);
-    cast_in.push_back(inputs[4 * k]);
-  }
-  auto cast_body = std::make_shared<Graph>();
-  int64_t cast_elements = 0;
-  for (size_t k = 0; k < cast_shapes.size(); ++k) {
-    const ValueId x = cast_body->add_input(fmt::format("w{}", k), {DType::kF32, cast_shapes[k]}, Role::kData);
-    cast_body->outputs.push_back(cast_body->add(Op::kCast, {x}, {{"dtype", DType::kBF16}}));
-    cast_elements += numel(cast_shapes[k]);
-  }
-  const Attributes cast_attrs = kind_attrs("multi-tensor-cast");
-  const KernelImpl& casts = select_fused(cast_body, cast_attrs, "cuda-nn");
-  std::vector<Tensor> cast_out = device_outputs(*cast_body);
-  const double cast_ms = time_ms(s, kReps, [&] {
-    casts.kernel(KernelArgs{cast_attrs, cast_in, cast_out, s, cast_body.get()});
-  });
-  std::vector<const KernelImpl*> single;
-  for (size_t k = 0; k < cast_shapes.size(); ++k) {
-    const Node& member = cast_body->nodes[k];
-    const std::vector<TensorType> in = {cast_body->type(member.inputs[0])}, out = {cast_body->type(member.outputs[0])};
-    single.push_back(&kernel_registry().select(NodeView{member, in, out}, Device::kCuda, {}));
-  }
-  const double single_ms = time_ms(s, kReps, [&] {
-    for (size_t k = 0; k < single.size(); ++k)
-      single[k]->kernel(KernelArgs{cast_body->nodes[k].attrs, {&cast_in[k], 1}, {&cast_out[k], 1}, s, nullptr});
-  });
-  std::printf("[multi-tensor] cast of GPT-2's %zu weights and biases to bf16 (%lld elements): one "
-              "multi-tensor call %.3f ms (%.0f GB/s), %zu single casts (%s) %.3f ms\n",
-              cast_shapes.size(), static_cast<long long>(cast_elements), cast_ms,
-              6.0 * static_cast<double>(cast_elements) / cast_ms / 1e6, cast_shapes.size(),
-              single.empty() ? "" : single[0]->dialect.c_str(), single_ms);
 }
 
 }  // namespace

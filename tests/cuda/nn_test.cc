@@ -3,8 +3,7 @@
 // (rows that start misaligned, so the scalar head/tail is exercised) and a misaligned view
 // (the scalar fallback). Outputs are poisoned with 0xFF bytes first, so an unwritten element
 // shows as NaN. Data errors (bad gather/scatter_add index, bad label): the documented output
-// and kiln::cuda::check_device_errors() throwing. Plus a bandwidth report at GPT-2 sizes
-// (printed, never asserted).
+// and kiln::cuda::check_device_errors() throwing. (GB/s at GPT-2 sizes: bench/gpu_memory_bench.cc.)
 //
 // Tolerances (max_scaled_error <= 1 with atol, rtol): the kernels compute in f32 and round once
 // to the storage type; the reference computes in f64 and rounds once. So f32: 1e-5/1e-4 (f32
@@ -26,7 +25,6 @@
 namespace kiln {
 namespace {
 
-using testing::time_ms;
 
 using testing::rand;
 
@@ -516,81 +514,6 @@ TEST(CudaNnErrors, OneCheckCoversNnAndGenericKernels) {
                 {}, {}, "cuda");
   EXPECT_KILN_ERROR(cuda::check_device_errors(), "division by zero (8 / 0)");
   EXPECT_NO_THROW(cuda::check_device_errors());
-}
-
-// ---- bandwidth report -----------------------------------------------------------------------
-
-
-// Prints GB/s (bytes each call must move at least, over its time) for the ops at GPT-2 sizes
-// and a device-to-device copy for scale. No assertions: timings depend on the machine.
-TEST(CudaNnBench, Bandwidth) {
-  KILN_REQUIRE_GPU();
-  cuda::Stream stream_owner;
-  auto stream = static_cast<cudaStream_t>(stream_owner.handle());
-  constexpr int kReps = 20;
-  auto report = [](const char* what, double bytes, double ms) {
-    std::printf("[bandwidth] %-44s %8.3f ms  %7.0f GB/s\n", what, ms, bytes / (ms * 1e-3) / 1e9);
-  };
-  {
-    const size_t bytes = size_t{1} << 30;
-    auto a = cuda::allocate(bytes), b = cuda::allocate(bytes);
-    const double ms = time_ms(stream, kReps, [&] {
-      KILN_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    });
-    report("copy 1 GiB (read + write)", 2.0 * bytes, ms);
-  }
-  auto run = [&](Op op, const std::vector<TensorType>& in_types, Attributes attrs, const char* what,
-                 double bytes) {
-    attrs = normalize_attributes(op, std::move(attrs));
-    const auto out_types = infer_types(op, in_types, attrs);
-    Node node{op, {}, {}, attrs, nullptr};
-    const KernelImpl& impl =
-        kernel_registry().select(NodeView{node, in_types, out_types}, Device::kCuda, {"cuda-nn"});
-    std::vector<Tensor> inputs, outputs;
-    uint64_t seed = 200;
-    for (const TensorType& t : in_types) {
-      // Labels/indices: valid values; floats: random. Generated on the host once.
-      Tensor host = is_float(t.dtype) ? rand(t.dtype, t.shape, seed++)
-                                      : rand(t.dtype, t.shape, seed++, 0.0, 700.0);
-      inputs.push_back(cuda::to_device(host));
-    }
-    for (const TensorType& t : out_types) outputs.push_back(cuda::device_tensor(t, false));
-    const double ms = time_ms(stream, kReps, [&] {
-      impl.kernel(KernelArgs{attrs, inputs, outputs, stream});
-    });
-    report(what, bytes, ms);
-  };
-  for (DType d : {DType::kF32, DType::kBF16}) {
-    const double e = static_cast<double>(dtype_size(d));
-    const int64_t rows = 32768, c = 768, v = 50257, ce_rows = 8192;
-    const std::string t(dtype_name(d));
-    run(Op::kLayerNorm, {{d, {rows, c}}, {d, {c}}, {d, {c}}}, {},
-        ("layer_norm 32768x768 " + t).c_str(), 2.0 * rows * c * e);
-    run(Op::kLayerNormGrad, {{d, {rows, c}}, {d, {c}}, {d, {rows, c}}}, {},
-        ("layer_norm_grad 32768x768 " + t).c_str(), 3.0 * rows * c * e);
-    run(Op::kCrossEntropy, {{d, {ce_rows, v}}, {DType::kI64, {ce_rows}}}, {},
-        ("cross_entropy 8192x50257 " + t).c_str(), 1.0 * ce_rows * v * e);
-    run(Op::kCrossEntropyGrad, {{d, {ce_rows, v}}, {DType::kI64, {ce_rows}}, {d, {}}}, {},
-        ("cross_entropy_grad 8192x50257 " + t).c_str(), 2.0 * ce_rows * v * e);
-    run(Op::kSoftmax, {{d, {ce_rows, v}}}, {}, ("softmax 8192x50257 " + t).c_str(),
-        2.0 * ce_rows * v * e);
-    run(Op::kGeluGrad, {{d, {rows, 4 * c}}, {d, {rows, 4 * c}}}, {{"approximate", "tanh"}},
-        ("gelu_grad 32768x3072 " + t).c_str(), 3.0 * rows * 4 * c * e);
-  }
-  const int64_t params = 124'000'000;
-  run(Op::kAdamwUpdate,
-      {{DType::kF32, {params}},
-       {DType::kF32, {params}},
-       {DType::kF32, {params}},
-       {DType::kF32, {params}},
-       {DType::kF32, {}},
-       {DType::kF32, {}}},
-      {}, "adamw_update 124M f32", 7.0 * params * 4);
-  run(Op::kScatterAdd,
-      {{DType::kF32, {50257, 768}}, {DType::kI64, {32768}}, {DType::kF32, {32768, 768}}}, {},
-      "scatter_add 32768 rows into 50257x768 f32", (2.0 * 50257 + 32768) * 768 * 4);
-  run(Op::kGather, {{DType::kF32, {50257, 768}}, {DType::kI64, {32768}}}, {},
-      "gather 32768 rows of 50257x768 f32", 2.0 * 32768 * 768 * 4);
 }
 
 }  // namespace
