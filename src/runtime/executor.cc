@@ -281,8 +281,7 @@ std::vector<std::string> Executor::node_dialects() const {
   return out;
 }
 
-std::vector<Tensor> Executor::output_buffers() const {
-  if (reuse_outputs_) return output_tensors_;
+std::vector<Tensor> Executor::fresh_outputs() const {
   std::vector<Tensor> fresh(output_offsets_.size());
   for (ValueId id : graph_.outputs) {
     Tensor& buffer = fresh[static_cast<size_t>(output_slot_[id])];
@@ -306,7 +305,9 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
                v.name, to_string(v.type), device_name(inputs[i].device()), graph_.name, device_name(options_.device));
     pointers.push_back(inputs[i].raw());
   }
-  const std::vector<Tensor> buffers = output_buffers();
+  std::vector<Tensor> fresh;
+  if (!reuse_outputs_) fresh = fresh_outputs();
+  const std::vector<Tensor>& buffers = reuse_outputs_ ? output_tensors_ : fresh;
   std::vector<Tensor> outputs;
   for (ValueId id : graph_.outputs) outputs.push_back(buffers[static_cast<size_t>(output_slot_[id])]);
   // The run after the first tunes the products (options_.tune_gemms): the first run, and so the

@@ -145,8 +145,8 @@ class Executor {
   void prepare_kernels();
   void plan_with_direct_updates();
   void setup();
-  // The tensors this run's outputs go to, one per distinct graph output (output_slot_).
-  std::vector<Tensor> output_buffers() const;
+  // New buffers for a run's outputs (where they are not reused), one per output slot.
+  std::vector<Tensor> fresh_outputs() const;
   // Enqueues every node's kernel, and the copies of outputs that are inputs and of updates not
   // written in place, on the stream: the one node loop.
   void enqueue(std::span<const Tensor> inputs, std::span<const Tensor> outputs) const;

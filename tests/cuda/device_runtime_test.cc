@@ -79,7 +79,9 @@ TEST(CudaRuntime, KernelsCanTuneAndTracesCanNameNodes) {
   EXPECT_NE(runtime->tune_kernels(), nullptr);
   EXPECT_EQ(runtime->node_marker(), &cuda::set_trace_node);
   EXPECT_EQ(runtime->can_trace(), cuda::kernel_trace_available());
-  if (!runtime->can_trace()) EXPECT_THROW(runtime->create_trace(), Error);
+  if (!runtime->can_trace()) {
+    EXPECT_THROW(runtime->create_trace(), Error);
+  }
 }
 
 TEST(CudaRuntime, MakesItsDeviceCurrentOnAnotherThread) {
