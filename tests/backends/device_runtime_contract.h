@@ -127,12 +127,13 @@ inline void runtime_events(const DeviceRuntime& runtime) {
   EXPECT_GE(end->elapsed_ms_since(*start), 0.0f);
   EXPECT_EQ(end->elapsed_ms_since(*end), 0.0f);
   // A join: `second` copies a -> b only after `first` wrote a.
-  runtime.copy_async(a, random_tensor(host.type(), 52), *first);
+  const Tensor fresh = random_tensor(host.type(), 52);
+  runtime.copy_async(a, fresh, *first);
   ready->record(*first);
   second->wait(*ready);
   runtime.copy_async(b, a, *second);
   second->synchronize();
-  EXPECT_TRUE(same_bytes(runtime.to_host(b), random_tensor(host.type(), 52)));
+  EXPECT_TRUE(same_bytes(runtime.to_host(b), fresh));
   // Without timing, or never recorded: elapsed time is an error, not a number.
   EXPECT_THROW(ready->elapsed_ms_since(*start), Error);
   std::unique_ptr<DeviceEvent> never = runtime.create_event(true);
