@@ -216,8 +216,8 @@ class DeviceRuntime {
 };
 
 // A runtime for `device` (CUDA: the calling thread's current GPU). Throws kiln::Error saying why
-// there is none: "this build has no CUDA backend (configure with -DKILN_CUDA=ON)", or "there is
-// no CUDA device: ...".
+// there is none: "this build has no CUDA backend (configure with -DKILN_CUDA=ON)", or "no CUDA
+// device on this machine".
 std::unique_ptr<DeviceRuntime> device_runtime(Device device);
 
 // What a build and machine offer for `device`, without making a runtime (`kiln version`).
