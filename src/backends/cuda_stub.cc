@@ -2,6 +2,7 @@
 // queries report "no CUDA", everything else throws kiln::Error saying this build has none.
 #ifndef KILN_HAVE_CUDA
 #include "backends/backend.h"
+#include "backends/device_runtime.h"
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
 #include "backends/cuda/kernel_trace.h"
@@ -25,9 +26,6 @@ GemmTuningScope::GemmTuningScope() = default;
 GemmTuningScope::~GemmTuningScope() = default;
 
 MemoryInfo memory_info() { no_cuda(); }
-std::string format_bytes(size_t bytes) {
-  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
-}
 void check_fits(size_t, const std::string&) { no_cuda(); }
 std::shared_ptr<std::byte[]> allocate(size_t, const std::string&) { no_cuda(); }
 size_t allocated_bytes() { return 0; }
@@ -50,10 +48,12 @@ UploadStaging::UploadStaging(int) { no_cuda(); }
 UploadStaging::~UploadStaging() = default;
 void UploadStaging::upload(std::span<const Tensor>, std::span<const Tensor>, void*) { no_cuda(); }
 
-EventTimer::EventTimer(size_t) { no_cuda(); }
-EventTimer::~EventTimer() = default;
-void EventTimer::record(size_t, void*) { no_cuda(); }
-float EventTimer::elapsed_ms(size_t, size_t) const { no_cuda(); }
+Event::Event(bool) { no_cuda(); }
+Event::~Event() = default;
+void Event::record(void*) { no_cuda(); }
+void Event::synchronize() const { no_cuda(); }
+void wait_event(void*, void*) { no_cuda(); }
+float elapsed_ms(void*, void*) { no_cuda(); }
 
 bool kernel_trace_available() { return false; }
 struct KernelTrace::State {};
@@ -72,5 +72,6 @@ void CapturedGraph::launch(void*) const { no_cuda(); }
 
 namespace kiln {
 void register_cuda_kernels(KernelRegistry&) {}
+std::unique_ptr<DeviceRuntime> make_cuda_runtime() { cuda::no_cuda(); }
 }  // namespace kiln
 #endif

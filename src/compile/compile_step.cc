@@ -43,7 +43,7 @@ CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
   if (!options.bind_kernels) return step;
 
   ExecutorOptions executor = options.executor;
-  if (options.inputs_allocated_after && executor.device == Device::kCuda) {
+  if (options.inputs_allocated_after) {
     const Graph& g = step.program.graph;
     for (const GraphInput& in : g.inputs) executor.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
   }
@@ -51,7 +51,7 @@ CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
   const Executor::BuildTimes& t = step.executor->build_times();
   step.phase_seconds.emplace_back("kernel choice", t.select_s);
   step.phase_seconds.emplace_back("kernels prepared", t.prepare_s);
-  if (executor.device == Device::kCuda) step.phase_seconds.emplace_back("memory plan", t.setup_s);
+  step.phase_seconds.emplace_back("memory plan", t.setup_s);
   return step;
 }
 

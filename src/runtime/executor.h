@@ -4,9 +4,8 @@
 // Memory: by default the graph's intermediates (every node output that is not a graph output,
 // update values included) live in ONE arena allocated at construction and reused by every run,
 // at the offsets computed by plan_memory() (analysis/memory_plan.h); a kernel gets Tensor views
-// of it. Graph outputs get their own buffers each run, so callers may keep them. With
-// ExecutorOptions::plan_memory off, each value gets a fresh buffer when produced and is released
-// after its last use (the simple allocator: what the plan is tested against).
+// of it. Graph outputs live outside it (see Outputs below). With ExecutorOptions::plan_memory
+// off, every value gets its own bytes (the simple allocator: what the plan is tested against).
 //
 // Views: with the plan on, a reshape or contiguous slice the plan makes a view (memory_plan.h:
 // not a graph output nor an update value) runs no kernel: its output is a Tensor of its input's
@@ -15,35 +14,42 @@
 // or output's). With the plan off, every reshape and slice runs its copy kernel (the oracle
 // again).
 //
-// On CUDA (ExecutorOptions::device == Device::kCuda):
-// - Every node gets a kernel registered for Device::kCuda; a node without one is an error at
+// Devices: the executor reaches its device only through a DeviceRuntime
+// (backends/device_runtime.h), and runs ONE node loop for every device; what differs comes from
+// the runtime (and from the kernels, which enqueue on the stream they are given).
+// - Every node gets a kernel registered for options.device; a node without one is an error at
 //   construction naming the node, its op and its input types.
-// - ONE device allocation holds the planned arena and the graph outputs. Before allocating,
-//   the executor checks the device's free memory for it plus options.device_bytes_to_come (the
-//   caller's inputs still to be uploaded) and throws "needs X GiB ..., Y GiB free on <device>".
-//   With plan_memory off, every arena value gets its own bytes in that allocation (no reuse):
-//   the oracle for the plan, as on the CPU.
-// - Inputs must be device tensors. run() only enqueues work on the executor's stream (every
-//   kernel gets it as KernelArgs::stream) and returns without waiting for the device: the
-//   caller synchronizes (synchronize(), or cuda::to_host, which waits) before reading.
-// - Outputs are device tensors that the executor owns and REUSES: the next run() overwrites
-//   them (on the stream, so a copy enqueued on the same stream in between sees this run's
-//   values). Copy them out before running again if they must be kept.
+// - ONE allocation (DeviceRuntime::allocate) holds the planned arena and, on a device other
+//   than the CPU, the graph outputs. Before allocating, the executor checks the device's free
+//   memory for it plus options.device_bytes_to_come (the caller's inputs still to be uploaded)
+//   and throws "needs X GiB ..., Y GiB free on <device>". With plan_memory off, every arena
+//   value gets its own bytes in that allocation (no reuse, no views, every update copied at the
+//   end): the oracle the plan is tested against.
+// - Inputs must be tensors of options.device (DeviceRuntime::to_device uploads host tensors).
+//   run() only enqueues work on the executor's stream (every kernel gets it as
+//   KernelArgs::stream) and returns without waiting for the device: the caller synchronizes
+//   (synchronize(), or DeviceRuntime::to_host, which waits) before reading. On the CPU the work
+//   is done when run() returns.
+// - Outputs: on the CPU, fresh buffers each run, so callers may keep them. On a device, buffers
+//   the executor owns and REUSES (an allocation inside a step would cost time and break graph
+//   replay): the next run() overwrites them (on the stream, so a copy enqueued on the same
+//   stream in between sees this run's values). Copy them out before running again if they must
+//   be kept.
 // - Updates: where legal, the node that computes a new param/state value writes it straight
-//   into the input's device storage (nothing later reads the old value, and the node either
-//   does not read the old value or its kernel is in_place_ok); otherwise a device-to-device
-//   copy at the end of the run.
-// - CUDA graphs (options.cuda_graphs, on by default): the first run with a set of input device
-//   pointers runs the kernels directly (a warm-up: kernels may allocate workspaces or pick
-//   algorithms on first use); the next (after the tuning run, options.tune_gemms, if the graph
-//   has cuBLASLt products) captures the whole run into a CUDA graph and launches it; later runs
-//   with the same input pointers replay it (one launch per step). Input pointers that change
-//   trigger a new capture. Off: every run launches every kernel (for
-//   debugging, and the oracle of the replay tests).
+//   into the input's storage (nothing later reads the old value, and the node either does not
+//   read the old value or its kernel is in_place_ok); otherwise a copy at the end of the run.
+// - Graph capture (options.cuda_graphs, on by default, where the runtime can capture: CUDA):
+//   the first run with a set of input pointers runs the kernels directly (a warm-up: kernels
+//   may allocate workspaces or pick algorithms on first use); the next (after the tuning run,
+//   options.tune_gemms, if the graph has cuBLASLt products) captures the whole run into a CUDA
+//   graph and launches it; later runs with the same input pointers replay it (one launch per
+//   step). Input pointers that change trigger a new capture. Off: every run launches every
+//   kernel (for debugging, and the oracle of the replay tests).
 // - Profiling (options.profile): every run launches every kernel (no capture), with a timing
 //   event recorded before and after each node's kernel (events created once, at construction,
-//   and reused); profile() reads the last run's per-node times (a view node, reshape or slice:
-//   0 ms, dialect "view", no events). Off (the default), runs record no events at all.
+//   and reused; on the CPU they read the host's clock); profile() reads the last run's per-node
+//   times (a view node, reshape or slice: 0 ms, dialect "view", no events). Off (the default),
+//   runs record no events at all.
 #pragma once
 
 #include <memory>
@@ -52,7 +58,7 @@
 
 #include "analysis/memory_plan.h"
 #include "backends/backend.h"
-#include "backends/cuda/memory.h"
+#include "backends/device_runtime.h"
 #include "ir/graph.h"
 #include "runtime/profile.h"
 #include "tensor/tensor.h"
@@ -67,16 +73,18 @@ struct ExecutorOptions {
   // output before writing it, or a plan that lets two live values share bytes, shows up in
   // tests instead of hiding behind zeroed memory.
   bool poison_arena = false;
-  // CUDA only (see above).
+  // Capture runs into a CUDA graph and replay it (see above); ignored where the runtime cannot
+  // capture (the CPU).
   bool cuda_graphs = true;
-  // The cudaStream_t to enqueue on; nullptr: the executor creates and owns a stream.
-  void* stream = nullptr;
+  // The stream to enqueue on, of options.device's runtime (borrowed: it must outlive the
+  // executor); nullptr: the executor creates and owns one.
+  const DeviceStream* stream = nullptr;
   // Device bytes the caller will still allocate for this graph's inputs (params, state, batch):
   // checked together with the arena so that an out-of-memory error names the whole need.
   size_t device_bytes_to_come = 0;
-  // CUDA only: time every node's kernel with events; no CUDA-graph capture (see above).
+  // Time every node's kernel with events; no CUDA-graph capture (see above).
   bool profile = false;
-  // CUDA only: the second run of a graph with cuBLASLt products (matmuls, GEMM groups) chooses
+  // Where kernels tune (CUDA): the second run of a graph with cuBLASLt products (matmuls, GEMM groups) chooses
   // each product's algorithm by timing the heuristic's candidates (cuda::GemmTuningScope; the
   // winners are cached for the process), outside any capture: the first run keeps the heuristic's
   // first choices, so the first step is not held up, and graph capture moves to the third run.
@@ -97,27 +105,28 @@ class Executor {
 
   // Runs the graph. `inputs` are in the order of graph.inputs and must match their types (and
   // be on options.device). Graph updates are written into the storage of the corresponding
-  // input tensors. Not safe to call concurrently on one Executor: runs share its arena. On
-  // CUDA it returns before the device finishes (see above).
+  // input tensors. Not safe to call concurrently on one Executor: runs share its arena. It may
+  // return before the device finishes (see above).
   std::vector<Tensor> run(std::span<const Tensor> inputs) const;
 
-  // CUDA: the stream runs are enqueued on (a cudaStream_t), and a wait for it that then throws
-  // the first data error a kernel recorded (cuda::check_device_errors). nullptr / no-op on the
-  // CPU.
-  void* stream() const { return stream_; }
+  // The runtime of options.device, and the stream runs are enqueued on.
+  const DeviceRuntime& runtime() const { return *runtime_; }
+  const DeviceStream& stream() const { return *stream_; }
+  // Waits for the runs enqueued so far, then throws the first data error a kernel recorded
+  // (DeviceRuntime::check_kernel_errors).
   void synchronize() const;
-  // CUDA: bytes of the one device allocation (arena + outputs); 0 on the CPU.
+  // Bytes of the one allocation (arena, and outputs where they are reused).
   size_t device_bytes() const { return device_bytes_; }
-  // CUDA: how many runs replayed a captured graph, and how many captures were made.
+  // How many runs replayed a captured graph, and how many captures were made.
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graph_captures() const { return graph_captures_; }
-  // CUDA: updates written in place by their node (the rest are copied at the end of a run).
+  // Updates written in place by their node (the rest are copied at the end of a run).
   size_t direct_update_count() const { return direct_update_count_; }
-  // CUDA with options.profile: waits for the last run, then returns one timing per node, in
-  // node order. Throws kiln::Error without options.profile or before the first run.
+  // With options.profile: waits for the last run, then returns one timing per node, in node
+  // order. Throws kiln::Error without options.profile or before the first run.
   std::vector<NodeTiming> profile() const;
   // Seconds the constructor spent choosing kernels, preparing them (compiles, cuDNN plans; on
-  // threads) and, on CUDA, planning memory and allocating the arena.
+  // threads) and planning memory and allocating the arena.
   struct BuildTimes {
     double select_s = 0, prepare_s = 0, setup_s = 0;
   };
@@ -133,19 +142,14 @@ class Executor {
   const MemoryPlan* memory_plan() const { return options_.plan_memory ? &plan_ : nullptr; }
 
  private:
-  Graph graph_;
-  ExecutorOptions options_;
-  std::vector<const KernelImpl*> kernels_;
-  std::vector<int> last_use_;  // per value: index of the last node reading it (-1: none)
-  MemoryPlan plan_;
-  std::shared_ptr<std::byte[]> arena_;
-
-  // CUDA state.
-  std::vector<Tensor> run_cuda(std::span<const Tensor> inputs) const;
-  void enqueue_cuda(std::span<const Tensor> inputs) const;
-  void setup_cuda();
   void prepare_kernels();
   void plan_with_direct_updates();
+  void setup();
+  // New buffers for a run's outputs (where they are not reused), one per output slot.
+  std::vector<Tensor> fresh_outputs() const;
+  // Enqueues every node's kernel, and the copies of outputs that are inputs and of updates not
+  // written in place, on the stream: the one node loop.
+  void enqueue(std::span<const Tensor> inputs, std::span<const Tensor> outputs) const;
   // Whether node n is a reshape or slice planned as a view (memory_plan.h): no kernel runs for it.
   bool is_view_node(size_t n) const {
     const Node& node = graph_.nodes[n];
@@ -156,15 +160,30 @@ class Executor {
   Tensor view_of(const Tensor& input, ValueId out) const {
     return input.viewed(graph_.type(out), static_cast<size_t>(plan_.view_offsets[static_cast<size_t>(out)]));
   }
-  std::unique_ptr<cuda::Stream> owned_stream_;
-  void* stream_ = nullptr;
+
+  Graph graph_;
+  ExecutorOptions options_;
+  std::unique_ptr<DeviceRuntime> runtime_;
+  // The compute stream every kernel enqueues on: options.stream, or owned_stream_. (Collectives
+  // will enqueue on a communication stream of their own, DeviceRuntime::create_stream, joined
+  // to this one by events: DeviceStream::wait.)
+  std::unique_ptr<DeviceStream> owned_stream_;
+  const DeviceStream* stream_ = nullptr;
+  void* stream_handle_ = nullptr;              // stream_->handle(), as KernelArgs::stream
+  DeviceRuntime::NodeMarker mark_node_ = nullptr;  // names each node's kernels for device traces
+  std::vector<const KernelImpl*> kernels_;
+  std::vector<int> last_use_;  // per value: index of the last node reading it (-1: none)
+  MemoryPlan plan_;
+  std::shared_ptr<std::byte[]> arena_;  // the one allocation: arena, then reused outputs
   size_t device_bytes_ = 0;
-  std::vector<Tensor> output_tensors_;   // per graph output: its device buffer (reused)
-  std::vector<int> output_slot_;         // per value: index into output_tensors_, or -1
+  bool reuse_outputs_ = false;           // outputs live in arena_ (a device) or are fresh (the CPU)
+  std::vector<Tensor> output_tensors_;   // reuse_outputs_: per output slot, its buffer
+  std::vector<size_t> output_offsets_;   // per output slot: its offset in arena_ (reuse_outputs_)
+  std::vector<int> output_slot_;         // per value: index of its output slot, or -1
   std::vector<int> direct_update_input_; // per value: the graph input it is written into, or -1
   std::vector<bool> copied_update_;      // per update: copied at the end of the run
   size_t direct_update_count_ = 0;
-  mutable cuda::CapturedGraph captured_;
+  std::unique_ptr<DeviceGraph> captured_;  // nullptr: runs are not captured
   mutable std::vector<const std::byte*> captured_pointers_;
   mutable bool warmed_up_ = false;
   bool has_gemm_ = false;      // some node runs a cuBLASLt product
@@ -172,7 +191,8 @@ class Executor {
   mutable int64_t graph_replays_ = 0;
   mutable int64_t graph_captures_ = 0;
   BuildTimes build_times_;
-  std::unique_ptr<cuda::EventTimer> timer_;  // options.profile: events 2n, 2n+1 around node n
+  // options.profile: events 2n and 2n+1 around node n's kernel.
+  std::vector<std::unique_ptr<DeviceEvent>> timing_events_;
   mutable bool profiled_run_ = false;
 };
 

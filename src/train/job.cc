@@ -11,9 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/kernel_trace.h"
-#include "backends/cuda/memory.h"
+#include "backends/device_runtime.h"
 #include "models/models.h"
 #include "runtime/profile.h"
 #include "support/error.h"
@@ -28,6 +26,16 @@ namespace {
 
 
 bool is_language_model(const std::string& model) { return model.rfind("gpt2", 0) == 0; }
+
+// The runtime of `--device`, or an error saying why there is none.
+std::unique_ptr<DeviceRuntime> runtime_of(const std::string& device) {
+  KILN_CHECK(device == "cpu" || device == "cuda", "unknown device '{}' (expected cpu or cuda)", device);
+  try {
+    return device_runtime(device == "cuda" ? Device::kCuda : Device::kCpu);
+  } catch (const Error& e) {
+    fail("--device {}: {}", device, e.what());
+  }
+}
 
 // The task: how to make batch `step`, how to evaluate, what the model is.
 struct Task {
@@ -138,12 +146,8 @@ std::string format_duration(double seconds) {
 }  // namespace
 
 JobResult run_training_job(const JobOptions& o) {
-  KILN_CHECK(o.device == "cpu" || o.device == "cuda", "unknown device '{}' (expected cpu or cuda)", o.device);
-  const bool on_cuda = o.device == "cuda";
-  if (on_cuda) {
-    KILN_CHECK(cuda::built_with_cuda(), "--device cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
-    KILN_CHECK(cuda::device_count() > 0, "--device cuda: no CUDA device on this machine ({})", cuda::describe_device(0));
-  }
+  const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
+  const bool on_cuda = runtime->device() == Device::kCuda;
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
   KILN_CHECK(o.batch > 0, "--batch must be > 0, got {}", o.batch);
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
@@ -153,7 +157,7 @@ JobResult run_training_job(const JobOptions& o) {
   Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
 
   ExecutorOptions executor_options;
-  executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
+  executor_options.device = runtime->device();
   Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes);
   std::string checkpoint = o.checkpoint_dir.empty() ? "" : (std::filesystem::path(o.checkpoint_dir) / "last.safetensors").string();
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
@@ -178,9 +182,8 @@ JobResult run_training_job(const JobOptions& o) {
              o.batch, o.optimizer.name, o.optimizer.lr, o.seed, o.device,
              trainer.steps_done() > 0 ? fmt::format(", resumed at step {}", trainer.steps_done()) : "");
   if (on_cuda)
-    fmt::print(o.out, "  {}: params and state {}, step arena and outputs {}\n", cuda::describe_device(0),
-               cuda::format_bytes(trainer.param_and_state_bytes()),
-               cuda::format_bytes(trainer.step_executor().device_bytes()));
+    fmt::print(o.out, "  {}: params and state {}, step arena and outputs {}\n", runtime->name(),
+               format_bytes(trainer.param_and_state_bytes()), format_bytes(trainer.step_executor().device_bytes()));
   std::fflush(o.out);
 
   const int64_t first = trainer.steps_done();
@@ -295,17 +298,13 @@ double device_peak_flops(const std::string& name, const std::string& amp, std::s
 
 BenchResult run_benchmark(const BenchOptions& o) {
   const double entered_s = seconds_since_process_start();
-  KILN_CHECK(o.device == "cpu" || o.device == "cuda", "unknown device '{}' (expected cpu or cuda)", o.device);
-  const bool on_cuda = o.device == "cuda";
-  if (on_cuda) {
-    KILN_CHECK(cuda::built_with_cuda(), "--device cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
-    KILN_CHECK(cuda::device_count() > 0, "--device cuda: no CUDA device on this machine ({})", cuda::describe_device(0));
-  }
+  const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
+  const bool on_cuda = runtime->device() == Device::kCuda;
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
              "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
   KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
   KILN_CHECK(o.timeline_path.empty() || on_cuda, "--timeline needs --device cuda (it traces the GPU's work)");
-  KILN_CHECK(o.timeline_path.empty() || cuda::kernel_trace_available(),
+  KILN_CHECK(o.timeline_path.empty() || runtime->can_trace(),
              "--timeline: this build cannot trace (no CUPTI at configure time); --profile times kernels without it");
   KILN_CHECK(o.timeline_path.empty() || o.cuda_graphs,
              "--timeline traces graph-replayed steps: drop --no-cuda-graphs (--profile times kernels without graphs)");
@@ -348,7 +347,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   config.lr = 1e-4;
   validate(config);
   ExecutorOptions executor_options;
-  executor_options.device = on_cuda ? Device::kCuda : Device::kCpu;
+  executor_options.device = runtime->device();
   executor_options.cuda_graphs = o.cuda_graphs;
   executor_options.tune_gemms = o.tune_gemms;
   // The profiling and tracing trainers (--profile, --timeline) need the initial params again:
@@ -357,8 +356,8 @@ BenchResult run_benchmark(const BenchOptions& o) {
   if (!o.profile_path.empty() || !o.timeline_path.empty())
     for (const Tensor& t : init) again_init.push_back(t.clone());
   const double context_from_s = seconds_since_process_start();
-  size_t free_before = on_cuda ? cuda::memory_info().free_bytes : 0;  // the first call: CUDA's context
-  if (on_cuda) cuda::reset_peak_allocated_bytes();
+  size_t free_before = on_cuda ? runtime->memory_info().free_bytes : 0;  // the first call: CUDA's context
+  runtime->reset_peak_allocated_bytes();
   r.setup_s = seconds_since_process_start();
   r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
@@ -391,13 +390,13 @@ BenchResult run_benchmark(const BenchOptions& o) {
   r.median_ms = median_of(ms);
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.median_ms / 1e3);
   if (on_cuda) {
-    r.device_name = cuda::describe_device(0);
+    r.device_name = runtime->name();
     r.peak_flops = o.peak_flops > 0 ? o.peak_flops : device_peak_flops(r.device_name, o.amp, &r.peak_note);
     if (o.peak_flops > 0) r.peak_note = fmt::format("given peak {:.1f} TFLOP/s", o.peak_flops / 1e12);
     r.param_state_bytes = trainer.param_and_state_bytes();
     r.arena_bytes = trainer.step_executor().device_bytes();
-    r.kiln_peak_bytes = cuda::peak_allocated_bytes();
-    size_t free_after = cuda::memory_info().free_bytes;
+    r.kiln_peak_bytes = runtime->peak_allocated_bytes();
+    size_t free_after = runtime->memory_info().free_bytes;
     r.device_used_delta_bytes = free_before > free_after ? free_before - free_after : 0;
     r.graph_replays = trainer.step_executor().graph_replays();
     r.updates_in_place = trainer.step_executor().direct_update_count();
@@ -419,14 +418,14 @@ BenchResult run_benchmark(const BenchOptions& o) {
   };
   if (!o.timeline_path.empty()) {
     // The trace exists before the trainer so that its graph's capture names every kernel's node.
-    cuda::KernelTrace trace;
+    const std::unique_ptr<DeviceTrace> trace = runtime->create_trace();
     std::unique_ptr<Trainer> traced = another_trainer(executor_options);
     for (int i = 0; i < 4; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);  // run, tune, capture, replay
     traced->synchronize();
-    trace.start();
+    trace->start();
     for (int64_t i = 0; i < o.timeline_steps; ++i) traced->step(batches[static_cast<size_t>(i % 2)]);
     traced->synchronize();
-    std::vector<std::vector<TraceEvent>> steps = split_steps(trace.stop());
+    std::vector<std::vector<TraceEvent>> steps = split_steps(trace->stop());
     const std::vector<NodeTiming> labels = traced->step_executor().node_labels();
     write_timeline_trace(steps, labels, o.timeline_path);
     if (o.out) {
@@ -463,11 +462,11 @@ BenchResult run_benchmark(const BenchOptions& o) {
                  r.kernels_per_step, r.graph_replays, r.updates_in_place, r.updates);
     if (on_cuda)
       fmt::print(o.out, "  device memory    kiln peak {} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
-                 cuda::format_bytes(r.kiln_peak_bytes), cuda::format_bytes(r.param_state_bytes),
-                 cuda::format_bytes(r.arena_bytes), cuda::format_bytes(r.device_used_delta_bytes));
+                 format_bytes(r.kiln_peak_bytes), format_bytes(r.param_state_bytes),
+                 format_bytes(r.arena_bytes), format_bytes(r.device_used_delta_bytes));
     if (o.passes.memory_budget)
       fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
-                 cuda::format_bytes(*o.passes.memory_budget));
+                 format_bytes(*o.passes.memory_budget));
     fmt::print(o.out,
                "  first step       {:.2f} s after process start (setup {:.2f} s, trainer build {:.2f} s, "
                "first step {:.2f} s)\n",

@@ -69,10 +69,11 @@ struct BenchOptions {
   // (so that the JSON line stays last), and a Chrome trace-event JSON of the step to this path.
   std::string profile_path;
   // cuda only (a build with CUPTI); "" = none. After the timed steps (and before --profile's), a
-  // trainer built while a cuda::KernelTrace exists runs 4 untraced steps (run, tune, capture,
-  // replay), then `timeline_steps` graph-replayed steps back to back, traced: the step's span, busy and
-  // idle times, its largest gaps and a per-node table (timeline_report) go to `out`, and a
-  // Chrome trace-event JSON of the traced steps on the device's clock to this path.
+  // trainer built while a device trace (DeviceRuntime::create_trace) exists runs 4 untraced
+  // steps (run, tune, capture, replay), then `timeline_steps` graph-replayed steps back to back,
+  // traced: the step's span, busy and idle times, its largest gaps and a per-node table
+  // (timeline_report) go to `out`, and a Chrome trace-event JSON of the traced steps on the
+  // device's clock to this path.
   std::string timeline_path;
   int64_t timeline_steps = 10;
 };
@@ -97,8 +98,9 @@ struct BenchResult {
   std::vector<std::pair<std::string, double>> setup_parts, build_parts;
   double final_loss = 0;
   // CUDA memory: what kiln allocated (params + state, the step's arena and outputs, anything
-  // else through cuda::allocate such as kernel workspaces), its peak, and cudaMemGetInfo's
-  // used-bytes growth from before the trainer to after the timed steps.
+  // else through DeviceRuntime::allocate such as kernel workspaces), its peak, and the growth of
+  // the device's used bytes (DeviceRuntime::memory_info) from before the trainer to after the
+  // timed steps.
   size_t param_state_bytes = 0;
   size_t arena_bytes = 0;
   size_t kiln_peak_bytes = 0;

@@ -1,9 +1,6 @@
 #include "train/trainer.h"
-#include <cstring>
 #include <utility>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/device_errors.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #include "train/checkpoint/safetensors.h"
@@ -14,20 +11,20 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
                  ExecutorOptions executor_options, PassOptions pass_options)
     : config_(std::move(config)), forward_(forward), executor_options_(std::move(executor_options)),
       pass_options_(std::move(pass_options)) {
-  const bool on_cuda = executor_options_.device == Device::kCuda;
-  if (on_cuda) {
-    // One stream for steps, evaluation and copies.
-    KILN_CHECK(cuda::built_with_cuda(), "a trainer on cuda: this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
-    KILN_CHECK(cuda::device_count() > 0, "a trainer on cuda: no CUDA device ({})", cuda::describe_device(0));
-    stream_ = std::make_unique<cuda::Stream>();
-    executor_options_.stream = stream_->handle();
+  try {
+    runtime_ = device_runtime(executor_options_.device);
+  } catch (const Error& e) {
+    fail("a trainer on {}: {}", device_name(executor_options_.device), e.what());
   }
+  // One stream for steps, evaluation and copies.
+  stream_ = runtime_->create_stream();
+  executor_options_.stream = stream_.get();
   CompileOptions options;
   options.optimizer = config_;
   options.passes = pass_options_;
   options.executor = executor_options_;
-  // CUDA: the executor checks that its arena and every input (uploaded below) fit before
-  // anything is allocated.
+  // The executor checks that its arena and every input (uploaded below) fit before anything is
+  // allocated.
   options.inputs_allocated_after = true;
   step_ = compile_step(forward, options);
   build_seconds_ = step_.phase_seconds;
@@ -40,34 +37,29 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     const Value& v = g.value(g.inputs[program.param_inputs[i]].value);
     KILN_CHECK(params[i].type() == v.type, "param '{}' must be {}, got {}", v.name, to_string(v.type),
                to_string(params[i].type()));
-    // The trainer owns its params: a copy (on CUDA the upload below is that copy).
-    inputs_[program.param_inputs[i]] = on_cuda ? params[i] : params[i].clone();
+    inputs_[program.param_inputs[i]] = params[i];  // host; the upload below is the trainer's own copy
   }
   for (int i : program.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
     auto initial = program.state_initial_values.find(v.name);
     // Zeros (AdamW's moments: twice the params' bytes) are made on the device, not uploaded.
-    if (initial == program.state_initial_values.end() && on_cuda) continue;
-    inputs_[i] = Tensor(v.type);  // zeros, unless the program says otherwise (amp.scale)
-    if (initial != program.state_initial_values.end())
-      for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
+    if (initial == program.state_initial_values.end()) continue;
+    inputs_[i] = Tensor(v.type);
+    for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
   }
-  if (!on_cuda) return;
   Stopwatch phase;
   for (size_t i = 0; i < inputs_.size(); ++i) {
-    if (inputs_[i].defined()) inputs_[i] = cuda::to_device(inputs_[i]);  // params and state
-    else inputs_[i] = cuda::device_tensor(g.type(g.inputs[i].value));     // zero state, data and lr buffers
+    if (inputs_[i].defined()) inputs_[i] = runtime_->to_device(inputs_[i]);  // params and state
+    else inputs_[i] = runtime_->device_tensor(g.type(g.inputs[i].value));    // zero state, data and lr buffers
   }
   build_seconds_.emplace_back("upload", phase.lap());
-  staging_ = std::make_unique<cuda::UploadStaging>(2);
+  uploader_ = runtime_->create_uploader(2);
   loss_type_ = g.type(g.outputs.at(0));
   KILN_CHECK(loss_type_.bytes() <= 8, "the loss must be a scalar, got {}", to_string(loss_type_));
-  loss_slots_ = cuda::allocate_pinned(8 * kLossSlots);
+  loss_slots_ = runtime_->pinned_tensor(TensorType{DType::kU8, {8 * kLossSlots}});
 }
 
-Tensor Trainer::loss_slot(int64_t k) const {
-  return Tensor(loss_type_, loss_slots_, static_cast<size_t>(8 * k), Device::kCpu);
-}
+Tensor Trainer::loss_slot(int64_t k) const { return loss_slots_.viewed(loss_type_, static_cast<size_t>(8 * k)); }
 
 Trainer::~Trainer() {
   // Copies still queued read the pinned slots and staging that go with us.
@@ -80,9 +72,8 @@ Trainer::~Trainer() {
 }
 
 void Trainer::synchronize() const {
-  if (!stream_) return;
   stream_->synchronize();
-  cuda::check_device_errors();  // a kernel's data error (a label out of range, ...) surfaces here
+  runtime_->check_kernel_errors();  // a kernel's data error (a label out of range, ...) surfaces here
 }
 
 const Executor& Trainer::eval_executor() const {
@@ -111,33 +102,24 @@ std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
   }
   Tensor lr(TensorType{DType::kF32, {}});
   lr.set(0, current_lr());
-  if (!stream_) {
-    for (size_t i = 0; i < data.size(); ++i) inputs_[step_.program.data_inputs[i]] = data[i];
-    inputs_[step_.program.lr_input] = lr;
-    std::vector<Tensor> outputs = step_.executor->run(inputs_);
-    for (int i : step_.program.data_inputs) inputs_[i] = Tensor();  // do not keep the batch alive
-    losses_.push_back(outputs[0].get(0));
-    ++steps_done_;
-    return outputs;
-  }
   std::vector<Tensor> hosts = data, devices;
   hosts.push_back(lr);
   for (int i : step_.program.data_inputs) devices.push_back(inputs_[i]);
   devices.push_back(inputs_[step_.program.lr_input]);
-  staging_->upload(hosts, devices, stream_->handle());
+  uploader_->upload(hosts, devices, *stream_);
   std::vector<Tensor> outputs = step_.executor->run(inputs_);
   if (pending_losses_ == kLossSlots) {
     // Nobody read for kLossSlots steps: one wait to free the slots.
     std::vector<double> taken = take_losses();
     losses_.insert(losses_.begin(), taken.begin(), taken.end());
   }
-  cuda::copy_async(loss_slot(pending_losses_++), outputs[0], stream_->handle());
+  runtime_->copy_async(loss_slot(pending_losses_++), outputs[0], *stream_);
   ++steps_done_;
   return outputs;
 }
 
 std::vector<double> Trainer::take_losses() {
-  if (stream_ && pending_losses_ > 0) {
+  if (pending_losses_ > 0) {
     synchronize();
     for (int64_t k = 0; k < pending_losses_; ++k) losses_.push_back(loss_slot(k).get(0));
     pending_losses_ = 0;
@@ -151,28 +133,22 @@ std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
   for (size_t i = 0; i < forward_.inputs.size(); ++i) {
     if (forward_.inputs[i].role == Role::kData) {
       KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", step_.program.data_inputs.size(), data.size());
-      if (stream_) {
-        // The step's data buffers have the same types: the copy is ordered after the steps
-        // that read them, on the one stream.
-        const Tensor& device = inputs_[step_.program.data_inputs[d]];
-        KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}",
-                   d, to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
-        staging_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), stream_->handle());
-        inputs.push_back(device);
-        ++d;
-      } else {
-        inputs.push_back(data[d++]);
-      }
+      // The step's data buffers have the same types: the copy is ordered after the steps that
+      // read them, on the one stream.
+      const Tensor& device = inputs_[step_.program.data_inputs[d]];
+      KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}", d,
+                 to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
+      uploader_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), *stream_);
+      inputs.push_back(device);
+      ++d;
     } else {
       inputs.push_back(inputs_[i]);  // forward inputs come first in the training graph
     }
   }
   KILN_CHECK(d == data.size(), "evaluate takes {} data tensors, {} given", d, data.size());
   std::vector<Tensor> outputs = eval_executor().run(inputs);
-  if (stream_) {
-    for (Tensor& t : outputs) t = cuda::to_host(t);
-    cuda::check_device_errors();
-  }
+  synchronize();
+  for (Tensor& t : outputs) t = runtime_->to_host(t);
   return outputs;
 }
 
@@ -186,8 +162,7 @@ std::map<std::string, Tensor> Trainer::named_tensors() const {
 
 std::map<std::string, Tensor> Trainer::host_tensors() const {
   std::map<std::string, Tensor> out = named_tensors();
-  if (stream_)
-    for (auto& [name, t] : out) t = cuda::to_host(t);
+  for (auto& [name, t] : out) t = runtime_->to_host(t);
   return out;
 }
 
@@ -227,11 +202,8 @@ std::map<std::string, std::string> Trainer::load(const std::string& path) {
   } catch (const std::exception&) {
     fail("checkpoint '{}': kiln.steps_done is '{}', expected an integer", path, steps->second);
   }
-  for (auto& [name, tensor] : mine) {
-    if (tensor.device() == Device::kCuda) cuda::copy_async(tensor, file.tensors[name], stream_->handle());
-    else std::memcpy(tensor.raw(), file.tensors[name].raw(), tensor.bytes());
-  }
-  if (stream_) stream_->synchronize();  // the file's host tensors go when we return
+  for (auto& [name, tensor] : mine) runtime_->copy_async(tensor, file.tensors[name], *stream_);
+  stream_->synchronize();  // the file's host tensors go when we return
   steps_done_ = steps_done;
   return file.metadata;
 }

@@ -1,16 +1,17 @@
 // The Trainer owns a compiled training step and the tensors it updates: step(batch) -> loss,
 // with params and optimizer state updated in place by the graph's updates. It also evaluates
-// the forward graph (a compiled forward step) with the current params, and saves/loads exact
-// checkpoints. Both steps come out of compile_step (compile/compile_step.h).
+// the forward graph with the current params, and saves/loads exact checkpoints.
 //
-// On CUDA (ExecutorOptions::device == Device::kCuda): params and state are uploaded once at
-// construction and stay on the device (the graph's updates rewrite them there). Each step
-// copies the batch and the learning rate in asynchronously (pinned staging, double-buffered),
-// runs the step (a replayed CUDA graph from the third step on) and enqueues an asynchronous
-// copy of the loss into pinned host memory; step() returns without waiting for the device.
-// take_losses() reads the losses of the steps since the last call (it waits for the last step),
-// so a caller that reads every N steps lets the host run ahead of the device in between.
-// evaluate() and checkpoints copy to and from the host (they wait for the device).
+// It reaches its device (ExecutorOptions::device) only through a DeviceRuntime
+// (backends/device_runtime.h), the same way on every device: params and state are uploaded once
+// at construction and stay on the device (the graph's updates rewrite them there). Each step
+// copies the batch and the learning rate in asynchronously (DeviceUploader: pinned staging,
+// double-buffered on CUDA), runs the step (on CUDA a replayed CUDA graph from the third step
+// on) and enqueues an asynchronous copy of the loss into pinned host memory; step() returns
+// without waiting for the device. take_losses() reads the losses of the steps since the last
+// call (it waits for the last step), so a caller that reads every N steps lets the host run
+// ahead of the device in between. evaluate() and checkpoints copy to and from the host (they
+// wait for the device). On the CPU the work is done when a call returns.
 #pragma once
 
 #include <map>
@@ -18,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/memory.h"
+#include "backends/device_runtime.h"
 #include "compile/compile_step.h"
 #include "passes/pass.h"
 #include "runtime/executor.h"
@@ -28,10 +29,10 @@ namespace kiln::train {
 class Trainer {
  public:
   // `params` are the forward graph's param inputs, in order.
-  // compile_step builds the training step: the training graph, the default pass pipeline
-  // (passes/pipeline.h) with `pass_options`, kernels for executor_options.device.
+  // The training graph goes through the default pass pipeline (passes/pipeline.h) with
+  // `pass_options` before it is bound to kernels.
   // `params` and the data are host tensors on every device.
-  // Throws kiln::Error (on CUDA: when the params, state and step do not fit in device memory,
+  // Throws kiln::Error (when the params, state and step do not fit in the device's memory,
   // naming the bytes needed and free).
   Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
           ExecutorOptions executor_options = {}, PassOptions pass_options = {});
@@ -39,23 +40,24 @@ class Trainer {
 
   // One training step on the forward's data inputs (host tensors, in order); returns the
   // loss (all the forward's outputs, loss first, with OptimizerConfig::keep_forward_outputs),
-  // computed before the update. Advances steps_done(). On CUDA
-  // the outputs are device tensors that the next step overwrites, and may not be computed yet
-  // (read the loss with take_losses()).
+  // computed before the update. Advances steps_done(). On a GPU the outputs are device tensors
+  // that the next step overwrites, and may not be computed yet (read the loss with
+  // take_losses()).
   std::vector<Tensor> step(const std::vector<Tensor>& data);
   // The losses (outputs[0]) of the steps since the last call, oldest first; waits for the
-  // device on CUDA.
+  // device.
   std::vector<double> take_losses();
   // The forward graph with the current params (no update), on host data; returns host tensors
-  // on every device. A forward step compiled at the first call, through the same pipeline
-  // (the step's pass options, without printing). Under amp it is still the f32 forward: the
-  // master weights are f32, and evaluation is not where the speed of 16 bits matters.
+  // on every device. Under amp it is still the f32 forward: the master weights are f32, and
+  // evaluation is not where the speed of 16 bits matters.
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
-  // Waits for every step enqueued so far, then throws the first data error a CUDA kernel
-  // recorded (a label or index out of range); no-op on the CPU. take_losses() and evaluate() do
-  // the same.
+  // Waits for every step enqueued so far, then throws the first data error a kernel recorded
+  // (a label or index out of range: DeviceRuntime::check_kernel_errors). take_losses() and
+  // evaluate() do the same.
   void synchronize() const;
   Device device() const { return executor_options_.device; }
+  // The runtime of device(): its memory counters, its name.
+  const DeviceRuntime& runtime() const { return *runtime_; }
   // The step's executor (its memory plan, device bytes, CUDA graph counters).
   const Executor& step_executor() const { return *step_.executor; }
 
@@ -65,14 +67,14 @@ class Trainer {
   const StepProgram& program() const { return step_.program; }  // after the pipeline
   const std::vector<PassRecord>& pass_records() const { return step_.pass_records; }
   // Where construction's time went, in order: compile_step's phases ("training graph",
-  // "passes", "kernel choice", "kernels prepared", on CUDA "memory plan"), then on CUDA
-  // "upload" (params and state to the device).
+  // "passes", "kernel choice", "kernels prepared", "memory plan"), then "upload" (params and
+  // state to the device).
   const std::vector<std::pair<std::string, double>>& build_seconds() const { return build_seconds_; }
   // Param and state tensors by graph-input name ("h0.attn.weight", "opt.m.wte", "opt.step"),
-  // on the trainer's device (device tensors on CUDA: writing them changes the trainer's state).
+  // on the trainer's device (writing them changes the trainer's state).
   std::map<std::string, Tensor> named_tensors() const;
   std::vector<Tensor> params() const;
-  // The same, copied to the host (waits for the device on CUDA; shares storage on the CPU).
+  // The same, copied to the host (waits for the device).
   std::map<std::string, Tensor> host_tensors() const;
   // Bytes of params and state (what the trainer keeps on its device besides the executors').
   size_t param_and_state_bytes() const;
@@ -90,19 +92,21 @@ class Trainer {
   Graph forward_;
   ExecutorOptions executor_options_;
   PassOptions pass_options_;
-  // CUDA: declared before the executors, so it outlives them (they wait for it when destroyed).
-  std::unique_ptr<cuda::Stream> stream_;
+  // Declared before the executors, so they outlive them (the executors wait for the stream when
+  // destroyed): one stream for steps, evaluation and copies.
+  std::unique_ptr<DeviceRuntime> runtime_;
+  std::unique_ptr<DeviceStream> stream_;
   CompiledStep step_;
   mutable std::unique_ptr<CompiledStep> eval_;  // the forward step, compiled at the first evaluate()
-  // Training-graph inputs: params and state bound; the CPU binds data per step, CUDA binds
-  // device buffers for the data and lr once and copies each step's values into them.
+  // Training-graph inputs, on the device: params and state, and buffers for the data and lr that
+  // each step's values are copied into.
   std::vector<Tensor> inputs_;
   int64_t steps_done_ = 0;
   std::vector<std::pair<std::string, double>> build_seconds_;
   std::vector<double> losses_;  // taken losses not yet returned by take_losses()
-  // CUDA: staging for the batch and lr; pinned slots the losses are copied into.
-  std::unique_ptr<cuda::UploadStaging> staging_;
-  std::shared_ptr<std::byte[]> loss_slots_;  // pinned, kLossSlots scalars of 8 bytes each
+  // Staging for the batch and lr; pinned host slots the losses are copied into.
+  std::unique_ptr<DeviceUploader> uploader_;
+  Tensor loss_slots_;  // pinned, kLossSlots scalars of 8 bytes each
   Tensor loss_slot(int64_t k) const;
   TensorType loss_type_;
   int64_t pending_losses_ = 0;   // slots written since the last read

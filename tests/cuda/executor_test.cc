@@ -104,7 +104,7 @@ std::vector<Tensor> run_steps(const Graph& g, std::optional<ExecutorOptions> cud
       std::vector<Tensor> fresh = host_inputs(g, 100 + s, int_high);
       // New data into the same device buffers (their pointers stay, so the graph replays).
       for (size_t i = 0; i < g.inputs.size(); ++i)
-        if (g.inputs[i].role == Role::kData) cuda::copy_async(device[i], fresh[i], e.stream());
+        if (g.inputs[i].role == Role::kData) cuda::copy_async(device[i], fresh[i], e.stream().handle());
       e.synchronize();
       for (const Tensor& t : download(e.run(device))) results.push_back(t);
     }

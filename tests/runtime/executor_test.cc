@@ -4,7 +4,9 @@
 // in-place reuse through the reference kernels; outputs that outlive the next run; reshape views
 // (no kernel) of arena values and of a param whose update must wait for the view's last read;
 // slice views (rows at a byte offset, no kernel) of arena values, graph inputs, a graph output
-// and a param, on hand-written and random graphs.
+// and a param, on hand-written and random graphs. The one node loop on the CPU's runtime:
+// per-node event timings, outputs that are (updated) inputs, inputs of another device refused,
+// nothing captured.
 #include "runtime/executor.h"
 
 #include <cmath>
@@ -454,6 +456,101 @@ graph @twice(%x: f32[32] data) {
   EXPECT_TRUE(bitwise_equal(first[1], kept[1]));
   EXPECT_FALSE(bitwise_equal(second[0], kept[0]));
   for (int64_t i = 0; i < 32; ++i) EXPECT_NEAR(second[1].get(i), -std::exp(x2.get(i)), 1e-6) << i;
+}
+
+// The CPU runtime's events time each node (the host's clock): the profile the CUDA executor
+// gives, from the same node loop, with the same results as a run without it.
+TEST(ExecutorProfile, TimesEveryNodeOnTheCpu) {
+  Graph g = parse(R"(
+graph @timed(%x: f32[64, 32] data, %w: f32[32, 16] param) {
+  %y = matmul(%x, %w)
+  %r = reshape(%y) {shape=[1024]}
+  %t = tanh(%r)
+  %s = sum(%t)
+  return %s, %t
+}
+)");
+  std::vector<Tensor> inputs = make_inputs(g, {}, 3, 1);
+  ExecutorOptions options = poisoned_arena();
+  options.profile = true;
+  Executor profiling(g, options), plain(g, poisoned_arena());
+  EXPECT_THROW(profiling.profile(), Error);  // no run yet
+  try {
+    plain.profile();
+    FAIL() << "profile() on a non-profiling executor must throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ExecutorOptions::profile"), std::string::npos) << e.what();
+  }
+  expect_same_results(profiling.run(inputs), plain.run(inputs), "profiled");
+  const std::vector<NodeTiming> timings = profiling.profile();
+  ASSERT_EQ(timings.size(), g.nodes.size());
+  for (size_t n = 0; n < timings.size(); ++n) {
+    EXPECT_EQ(timings[n].op, std::string(op_name(g.nodes[n].op))) << n;
+    EXPECT_GE(timings[n].ms, 0.0) << n;
+    EXPECT_LT(timings[n].ms, 10000.0) << n;
+  }
+  EXPECT_EQ(timings[1].dialect, "view");
+  EXPECT_EQ(timings[1].ms, 0.0);
+}
+
+// A graph output that is an input shows the input as it was before the run's updates, whether
+// or not the input is updated; the caller's (updated) input holds the new value.
+TEST(ExecutorOutputs, AnInputReturnedShowsItsValueFromBeforeTheUpdate) {
+  Graph g = parse(R"(
+graph @returned(%x: f32[16] data, %w: f32[16] param) {
+  %a = exp(%x)
+  %nw = add(%w, %a)
+  update %w = %nw
+  return %w, %x
+}
+)");
+  const Tensor x = random_tensor({DType::kF32, {16}}, 1), w = random_tensor({DType::kF32, {16}}, 2);
+  for (bool planned : {true, false}) {
+    ExecutorOptions options;
+    options.plan_memory = planned;
+    Executor e(g, options);
+    std::vector<Tensor> in = {x.clone(), w.clone()};
+    std::vector<Tensor> out = e.run(in);
+    EXPECT_TRUE(bitwise_equal(out[0], w)) << planned;
+    EXPECT_TRUE(bitwise_equal(out[1], x)) << planned;
+    for (int64_t i = 0; i < 16; ++i)
+      EXPECT_FLOAT_EQ(static_cast<float>(in[1].get(i)), static_cast<float>(w.get(i) + std::exp(x.get(i)))) << i;
+  }
+}
+
+TEST(ExecutorDevice, RefusesATensorOfAnotherDevice) {
+  Graph g = parse(R"(
+graph @g(%x: f32[4] data, %y: f32[4] data) {
+  %z = add(%x, %y)
+  return %z
+}
+)");
+  Executor executor(g);
+  EXPECT_EQ(executor.runtime().device(), Device::kCpu);
+  // A tensor that says it lives on a GPU: refused before any kernel reads it.
+  Tensor elsewhere(TensorType{DType::kF32, {4}}, std::shared_ptr<std::byte[]>(new std::byte[16]()), 0, Device::kCuda);
+  try {
+    executor.run(std::vector<Tensor>{random_tensor({DType::kF32, {4}}, 1), elsewhere});
+    FAIL() << "a cuda tensor must be refused by a cpu executor";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("input 'y'"), std::string::npos) << m;
+    EXPECT_NE(m.find("is a cuda tensor, but graph 'g' runs on cpu"), std::string::npos) << m;
+  }
+}
+
+TEST(ExecutorDevice, NothingIsCapturedOnTheCpu) {
+  Graph g = testing::training_graph("mlp", 8).graph;
+  ExecutorOptions options;
+  options.cuda_graphs = true;  // ignored: the CPU runtime cannot capture
+  Executor e(g, options);
+  EXPECT_GT(e.device_bytes(), 0u);
+  EXPECT_EQ(e.stream().handle(), nullptr);
+  std::vector<Tensor> inputs = make_inputs(g, {}, 1, 10);
+  for (int run = 0; run < 3; ++run) e.run(inputs);
+  e.synchronize();
+  EXPECT_EQ(e.graph_captures(), 0);
+  EXPECT_EQ(e.graph_replays(), 0);
 }
 
 }  // namespace

@@ -23,7 +23,8 @@ void set_current_device(int device);
 // While one exists on a thread, the cuBLASLt products that thread enqueues outside a graph
 // capture choose their algorithm by timing the heuristic's candidates (once per description; the
 // plan cache keeps the winner for every later run), as KILN_GEMM_AUTOTUNE=1 does everywhere.
-// The executor opens one for its tuning run (ExecutorOptions::tune_gemms). A no-op without CUDA.
+// The executor opens one for its tuning run (ExecutorOptions::tune_gemms) through
+// DeviceRuntime::tune_kernels. A no-op without CUDA.
 class GemmTuningScope {
  public:
   GemmTuningScope();

@@ -40,7 +40,8 @@ class KernelTrace {
 };
 
 // The executor names the graph node whose kernels it is about to enqueue on this thread (-1 after
-// them). A thread-local store: costs nothing when no trace exists.
+// them), through DeviceRuntime::node_marker. A thread-local store: costs nothing when no trace
+// exists.
 void set_trace_node(int64_t node);
 
 }  // namespace kiln::cuda

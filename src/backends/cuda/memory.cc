@@ -1,10 +1,11 @@
-// Device memory, copies, streams, pinned staging and CUDA graphs (backends/cuda/memory.h).
+// Device memory, copies, streams, pinned staging, events and CUDA graphs (backends/cuda/memory.h).
 #include "backends/cuda/memory.h"
 
 #include <atomic>
 #include <cstring>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/device_runtime.h"
 #include "backends/cuda/device.h"
 
 namespace kiln::cuda {
@@ -29,10 +30,6 @@ MemoryInfo memory_info() {
   MemoryInfo info;
   KILN_CUDA_CHECK(cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
   return info;
-}
-
-std::string format_bytes(size_t bytes) {
-  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
 }
 
 void check_fits(size_t bytes, const std::string& what) {
@@ -190,31 +187,37 @@ void UploadStaging::upload(std::span<const Tensor> hosts, std::span<const Tensor
   slot.pending = true;
 }
 
-// ---- event timing ----
+// ---- events ----
 
-EventTimer::EventTimer(size_t count) {
-  events_.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
-    cudaEvent_t event = nullptr;
-    KILN_CUDA_CHECK(cudaEventCreate(&event));
-    events_.push_back(event);
-  }
+Event::Event(bool timing) {
+  cudaEvent_t event = nullptr;
+  KILN_CUDA_CHECK(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  event_ = event;
 }
 
-EventTimer::~EventTimer() {
-  for (void* event : events_) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+Event::~Event() {
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
 }
 
-void EventTimer::record(size_t i, void* stream) {
-  KILN_CHECK(i < events_.size(), "EventTimer: event {} of {}", i, events_.size());
-  KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[i]), as_stream(stream)));
+void Event::record(void* stream) {
+  KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), as_stream(stream)));
 }
 
-float EventTimer::elapsed_ms(size_t a, size_t b) const {
-  KILN_CHECK(a < events_.size() && b < events_.size(), "EventTimer: events {} and {} of {}", a, b, events_.size());
-  KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[b])));
+void Event::synchronize() const { KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_))); }
+
+void wait_event(void* stream, void* event) {
+  KILN_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
+float elapsed_ms(void* start, void* end) {
+  KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(end)));
   float ms = 0;
-  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[a]), static_cast<cudaEvent_t>(events_[b])));
+  cudaError_t status = cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end));
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it, or the next launch's check would report it
+    fail("the time between two CUDA events: {} (both must be recorded, and made with timing)",
+         cudaGetErrorString(status));
+  }
   return ms;
 }
 

@@ -1,9 +1,9 @@
-// The runtime's CUDA layer: device memory (Tensors whose storage is device memory), copies
-// between host and device (synchronous, and asynchronous on a stream through pinned host
-// staging), streams, and captured CUDA graphs. Declared without CUDA headers (streams are
-// void*, i.e. cudaStream_t), so the executor, trainer, CLI and tests include it in any build;
-// in a build without CUDA every function here throws kiln::Error "this build has no CUDA
-// backend" (backends/cuda_stub.cc).
+// The CUDA layer under the CUDA device runtime (cuda_runtime.cc, backends/device_runtime.h):
+// device memory (Tensors whose storage is device memory), copies between host and device
+// (synchronous, and asynchronous on a stream through pinned host staging), streams, events and
+// captured CUDA graphs. Declared without CUDA headers (streams and events are void*, i.e.
+// cudaStream_t and cudaEvent_t), so tests include it in any build; in a build without CUDA every
+// function here throws kiln::Error "this build has no CUDA backend" (backends/cuda_stub.cc).
 //
 // Every device allocation kiln makes goes through allocate() (device_tensor() and the
 // executor's arena do), so allocated_bytes() / peak_allocated_bytes() count what kiln holds:
@@ -29,8 +29,6 @@ struct MemoryInfo {
 };
 // cudaMemGetInfo on the current device.
 MemoryInfo memory_info();
-// "1.50 GiB" (for messages).
-std::string format_bytes(size_t bytes);
 // Throws kiln::Error "<what> needs X GiB (N bytes) of device memory, Y GiB free on <device>"
 // when `bytes` is more than the device has free.
 void check_fits(size_t bytes, const std::string& what);
@@ -112,24 +110,31 @@ class UploadStaging {
   size_t next_ = 0;
 };
 
-// ---- event timing ----
+// ---- events ----
 
-// `count` timing events, created once and reused (the executor's profiling mode): record(i)
-// enqueues event i on a stream; elapsed_ms(a, b) waits for event b, then returns the
-// milliseconds from event a to event b (both must have been recorded).
-class EventTimer {
+// One CUDA event (a cudaEvent_t, created once and reused): recorded on a stream, then waited
+// for by the host (synchronize), by another stream (wait_event) or timed against another event
+// (elapsed_ms).
+class Event {
  public:
-  explicit EventTimer(size_t count);
-  ~EventTimer();
-  EventTimer(const EventTimer&) = delete;
-  EventTimer& operator=(const EventTimer&) = delete;
-  size_t size() const { return events_.size(); }
-  void record(size_t i, void* stream);
-  float elapsed_ms(size_t a, size_t b) const;
+  // `timing` off (cudaEventDisableTiming): records faster, but elapsed_ms refuses it.
+  explicit Event(bool timing = true);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void* handle() const { return event_; }  // cudaEvent_t
+  void record(void* stream);
+  void synchronize() const;
 
  private:
-  std::vector<void*> events_;  // cudaEvent_t
+  void* event_ = nullptr;
 };
+// Work enqueued on `stream` from now on waits for the work before `event`'s last record (the
+// host does not wait). Both are handles (cudaStream_t, cudaEvent_t).
+void wait_event(void* stream, void* event);
+// Waits for `end`, then returns the milliseconds from event `start` to `end` (both recorded,
+// both with timing).
+float elapsed_ms(void* start, void* end);
 
 // ---- CUDA graphs ----
 

@@ -1,0 +1,29 @@
+// The runtime factory and what every runtime shares (backends/device_runtime.h).
+#include "backends/device_runtime.h"
+
+#include "backends/cuda/device.h"
+#include "support/error.h"
+
+namespace kiln {
+
+std::string format_bytes(size_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
+}
+
+std::unique_ptr<DeviceRuntime> device_runtime(Device device) {
+  if (device == Device::kCpu) return make_cpu_runtime();
+  KILN_CHECK(cuda::built_with_cuda(), "this build has no CUDA backend (configure with -DKILN_CUDA=ON)");
+  KILN_CHECK(cuda::device_count() > 0, "no CUDA device on this machine");
+  return make_cuda_runtime();
+}
+
+DeviceAvailability device_availability(Device device) {
+  if (device == Device::kCpu) return {true, 1, make_cpu_runtime()->name()};
+  DeviceAvailability out;
+  out.built = cuda::built_with_cuda();
+  out.count = cuda::device_count();
+  out.description = cuda::describe_device(0);
+  return out;
+}
+
+}  // namespace kiln
