@@ -2,7 +2,7 @@
 // queries report "no CUDA", everything else throws kiln::Error saying this build has none.
 #ifndef KILN_HAVE_CUDA
 #include "backends/backend.h"
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "backends/cuda/device.h"
 #include "backends/cuda/device_errors.h"
 #include "backends/cuda/kernel_trace.h"

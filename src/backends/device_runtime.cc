@@ -1,5 +1,5 @@
-// The runtime factory and what every runtime shares (backends/device_runtime.h).
-#include "backends/device_runtime.h"
+// The runtime factory and what every runtime shares (device/device_runtime.h).
+#include "device/device_runtime.h"
 
 #include "backends/cuda/device.h"
 #include "support/error.h"

@@ -15,7 +15,7 @@
 // again).
 //
 // Devices: the executor reaches its device only through a DeviceRuntime
-// (backends/device_runtime.h), and runs ONE node loop for every device; what differs comes from
+// (device/device_runtime.h), and runs ONE node loop for every device; what differs comes from
 // the runtime (and from the kernels, which enqueue on the stream they are given).
 // - Every node gets a kernel registered for options.device; a node without one is an error at
 //   construction naming the node, its op and its input types.
@@ -58,7 +58,7 @@
 
 #include "analysis/memory_plan.h"
 #include "backends/backend.h"
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "ir/graph.h"
 #include "runtime/profile.h"
 #include "tensor/tensor.h"

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "models/models.h"
 #include "runtime/profile.h"
 #include "support/error.h"

@@ -3,7 +3,7 @@
 // the forward graph with the current params, and saves/loads exact checkpoints.
 //
 // It reaches its device (ExecutorOptions::device) only through a DeviceRuntime
-// (backends/device_runtime.h), the same way on every device: params and state are uploaded once
+// (device/device_runtime.h), the same way on every device: params and state are uploaded once
 // at construction and stay on the device (the graph's updates rewrite them there). Each step
 // copies the batch and the learning rate in asynchronously (DeviceUploader: pinned staging,
 // double-buffered on CUDA), runs the step (on CUDA a replayed CUDA graph from the third step
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "compile/compile_step.h"
 #include "passes/pass.h"
 #include "runtime/executor.h"

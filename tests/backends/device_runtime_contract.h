@@ -1,4 +1,4 @@
-// The DeviceRuntime contract (backends/device_runtime.h) as test bodies that take a runtime, so
+// The DeviceRuntime contract (device/device_runtime.h) as test bodies that take a runtime, so
 // the CPU runtime (tests/backends/device_runtime_test.cc) and the CUDA runtime
 // (tests/cuda/device_runtime_test.cc) are held to the same semantics: round trips, copies on a
 // stream (host to device, device to device, device to pinned host, into offset views), fills,
@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "test_util.h"
 
 namespace kiln::testing {

@@ -1,8 +1,8 @@
 // `kiln run FILE`: compile the graph as given (a forward step: mixed precision, the pass
 // pipeline, kernel selection and the memory plan, as an evaluation would get) and run it once
 // on random inputs; print a summary of each output.
-#include "backends/cuda/memory.h"
 #include "compile/compile_step.h"
+#include "device/device_runtime.h"
 #include "options.h"
 #include "support/stopwatch.h"
 
@@ -21,18 +21,15 @@ void run(RunOptions o) {
   const Graph graph = parse_file(o.file);
   o.compile.kind = StepKind::kForward;
   o.compile.optimizer.amp = o.amp;
-  const bool on_cuda = o.compile.executor.device == Device::kCuda;
+  const std::unique_ptr<DeviceRuntime> runtime = device_runtime(o.compile.executor.device);
   Stopwatch watch;
   const CompiledStep step = compile_step(graph, o.compile);
   const double compile_s = watch.lap();
   std::vector<Tensor> inputs = random_inputs(graph, o.seed, o.int_high);
-  if (on_cuda)
-    for (Tensor& t : inputs) t = cuda::to_device(t);
+  for (Tensor& t : inputs) t = runtime->to_device(t);
   std::vector<Tensor> outputs = step.executor->run(inputs);
-  if (on_cuda) {
-    step.executor->synchronize();
-    for (Tensor& t : outputs) t = cuda::to_host(t);
-  }
+  step.executor->synchronize();
+  for (Tensor& t : outputs) t = runtime->to_host(t);
   const double run_s = watch.lap();
   fmt::print("graph @{}: {} nodes ({} after the pipeline) on {}, compiled in {:.3f} s, ran in {:.3f} s\n", graph.name,
              graph.nodes.size(), step.program.graph.nodes.size(), device_name(o.compile.executor.device), compile_s,

@@ -1,4 +1,4 @@
-// The CPU's device runtime (backends/device_runtime.h). The device is the host: work runs when
+// The CPU's device runtime (device/device_runtime.h). The device is the host: work runs when
 // it is enqueued, so a stream is an empty handle and waits are no-ops, an asynchronous copy or
 // fill is a memcpy or memset, an upload copies at once (no staging), an event records the
 // host's clock, and nothing can be captured.
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <thread>
 
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "support/error.h"
 
 namespace kiln {

@@ -1,4 +1,4 @@
-// The CUDA device runtime (backends/device_runtime.h): a thin face over the CUDA layer that
+// The CUDA device runtime (device/device_runtime.h): a thin face over the CUDA layer that
 // already exists — memory, copies, streams, events, pinned staging and CUDA graphs
 // (memory.h), devices and GEMM tuning (device.h), kernels' data errors (device_errors.h) and
 // CUPTI traces (kernel_trace.h). Nothing here talks to CUDA itself.
@@ -6,7 +6,7 @@
 #include "backends/cuda/device_errors.h"
 #include "backends/cuda/kernel_trace.h"
 #include "backends/cuda/memory.h"
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 
 namespace kiln {
 namespace {

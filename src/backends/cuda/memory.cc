@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "backends/cuda/cuda_check.h"
-#include "backends/device_runtime.h"
+#include "device/device_runtime.h"
 #include "backends/cuda/device.h"
 
 namespace kiln::cuda {

@@ -1,4 +1,4 @@
-// The CUDA layer under the CUDA device runtime (cuda_runtime.cc, backends/device_runtime.h):
+// The CUDA layer under the CUDA device runtime (cuda_runtime.cc, device/device_runtime.h):
 // device memory (Tensors whose storage is device memory), copies between host and device
 // (synchronous, and asynchronous on a stream through pinned host staging), streams, events and
 // captured CUDA graphs. Declared without CUDA headers (streams and events are void*, i.e.
