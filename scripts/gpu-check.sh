@@ -39,16 +39,19 @@ start=$(date +%s)
 # copy in .carry/cudnn_frontend_include (pip nvidia-cudnn-frontend's include/ folder).
 frontend=()
 [ -d .carry/cudnn_frontend_include ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
-build_tree() {  # SOURCE BUILD_DIR LOG
-  cmake -S "$1" -B "$2" -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$3" 2>&1 &&
-    cmake --build "$2" -j16 --target kiln-cli kiln_gpu_tests >>"$3" 2>&1
+build_tree() {  # SOURCE BUILD_DIR LOG TARGET...
+  local source="$1" dir="$2" log="$3"; shift 3
+  cmake -S "$source" -B "$dir" -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$log" 2>&1 &&
+    cmake --build "$dir" -j16 --target "$@" >>"$log" 2>&1
 }
-build_tree . build-gpu "$out/build.log"
+targets=(kiln-cli)
+[ $tests = 1 ] && targets+=(kiln_gpu_tests)
+build_tree . build-gpu "$out/build.log" "${targets[@]}"
 build_rc=$?
 echo "build: rc=$build_rc in $(( $(date +%s) - start )) s"
 if [ $build_rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
 if [ -n "$base" ]; then
-  build_tree "$base" build-base "$out/build-base.log" ||
+  build_tree "$base" build-base "$out/build-base.log" kiln-cli ||
     { echo "base build failed"; grep -E "error|FAILED" "$out/build-base.log" | head -20; exit 1; }
   echo "base build: done in $(( $(date +%s) - start )) s"
 fi
