@@ -46,7 +46,7 @@ TEST(CompileStep, TrainingStepIsTheTrainingGraphThroughThePipeline) {
   ASSERT_NE(step.executor, nullptr);
   EXPECT_EQ(print(step.executor->graph()), print(step.program.graph));
   EXPECT_EQ(phase_names(step),
-            (std::vector<std::string>{"training graph", "passes", "kernel choice", "kernels prepared"}));
+            (std::vector<std::string>{"training graph", "passes", "kernel choice", "kernels prepared", "memory plan"}));
 }
 
 TEST(CompileStep, ForwardStepComputesWhatTheRawGraphComputes) {
