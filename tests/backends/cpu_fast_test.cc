@@ -1,11 +1,14 @@
 // The CPU fast paths (dialects "cpu" and "openblas") against the reference kernels, the oracle:
 // random inputs (never zeros), odd sizes (1, 7, 129: not multiples of the vector width), sizes
 // large enough to be split across threads, each supported broadcast layout, per-op tolerances
-// (f32 kernels against an f64 reference rounded to f32). Also that supports() refuses what the
-// fast kernels do not handle, so the reference serves it, and an Executor run with and without
-// the fast dialects.
+// (f32 kernels against an f64 reference rounded to f32), and a case for every math line
+// (ops/elementwise_math.h) that has a fast kernel. Also that supports() refuses what the fast
+// kernels do not handle, so the reference serves it, and an Executor run with and without the
+// fast dialects.
 #include <cmath>
+#include <set>
 
+#include "ops/elementwise.h"
 #include "runtime/executor.h"
 #include "test_util.h"
 
@@ -21,10 +24,6 @@ using testing::rand;
 using testing::run_dialect;
 using testing::run_reference;
 
-
-
-// The dialect the registry picks for `op` on these inputs, all dialects allowed.
-
 // Sizes: tiny, odd, not a multiple of 4 or 8 lanes, and one that parallel_for splits.
 const std::vector<Shape> kUnaryShapes = {{1}, {7}, {129}, {3, 5, 33}, {301, 517}};
 
@@ -37,8 +36,8 @@ struct UnaryCase {
   Attributes attrs = {};
 };
 
-TEST(CpuFastUnary, MatchesReference) {
-  const std::vector<UnaryCase> cases = {
+const std::vector<UnaryCase>& unary_cases() {
+  static const std::vector<UnaryCase> cases = {
       {Op::kExp, -10, 10, {1e-30, 2e-6}},
       {Op::kExp, -95, 95, {1e-37, 2e-6}},  // underflow to 0 / overflow to inf at the ends
       {Op::kLog, 0.01, 50, {1e-7, 1e-6}},
@@ -58,8 +57,12 @@ TEST(CpuFastUnary, MatchesReference) {
       {Op::kReciprocal, -100, -0.01, {0, 1e-6}},
       {Op::kSquare, -3, 3, {0, 1e-6}},
   };
+  return cases;
+}
+
+TEST(CpuFastUnary, MatchesReference) {
   uint64_t seed = 1;
-  for (const UnaryCase& c : cases)
+  for (const UnaryCase& c : unary_cases())
     for (const Shape& shape : kUnaryShapes)
       expect_matches_reference("cpu", c.op, {rand(DType::kF32, shape, seed++, c.low, c.high)},
                                c.attrs, c.tol);
@@ -86,6 +89,8 @@ struct BinaryLayoutCase {
   Shape a, b;
 };
 
+const Op kLayoutOps[] = {Op::kAdd, Op::kSub, Op::kMul, Op::kDiv, Op::kMaximum, Op::kMinimum};
+
 TEST(CpuFastBinary, MatchesReferenceOnEachSupportedLayout) {
   const std::vector<BinaryLayoutCase> layouts = {
       {{7}, {7}},                       // same shape
@@ -102,9 +107,8 @@ TEST(CpuFastBinary, MatchesReferenceOnEachSupportedLayout) {
       {{1000, 129}, {129}},             // row b, split across threads
       {{600, 1}, {1}},                  // row of one element
   };
-  const std::vector<Op> ops = {Op::kAdd, Op::kSub, Op::kMul, Op::kDiv, Op::kMaximum, Op::kMinimum};
   uint64_t seed = 100;
-  for (Op op : ops) {
+  for (Op op : kLayoutOps) {
     for (const BinaryLayoutCase& layout : layouts) {
       Tensor a = rand(DType::kF32, layout.a, seed++, -2.0, 2.0);
       // Divisors away from 0, of both signs.
@@ -113,6 +117,66 @@ TEST(CpuFastBinary, MatchesReferenceOnEachSupportedLayout) {
       expect_matches_reference("cpu", op, {a, b}, {}, {1e-7, 1e-6});
       if (op == Op::kDiv) expect_matches_reference("cpu", op, {b, a}, {}, {1e-7, 1e-6});
     }
+  }
+}
+
+TEST(CpuFastBinary, PowMatchesReference) {
+  uint64_t seed = 200;
+  for (const Shape& shape : kUnaryShapes) {
+    Tensor a = rand(DType::kF32, shape, seed++, 0.1, 4.0);  // a^b is NaN for a < 0
+    Tensor b = rand(DType::kF32, shape, seed++, -3.0, 3.0);
+    expect_matches_reference("cpu", Op::kPow, {a, b}, {}, {1e-7, 2e-6});
+    expect_matches_reference("cpu", Op::kPow, {a, make(DType::kF32, {}, {2.0})}, {}, {1e-7, 2e-6});
+  }
+}
+
+// gelu_grad(x, dy): rtol 1e-5 as gelu's fast kernel; atol 1e-7 for the zero of gelu' near
+// x = -0.75, where Phi(x) and x phi(x) (about 0.23 each) cancel.
+TEST(CpuFastBinary, GeluGradMatchesReference) {
+  uint64_t seed = 300;
+  for (const std::string approximate : {"none", "tanh"}) {
+    const Attributes attrs{{"approximate", approximate}};
+    for (const Shape& shape : kUnaryShapes) {
+      for (const auto& [low, high] : {std::pair{-6.0, 6.0}, {-0.6, 0.6}, {-40.0, 40.0}}) {
+        const Tensor x = rand(DType::kF32, shape, ++seed, low, high);
+        const Tensor dy = rand(DType::kF32, shape, ++seed, -1, 1);
+        expect_matches_reference("cpu", Op::kGeluGrad, {x, dy}, attrs, {1e-7, 1e-5});
+      }
+    }
+  }
+  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {{DType::kF32, {4}}, {DType::kF32, {4}}}), "cpu");
+  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {{DType::kF64, {4}}, {DType::kF64, {4}}}),
+            "reference");
+}
+
+// gelu'(0) = 1/2 in both forms; exact gelu'(1) = Phi(1) + phi(1) = 0.8413447461 + 0.2419707245;
+// tanh form at 1 (the closed form evaluated on a calculator): u = sqrt(2/pi) 1.044715 =
+// 0.83356197, t = tanh(u) = 0.68238398, 0.5 (1 + t) + 0.5 (1 - t^2) sqrt(2/pi) (1 + 0.134145)
+// = 0.84119199 + 0.24177209 = 1.08296408.
+TEST(CpuFastBinary, GeluGradHandChecked) {
+  const Tensor x = make(DType::kF32, {2}, {0.0, 1.0});
+  const Tensor dy = make(DType::kF32, {2}, {3.0, 2.0});
+  EXPECT_TRUE(all_close(
+      run_dialect("cpu", Op::kGeluGrad, {x, dy}, {{"approximate", std::string("none")}})[0],
+      make(DType::kF32, {2}, {1.5, 2.0 * 1.0833154706}), 0, 2e-6));
+  EXPECT_TRUE(all_close(
+      run_dialect("cpu", Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}})[0],
+      make(DType::kF32, {2}, {1.5, 2.0 * 1.08296408}), 0, 2e-6));
+}
+
+// Every math line with float outputs (ops/elementwise_math.h) runs through the "cpu" dialect, so
+// each needs a case above: the unary cases, the layout ops, pow and gelu_grad.
+TEST(CpuFast, EveryMathLineHasACase) {
+  std::set<Op> covered = {std::begin(kLayoutOps), std::end(kLayoutOps)};
+  covered.insert({Op::kPow, Op::kGeluGrad});
+  for (const UnaryCase& c : unary_cases()) covered.insert(c.op);
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!ops::is_math_op(op)) continue;
+    const std::vector<TensorType> in(op_info(op).min_inputs, TensorType{DType::kF32, {4}});
+    if (infer_types(op, in, normalize_attributes(op, {}))[0].dtype != DType::kF32) continue;
+    EXPECT_EQ(selected_dialect(op, in), "cpu") << op_name(op);
+    EXPECT_TRUE(covered.count(op)) << op_name(op) << " has no case in cpu_fast_test.cc";
   }
 }
 

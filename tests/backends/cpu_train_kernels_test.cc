@@ -1,5 +1,5 @@
 // The training-step fast kernels (src/backends/cpu/train_kernels.cc) against the reference
-// kernels: adamw_update, sgd_update, gelu_grad, reshape, transpose ("cpu") and attention,
+// kernels: adamw_update, sgd_update, reshape, transpose ("cpu") and attention,
 // attention_grad, attention_qkv, attention_qkv_grad ("openblas"). Random inputs (never zeros),
 // odd sizes, sizes that parallel_for splits, a few hand-checked values, and the cases supports()
 // refuses.
@@ -9,8 +9,6 @@
 //   sgd_update, adamw_update: a few f32 roundings per element: rtol 1e-6, atol 1e-7 where
 //     m' = b1 m + (1-b1) g may cancel to near 0, and 1e-6 with a large lr, where
 //     p' = p - lr * step (|p| <= 2, |lr * step| ~ 1) may cancel: a few ulps of 2 are 5e-7.
-//   gelu_grad: rtol 1e-5 as gelu's fast kernel; atol 1e-7 for the zero of gelu' near x = -0.75,
-//     where Phi(x) and x phi(x) (about 0.23 each) cancel.
 //   attention, attention_grad: sums over D and Tk of products of values in [-1, 1] in f32
 //     (OpenBLAS) plus an f32 softmax: atol 1e-5, rtol 1e-4 (the same for lse, whose f32 scores
 //     carry the same rounding). attention_grad gets out and lse from the reference forward.
@@ -120,37 +118,6 @@ TEST(CpuTrainKernels, SgdNesterovHandChecked) {
       {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.5}});
   EXPECT_TRUE(all_close(out[0], make(DType::kF32, {1}, {1.539}), 0, 1e-6));
   EXPECT_TRUE(all_close(out[1], make(DType::kF32, {1}, {2.9}), 0, 1e-6));
-}
-
-// ---- gelu_grad ----
-
-TEST(CpuTrainKernels, GeluGradMatchesReference) {
-  uint64_t seed = 300;
-  for (const std::string approximate : {"none", "tanh"}) {
-    const Attributes attrs{{"approximate", approximate}};
-    for (const Shape& shape : kShapes) {
-      for (const auto& [low, high] : {std::pair{-6.0, 6.0}, {-0.6, 0.6}, {-40.0, 40.0}}) {
-        const Tensor x = rand(DType::kF32, shape, ++seed, low, high);
-        const Tensor dy = rand(DType::kF32, shape, ++seed, -1, 1);
-        expect_matches_reference("cpu", Op::kGeluGrad, {x, dy}, attrs, {1e-7, 1e-5});
-      }
-    }
-  }
-}
-
-// gelu'(0) = 1/2 in both forms; exact gelu'(1) = Phi(1) + phi(1) = 0.8413447461 + 0.2419707245;
-// tanh form at 1 (the closed form evaluated on a calculator): u = sqrt(2/pi) 1.044715 =
-// 0.83356197, t = tanh(u) = 0.68238398, 0.5 (1 + t) + 0.5 (1 - t^2) sqrt(2/pi) (1 + 0.134145)
-// = 0.84119199 + 0.24177209 = 1.08296408.
-TEST(CpuTrainKernels, GeluGradHandChecked) {
-  const Tensor x = make(DType::kF32, {2}, {0.0, 1.0});
-  const Tensor dy = make(DType::kF32, {2}, {3.0, 2.0});
-  EXPECT_TRUE(all_close(
-      run_dialect("cpu", Op::kGeluGrad, {x, dy}, {{"approximate", std::string("none")}})[0],
-      make(DType::kF32, {2}, {1.5, 2.0 * 1.0833154706}), 0, 2e-6));
-  EXPECT_TRUE(all_close(
-      run_dialect("cpu", Op::kGeluGrad, {x, dy}, {{"approximate", std::string("tanh")}})[0],
-      make(DType::kF32, {2}, {1.5, 2.0 * 1.08296408}), 0, 2e-6));
 }
 
 // ---- reshape, transpose ----
@@ -445,8 +412,6 @@ TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
   EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f64, f64, f64, lr}), "reference");
   EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f32, {DType::kF16, {4, 3}}, f32, lr}),
             "reference");
-  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {f32, f32}), "cpu");
-  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {f64, f64}), "reference");
   // reshape and transpose copy bytes: every dtype.
   EXPECT_EQ(selected_dialect(Op::kReshape, {f64}, {{"shape", std::vector<int64_t>{-1}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kTranspose, {{DType::kBool, {2, 3}}}), "cpu");

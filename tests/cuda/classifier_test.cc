@@ -294,10 +294,9 @@ TEST(ClassifierGpu, DISABLED_Bandwidth) {
     Tensor grad = logits_t == DType::kBF16 ? logits
                                            : cuda::device_tensor({DType::kBF16, logits_shape}, false);
     cuda::classifier::Problem p;
-    p.logits_t = logits_t == DType::kBF16 ? cuda::classifier::Float::kBF16
-                                          : cuda::classifier::Float::kF32;
+    p.logits_t = logits_t;
     p.logits = logits.raw();
-    p.grad_t = cuda::classifier::Float::kBF16;
+    p.grad_t = DType::kBF16;
     p.dlogits = grad.raw();
     p.labels = labels.raw();
     p.dloss = dloss.data<float>();
