@@ -11,10 +11,13 @@
 // (ops/elementwise.cc), its tests. Every backend picks it up from here.
 #pragma once
 
+// The lines' functions: inline host functions for g++, device functions for nvcc and NVRTC (no
+// .cu file evaluates a line on the host, and a host-device function could not call the
+// device-only primitives of DeviceMath).
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define KILN_HD __host__ __device__ __forceinline__
+#define KILN_MATH_FN __device__ __forceinline__
 #else
-#define KILN_HD inline
+#define KILN_MATH_FN inline
 #endif
 
 // X(Name, arity, domain, expression): Name is the op's (Op::k<Name>); the expression computes in
@@ -69,13 +72,13 @@ enum class Domain : int { kFloat, kArithmetic, kCompare };
 
 // GPT-2's tanh form: gelu(x) ~ 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
 template <class T>
-KILN_HD T gelu_tanh_inner(T x) {
+KILN_MATH_FN T gelu_tanh_inner(T x) {
   return T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
 }
 
 // d gelu / dx, exact form: Phi(x) + x phi(x), phi(x) = e^(-x^2 / 2) / sqrt(2 pi).
 template <class M, class T>
-KILN_HD T gelu_erf_derivative(T x) {
+KILN_MATH_FN T gelu_erf_derivative(T x) {
   return T(0.5) * M::erfc(x * T(-0.70710678118654752440)) +
          x * (T(0.39894228040143267794) * M::exp(T(-0.5) * x * x));
 }
@@ -85,7 +88,7 @@ KILN_HD T gelu_erf_derivative(T x) {
 // <= 1: s (1 - s) = e / (1 + e)^2 never cancels or overflows, where 1 + tanh u and 1 - tanh^2 u
 // would lose every digit for large |u|.
 template <class M, class T>
-KILN_HD T gelu_tanh_derivative(T x) {
+KILN_MATH_FN T gelu_tanh_derivative(T x) {
   const T u = gelu_tanh_inner(x);
   const T e = M::exp(T(-2) * M::abs(u));
   const T inv = T(1) / (T(1) + e);
@@ -104,7 +107,7 @@ KILN_HD T gelu_tanh_derivative(T x) {
     static constexpr int kArity = arity;                                             \
     static constexpr Domain kDomain = Domain::domain;                                \
     template <class M, class T>                                                      \
-    static KILN_HD auto apply(KILN_MATH_PARAMS_##arity) {                            \
+    static KILN_MATH_FN auto apply(KILN_MATH_PARAMS_##arity) {                       \
       return expression;                                                             \
     }                                                                                \
   };
