@@ -33,6 +33,7 @@
 // Comparisons and gelu_grad are not differentiable (gelu_grad: no second derivatives needed).
 #include <cmath>
 #include <limits>
+#include <numbers>
 
 #include "frontend/builder.h"
 #include "ops/common.h"
@@ -112,6 +113,11 @@ template <>
 std::vector<Expr> gradient<Op::kAbs>(const GradContext& c) {
   const Expr &x = c.x(), &dy = c.dy();
   return {where(gt(x, zero_like(x)), dy, where(lt(x, zero_like(x)), -dy, zero_like(dy)))};
+}
+// d erf(x) = 2 / sqrt(pi) e^(-x^2).
+template <>
+std::vector<Expr> gradient<Op::kErf>(const GradContext& c) {
+  return {c.dy() * (exp(-square(c.x())) * (2.0 * std::numbers::inv_sqrtpi))};
 }
 template <>
 std::vector<Expr> gradient<Op::kExp>(const GradContext& c) {

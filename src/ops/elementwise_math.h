@@ -29,6 +29,7 @@
   X(Add, 2, kArithmetic, a + b)                              \
   X(Div, 2, kArithmetic, a / b)                              \
   X(Eq, 2, kCompare, a == b)                                 \
+  X(Erf, 1, kFloat, M::erf(x))                               \
   X(Exp, 1, kFloat, M::exp(x))                               \
   X(Ge, 2, kCompare, a >= b)                                 \
   X(Gt, 2, kCompare, a > b)                                  \

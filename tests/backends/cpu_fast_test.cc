@@ -38,6 +38,8 @@ struct UnaryCase {
 
 const std::vector<UnaryCase>& unary_cases() {
   static const std::vector<UnaryCase> cases = {
+      {Op::kErf, -0.6, 0.6, {1e-9, 2e-6}},  // around the polynomial / erfc switch at 0.5
+      {Op::kErf, -6, 6, {1e-9, 2e-6}},
       {Op::kExp, -10, 10, {1e-30, 2e-6}},
       {Op::kExp, -95, 95, {1e-37, 2e-6}},  // underflow to 0 / overflow to inf at the ends
       {Op::kLog, 0.01, 50, {1e-7, 1e-6}},

@@ -130,7 +130,7 @@ std::vector<Case> build_cases() {
   std::vector<Case> c;
   const Shape s{3, 70};
   // Unary.
-  for (auto [name, op] : {std::pair{"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
+  for (auto [name, op] : {std::pair{"erf", Op::kErf}, {"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
                           {"silu", Op::kSilu}, {"tanh", Op::kTanh}})
     c.push_back({name, op, kFloats, {uniform(s)}});
   for (auto [name, op] : {std::pair{"log", Op::kLog}, {"sqrt", Op::kSqrt}, {"rsqrt", Op::kRsqrt},
