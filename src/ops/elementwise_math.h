@@ -7,8 +7,10 @@
 //                                                      embedded in every kernel NVRTC compiles
 // So this header is plain C++17 that g++, nvcc and NVRTC all compile: no includes, no std::.
 //
-// Adding an elementwise op: its line in ir/ops.def, its line below, its gradient rule
-// (ops/elementwise.cc), its tests. Every backend picks it up from here.
+// Adding an elementwise op: its line in ir/ops.def (and the op count in ir/op.cc), its line
+// below, its gradient rule (ops/elementwise.cc), its tests; a primitive that no policy has yet
+// (as erf was for the CPU fast kernels) goes into each policy. Every backend picks the op up
+// from here: the reference and CPU fast kernels, the CUDA generic kernels, generated code.
 #pragma once
 
 // The lines' functions: inline host functions for g++, device functions for nvcc and NVRTC (no
@@ -57,7 +59,7 @@
 // Ops whose attribute picks one of several forms (ops::elementwise_fn says which): gelu and
 // gelu_grad(a = x, b = dy) by `approximate`, "none" (erf) or "tanh" (GPT-2's). Each form is
 // written where it does not cancel: Phi(x) = erfc(-x / sqrt 2) / 2 has no 1 - (nearly 1) for
-// x < 0, and 0.5 x (1 + tanh u) = x sigmoid(2u) none at large negative u.
+// x < 0, and 0.5 x (1 + tanh u) = x sigmoid(2u) has none at large negative u.
 #define KILN_ELEMENTWISE_FORMS(X)                                                        \
   X(GeluErf, 1, kFloat, T(0.5) * x * M::erfc(x * T(-0.70710678118654752440)))            \
   X(GeluTanh, 1, kFloat, x / (T(1) + M::exp(T(-2) * gelu_tanh_inner(x))))                \
