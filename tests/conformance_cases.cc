@@ -82,7 +82,7 @@ Shape output_shape(Op op, std::vector<TensorType> inputs, Attributes attrs) {
 void add_every_op(std::vector<Case>& c) {
   const Shape s{3, 70};
   // Unary.
-  for (auto [name, op] : {std::pair{"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
+  for (auto [name, op] : {std::pair{"erf", Op::kErf}, {"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
                           {"silu", Op::kSilu}, {"tanh", Op::kTanh}})
     c.push_back({name, op, kFloats, {uniform(s)}});
   for (auto [name, op] : {std::pair{"log", Op::kLog}, {"sqrt", Op::kSqrt}, {"rsqrt", Op::kRsqrt},
@@ -273,6 +273,8 @@ void add_fast_path_geometry(std::vector<Case>& c) {
     Attributes attrs = {};
   };
   const std::vector<Unary> unary = {
+      {Op::kErf, "0.6", -0.6, 0.6, {1e-9, 2e-6}},  // around the polynomial / erfc switch at 0.5
+      {Op::kErf, "6", -6, 6, {1e-9, 2e-6}},
       {Op::kExp, "10", -10, 10, {1e-30, 2e-6}},
       {Op::kExp, "95", -95, 95, {1e-37, 2e-6}},  // underflow to 0 / overflow to inf at the ends
       {Op::kLog, "50", 0.01, 50, {1e-7, 1e-6}},

@@ -1,7 +1,9 @@
 // The op table is complete: every op has attributes schema, inference and a reference kernel,
-// text names parse back, and the CPU backend can run every op.
+// text names parse back, the CPU backend can run every op, and the elementwise ops agree with
+// the math table (ops/elementwise_math.h).
 #include <set>
 
+#include "ops/elementwise.h"
 #include "test_util.h"
 
 namespace kiln {
@@ -50,6 +52,34 @@ TEST(OpTable, AttributeSchemasHaveUniqueNames) {
       if (spec.default_value) {
         EXPECT_EQ(attr_kind(*spec.default_value), spec.kind) << op_name(op) << "." << spec.name;
       }
+    }
+  }
+}
+
+// Each line of the math table is an elementwise op of the line's arity (gelu and gelu_grad: each
+// form), and every elementwise op but cast, where and dropout (no math: conversion, selection,
+// randomness) is a line.
+TEST(OpTable, ElementwiseOpsAreTheLinesOfTheMathTable) {
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!has_flag(op, kElementwise)) {
+      EXPECT_FALSE(ops::is_math_op(op)) << op_name(op) << " is a math line but not elementwise";
+      continue;
+    }
+    if (op == Op::kCast || op == Op::kWhere || op == Op::kDropout) continue;
+    ASSERT_TRUE(ops::is_math_op(op)) << "elementwise op '" << op_name(op)
+                                     << "' has no line in ops/elementwise_math.h";
+    for (const char* approximate : {"none", "tanh"}) {
+      const Attributes attrs =
+          normalize_attributes(op, op_def(op).attrs.empty()
+                                       ? Attributes{}
+                                       : Attributes{{"approximate", std::string(approximate)}});
+      const std::optional<math::Fn> fn = ops::elementwise_fn(op, attrs);
+      ASSERT_TRUE(fn.has_value()) << op_name(op);
+      math::visit(*fn, [&](auto line) {
+        EXPECT_EQ(decltype(line)::kArity, op_info(op).min_inputs) << op_name(op);
+        EXPECT_EQ(decltype(line)::kArity, op_info(op).max_inputs) << op_name(op);
+      });
     }
   }
 }

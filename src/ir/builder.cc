@@ -121,6 +121,7 @@ Expr ge(Expr a, Expr b) { return binary(Op::kGe, a, b); }
 Expr where(Expr c, Expr a, Expr b) { return c.builder().apply1(Op::kWhere, {c, a, b}); }
 
 Expr abs(Expr x) { return unary(Op::kAbs, x); }
+Expr erf(Expr x) { return unary(Op::kErf, x); }
 Expr exp(Expr x) { return unary(Op::kExp, x); }
 Expr log(Expr x) { return unary(Op::kLog, x); }
 Expr sqrt(Expr x) { return unary(Op::kSqrt, x); }

@@ -105,6 +105,7 @@ Expr ge(Expr a, Expr b);
 Expr where(Expr condition, Expr a, Expr b);
 
 Expr abs(Expr x);
+Expr erf(Expr x);
 Expr exp(Expr x);
 Expr log(Expr x);
 Expr sqrt(Expr x);

@@ -1,13 +1,15 @@
-// Elementwise ops: output element i depends only on input elements i (after broadcasting).
-//   unary, no attributes: abs exp log neg reciprocal relu rsqrt sigmoid silu sqrt square tanh
-//     (output type = input type; abs, neg, relu, square also take integers, the rest need floats)
-//   gelu {approximate: "none" (erf form) | "tanh"}
+// Elementwise ops: each op's math is its line in ops/elementwise_math.h (the reference kernels
+// evaluate it in double through ReferenceMath below, the fast kernels of every backend through
+// their own primitives); this file holds the rest of their definitions: dtype checks, the
+// reference loops, gradient rules. And the ops that are not math lines:
+//   gelu {approximate: "none" (erf form) | "tanh"}: the line GeluErf or GeluTanh
 //   gelu_grad(x, dy) {approximate}: dy * gelu'(x), dy of x's type (gelu's backward op)
 //   cast {dtype}: any dtype to any dtype
-//   binary add sub mul div pow maximum minimum: same dtype, numpy broadcasting (pow: floats only)
-//   comparisons eq ne lt le gt ge: same dtype, numpy broadcasting, bool output
 //   where(cond: bool, a, b): three-way broadcasting, output dtype of a
 //   dropout(x [, offset: i64 scalar]) {p, seed}: Philox-based mask (support/philox.h)
+// The lines' domains: kFloat ops need float dtypes (output type = input type); kArithmetic ops
+// also take integers; binary ops take one dtype, numpy broadcasting; comparisons (kCompare)
+// any dtype, bool output.
 //
 // Integer semantics (the reference kernels are the oracle, so they are spelled out here):
 // integer results wrap modulo 2^bits; integer div truncates toward zero and throws on a zero
@@ -35,6 +37,7 @@
 
 #include "ir/builder.h"
 #include "ops/common.h"
+#include "ops/elementwise.h"
 #include "ops/gradient.h"
 #include "support/philox.h"
 
@@ -81,190 +84,109 @@ void set_saturated(Tensor& t, int64_t index, double value) {
   });
 }
 
-// ---- unary ----
+// The reference kernels' primitives for the lines of ops/elementwise_math.h: double precision
+// through the C library (integers too compute in double; set_wrapped wraps the result).
+struct ReferenceMath {
+  static double abs(double x) { return std::abs(x); }
+  static double exp(double x) { return std::exp(x); }
+  static double log(double x) { return std::log(x); }
+  static double sqrt(double x) { return std::sqrt(x); }
+  static double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+  static double tanh(double x) { return std::tanh(x); }
+  static double erf(double x) { return std::erf(x); }
+  static double erfc(double x) { return std::erfc(x); }
+  static double pow(double a, double b) { return std::pow(a, b); }
+  static double select(bool c, double a, double b) { return c ? a : b; }
+};
+
+// ---- gradient rules of the math lines --------------------------------------------------------
+
+// gradient<op>: the rule of each differentiable line (comparisons have none), defined below;
+// define_line registers it.
+template <Op op>
+std::vector<Expr> gradient(const GradContext& c);
 
 // A scalar zero of `like`'s dtype: the "no gradient here" branch of a where.
 Expr zero_like(const Expr& like) { return like.builder().scalar(0.0, like.dtype()); }
 
-std::vector<Expr> abs_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kAbs>(const GradContext& c) {
   const Expr &x = c.x(), &dy = c.dy();
   return {where(gt(x, zero_like(x)), dy, where(lt(x, zero_like(x)), -dy, zero_like(dy)))};
 }
-std::vector<Expr> exp_gradient(const GradContext& c) { return {c.dy() * c.y()}; }
-std::vector<Expr> log_gradient(const GradContext& c) { return {c.dy() / c.x()}; }
-std::vector<Expr> neg_gradient(const GradContext& c) { return {-c.dy()}; }
+// d erf(x) = 2 / sqrt(pi) e^(-x^2).
+template <>
+std::vector<Expr> gradient<Op::kErf>(const GradContext& c) {
+  return {c.dy() * (exp(-square(c.x())) * (2.0 * std::numbers::inv_sqrtpi))};
+}
+template <>
+std::vector<Expr> gradient<Op::kExp>(const GradContext& c) {
+  return {c.dy() * c.y()};
+}
+template <>
+std::vector<Expr> gradient<Op::kLog>(const GradContext& c) {
+  return {c.dy() / c.x()};
+}
+template <>
+std::vector<Expr> gradient<Op::kNeg>(const GradContext& c) {
+  return {-c.dy()};
+}
 // d(1/x) = -1/x^2 = -y^2.
-std::vector<Expr> reciprocal_gradient(const GradContext& c) { return {-(c.dy() * square(c.y()))}; }
-std::vector<Expr> relu_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kReciprocal>(const GradContext& c) {
+  return {-(c.dy() * square(c.y()))};
+}
+template <>
+std::vector<Expr> gradient<Op::kRelu>(const GradContext& c) {
   return {where(gt(c.x(), zero_like(c.x())), c.dy(), zero_like(c.dy()))};
 }
 // d x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2.
-std::vector<Expr> rsqrt_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kRsqrt>(const GradContext& c) {
   return {(c.dy() * -0.5) * (square(c.y()) * c.y())};
 }
-std::vector<Expr> sigmoid_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kSigmoid>(const GradContext& c) {
   return {c.dy() * (c.y() * (1.0 - c.y()))};
 }
 // silu = x s(x): s + x s (1 - s) = s (1 + x (1 - s)).
-std::vector<Expr> silu_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kSilu>(const GradContext& c) {
   Expr s = sigmoid(c.x());
   return {c.dy() * (s * (1.0 + c.x() * (1.0 - s)))};
 }
 // d sqrt(x) = 1 / (2 sqrt(x)) = 0.5 / y.
-std::vector<Expr> sqrt_gradient(const GradContext& c) { return {(c.dy() * 0.5) / c.y()}; }
-std::vector<Expr> square_gradient(const GradContext& c) { return {c.dy() * (c.x() * 2.0)}; }
-std::vector<Expr> tanh_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kSqrt>(const GradContext& c) {
+  return {(c.dy() * 0.5) / c.y()};
+}
+template <>
+std::vector<Expr> gradient<Op::kSquare>(const GradContext& c) {
+  return {c.dy() * (c.x() * 2.0)};
+}
+template <>
+std::vector<Expr> gradient<Op::kTanh>(const GradContext& c) {
   return {c.dy() * (1.0 - square(c.y()))};
 }
-std::vector<Expr> gelu_gradient(const GradContext& c) {
-  return {gelu_grad(c.x(), c.dy(), c.attrs().s("approximate"))};
-}
-std::vector<Expr> cast_gradient(const GradContext& c) {
-  const Expr& x = c.x();
-  if (!is_float(x.dtype())) return {Expr()};
-  return {c.dy().dtype() == x.dtype() ? c.dy() : cast(c.dy(), x.dtype())};
-}
 
-using UnaryFn = double (*)(double);
-
-void define_unary(OpRegistry& registry, Op op, bool takes_integers, UnaryFn fn, GradFn gradient) {
-  InferFn infer = [takes_integers](std::span<const TensorType> in, const Attributes&) {
-    if (takes_integers) {
-      check_arithmetic(in[0]);
-    } else {
-      check_float(in[0]);
-    }
-    return std::vector<TensorType>{in[0]};
-  };
-  KernelFn kernel = [fn](const KernelArgs& k) {
-    for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
-      set_wrapped(k.outputs[0], i, fn(k.inputs[0].get(i)));
-  };
-  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel), std::move(gradient)});
-}
-
-std::vector<TensorType> infer_cast(std::span<const TensorType> in, const Attributes& a) {
-  return {{a.dtype("dtype"), in[0].shape}};
-}
-
-void cast_reference(const KernelArgs& k) {
-  const Tensor& x = k.inputs[0];
-  Tensor& out = k.outputs[0];
-  for (int64_t i = 0; i < out.numel(); ++i) {
-    double v = x.get(i);
-    if (out.dtype() == DType::kBool || is_float(out.dtype())) {
-      out.set(i, v);  // bool: v != 0; floats: round to nearest even
-    } else if (is_float(x.dtype())) {
-      set_saturated(out, i, v);
-    } else {
-      set_wrapped(out, i, v);
-    }
-  }
-}
-
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
-// gelu and gelu_grad share the attribute and its check.
-void check_gelu(const TensorType& x, const Attributes& a) {
-  check_float(x);
-  const std::string& approximate = a.s("approximate");
-  KILN_CHECK(approximate == "none" || approximate == "tanh",
-             "attribute 'approximate' is \"{}\", expected \"none\" or \"tanh\"", approximate);
-}
-
-// GPT-2's tanh form: gelu(x) ~ 0.5 x (1 + tanh(k (x + c x^3))).
-constexpr double kGeluTanhCubic = 0.044715;
-double gelu_tanh_inner_scale() { return std::sqrt(2.0 / std::numbers::pi); }
-
-double gelu(double x, bool tanh_form) {
-  if (tanh_form) {
-    double u = gelu_tanh_inner_scale() * (x + kGeluTanhCubic * x * x * x);
-    return 0.5 * x * (1.0 + std::tanh(u));
-  }
-  return 0.5 * x * (1.0 + std::erf(x / std::numbers::sqrt2));
-}
-
-// d gelu / dx. Exact form: Phi(x) + x phi(x). Tanh form, with u = k (x + c x^3) and t = tanh(u):
-// 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2).
-double gelu_derivative(double x, bool tanh_form) {
-  if (tanh_form) {
-    const double k = gelu_tanh_inner_scale();
-    double t = std::tanh(k * (x + kGeluTanhCubic * x * x * x));
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * kGeluTanhCubic * x * x);
-  }
-  double cdf = 0.5 * (1.0 + std::erf(x / std::numbers::sqrt2));
-  double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi);
-  return cdf + x * pdf;
-}
-
-void define_unary_ops(OpRegistry& registry) {
-  define_unary(registry, Op::kAbs, true, [](double x) { return std::abs(x); }, abs_gradient);
-  define_unary(registry, Op::kExp, false, [](double x) { return std::exp(x); }, exp_gradient);
-  define_unary(registry, Op::kLog, false, [](double x) { return std::log(x); }, log_gradient);
-  define_unary(registry, Op::kNeg, true, [](double x) { return -x; }, neg_gradient);
-  define_unary(registry, Op::kReciprocal, false, [](double x) { return 1.0 / x; },
-               reciprocal_gradient);
-  // x < 0 rather than max(x, 0) so that NaN propagates.
-  define_unary(registry, Op::kRelu, true, [](double x) { return x < 0 ? 0.0 : x; }, relu_gradient);
-  define_unary(registry, Op::kRsqrt, false, [](double x) { return 1.0 / std::sqrt(x); },
-               rsqrt_gradient);
-  define_unary(registry, Op::kSigmoid, false, sigmoid, sigmoid_gradient);
-  define_unary(registry, Op::kSilu, false, [](double x) { return x * sigmoid(x); }, silu_gradient);
-  define_unary(registry, Op::kSqrt, false, [](double x) { return std::sqrt(x); }, sqrt_gradient);
-  define_unary(registry, Op::kSquare, true, [](double x) { return x * x; }, square_gradient);
-  define_unary(registry, Op::kTanh, false, [](double x) { return std::tanh(x); }, tanh_gradient);
-
-  registry.define(
-      Op::kGelu,
-      OpDef{{with_default("approximate", std::string("none"))},
-            [](std::span<const TensorType> in, const Attributes& a) {
-              check_gelu(in[0], a);
-              return std::vector<TensorType>{in[0]};
-            },
-            [](const KernelArgs& k) {
-              bool tanh_form = k.attrs.s("approximate") == "tanh";
-              for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
-                k.outputs[0].set(i, gelu(k.inputs[0].get(i), tanh_form));
-            },
-            gelu_gradient});
-
-  registry.define(
-      Op::kGeluGrad,
-      OpDef{{with_default("approximate", std::string("none"))},
-            [](std::span<const TensorType> in, const Attributes& a) {
-              check_gelu(in[0], a);
-              KILN_CHECK(in[1] == in[0], "dy must have x's type {}, got {}", to_string(in[0]),
-                         to_string(in[1]));
-              return std::vector<TensorType>{in[0]};
-            },
-            [](const KernelArgs& k) {
-              bool tanh_form = k.attrs.s("approximate") == "tanh";
-              const Tensor &x = k.inputs[0], &dy = k.inputs[1];
-              for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
-                k.outputs[0].set(i, dy.get(i) * gelu_derivative(x.get(i), tanh_form));
-            },
-            /*gradient=*/nullptr, /*differentiable=*/false});
-
-  registry.define(Op::kCast, OpDef{{required("dtype", AttrKind::kDType)}, infer_cast,
-                                   cast_reference, cast_gradient});
-}
-
-// ---- binary ----
-
-// Gradient rules of the broadcasting binary ops: each operand's gradient is summed back to its
-// own shape (reduce_to_shape), since broadcasting read it more than once.
-std::vector<Expr> add_gradient(const GradContext& c) {
+// Binary lines broadcast: each operand's gradient is summed back to its own shape
+// (reduce_to_shape), since broadcasting read it more than once.
+template <>
+std::vector<Expr> gradient<Op::kAdd>(const GradContext& c) {
   return {reduce_to_shape(c.dy(), c.x(0).shape()), reduce_to_shape(c.dy(), c.x(1).shape())};
 }
-std::vector<Expr> sub_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kSub>(const GradContext& c) {
   return {reduce_to_shape(c.dy(), c.x(0).shape()), -reduce_to_shape(c.dy(), c.x(1).shape())};
 }
-std::vector<Expr> mul_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kMul>(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1);
   return {reduce_to_shape(c.dy() * b, a.shape()), reduce_to_shape(c.dy() * a, b.shape())};
 }
 // y = a / b: da = dy / b, db = -dy a / b^2 = -da y.
-std::vector<Expr> div_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kDiv>(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1);
   Expr da = c.dy() / b;
   return {reduce_to_shape(da, a.shape()), reduce_to_shape(-(da * c.y()), b.shape())};
@@ -280,7 +202,8 @@ bool is_source_output(const Graph& graph, ValueId id) {
 }
 
 // y = a^b: da = dy b a^(b-1); db = dy y log(a) (NaN for a <= 0: see the header comment).
-std::vector<Expr> pow_gradient(const GradContext& c) {
+template <>
+std::vector<Expr> gradient<Op::kPow>(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1);
   Expr da = reduce_to_shape(c.dy() * (b * pow(a, b - 1.0)), a.shape());
   if (is_source_output(c.builder.graph(), c.node.inputs[1])) return {da, Expr()};
@@ -294,22 +217,22 @@ std::vector<Expr> select_gradient(const GradContext& c, Expr (*chosen)(Expr, Exp
   return {reduce_to_shape(where(chosen(a, b), dy, tie), a.shape()),
           reduce_to_shape(where(chosen(b, a), dy, tie), b.shape())};
 }
-std::vector<Expr> maximum_gradient(const GradContext& c) { return select_gradient(c, gt); }
-std::vector<Expr> minimum_gradient(const GradContext& c) { return select_gradient(c, lt); }
-
-std::vector<Expr> where_gradient(const GradContext& c) {
-  const Expr &condition = c.x(0), &dy = c.dy();
-  return {Expr(), reduce_to_shape(where(condition, dy, zero_like(dy)), c.x(1).shape()),
-          reduce_to_shape(where(condition, zero_like(dy), dy), c.x(2).shape())};
+template <>
+std::vector<Expr> gradient<Op::kMaximum>(const GradContext& c) {
+  return select_gradient(c, gt);
+}
+template <>
+std::vector<Expr> gradient<Op::kMinimum>(const GradContext& c) {
+  return select_gradient(c, lt);
 }
 
-enum class Operands { kFloat, kArithmetic, kAny };
+// ---- the math lines --------------------------------------------------------------------------
 
-// Checks two inputs of a binary op and returns their broadcast shape.
-Shape binary_shape(std::span<const TensorType> in, Operands operands) {
+// Checks two inputs of a binary line and returns their broadcast shape.
+Shape binary_shape(std::span<const TensorType> in, math::Domain domain) {
   check_same_dtype(in[0], in[1]);
-  if (operands == Operands::kFloat) check_float(in[0]);
-  if (operands == Operands::kArithmetic) check_arithmetic(in[0]);
+  if (domain == math::Domain::kFloat) check_float(in[0]);
+  if (domain == math::Domain::kArithmetic) check_arithmetic(in[0]);
   return broadcast_shapes(in[0].shape, in[1].shape);
 }
 
@@ -333,59 +256,128 @@ double integer_divide(double a, double b) {
   return static_cast<double>(x / y);
 }
 
-using BinaryFn = double (*)(double, double);
-
-// `integer_fn`, when given, replaces `fn` for integer inputs (div, whose integer form differs).
-void define_binary(OpRegistry& registry, Op op, Operands operands, GradFn gradient,
-                   BinaryFn fn, BinaryFn integer_fn = nullptr) {
-  InferFn infer = [operands](std::span<const TensorType> in, const Attributes&) {
-    return std::vector<TensorType>{{in[0].dtype, binary_shape(in, operands)}};
-  };
-  KernelFn kernel = [fn, integer_fn](const KernelArgs& k) {
-    bool integer = integer_fn != nullptr && is_integer(k.outputs[0].dtype());
-    binary_loop(k, integer ? integer_fn : fn);
-  };
-  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel), std::move(gradient)});
+// The reference kernel of line F: F in double (bool results as 0 and 1), stored with
+// set_wrapped. Integer division is its own (div's line divides doubles).
+template <class F>
+KernelFn line_reference() {
+  if constexpr (F::kArity == 1) {
+    return [](const KernelArgs& k) {
+      for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
+        set_wrapped(k.outputs[0], i, F::template apply<ReferenceMath>(k.inputs[0].get(i)));
+    };
+  } else {
+    return [](const KernelArgs& k) {
+      if (std::is_same_v<F, math::Div> && is_integer(k.outputs[0].dtype())) {
+        binary_loop(k, integer_divide);
+      } else {
+        binary_loop(k, [](double a, double b) -> double {
+          return F::template apply<ReferenceMath>(a, b);
+        });
+      }
+    };
+  }
 }
 
-// Comparisons have bool outputs: nothing to differentiate.
-void define_comparison(OpRegistry& registry, Op op, bool (*fn)(double, double)) {
+// Defines the op of line F: inference from its arity and domain, its reference kernel, and its
+// gradient rule (comparisons, with bool outputs, have none).
+template <class F, Op op>
+void define_line(OpRegistry& registry) {
   InferFn infer = [](std::span<const TensorType> in, const Attributes&) {
-    return std::vector<TensorType>{{DType::kBool, binary_shape(in, Operands::kAny)}};
+    if constexpr (F::kArity == 1) {
+      if (F::kDomain == math::Domain::kFloat) {
+        check_float(in[0]);
+      } else {
+        check_arithmetic(in[0]);
+      }
+      return std::vector<TensorType>{in[0]};
+    } else {
+      const DType dtype = F::kDomain == math::Domain::kCompare ? DType::kBool : in[0].dtype;
+      return std::vector<TensorType>{{dtype, binary_shape(in, F::kDomain)}};
+    }
   };
-  KernelFn kernel = [fn](const KernelArgs& k) {
-    binary_loop(k, [fn](double a, double b) { return fn(a, b) ? 1.0 : 0.0; });
-  };
-  registry.define(op, OpDef{{}, std::move(infer), std::move(kernel), /*gradient=*/nullptr,
-                            /*differentiable=*/false});
+  if constexpr (F::kDomain == math::Domain::kCompare) {
+    registry.define(op, OpDef{{}, std::move(infer), line_reference<F>(), /*gradient=*/nullptr,
+                              /*differentiable=*/false});
+  } else {
+    registry.define(op, OpDef{{}, std::move(infer), line_reference<F>(), gradient<op>});
+  }
 }
 
-void define_binary_ops(OpRegistry& registry) {
-  define_binary(registry, Op::kAdd, Operands::kArithmetic, add_gradient,
-                [](double a, double b) { return a + b; });
-  define_binary(registry, Op::kSub, Operands::kArithmetic, sub_gradient,
-                [](double a, double b) { return a - b; });
-  define_binary(registry, Op::kMul, Operands::kArithmetic, mul_gradient,
-                [](double a, double b) { return a * b; });
-  define_binary(registry, Op::kPow, Operands::kFloat, pow_gradient,
-                [](double a, double b) { return std::pow(a, b); });
-  define_binary(registry, Op::kMaximum, Operands::kArithmetic, maximum_gradient,
-                [](double a, double b) {
-                  return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
-                });
-  define_binary(registry, Op::kMinimum, Operands::kArithmetic, minimum_gradient,
-                [](double a, double b) {
-                  return std::isnan(a) || std::isnan(b) ? NAN : std::min(a, b);
-                });
-  define_binary(registry, Op::kDiv, Operands::kArithmetic, div_gradient,
-                [](double a, double b) { return a / b; }, integer_divide);
+// ---- gelu, gelu_grad, cast, where ------------------------------------------------------------
 
-  define_comparison(registry, Op::kEq, [](double a, double b) { return a == b; });
-  define_comparison(registry, Op::kNe, [](double a, double b) { return a != b; });
-  define_comparison(registry, Op::kLt, [](double a, double b) { return a < b; });
-  define_comparison(registry, Op::kLe, [](double a, double b) { return a <= b; });
-  define_comparison(registry, Op::kGt, [](double a, double b) { return a > b; });
-  define_comparison(registry, Op::kGe, [](double a, double b) { return a >= b; });
+std::vector<Expr> gelu_gradient(const GradContext& c) {
+  return {gelu_grad(c.x(), c.dy(), c.attrs().s("approximate"))};
+}
+std::vector<Expr> cast_gradient(const GradContext& c) {
+  const Expr& x = c.x();
+  if (!is_float(x.dtype())) return {Expr()};
+  return {c.dy().dtype() == x.dtype() ? c.dy() : cast(c.dy(), x.dtype())};
+}
+std::vector<Expr> where_gradient(const GradContext& c) {
+  const Expr &condition = c.x(0), &dy = c.dy();
+  return {Expr(), reduce_to_shape(where(condition, dy, zero_like(dy)), c.x(1).shape()),
+          reduce_to_shape(where(condition, zero_like(dy), dy), c.x(2).shape())};
+}
+
+std::vector<TensorType> infer_cast(std::span<const TensorType> in, const Attributes& a) {
+  return {{a.dtype("dtype"), in[0].shape}};
+}
+
+void cast_reference(const KernelArgs& k) {
+  const Tensor& x = k.inputs[0];
+  Tensor& out = k.outputs[0];
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    double v = x.get(i);
+    if (out.dtype() == DType::kBool || is_float(out.dtype())) {
+      out.set(i, v);  // bool: v != 0; floats: round to nearest even
+    } else if (is_float(x.dtype())) {
+      set_saturated(out, i, v);
+    } else {
+      set_wrapped(out, i, v);
+    }
+  }
+}
+
+// gelu and gelu_grad share the attribute and its check.
+void check_gelu(const TensorType& x, const Attributes& a) {
+  check_float(x);
+  const std::string& approximate = a.s("approximate");
+  KILN_CHECK(approximate == "none" || approximate == "tanh",
+             "attribute 'approximate' is \"{}\", expected \"none\" or \"tanh\"", approximate);
+}
+
+// The reference kernel of an op whose line its attributes pick (elementwise_fn).
+KernelFn form_reference(Op op) {
+  return [op](const KernelArgs& k) {
+    math::visit(*elementwise_fn(op, k.attrs), [&](auto line) {
+      line_reference<decltype(line)>()(k);
+    });
+  };
+}
+
+void define_other_ops(OpRegistry& registry) {
+  registry.define(
+      Op::kGelu,
+      OpDef{{with_default("approximate", std::string("none"))},
+            [](std::span<const TensorType> in, const Attributes& a) {
+              check_gelu(in[0], a);
+              return std::vector<TensorType>{in[0]};
+            },
+            form_reference(Op::kGelu), gelu_gradient});
+
+  registry.define(
+      Op::kGeluGrad,
+      OpDef{{with_default("approximate", std::string("none"))},
+            [](std::span<const TensorType> in, const Attributes& a) {
+              check_gelu(in[0], a);
+              KILN_CHECK(in[1] == in[0], "dy must have x's type {}, got {}", to_string(in[0]),
+                         to_string(in[1]));
+              return std::vector<TensorType>{in[0]};
+            },
+            form_reference(Op::kGeluGrad), /*gradient=*/nullptr, /*differentiable=*/false});
+
+  registry.define(Op::kCast, OpDef{{required("dtype", AttrKind::kDType)}, infer_cast,
+                                   cast_reference, cast_gradient});
 
   registry.define(
       Op::kWhere,
@@ -454,9 +446,32 @@ void define_dropout(OpRegistry& registry) {
 
 }  // namespace
 
+std::optional<math::Fn> elementwise_fn(Op op, const Attributes& attrs) {
+  switch (op) {
+#define KILN_OP_LINE(Name, arity, domain, expression) \
+  case Op::k##Name:                                   \
+    return math::Fn::k##Name;
+    KILN_ELEMENTWISE_OPS(KILN_OP_LINE)
+#undef KILN_OP_LINE
+    case Op::kGelu:
+      return attrs.s("approximate") == "tanh" ? math::Fn::kGeluTanh : math::Fn::kGeluErf;
+    case Op::kGeluGrad:
+      return attrs.s("approximate") == "tanh" ? math::Fn::kGeluGradTanh : math::Fn::kGeluGradErf;
+    default:
+      return std::nullopt;
+  }
+}
+
+bool is_math_op(Op op) {
+  return op == Op::kGelu || op == Op::kGeluGrad || elementwise_fn(op, {}).has_value();
+}
+
 void define_elementwise_ops(OpRegistry& registry) {
-  define_unary_ops(registry);
-  define_binary_ops(registry);
+#define KILN_DEFINE_LINE(Name, arity, domain, expression) \
+  define_line<math::Name, Op::k##Name>(registry);
+  KILN_ELEMENTWISE_OPS(KILN_DEFINE_LINE)
+#undef KILN_DEFINE_LINE
+  define_other_ops(registry);
   define_dropout(registry);
 }
 

@@ -5,7 +5,9 @@
 // supports() refuses what the fast kernels do not handle, so the reference serves it, and an
 // Executor run with and without the fast dialects.
 #include <cmath>
+#include <set>
 
+#include "ops/elementwise.h"
 #include "runtime/executor.h"
 #include "test_util.h"
 

@@ -205,8 +205,6 @@ TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
   EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f64, f64, f64, lr}), "reference");
   EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f32, {DType::kF16, {4, 3}}, f32, lr}),
             "reference");
-  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {f32, f32}), "cpu");
-  EXPECT_EQ(selected_dialect(Op::kGeluGrad, {f64, f64}), "reference");
   // reshape and transpose copy bytes: every dtype.
   EXPECT_EQ(selected_dialect(Op::kReshape, {f64}, {{"shape", std::vector<int64_t>{-1}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kTranspose, {{DType::kBool, {2, 3}}}), "cpu");

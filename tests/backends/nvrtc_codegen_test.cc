@@ -23,6 +23,7 @@
 #include "backends/cuda/nvrtc.h"
 #include "ir/graph.h"
 #include "models/models.h"
+#include "ops/elementwise.h"
 #include "passes/pipeline.h"
 #include "support/compile_cache.h"
 #include "test_util.h"
@@ -100,7 +101,7 @@ TEST(NvrtcCodegenTest, ElementwiseF32UsesFourWideVectorsAndBroadcastIndexing) {
   EXPECT_TRUE(contains(k.source, "in1 + ((i % 64LL))")) << k.source;
   EXPECT_TRUE(contains(k.source, "in2[(i / 64LL)]")) << k.source;
   EXPECT_TRUE(contains(k.source, "in3[0]")) << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_gelu_tanh(")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln::math::GeluTanh::apply<KilnMath>(")) << k.source;
   EXPECT_TRUE(contains(k.source, "static_cast<float>(0.5)")) << k.source;
   EXPECT_TRUE(contains(k.source, "// ops: add, gelu, full, mul, add, mul")) << k.source;
   EXPECT_TRUE(contains(k.source, "constexpr long long kElements = 256LL;")) << k.source;
@@ -167,7 +168,7 @@ TEST(NvrtcCodegenTest, RowsLayerNormWithResidual) {
   EXPECT_TRUE(contains(k.source, "// pass 1: 1 reduction(s)")) << k.source;  // mean
   EXPECT_TRUE(contains(k.source, "// pass 2: 1 reduction(s)")) << k.source;  // variance
   EXPECT_TRUE(contains(k.source, "kiln_block_reduce<kThreads, 0>")) << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_rsqrt(")) << k.source;
+  EXPECT_TRUE(contains(k.source, "KilnMath::rsqrt(")) << k.source;
   // gamma, beta: indexed by the row's column j, not e % 96.
   EXPECT_TRUE(contains(k.source, "in2[j]")) << k.source;
   EXPECT_FALSE(contains(k.source, "(e % 96LL)")) << k.source;
@@ -326,6 +327,38 @@ TEST(NvrtcCodegenTest, DeterministicSourceAndEveryEmitterListed) {
   EXPECT_GE(ops.size(), 40u);
   EXPECT_NE(std::find(ops.begin(), ops.end(), Op::kLayerNorm), ops.end());
   EXPECT_EQ(std::find(ops.begin(), ops.end(), Op::kMatmul), ops.end());
+}
+
+// Every op that is a line of ops/elementwise_math.h generates (each form of gelu and gelu_grad)
+// as a call of its line, and NVRTC compiles it: a new line needs nothing in codegen.cc.
+TEST(NvrtcCodegenTest, EveryMathLineGeneratesAsACallOfItsLine) {
+  const std::vector<Op> emitted = cuda::ops_with_emitters();
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!ops::is_math_op(op)) continue;
+    EXPECT_NE(std::find(emitted.begin(), emitted.end(), op), emitted.end()) << op_name(op);
+    const bool has_forms = op == Op::kGelu || op == Op::kGeluGrad;
+    for (const char* approximate : {"none", "tanh"}) {
+      if (!has_forms && std::string(approximate) == "tanh") continue;
+      const Attributes attrs =
+          has_forms ? Attributes{{"approximate", std::string(approximate)}} : Attributes{};
+      SCOPED_TRACE(std::string(op_name(op)) + " " + approximate);
+      Body b;
+      std::vector<ValueId> ins;
+      for (int k = 0; k < op_info(op).min_inputs; ++k)
+        ins.push_back(b.in("x" + std::to_string(k), DType::kBF16, {4, 64}));
+      b.out({b.op(op, ins, attrs)});
+      std::string why;
+      ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
+      GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+      math::visit(*ops::elementwise_fn(op, normalize_attributes(op, attrs)), [&](auto line) {
+        const std::string call =
+            std::string("kiln::math::") + decltype(line)::kName + "::apply<KilnMath>(";
+        EXPECT_TRUE(contains(k.source, call)) << call << "\n" << k.source;
+      });
+      expect_compiles(k);
+    }
+  }
 }
 
 TEST(NvrtcCodegenTest, LayersWithTheSameBodyShareOneSource) {
@@ -515,7 +548,7 @@ TEST(NvrtcCodegenTest, ColumnSumElementwiseKernelStructure) {
   EXPECT_TRUE(contains(k.source, "*reinterpret_cast<KilnPack<kV, __nv_bfloat16>*>(out1 + i) = r1;"))
       << k.source;
   EXPECT_TRUE(contains(k.source, "c0[v] += ")) << k.source;
-  EXPECT_TRUE(contains(k.source, "kiln_gelu_grad_tanh(")) << k.source;
+  EXPECT_TRUE(contains(k.source, "kiln::math::GeluGradTanh::apply<KilnMath>(")) << k.source;
   // The block's partial goes to tile blockIdx.y of the scratch buffer; the finish kernel adds
   // tiles in a fixed order; no atomics anywhere.
   EXPECT_TRUE(contains(k.source, "kiln_partials[(0LL + blockIdx.y) * kN")) << k.source;

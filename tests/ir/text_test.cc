@@ -505,6 +505,7 @@ const std::vector<OpSample>& op_samples() {
       {"dropout", "%x: f32[2,3] data, %o: i64[] state",
        "%0 = dropout(%x, %o) {p=0.5, seed=7} : f32[2,3]", "%0"},
       {"eq", kXY, "%0 = eq(%x, %y) : bool[2,3]", "%0"},
+      {"erf", kX, "%0 = erf(%x) : f32[2,3]", "%0"},
       {"exp", kX, "%0 = exp(%x) : f32[2,3]", "%0"},
       {"full", "", "%0 = full() {dtype=i32, shape=[2, 3], value=7.0} : i32[2,3]", "%0"},
       {"fused", kX,

@@ -134,7 +134,7 @@ TEST(GeluGrad, F32KeepsDtype) {
 
 TEST(ElementwiseGrad, SmoothUnaryOnAnyInput) {
   uint64_t seed = 10;
-  for (Op op : {Op::kNeg, Op::kExp, Op::kTanh, Op::kSigmoid, Op::kSilu, Op::kSquare}) {
+  for (Op op : {Op::kNeg, Op::kErf, Op::kExp, Op::kTanh, Op::kSigmoid, Op::kSilu, Op::kSquare}) {
     for (const Shape& shape : kUnaryShapes) {
       SCOPED_TRACE(std::string(op_name(op)) + " " + to_string(shape));
       expect_op_gradients(op, {rand64(shape, ++seed, -2.0, 2.0)});
@@ -398,7 +398,7 @@ TEST(ElementwiseGrad, EveryDifferentiableOpHasARuleAndTheRestSaySo) {
     EXPECT_FALSE(op_def(op).differentiable) << op_name(op);
     EXPECT_FALSE(op_def(op).gradient) << op_name(op);
   }
-  for (Op op : {Op::kAbs, Op::kAdd, Op::kCast, Op::kDiv, Op::kDropout, Op::kExp, Op::kGelu,
+  for (Op op : {Op::kAbs, Op::kAdd, Op::kCast, Op::kDiv, Op::kDropout, Op::kErf, Op::kExp, Op::kGelu,
                 Op::kLog, Op::kMax, Op::kMaximum, Op::kMean, Op::kMinimum, Op::kMul, Op::kNeg,
                 Op::kPow, Op::kReciprocal, Op::kRelu, Op::kRsqrt, Op::kSigmoid, Op::kSilu,
                 Op::kSqrt, Op::kSquare, Op::kSub, Op::kSum, Op::kTanh, Op::kWhere}) {
@@ -444,6 +444,20 @@ TEST(ElementwiseGrad, CompositeWithBroadcastingAndFanOut) {
   Graph g = b.finish({mean(k * pow(exp(v) + 1.0, s)) + sum(rsqrt(exp(x) + v * v))});
   expect_graph_gradients(g, 0, {0, 1, 2},
                          {rand64({3, 4}, 900), rand64({4}, 901), rand64({}, 902)});
+}
+
+TEST(ElementwiseGrad, BertStyleGeluWrittenWithErf) {
+  // 0.5 x (1 + erf(x / sqrt 2)), as BERT-style models and ONNX exports write the exact gelu:
+  // the same values as gelu (approximate "none") and the same gradient.
+  Builder b("bert_gelu");
+  Expr x = b.data("x", {3, 5}, DType::kF64);
+  Expr written = x * 0.5 * (erf(x * (1 / std::numbers::sqrt2)) + 1.0);
+  Graph g = b.finish({sum(written * written), written, gelu(x)});
+  const Tensor xv = rand64({3, 5}, 950, -3.0, 3.0);
+  const std::vector<Tensor> inputs{xv};
+  const std::vector<Tensor> out = Executor(g, {Device::kCpu, {"reference"}}).run(inputs);
+  EXPECT_TRUE(all_close(out[1], out[2], 1e-15, 1e-14));
+  expect_graph_gradients(g, 0, {0}, {xv});
 }
 
 }  // namespace

@@ -10,8 +10,8 @@
 namespace kiln::testing {
 namespace {
 
-const Op kFloatOnlyUnary[] = {Op::kExp,     Op::kLog,  Op::kReciprocal, Op::kRsqrt,
-                              Op::kSigmoid, Op::kSilu, Op::kSqrt,       Op::kTanh};
+const Op kFloatOnlyUnary[] = {Op::kErf,     Op::kExp,  Op::kLog,  Op::kReciprocal, Op::kRsqrt,
+                              Op::kSigmoid, Op::kSilu, Op::kSqrt, Op::kTanh};
 const Op kIntegerUnary[] = {Op::kAbs, Op::kNeg, Op::kRelu, Op::kSquare};
 
 // ---- unary inference ----
@@ -99,6 +99,16 @@ TEST(ElementwiseUnary, ReferenceF64ClosedForms) {
                         1e-15));
   EXPECT_TRUE(
       all_close(ref1(Op::kTanh, {s}), make(DType::kF64, {4}, {0, 0.8, -0.8, 0.6}), 0, 1e-15));
+
+  // erf from the standard normal table: erf(x / sqrt 2) = 2 Phi(x) - 1, Phi(1) =
+  // 0.841344746068543, Phi(2) = 0.977249868051821; erf is odd.
+  const double inv_sqrt2 = 1 / std::numbers::sqrt2;
+  Tensor z = make(DType::kF64, {5}, {0, inv_sqrt2, -inv_sqrt2, 2 * inv_sqrt2, 30});
+  EXPECT_TRUE(all_close(ref1(Op::kErf, {z}),
+                        make(DType::kF64, {5}, {0, 2 * 0.841344746068543 - 1,
+                                                1 - 2 * 0.841344746068543,
+                                                2 * 0.977249868051821 - 1, 1}),
+                        0, 1e-14));
 }
 
 TEST(ElementwiseUnary, ReferenceSpecialValues) {

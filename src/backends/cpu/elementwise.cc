@@ -1,4 +1,6 @@
-// Dialect "cpu", elementwise ops in f32: the unary math ops and the binary arithmetic ops.
+// Dialect "cpu", elementwise ops in f32: every op that is a line of ops/elementwise_math.h
+// (unary, binary, gelu and gelu_grad's forms; not comparisons, whose output is bool), the line
+// evaluated through FastMath (fast_math.h).
 //
 // Binary ops handle the layouts that cover nearly every use in a model, each as a flat loop:
 //   same shape (up to leading 1s)           a[i] op b[i]
@@ -8,13 +10,14 @@
 // Any other broadcast (e.g. a column (B, T, 1)) is refused by supports() and served by the
 // reference kernel.
 //
-// Each op is a struct with a static apply(); the loops are templates over it, so the op is
-// inlined into a plain contiguous loop over __restrict__ pointers that g++ vectorizes (the
-// transcendental ones through fast_math.h, which has no calls).
+// The loops are templates over the line, so its expression is inlined into a plain contiguous
+// loop over __restrict__ pointers that g++ vectorizes (the transcendental primitives through
+// fast_math.h, which has no calls; log and pow stay scalar libm calls).
 #include <cmath>
 
 #include "backends/cpu/cpu_kernels.h"
 #include "backends/cpu/fast_math.h"
+#include "ops/elementwise.h"
 #include "support/parallel.h"
 #include "tensor/tensor.h"
 
@@ -23,28 +26,15 @@ namespace {
 
 // ---- Unary ----------------------------------------------------------------------------------
 
-struct ExpOp { static float apply(float x) { return exp_f32(x); } };
-struct LogOp { static float apply(float x) { return std::log(x); } };
-struct TanhOp { static float apply(float x) { return tanh_f32(x); } };
-struct SigmoidOp { static float apply(float x) { return sigmoid_f32(x); } };
-struct ReluOp { static float apply(float x) { return x > 0.0f ? x : 0.0f; } };
-struct GeluErfOp { static float apply(float x) { return gelu_erf_f32(x); } };
-struct GeluTanhOp { static float apply(float x) { return gelu_tanh_f32(x); } };
-struct SiluOp { static float apply(float x) { return silu_f32(x); } };
-struct NegOp { static float apply(float x) { return -x; } };
-struct AbsOp { static float apply(float x) { return std::abs(x); } };
-struct SqrtOp { static float apply(float x) { return std::sqrt(x); } };
-struct RsqrtOp { static float apply(float x) { return 1.0f / std::sqrt(x); } };
-struct ReciprocalOp { static float apply(float x) { return 1.0f / x; } };
-struct SquareOp { static float apply(float x) { return x * x; } };
-
 template <typename F>
 void unary_loop(const float* __restrict__ in, float* __restrict__ out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = F::apply(in[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = F::template apply<FastMath>(in[i]);
 }
 
 template <typename F>
-void unary_kernel(const KernelArgs& args, int64_t grain) {
+void unary_kernel(const KernelArgs& args) {
+  // Float-only lines are transcendental or a division: worth splitting across threads sooner.
+  constexpr int64_t grain = F::kDomain == math::Domain::kFloat ? kGrainExpensive : kGrainCheap;
   const float* in = args.inputs[0].data<float>();
   float* out = args.outputs[0].data<float>();
   parallel_for(0, args.outputs[0].numel(), grain,
@@ -52,14 +42,6 @@ void unary_kernel(const KernelArgs& args, int64_t grain) {
 }
 
 // ---- Binary ---------------------------------------------------------------------------------
-
-struct AddOp { static float apply(float a, float b) { return a + b; } };
-struct SubOp { static float apply(float a, float b) { return a - b; } };
-struct MulOp { static float apply(float a, float b) { return a * b; } };
-struct DivOp { static float apply(float a, float b) { return a / b; } };
-// NaN in either operand gives NaN, like the reference (a != a: a is NaN).
-struct MaximumOp { static float apply(float a, float b) { return a > b || a != a ? a : b; } };
-struct MinimumOp { static float apply(float a, float b) { return a < b || a != a ? a : b; } };
 
 enum class BinaryLayout { kSame, kScalarA, kScalarB, kRowA, kRowB, kUnsupported };
 
@@ -92,19 +74,19 @@ BinaryPlan plan_binary(const Shape& a, const Shape& b, const Shape& out) {
 template <typename F>
 void binary_same_loop(const float* __restrict__ a, const float* __restrict__ b,
                       float* __restrict__ out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = F::apply(a[i], b[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = F::template apply<FastMath>(a[i], b[i]);
 }
 
 template <typename F>
 void binary_scalar_b_loop(const float* __restrict__ a, float b, float* __restrict__ out,
                           int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = F::apply(a[i], b);
+  for (int64_t i = 0; i < n; ++i) out[i] = F::template apply<FastMath>(a[i], b);
 }
 
 template <typename F>
 void binary_scalar_a_loop(float a, const float* __restrict__ b, float* __restrict__ out,
                           int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = F::apply(a, b[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = F::template apply<FastMath>(a, b[i]);
 }
 
 template <typename F>
@@ -163,46 +145,31 @@ bool binary_supported(const NodeView& node) {
 
 bool f32_supported(const NodeView& node) { return all_dtype(node, DType::kF32); }
 
-void add_unary(KernelRegistry& registry, Op op, KernelFn kernel) {
-  registry.add(op, KernelImpl{"cpu", Device::kCpu, kFastPriority, f32_supported, std::move(kernel)});
-}
-
-template <typename F>
-void add_binary(KernelRegistry& registry, Op op) {
-  registry.add(op, KernelImpl{"cpu", Device::kCpu, kFastPriority, binary_supported,
-                              binary_kernel<F>});
+// Runs the line of the node (ops::elementwise_fn picks gelu's form).
+void line_kernel(Op op, const KernelArgs& args) {
+  math::visit(*ops::elementwise_fn(op, args.attrs), [&](auto line) {
+    using F = decltype(line);
+    if constexpr (F::kDomain == math::Domain::kCompare) {
+      fail("cpu elementwise kernel: {} has a bool output (supports() should refuse it)",
+           F::kName);
+    } else if constexpr (F::kArity == 1) {
+      unary_kernel<F>(args);
+    } else {
+      binary_kernel<F>(args);
+    }
+  });
 }
 
 }  // namespace
 
 void register_elementwise_kernels(KernelRegistry& registry) {
-  add_unary(registry, Op::kExp, [](const KernelArgs& a) { unary_kernel<ExpOp>(a, kGrainExpensive); });
-  add_unary(registry, Op::kLog, [](const KernelArgs& a) { unary_kernel<LogOp>(a, kGrainExpensive); });
-  add_unary(registry, Op::kTanh, [](const KernelArgs& a) { unary_kernel<TanhOp>(a, kGrainExpensive); });
-  add_unary(registry, Op::kSigmoid,
-            [](const KernelArgs& a) { unary_kernel<SigmoidOp>(a, kGrainExpensive); });
-  add_unary(registry, Op::kRelu, [](const KernelArgs& a) { unary_kernel<ReluOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kGelu, [](const KernelArgs& a) {
-    if (a.attrs.s("approximate") == "tanh")
-      unary_kernel<GeluTanhOp>(a, kGrainExpensive);
-    else
-      unary_kernel<GeluErfOp>(a, kGrainExpensive);
-  });
-  add_unary(registry, Op::kSilu, [](const KernelArgs& a) { unary_kernel<SiluOp>(a, kGrainExpensive); });
-  add_unary(registry, Op::kNeg, [](const KernelArgs& a) { unary_kernel<NegOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kAbs, [](const KernelArgs& a) { unary_kernel<AbsOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kSqrt, [](const KernelArgs& a) { unary_kernel<SqrtOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kRsqrt, [](const KernelArgs& a) { unary_kernel<RsqrtOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kReciprocal,
-            [](const KernelArgs& a) { unary_kernel<ReciprocalOp>(a, kGrainCheap); });
-  add_unary(registry, Op::kSquare, [](const KernelArgs& a) { unary_kernel<SquareOp>(a, kGrainCheap); });
-
-  add_binary<AddOp>(registry, Op::kAdd);
-  add_binary<SubOp>(registry, Op::kSub);
-  add_binary<MulOp>(registry, Op::kMul);
-  add_binary<DivOp>(registry, Op::kDiv);
-  add_binary<MaximumOp>(registry, Op::kMaximum);
-  add_binary<MinimumOp>(registry, Op::kMinimum);
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!ops::is_math_op(op)) continue;
+    registry.add(op, KernelImpl{"cpu", Device::kCpu, kFastPriority,
+                                op_info(op).min_inputs == 1 ? f32_supported : binary_supported,
+                                [op](const KernelArgs& args) { line_kernel(op, args); }});
+  }
 }
 
 }  // namespace kiln::cpu

@@ -6,9 +6,9 @@
 // The loops that use these are checked to vectorize with -fopt-info-vec (SSE2 baseline, 4 lanes).
 //
 // Accuracy (relative, checked against the f64 reference in tests/backends/cpu_fast_test.cc):
-// exp_f32 within ~2 ulp; tanh_f32, sigmoid_f32 within a few ulp; erfc_f32 within 2e-6 for
-// z <= 4.3 (rounding of z*z in f32 dominates; erfc(4.3) is 1e-9, so gelu's absolute error there
-// is far below f32 resolution of its inputs).
+// exp_f32 within ~2 ulp; tanh_f32 and sigmoid (from exp_f32) within a few ulp; erfc_f32 within
+// 2e-6 for z <= 4.3 (rounding of z*z in f32 dominates; erfc(4.3) is 1e-9, so gelu's absolute
+// error there is far below f32 resolution of its inputs).
 #pragma once
 
 #include <algorithm>
@@ -60,9 +60,6 @@ inline float exp_f32(float x) {
   return p * half_scale * 2.0f;
 }
 
-// 1 / (1 + e^-x); no cancellation for either sign.
-inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
-
 // tanh(x): an odd Taylor polynomial to degree 15 for |x| < 0.5 (where 1 - e^-2|x| would cancel;
 // truncation < 1e-8 relative), (1 - e) / (1 + e) with e = e^-2|x| elsewhere.
 inline float tanh_f32(float x) {
@@ -99,22 +96,43 @@ inline float erfc_nonnegative_f32(float z) {
   return t * exp_f32(p - z * z);
 }
 
-// gelu with the exact (erf) form: x * Phi(x), Phi(x) = 1 - erfc(z)/2 for x >= 0 and
-// erfc(z)/2 for x < 0, z = |x|/sqrt(2): the negative side never computes 1 - (nearly 1).
-inline float gelu_erf_f32(float x) {
-  constexpr float kInvSqrt2 = 0.70710678118654752f;
-  const float half_erfc = 0.5f * erfc_nonnegative_f32(std::abs(x) * kInvSqrt2);
-  return x * select(x < 0.0f, half_erfc, 1.0f - half_erfc);
+// erfc(z) for any z: erfc(-z) = 2 - erfc(z).
+inline float erfc_f32(float z) {
+  const float e = erfc_nonnegative_f32(std::abs(z));
+  return select(z < 0.0f, 2.0f - e, e);
 }
 
-// gelu with the tanh approximation, 0.5 x (1 + tanh(u)), computed as x * sigmoid(2u) (the same
-// function) so that large negative x does not cancel.
-inline float gelu_tanh_f32(float x) {
-  constexpr float kSqrt2OverPi = 0.79788456080286536f;
-  const float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
-  return x * sigmoid_f32(2.0f * u);
+// erf(x): an odd Taylor polynomial to degree 15 for |x| < 0.5 (where 1 - erfc(|x|) would
+// cancel; truncation < 1e-10 relative), 1 - erfc(|x|) with x's sign elsewhere. Within 4e-7.
+inline float erf_f32(float x) {
+  const float a = std::abs(x);
+  const float x2 = x * x;
+  float p = -1.492565035840625e-05f;
+  p = p * x2 + 1.2055332981789664e-04f;
+  p = p * x2 - 8.548327023450852e-04f;
+  p = p * x2 + 5.223977625442188e-03f;
+  p = p * x2 - 2.6866170645131252e-02f;
+  p = p * x2 + 1.1283791670955126e-01f;
+  p = p * x2 - 3.7612638903183754e-01f;
+  p = p * x2 + 1.1283791670955126f;
+  const float small = x * p;
+  const float large_abs = 1.0f - erfc_nonnegative_f32(a);
+  return select(a < 0.5f, small, std::copysign(large_abs, x));
 }
 
-inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+// The primitives of the math lines (ops/elementwise_math.h) in the fast kernels: f32, through
+// the functions above where libm's would block vectorization. log and pow stay libm's (scalar).
+struct FastMath {
+  static float abs(float x) { return std::abs(x); }
+  static float exp(float x) { return exp_f32(x); }
+  static float log(float x) { return std::log(x); }
+  static float sqrt(float x) { return std::sqrt(x); }
+  static float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+  static float tanh(float x) { return tanh_f32(x); }
+  static float erf(float x) { return erf_f32(x); }
+  static float erfc(float x) { return erfc_f32(x); }
+  static float pow(float a, float b) { return std::pow(a, b); }
+  static float select(bool c, float a, float b) { return cpu::select(c, a, b); }
+};
 
 }  // namespace kiln::cpu

@@ -3,7 +3,6 @@
 //   dialect "cpu":
 //     adamw_update, sgd_update  f32 param/grad/state (lr and step: any float scalar, read once):
 //                               one fused pass over the elements, bias corrections computed once.
-//     gelu_grad                 f32, both approximations, through fast_math.h like gelu.
 //     reshape                   any dtype: a flat copy (the executor gives every value its own
 //                               buffer; a view would need aliasing support there).
 //     transpose                 any dtype, any permutation. Size-1 axes are dropped and input
@@ -218,53 +217,6 @@ bool sgd_supported(const NodeView& node) {
   for (const TensorType& t : node.output_types)
     if (t.dtype != DType::kF32) return false;
   return true;
-}
-
-// ---- gelu_grad ------------------------------------------------------------------------------
-
-// d gelu / dx, exact form: Phi(x) + x phi(x), Phi from erfc as in gelu_erf_f32 (no 1 - ~1 on
-// the negative side).
-inline float gelu_erf_derivative_f32(float x) {
-  constexpr float kInvSqrt2 = 0.70710678118654752f;
-  constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-  const float half_erfc = 0.5f * erfc_nonnegative_f32(std::abs(x) * kInvSqrt2);
-  const float cdf = select(x < 0.0f, half_erfc, 1.0f - half_erfc);
-  const float pdf = kInvSqrt2Pi * exp_f32(-0.5f * x * x);
-  return cdf + x * pdf;
-}
-
-// d gelu / dx, tanh form, with u = k (x + c x^3): 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k
-// (1 + 3 c x^2). Written with s = sigmoid(2u) = 0.5 (1 + tanh u) and 1 - tanh^2 u = 4 s (1 - s),
-// both from e = e^(-2|u|) <= 1: s(1 - s) = e / (1 + e)^2 never cancels or overflows, where
-// 1 + tanh u and 1 - tanh^2 u would lose every digit for large |u|.
-inline float gelu_tanh_derivative_f32(float x) {
-  constexpr float kSqrt2OverPi = 0.79788456080286536f;
-  constexpr float kCubic = 0.044715f;
-  const float u = kSqrt2OverPi * (x + kCubic * x * x * x);
-  const float e = exp_f32(-2.0f * std::abs(u));
-  const float inv = 1.0f / (1.0f + e);
-  const float s = select(u < 0.0f, e * inv, inv);
-  const float s_one_minus_s = e * inv * inv;
-  return s + 2.0f * x * s_one_minus_s * kSqrt2OverPi * (1.0f + 3.0f * kCubic * x * x);
-}
-
-template <float (*Derivative)(float)>
-void gelu_grad_loop(const float* __restrict__ x, const float* __restrict__ dy,
-                    float* __restrict__ dx, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * Derivative(x[i]);
-}
-
-void gelu_grad_kernel(const KernelArgs& args) {
-  const float* x = args.inputs[0].data<float>();
-  const float* dy = args.inputs[1].data<float>();
-  float* dx = args.outputs[0].data<float>();
-  const bool tanh_form = args.attrs.s("approximate") == "tanh";
-  parallel_for(0, args.outputs[0].numel(), kGrainExpensive, [&](int64_t lo, int64_t hi) {
-    if (tanh_form)
-      gelu_grad_loop<gelu_tanh_derivative_f32>(x + lo, dy + lo, dx + lo, hi - lo);
-    else
-      gelu_grad_loop<gelu_erf_derivative_f32>(x + lo, dy + lo, dx + lo, hi - lo);
-  });
 }
 
 // ---- reshape --------------------------------------------------------------------------------
@@ -675,9 +627,6 @@ KernelImpl openblas(std::function<bool(const NodeView&)> supports, KernelFn kern
 void register_train_kernels(KernelRegistry& registry) {
   registry.add(Op::kAdamwUpdate, fast(adamw_supported, adamw_kernel, /*in_place_ok=*/true));
   registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel, /*in_place_ok=*/true));
-  registry.add(Op::kGeluGrad,
-               fast([](const NodeView& node) { return all_dtype(node, DType::kF32); },
-                    gelu_grad_kernel));
   registry.add(Op::kReshape, fast({}, reshape_kernel));
   registry.add(Op::kTranspose, fast({}, transpose_kernel));
   registry.add(Op::kAttention, openblas(attention_supported, attention_kernel));

@@ -13,13 +13,9 @@
 namespace kiln::cuda {
 namespace {
 
-std::optional<AttentionDType> attention_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return AttentionDType::kF32;
-    case DType::kF16: return AttentionDType::kF16;
-    case DType::kBF16: return AttentionDType::kBF16;
-    default: return std::nullopt;
-  }
+// Whether the launchers (attention.cuh) take this dtype.
+bool launcher_dtype(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16;
 }
 
 // Leading dims (and heads) flattened into problems, as the reference kernel does (ops/nn.cc).
@@ -80,8 +76,7 @@ bool attention_fits_launchers(int64_t batch, int64_t heads, int64_t tq, int64_t 
 bool attention_supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
   if (in.size() != (backward ? 6u : 3u) || in[0].rank() < 2) return false;
-  const auto dtype = attention_dtype(in[0].dtype);
-  if (!dtype) return false;
+  if (!launcher_dtype(in[0].dtype)) return false;
   for (size_t i = 0; i < (backward ? 5u : 3u); ++i)
     if (in[i].dtype != in[0].dtype || in[i].rank() != in[0].rank()) return false;
   if (backward && in[5].dtype != DType::kF32) return false;
@@ -101,7 +96,7 @@ bool attention_supported(const NodeView& node, bool backward) {
 bool attention_qkv_supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
   if (in.size() != (backward ? 4u : 1u) || in[0].rank() < 4) return false;
-  if (!attention_dtype(in[0].dtype)) return false;
+  if (!launcher_dtype(in[0].dtype)) return false;
   const int r = in[0].rank();
   if (in[0].shape[r - 3] != 3) return false;
   if (backward) {
@@ -119,7 +114,7 @@ namespace {
 
 void forward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
-  attention_forward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(),
+  attention_forward(q.dtype(), q.raw(), k.raw(), v.raw(),
                     args.outputs[0].raw(), args.outputs[1].data<float>(),
                     attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
                     static_cast<cudaStream_t>(args.stream));
@@ -128,7 +123,7 @@ void forward_kernel(const KernelArgs& args) {
 void backward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
                &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
-  attention_backward(*attention_dtype(q.dtype()), q.raw(), k.raw(), v.raw(), out.raw(),
+  attention_backward(q.dtype(), q.raw(), k.raw(), v.raw(), out.raw(),
                      dout.raw(), lse.data<float>(), args.outputs[0].raw(),
                      args.outputs[1].raw(), args.outputs[2].raw(),
                      attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
@@ -138,7 +133,7 @@ void backward_kernel(const KernelArgs& args) {
 void qkv_forward_kernel(const KernelArgs& args) {
   const Tensor& qkv = args.inputs[0];
   const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
-  attention_forward(*attention_dtype(qkv.dtype()), packed_part(qkv, s, 0),
+  attention_forward(qkv.dtype(), packed_part(qkv, s, 0),
                     packed_part(qkv, s, 1), packed_part(qkv, s, 2), args.outputs[0].raw(),
                     args.outputs[1].data<float>(), s, static_cast<cudaStream_t>(args.stream));
 }
@@ -147,7 +142,7 @@ void qkv_backward_kernel(const KernelArgs& args) {
   const Tensor &qkv = args.inputs[0], &out = args.inputs[1], &dout = args.inputs[2],
                &lse = args.inputs[3], &dqkv = args.outputs[0];
   const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
-  attention_backward(*attention_dtype(qkv.dtype()), packed_part(qkv, s, 0),
+  attention_backward(qkv.dtype(), packed_part(qkv, s, 0),
                      packed_part(qkv, s, 1), packed_part(qkv, s, 2), out.raw(), dout.raw(),
                      lse.data<float>(), packed_part(dqkv, s, 0), packed_part(dqkv, s, 1),
                      packed_part(dqkv, s, 2), s, static_cast<cudaStream_t>(args.stream));

@@ -894,11 +894,11 @@ void zero_rows(void* p, const AttentionShape& s, int64_t rows, int64_t dim, int6
 
 }  // namespace
 
-bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv) {
-  return dtype != AttentionDType::kF32 && d == dv && (d == 32 || d == 64 || d == 128);
+bool attention_uses_tensor_cores(DType dtype, int64_t d, int64_t dv) {
+  return dtype != DType::kF32 && d == dv && (d == 32 || d == 64 || d == 128);
 }
 
-void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
+void attention_forward(DType dtype, const void* q, const void* k, const void* v,
                        void* out, float* lse, const AttentionShape& s, cudaStream_t stream) {
   check_shape(s, "attention");
   if (s.batch == 0 || s.tq == 0) return;
@@ -906,27 +906,29 @@ void attention_forward(AttentionDType dtype, const void* q, const void* k, const
   const bool tc = attention_uses_tensor_cores(dtype, s.d, s.dv) && tc_rows_aligned(s) &&
                   aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   switch (dtype) {
-    case AttentionDType::kF32:
+    case DType::kF32:
       return simple_forward<float>(q, k, v, out, lse, s, sl2, stream);
-    case AttentionDType::kF16:
+    case DType::kF16:
       if (!tc) return simple_forward<__half>(q, k, v, out, lse, s, sl2, stream);
       if (s.d == 32) return tc_forward<__half, 32>(q, k, v, out, lse, s, sl2, stream);
       if (s.d == 64) return tc_forward<__half, 64>(q, k, v, out, lse, s, sl2, stream);
       return tc_forward<__half, 128>(q, k, v, out, lse, s, sl2, stream);
-    case AttentionDType::kBF16:
+    case DType::kBF16:
       if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, out, lse, s, sl2, stream);
       if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, out, lse, s, sl2, stream);
       if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, out, lse, s, sl2, stream);
       return tc_forward<__nv_bfloat16, 128>(q, k, v, out, lse, s, sl2, stream);
+    default:
+      fail("attention: {} is not f32, f16 or bf16", dtype_name(dtype));
   }
 }
 
-void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
+void attention_backward(DType dtype, const void* q, const void* k, const void* v,
                         const void* out, const void* dout, const float* lse, void* dq, void* dk,
                         void* dv, const AttentionShape& s, cudaStream_t stream) {
   check_shape(s, "attention_grad");
   if (s.batch == 0) return;
-  const size_t elem = dtype == AttentionDType::kF32 ? 4 : 2;
+  const size_t elem = dtype_size(dtype);
   if (s.tk == 0) {  // no keys: every gradient is 0 (dk and dv are empty)
     zero_rows(dq, s, s.tq, s.d, qk_stride(s), elem, stream);
     return;
@@ -941,13 +943,15 @@ void attention_backward(AttentionDType dtype, const void* q, const void* k, cons
                   aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout) &&
                   aligned16(dq) && aligned16(dk) && aligned16(dv);
   switch (dtype) {
-    case AttentionDType::kF32:
+    case DType::kF32:
       return backward_typed<float>(q, k, v, out, dout, lse, dq, dk, dv, s, false, sl2, stream);
-    case AttentionDType::kF16:
+    case DType::kF16:
       return backward_typed<__half>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2, stream);
-    case AttentionDType::kBF16:
+    case DType::kBF16:
       return backward_typed<__nv_bfloat16>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2,
                                            stream);
+    default:
+      fail("attention_grad: {} is not f32, f16 or bf16", dtype_name(dtype));
   }
 }
 

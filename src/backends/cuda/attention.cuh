@@ -15,9 +15,9 @@
 
 #include <cstdint>
 
-namespace kiln::cuda {
+#include "ir/dtype.h"
 
-enum class AttentionDType { kF32, kF16, kBF16 };
+namespace kiln::cuda {
 
 struct AttentionShape {
   int64_t batch = 0, tq = 0, tk = 0, d = 0, dv = 0;
@@ -33,20 +33,22 @@ struct AttentionShape {
 // Largest head dims the launchers take (the simple path keeps a row in 8 registers a lane).
 inline constexpr int64_t kAttentionMaxHeadDim = 256;
 
+// dtype: f32, f16 or bf16 (of q, k, v, out and their gradients).
+
 // Whether the tensor-core (mma.sync) path serves these: 16-bit types, d == dv in {32, 64, 128}.
 // Everything else with d, dv <= kAttentionMaxHeadDim takes a simple one-warp-per-row path.
-bool attention_uses_tensor_cores(AttentionDType dtype, int64_t d, int64_t dv);
+bool attention_uses_tensor_cores(DType dtype, int64_t d, int64_t dv);
 
 // out = softmax(q k^T * scale + mask) v and lse = the natural log-sum-exp of each row's scaled
 // scores (-inf for a row without keys). Enqueued on `stream`, never synchronizes.
-void attention_forward(AttentionDType dtype, const void* q, const void* k, const void* v,
+void attention_forward(DType dtype, const void* q, const void* k, const void* v,
                        void* out, float* lse, const AttentionShape& shape, cudaStream_t stream);
 
 // (dq, dk, dv) of attention for the output gradient dout, given the forward's out and lse
 // (FlashAttention-2): a pre-pass of the row statistics (lse, D = rowsum(dout * out)) into 8 bytes
 // a row of stream-ordered scratch (cudaMallocAsync), a dk/dv pass over key blocks, a dq pass
 // over query blocks (no atomics: deterministic). Enqueued on `stream`, never synchronizes.
-void attention_backward(AttentionDType dtype, const void* q, const void* k, const void* v,
+void attention_backward(DType dtype, const void* q, const void* k, const void* v,
                         const void* out, const void* dout, const float* lse, void* dq, void* dk,
                         void* dv, const AttentionShape& shape, cudaStream_t stream);
 

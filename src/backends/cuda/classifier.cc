@@ -20,19 +20,12 @@ namespace {
 // kernel is the reason the node exists, so it must win wherever it supports the node.
 constexpr int kClassifierPriority = kGeneratedPriority + 10;  // 50
 
-std::optional<classifier::Float> float_of(DType d) {
-  switch (d) {
-    case DType::kF32: return classifier::Float::kF32;
-    case DType::kF16: return classifier::Float::kF16;
-    case DType::kBF16: return classifier::Float::kBF16;
-    default: return std::nullopt;
-  }
-}
+bool storage_float(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
 
 std::optional<ClassifierBody> body_of(const Node& node) {
   if (!is_fused(node, FusedKind::kClassifier)) return std::nullopt;
   std::optional<ClassifierBody> spec = match_classifier_body(*node.body);
-  if (!spec || !float_of(spec->logits) || !float_of(spec->grad)) return std::nullopt;
+  if (!spec || !storage_float(spec->logits) || !storage_float(spec->grad)) return std::nullopt;
   if (spec->grad != spec->logits && spec->logits != DType::kF32) return std::nullopt;
   return spec;
 }
@@ -49,9 +42,9 @@ void run_classifier(const KernelArgs& args) {
   KILN_CHECK(spec.has_value(), "fused classifier: the body @{} is not a classifier body",
              args.body->name);
   classifier::Problem p;
-  p.logits_t = *float_of(spec->logits);
+  p.logits_t = spec->logits;
   p.logits = args.inputs[0].raw();
-  p.grad_t = *float_of(spec->grad);
+  p.grad_t = spec->grad;
   p.dlogits = args.outputs[1].raw();
   p.labels64 = spec->labels == DType::kI64;
   p.labels = args.inputs[1].raw();

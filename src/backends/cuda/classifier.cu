@@ -361,19 +361,19 @@ struct Tag {
 };
 
 template <typename Fn>
-void visit(Float t, Fn&& fn) {
+void visit(DType t, Fn&& fn) {
   switch (t) {
-    case Float::kF32:
+    case DType::kF32:
       return fn(Tag<float>{});
-    case Float::kF16:
+    case DType::kF16:
       return fn(Tag<f16>{});
-    case Float::kBF16:
+    case DType::kBF16:
       return fn(Tag<bf16>{});
+    default:
+      break;
   }
-  fail("fused classifier: unknown element type {}", static_cast<int>(t));
+  fail("fused classifier: {} is not f32, f16 or bf16", dtype_name(t));
 }
-
-size_t size_of(Float t) { return t == Float::kF32 ? 4 : 2; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -408,11 +408,11 @@ void launch(const Problem& p, const float* count, float* row_loss, cudaStream_t 
 
 }  // namespace
 
-LaunchInfo launch_info(Float logits_t, int64_t vocab) {
-  const int w = static_cast<int>(16 / size_of(logits_t));
+LaunchInfo launch_info(DType logits_t, int64_t vocab) {
+  const int w = static_cast<int>(16 / dtype_size(logits_t));
   LaunchInfo info;
   info.threads = threads_for(vocab, w);
-  const int64_t bytes = (vocab + w) * static_cast<int64_t>(size_of(logits_t));
+  const int64_t bytes = (vocab + w) * static_cast<int64_t>(dtype_size(logits_t));
   const RowPath path = static_cast<RowPath>(g_row_path.load());
   info.row_in_shared_memory = path == RowPath::kShared && bytes <= kMaxSharedRowBytes;
   info.shared_bytes = info.row_in_shared_memory ? bytes : 0;
@@ -428,7 +428,7 @@ void fused_classifier(const Problem& p, cudaStream_t stream) {
     return;
   }
   KILN_CHECK(p.vocab >= 1, "fused classifier: vocab is {}, expected >= 1", p.vocab);
-  KILN_CHECK(p.grad_t == p.logits_t || p.logits_t == Float::kF32,
+  KILN_CHECK(p.grad_t == p.logits_t || p.logits_t == DType::kF32,
              "fused classifier: gradient type {} for logits of type {}: expected the logits' "
              "type, or a 16-bit gradient of f32 logits",
              static_cast<int>(p.grad_t), static_cast<int>(p.logits_t));

@@ -18,15 +18,16 @@
 
 #include <cstdint>
 
+#include "ir/dtype.h"
+
 namespace kiln::cuda::classifier {
 
-enum class Float : int { kF32, kF16, kBF16 };
 enum class Reduction : int { kMean, kSum, kNone };
 
 struct Problem {
-  Float logits_t = Float::kF32;
+  DType logits_t = DType::kF32;  // f32, f16 or bf16
   const void* logits = nullptr;  // (rows, vocab)
-  Float grad_t = Float::kF32;    // logits_t, or 16 bits for f32 logits
+  DType grad_t = DType::kF32;    // logits_t, or 16 bits for f32 logits
   void* dlogits = nullptr;       // (rows, vocab); may be `logits` when the types agree
   bool labels64 = true;          // i64 labels, else i32
   const void* labels = nullptr;  // (rows)
@@ -45,7 +46,7 @@ struct LaunchInfo {
   bool row_in_shared_memory = false;
   int64_t shared_bytes = 0;
 };
-LaunchInfo launch_info(Float logits_t, int64_t vocab);
+LaunchInfo launch_info(DType logits_t, int64_t vocab);
 
 // How a row travels between the kernel's two passes. kShared (the default): copied once into
 // shared memory (cp.async) when it fits (kMaxSharedRowBytes in classifier.cu), so DRAM sees it

@@ -12,9 +12,17 @@
 #include <set>
 
 #include "ir/op_def.h"
+#include "ops/elementwise.h"
 #include "support/error.h"
 
 namespace kiln::cuda {
+
+// The lines of the elementwise math table and the device policy: the text of
+// ops/elementwise_math.h and backends/cuda/device_math.cuh, embedded at build time
+// (CMakeLists.txt writes it into a generated .cc), so that NVRTC compiles the very lines that
+// nvcc and g++ compile.
+extern const char* const kEmbeddedMathSource;
+
 namespace {
 
 // ---- micro values ----------------------------------------------------------------------------
@@ -367,34 +375,28 @@ class Ctx {
 
 using Emitter = std::function<std::vector<int>(Ctx&)>;
 
-// Table helpers: elementwise ops are one CUDA expression each.
-Emitter unary_float(std::string text) {
-  return [text](Ctx& c) -> std::vector<int> {
-    c.require_float();
-    return {c.e(c.ct(), text, c.operands())};
-  };
-}
-Emitter binary_float(std::string text) { return unary_float(std::move(text)); }
-// Any dtype in, the output's C type out (comparisons: bool).
-Emitter any_types(std::string text) {
-  return [text](Ctx& c) -> std::vector<int> {
+// An op that is a line of ops/elementwise_math.h: a call of the line's functor with the device
+// policy (the prelude holds both). Integer operands only where nothing can wrap or divide by
+// zero: comparisons, and maximum and minimum, which select an operand (u8 not at all).
+std::vector<int> emit_line(Ctx& c) {
+  const math::Fn fn = *ops::elementwise_fn(c.node.op, c.attrs());
+  std::string name;
+  math::Domain domain = math::Domain::kFloat;
+  math::visit(fn, [&](auto line) {
+    name = decltype(line)::kName;
+    domain = decltype(line)::kDomain;
+  });
+  if (domain == math::Domain::kCompare || fn == math::Fn::kMaximum || fn == math::Fn::kMinimum) {
     for (size_t k = 0; k < c.node.inputs.size(); ++k)
-      c.require(c.in_type(static_cast<int>(k)).dtype != DType::kU8 || c.node.op == Op::kWhere,
+      c.require(c.in_type(static_cast<int>(k)).dtype != DType::kU8,
                 "u8 operands are not generated");
-    return {c.e(c.ct(), text, c.operands())};
-  };
-}
-
-std::vector<int> emit_gelu(Ctx& c) {
-  c.require_float();
-  const bool tanh_form = c.attrs().s("approximate") == "tanh";
-  return {c.e(c.ct(), tanh_form ? "kiln_gelu_tanh($0)" : "kiln_gelu_erf($0)", c.operands())};
-}
-std::vector<int> emit_gelu_grad(Ctx& c) {
-  c.require_float();
-  const bool tanh_form = c.attrs().s("approximate") == "tanh";
-  return {c.e(c.ct(), tanh_form ? "kiln_gelu_grad_tanh($0, $1)" : "kiln_gelu_grad_erf($0, $1)",
-              c.operands())};
+  } else {
+    c.require_float();
+  }
+  const std::vector<int> args = c.operands();
+  std::string call = "kiln::math::" + name + "::apply<KilnMath>($0";
+  for (size_t k = 1; k < args.size(); ++k) call += fmt::format(", ${}", k);
+  return {c.e(c.ct(), call + ")", args)};
 }
 
 std::vector<int> emit_cast(Ctx& c) {
@@ -506,9 +508,9 @@ std::vector<int> emit_softmax(Ctx& c, bool log) {
   const std::string t = c.ct();
   const int x = c.row_input(0);
   const int m = c.max(x);
-  const int ex = c.e(t, "kiln_exp($0 - $1)", {x, m});
+  const int ex = c.e(t, "KilnMath::exp($0 - $1)", {x, m});
   const int s = c.sum(ex);
-  if (log) return {c.e(t, "($0 - $1 - kiln_log($2))", {x, m, s})};
+  if (log) return {c.e(t, "($0 - $1 - KilnMath::log($2))", {x, m, s})};
   return {c.e(t, "($0 / $1)", {ex, s})};
 }
 
@@ -517,7 +519,7 @@ std::vector<int> emit_softmax_grad(Ctx& c, bool log) {
   c.require_last_axis(c.attrs().i("axis"), c.in_type(0).rank());
   const std::string t = c.ct();
   const int y = c.row_input(0), dy = c.row_input(1);
-  if (log) return {c.e(t, "($0 - kiln_exp($1) * $2)", {dy, y, c.sum(dy)})};
+  if (log) return {c.e(t, "($0 - KilnMath::exp($1) * $2)", {dy, y, c.sum(dy)})};
   return {c.e(t, "($0 * ($1 - $2))", {y, dy, c.sum(c.e(t, "($0 * $1)", {dy, y}))})};
 }
 
@@ -530,7 +532,7 @@ std::vector<int> emit_layer_norm(Ctx& c) {
   const int d = c.e(t, "($0 - $1)", {x, mean});
   const int var = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {d}))});
   const int rstd =
-      c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
+      c.e(t, "KilnMath::rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
   return {c.e(t, "($0 * $1 * $2 + $3)", {d, rstd, gamma, beta})};
 }
 
@@ -540,7 +542,7 @@ std::vector<int> emit_rms_norm(Ctx& c) {
   const int x = c.row_input(0);
   const int gamma = c.x(1, Space::kFull);
   const int ms = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {x}))});
-  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
+  const int rstd = c.e(t, "KilnMath::rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
   return {c.e(t, "($0 * $1 * $2)", {x, rstd, gamma})};
 }
 
@@ -555,7 +557,7 @@ std::vector<int> emit_layer_norm_grad(Ctx& c) {
   const int mean = c.e(t, "($0 / " + n + ")", {c.sum(x)});
   const int d = c.e(t, "($0 - $1)", {x, mean});
   const int var = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {d}))});
-  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
+  const int rstd = c.e(t, "KilnMath::rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {var});
   const int x_hat = c.e(t, "($0 * $1)", {d, rstd});
   const int g = c.e(t, "($0 * $1)", {dy, gamma});
   const int mean_g = c.e(t, "($0 / " + n + ")", {c.sum(g)});
@@ -572,7 +574,7 @@ std::vector<int> emit_rms_norm_grad(Ctx& c) {
   const int x = c.row_input(0), dy = c.row_input(2);
   const int gamma = c.x(1, Space::kFull);
   const int ms = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $0)", {x}))});
-  const int rstd = c.e(t, "kiln_rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
+  const int rstd = c.e(t, "KilnMath::rsqrt($0 + " + lit(t, c.attrs().f("epsilon")) + ")", {ms});
   const int g = c.e(t, "($0 * $1)", {dy, gamma});
   const int mean_gx = c.e(t, "($0 / " + n + ")", {c.sum(c.e(t, "($0 * $1)", {g, x}))});
   const int dx = c.e(t, "($0 * $1 - $0 * $0 * $0 * $2 * $3)", {rstd, g, x, mean_gx});
@@ -592,7 +594,7 @@ CrossEntropyRow cross_entropy_row(Ctx& c) {
   r.label = c.x(1, Space::kRow);
   c.require(c.l.vals()[r.label].space == Space::kRow, "labels must be one per row");
   r.m = c.max(r.x);
-  r.s = c.sum(c.e(t, "kiln_exp($0 - $1)", {r.x, r.m}));
+  r.s = c.sum(c.e(t, "KilnMath::exp($0 - $1)", {r.x, r.m}));
   const int j = c.column();
   r.hit = c.e("bool", "($0 == static_cast<long long>($1))", {j, r.label});
   const std::string ignore = lit_int(c.attrs().i("ignore_index"));
@@ -613,7 +615,7 @@ std::vector<int> emit_cross_entropy(Ctx& c) {
   const int picked = c.sum(c.e(t, "($0 ? $1 : static_cast<$t>(0))", {r.hit, r.x}));
   return {c.e(t,
               "($4 ? kiln_nan() : static_cast<long long>($0) == " + ignore +
-                  " ? static_cast<$t>(0) : $1 + kiln_log($2) - $3)",
+                  " ? static_cast<$t>(0) : $1 + KilnMath::log($2) - $3)",
               {r.label, r.m, r.s, picked, r.bad})};
 }
 
@@ -626,7 +628,7 @@ std::vector<int> emit_cross_entropy_grad(Ctx& c) {
   const std::string t = c.ct(), ignore = lit_int(c.attrs().i("ignore_index"));
   CrossEntropyRow r = cross_entropy_row(c);
   const int dloss = c.x(2, Space::kRow);
-  const int p = c.e(t, "(kiln_exp($0 - $1) / $2)", {r.x, r.m, r.s});
+  const int p = c.e(t, "(KilnMath::exp($0 - $1) / $2)", {r.x, r.m, r.s});
   return {c.e(t,
               "($4 ? kiln_nan() : static_cast<long long>($0) == " + ignore +
                   " ? static_cast<$t>(0) : ($1 - ($2 ? static_cast<$t>(1) : static_cast<$t>(0)))"
@@ -634,55 +636,34 @@ std::vector<int> emit_cross_entropy_grad(Ctx& c) {
               {r.label, p, r.hit, dloss, r.bad})};
 }
 
-// THE emitter table: one entry per op the nvrtc dialect generates.
+// THE emitter table: one entry per op the nvrtc dialect generates; the op of every math line
+// is emit_line.
 const std::map<Op, Emitter>& emitters() {
-  static const std::map<Op, Emitter> table = {
-      {Op::kAbs, unary_float("kiln_abs($0)")},
-      {Op::kExp, unary_float("kiln_exp($0)")},
-      {Op::kLog, unary_float("kiln_log($0)")},
-      {Op::kNeg, unary_float("(-$0)")},
-      {Op::kReciprocal, unary_float("(static_cast<$t>(1) / $0)")},
-      {Op::kRelu, unary_float("($0 < static_cast<$t>(0) ? static_cast<$t>(0) : $0)")},
-      {Op::kRsqrt, unary_float("kiln_rsqrt($0)")},
-      {Op::kSigmoid, unary_float("kiln_sigmoid($0)")},
-      {Op::kSilu, unary_float("($0 * kiln_sigmoid($0))")},
-      {Op::kSqrt, unary_float("kiln_sqrt($0)")},
-      {Op::kSquare, unary_float("($0 * $0)")},
-      {Op::kTanh, unary_float("kiln_tanh($0)")},
-      {Op::kGelu, emit_gelu},
-      {Op::kGeluGrad, emit_gelu_grad},
-      {Op::kAdd, binary_float("($0 + $1)")},
-      {Op::kSub, binary_float("($0 - $1)")},
-      {Op::kMul, binary_float("($0 * $1)")},
-      {Op::kDiv, binary_float("($0 / $1)")},
-      {Op::kPow, binary_float("kiln_pow($0, $1)")},
-      {Op::kMaximum, any_types("kiln_maximum($0, $1)")},
-      {Op::kMinimum, any_types("kiln_minimum($0, $1)")},
-      {Op::kEq, any_types("($0 == $1)")},
-      {Op::kNe, any_types("($0 != $1)")},
-      {Op::kLt, any_types("($0 < $1)")},
-      {Op::kLe, any_types("($0 <= $1)")},
-      {Op::kGt, any_types("($0 > $1)")},
-      {Op::kGe, any_types("($0 >= $1)")},
-      {Op::kWhere, any_types("($0 ? $1 : $2)")},
-      {Op::kCast, emit_cast},
-      {Op::kConcat, emit_concat},
-      {Op::kFull, emit_full},
-      {Op::kReshape, emit_reshape},
-      {Op::kSum, emit_row_reduction},
-      {Op::kMean, emit_row_reduction},
-      {Op::kMax, emit_row_reduction},
-      {Op::kSoftmax, [](Ctx& c) { return emit_softmax(c, false); }},
-      {Op::kLogSoftmax, [](Ctx& c) { return emit_softmax(c, true); }},
-      {Op::kSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, false); }},
-      {Op::kLogSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, true); }},
-      {Op::kLayerNorm, emit_layer_norm},
-      {Op::kRmsNorm, emit_rms_norm},
-      {Op::kLayerNormGrad, emit_layer_norm_grad},
-      {Op::kRmsNormGrad, emit_rms_norm_grad},
-      {Op::kCrossEntropy, emit_cross_entropy},
-      {Op::kCrossEntropyGrad, emit_cross_entropy_grad},
-  };
+  static const std::map<Op, Emitter> table = [] {
+    std::map<Op, Emitter> t = {
+        {Op::kWhere, [](Ctx& c) { return std::vector<int>{c.e(c.ct(), "($0 ? $1 : $2)", c.operands())}; }},
+        {Op::kCast, emit_cast},
+        {Op::kConcat, emit_concat},
+        {Op::kFull, emit_full},
+        {Op::kReshape, emit_reshape},
+        {Op::kSum, emit_row_reduction},
+        {Op::kMean, emit_row_reduction},
+        {Op::kMax, emit_row_reduction},
+        {Op::kSoftmax, [](Ctx& c) { return emit_softmax(c, false); }},
+        {Op::kLogSoftmax, [](Ctx& c) { return emit_softmax(c, true); }},
+        {Op::kSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, false); }},
+        {Op::kLogSoftmaxGrad, [](Ctx& c) { return emit_softmax_grad(c, true); }},
+        {Op::kLayerNorm, emit_layer_norm},
+        {Op::kRmsNorm, emit_rms_norm},
+        {Op::kLayerNormGrad, emit_layer_norm_grad},
+        {Op::kRmsNormGrad, emit_rms_norm_grad},
+        {Op::kCrossEntropy, emit_cross_entropy},
+        {Op::kCrossEntropyGrad, emit_cross_entropy_grad},
+    };
+    for (int i = 0; i < kNumOps; ++i)
+      if (ops::is_math_op(static_cast<Op>(i))) t[static_cast<Op>(i)] = emit_line;
+    return t;
+  }();
   return table;
 }
 
@@ -727,60 +708,18 @@ Shape iteration_space(const Graph& body, bool rows) {
 
 // ---- kernel text -----------------------------------------------------------------------------
 
-constexpr const char* kPrelude = R"(#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
+// Everything a generated kernel starts with: fp16/bf16, the math lines, small helpers.
+std::string prelude() {
+  return std::string("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n\n") + kEmbeddedMathSource +
+         R"(
 // ---- helpers (identical in every generated kernel) ----
+using KilnMath = kiln::cuda::DeviceMath;
 __device__ __forceinline__ float kiln_nan() { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ float kiln_inf() { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ float kiln_exp(float x) { return expf(x); }
-__device__ __forceinline__ double kiln_exp(double x) { return exp(x); }
-__device__ __forceinline__ float kiln_log(float x) { return logf(x); }
-__device__ __forceinline__ double kiln_log(double x) { return log(x); }
-__device__ __forceinline__ float kiln_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double kiln_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float kiln_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double kiln_sqrt(double x) { return sqrt(x); }
-__device__ __forceinline__ float kiln_rsqrt(float x) { return rsqrtf(x); }
-__device__ __forceinline__ double kiln_rsqrt(double x) { return rsqrt(x); }
-__device__ __forceinline__ float kiln_abs(float x) { return fabsf(x); }
-__device__ __forceinline__ double kiln_abs(double x) { return fabs(x); }
-__device__ __forceinline__ float kiln_pow(float x, float y) { return powf(x, y); }
-__device__ __forceinline__ double kiln_pow(double x, double y) { return pow(x, y); }
-__device__ __forceinline__ float kiln_erf(float x) { return erff(x); }
-__device__ __forceinline__ double kiln_erf(double x) { return erf(x); }
-template <typename T> __device__ __forceinline__ T kiln_sigmoid(T x) {
-  return T(1) / (T(1) + kiln_exp(-x));
-}
-// maximum / minimum propagate NaN (numpy, torch).
-template <typename T> __device__ __forceinline__ T kiln_maximum(T a, T b) {
-  return a != a ? a : b != b ? b : (a > b ? a : b);
-}
-template <typename T> __device__ __forceinline__ T kiln_minimum(T a, T b) {
-  return a != a ? a : b != b ? b : (a < b ? a : b);
-}
-// gelu: erf form x Phi(x); tanh form 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-template <typename T> __device__ __forceinline__ T kiln_gelu_erf(T x) {
-  return T(0.5) * x * (T(1) + kiln_erf(x * T(0.70710678118654752440)));
-}
-template <typename T> __device__ __forceinline__ T kiln_gelu_tanh(T x) {
-  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
-  return T(0.5) * x * (T(1) + kiln_tanh(u));
-}
-// dy * gelu'(x).
-template <typename T> __device__ __forceinline__ T kiln_gelu_grad_erf(T x, T dy) {
-  const T cdf = T(0.5) * (T(1) + kiln_erf(x * T(0.70710678118654752440)));
-  const T pdf = kiln_exp(T(-0.5) * x * x) * T(0.39894228040143267794);
-  return dy * (cdf + x * pdf);
-}
-template <typename T> __device__ __forceinline__ T kiln_gelu_grad_tanh(T x, T dy) {
-  const T k = T(0.79788456080286535588), c = T(0.044715);
-  const T t = kiln_tanh(k * (x + c * x * x * x));
-  return dy * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
-}
 // V elements of T as one aligned access.
 template <int V, typename T> struct alignas(sizeof(T) * V) KilnPack { T v[V]; };
 )";
+}
 
 constexpr const char* kBlockReduce = R"(
 // Sum (OP 0) or max (OP 1) of v over the block's THREADS threads, returned to every thread:
@@ -1087,7 +1026,7 @@ GeneratedKernel generate_columns(const Graph& body, const Lowered& low) {
       "{} columns each), {} x {} blocks; then a second kernel adds the {} tile partials per "
       "column\n",
       low.columns.size(), rows, row_tile, strip, tx, ty, v, strips, tiles, tiles);
-  text += kPrelude;
+  text += prelude();
   text += fmt::format(
       "\nconstexpr long long kRows = {}, kN = {}, kRowTile = {};\n"
       "constexpr int kTX = {}, kTY = {}, kV = {}, kStrip = {};\n\n",
@@ -1230,7 +1169,7 @@ GeneratedKernel generate_elementwise(const Graph& body, const Lowered& low) {
   std::string text = header(FusedKind::kElementwise, low, body);
   text += fmt::format("// {} elements, {} per thread ({}-byte accesses of the widest type)\n",
                       total, v, v * widest);
-  text += kPrelude;
+  text += prelude();
   text += fmt::format("\nconstexpr long long kElements = {}LL;\n\n", total);
   text += "// Elements i .. i + V - 1 (one row segment: V divides every row length).\n";
   text += "template <int V>\n__device__ __forceinline__ void kiln_elements(long long i, " +
@@ -1380,7 +1319,7 @@ GeneratedKernel generate_rows(const Graph& body, const Lowered& low) {
   else
     text += fmt::format("// one block of {} threads per row; {} pass(es) over the row\n", threads,
                         max_level + 1);
-  text += kPrelude;
+  text += prelude();
   text += kBlockReduce;
   text += fmt::format("\nconstexpr int kThreads = {};\nconstexpr long long kN = {}LL;\n\n",
                       threads, low.n);

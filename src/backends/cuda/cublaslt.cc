@@ -680,9 +680,7 @@ GemmOperands GemmPlanAccess::widened(const GemmPlan& plan, const Gemm& g, const 
   if (!plan.widens_bias_) return ops;
   const int64_t count = (g.batch - 1) * g.stride_bias + g.n;
   scratch.emplace(static_cast<size_t>(count) * dtype_size(g.d_type), stream);
-  movement::cast(static_cast<movement::Float>(g.bias_dtype()),
-                 static_cast<movement::Float>(g.d_type), ops.bias, scratch->as<void>(), count,
-                 stream);
+  movement::cast(g.bias_dtype(), g.d_type, ops.bias, scratch->as<void>(), count, stream);
   GemmOperands wide = ops;
   wide.bias = scratch->as<void>();
   return wide;

@@ -153,10 +153,6 @@ AttentionShape attention_shape(const Problem& p) {
   return s;
 }
 
-AttentionDType attention_dtype(DType dtype) {
-  return dtype == DType::kF16 ? AttentionDType::kF16 : AttentionDType::kBF16;
-}
-
 // ---- graphs ----
 
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
@@ -434,10 +430,10 @@ Pointers pointers_of(const KernelArgs& args, const Problem& p) {
 
 void fallback(const Pointers& t, const Problem& p, cudaStream_t stream) {
   if (!p.backward) {
-    attention_forward(attention_dtype(p.dtype), t.q, t.k, t.v, t.o, t.lse, attention_shape(p),
+    attention_forward(p.dtype, t.q, t.k, t.v, t.o, t.lse, attention_shape(p),
                       stream);
   } else {
-    attention_backward(attention_dtype(p.dtype), t.q, t.k, t.v, t.out, t.dout, t.lse, t.dq, t.dk,
+    attention_backward(p.dtype, t.q, t.k, t.v, t.out, t.dout, t.lse, t.dq, t.dk,
                        t.dv, attention_shape(p), stream);
   }
 }

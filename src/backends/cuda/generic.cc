@@ -12,31 +12,15 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/generic.cuh"
 #include "backends/cuda/registration.h"
+#include "ops/elementwise.h"
 #include "support/philox.h"
 
 namespace kiln::cuda {
 namespace {
 
-using generic::BinaryOp;
-using generic::ElemType;
 using generic::kMaxRank;
 using generic::Layout;
-using generic::UnaryOp;
 
-#define KILN_SAME_CODE(name) \
-  static_assert(static_cast<int>(DType::name) == static_cast<int>(ElemType::name));
-KILN_SAME_CODE(kF32)
-KILN_SAME_CODE(kF64)
-KILN_SAME_CODE(kF16)
-KILN_SAME_CODE(kBF16)
-KILN_SAME_CODE(kI32)
-KILN_SAME_CODE(kI64)
-KILN_SAME_CODE(kBool)
-KILN_SAME_CODE(kU8)
-#undef KILN_SAME_CODE
-
-ElemType elem(DType d) { return static_cast<ElemType>(d); }
-ElemType elem(const Tensor& t) { return elem(t.dtype()); }
 int elem_size(const Tensor& t) { return static_cast<int>(dtype_size(t.dtype())); }
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 
@@ -113,50 +97,24 @@ AxisView view_around(const Shape& shape, int axis) {
 // ---- elementwise ---------------------------------------------------------------------------------
 
 void register_elementwise(KernelRegistry& registry) {
-  const std::pair<Op, UnaryOp> unary[] = {
-      {Op::kAbs, UnaryOp::kAbs},         {Op::kExp, UnaryOp::kExp},
-      {Op::kLog, UnaryOp::kLog},         {Op::kNeg, UnaryOp::kNeg},
-      {Op::kReciprocal, UnaryOp::kReciprocal}, {Op::kRelu, UnaryOp::kRelu},
-      {Op::kRsqrt, UnaryOp::kRsqrt},     {Op::kSigmoid, UnaryOp::kSigmoid},
-      {Op::kSilu, UnaryOp::kSilu},       {Op::kSqrt, UnaryOp::kSqrt},
-      {Op::kSquare, UnaryOp::kSquare},   {Op::kTanh, UnaryOp::kTanh},
-  };
-  for (auto [op, code] : unary) {
-    add(registry, op, [code](const KernelArgs& a) {
-      generic::launch_unary(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
-                            a.outputs[0].numel(), stream_of(a));
+  // Every op that is a line of ops/elementwise_math.h (gelu, gelu_grad: the line of their form).
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!ops::is_math_op(op)) continue;
+    add(registry, op, [op](const KernelArgs& a) {
+      const math::Fn fn = *ops::elementwise_fn(op, a.attrs);
+      const Tensor& x = a.inputs[0];
+      Tensor& out = a.outputs[0];
+      if (a.inputs.size() == 1) {
+        generic::launch_unary(fn, x.dtype(), x.raw(), out.raw(), out.numel(), stream_of(a));
+      } else {
+        const Tensor& y = a.inputs[1];
+        generic::launch_binary(fn, x.dtype(), x.raw(), y.raw(), out.raw(),
+                               broadcast_layout(out.shape(), {x.shape(), y.shape()}),
+                               out.numel(), stream_of(a));
+      }
     }, nullptr, /*in_place_ok=*/true);
   }
-  add(registry, Op::kGelu, [](const KernelArgs& a) {
-    const UnaryOp code = a.attrs.s("approximate") == "tanh" ? UnaryOp::kGeluTanh : UnaryOp::kGeluErf;
-    generic::launch_unary(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
-                          a.outputs[0].numel(), stream_of(a));
-  }, nullptr, true);
-
-  const std::pair<Op, BinaryOp> binary[] = {
-      {Op::kAdd, BinaryOp::kAdd}, {Op::kSub, BinaryOp::kSub}, {Op::kMul, BinaryOp::kMul},
-      {Op::kDiv, BinaryOp::kDiv}, {Op::kPow, BinaryOp::kPow}, {Op::kMaximum, BinaryOp::kMaximum},
-      {Op::kMinimum, BinaryOp::kMinimum}, {Op::kEq, BinaryOp::kEq}, {Op::kNe, BinaryOp::kNe},
-      {Op::kLt, BinaryOp::kLt}, {Op::kLe, BinaryOp::kLe}, {Op::kGt, BinaryOp::kGt},
-      {Op::kGe, BinaryOp::kGe},
-  };
-  for (auto [op, code] : binary) {
-    add(registry, op, [code](const KernelArgs& a) {
-      const Tensor &x = a.inputs[0], &y = a.inputs[1];
-      Tensor& out = a.outputs[0];
-      generic::launch_binary(code, elem(x), x.raw(), y.raw(), out.raw(),
-                             broadcast_layout(out.shape(), {x.shape(), y.shape()}), out.numel(),
-                             stream_of(a));
-    }, nullptr, true);
-  }
-  add(registry, Op::kGeluGrad, [](const KernelArgs& a) {
-    const BinaryOp code =
-        a.attrs.s("approximate") == "tanh" ? BinaryOp::kGeluGradTanh : BinaryOp::kGeluGradErf;
-    Tensor& out = a.outputs[0];
-    generic::launch_binary(code, elem(out), a.inputs[0].raw(), a.inputs[1].raw(), out.raw(),
-                           broadcast_layout(out.shape(), {a.inputs[0].shape(), a.inputs[1].shape()}),
-                           out.numel(), stream_of(a));
-  }, nullptr, true);
 
   add(registry, Op::kWhere, [](const KernelArgs& a) {
     const Tensor &cond = a.inputs[0], &x = a.inputs[1], &y = a.inputs[2];
@@ -167,14 +125,14 @@ void register_elementwise(KernelRegistry& registry) {
   }, nullptr, true);
 
   add(registry, Op::kCast, [](const KernelArgs& a) {
-    generic::launch_cast(elem(a.inputs[0]), elem(a.outputs[0]), a.inputs[0].raw(),
+    generic::launch_cast(a.inputs[0].dtype(), a.outputs[0].dtype(), a.inputs[0].raw(),
                          a.outputs[0].raw(), a.outputs[0].numel(), stream_of(a));
   }, nullptr, true);
 
   add(registry, Op::kDropout, [](const KernelArgs& a) {
     const double p = a.attrs.f("p");
     const int64_t* offset = a.inputs.size() > 1 ? a.inputs[1].data<int64_t>() : nullptr;
-    generic::launch_dropout(elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+    generic::launch_dropout(a.inputs[0].dtype(), a.inputs[0].raw(), a.outputs[0].raw(),
                             a.outputs[0].numel(), p, dropout_threshold(p),
                             static_cast<uint64_t>(a.attrs.i("seed")), offset, stream_of(a));
   }, nullptr, true);
@@ -228,7 +186,7 @@ void register_shape(KernelRegistry& registry) {
   add(registry, Op::kIota, [](const KernelArgs& a) {
     Tensor& out = a.outputs[0];
     const int axis = normalize_axis(a.attrs.i("axis"), out.rank());
-    generic::launch_iota(elem(out), out.raw(), out.numel(), out.shape()[axis],
+    generic::launch_iota(out.dtype(), out.raw(), out.numel(), out.shape()[axis],
                          strides_of(out.shape())[axis], stream_of(a));
   });
 
@@ -300,7 +258,7 @@ void register_shape(KernelRegistry& registry) {
   add(registry, Op::kGather, [](const KernelArgs& a) {
     const Tensor &table = a.inputs[0], &indices = a.inputs[1];
     const AxisView v = view_around(table.shape(), normalize_axis(a.attrs.i("axis"), table.rank()));
-    generic::launch_gather(elem_size(table), table.raw(), elem(indices), indices.raw(),
+    generic::launch_gather(elem_size(table), table.raw(), indices.dtype(), indices.raw(),
                            a.outputs[0].raw(), v.outer, v.dim, v.inner, indices.numel(),
                            stream_of(a));
   });
@@ -308,7 +266,7 @@ void register_shape(KernelRegistry& registry) {
   add(registry, Op::kScatterAdd, [](const KernelArgs& a) {
     const Tensor &base = a.inputs[0], &indices = a.inputs[1], &updates = a.inputs[2];
     const AxisView v = view_around(base.shape(), normalize_axis(a.attrs.i("axis"), base.rank()));
-    generic::launch_scatter_add(elem(base), base.raw(), elem(indices), indices.raw(),
+    generic::launch_scatter_add(base.dtype(), base.raw(), indices.dtype(), indices.raw(),
                                 updates.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
                                 indices.numel(), stream_of(a));
   }, [](const NodeView& node) {
@@ -318,7 +276,7 @@ void register_shape(KernelRegistry& registry) {
 
   add(registry, Op::kOneHot, [](const KernelArgs& a) {
     const Tensor& indices = a.inputs[0];
-    generic::launch_one_hot(elem(indices), indices.raw(), elem(a.outputs[0]), a.outputs[0].raw(),
+    generic::launch_one_hot(indices.dtype(), indices.raw(), a.outputs[0].dtype(), a.outputs[0].raw(),
                             indices.numel(), a.attrs.i("depth"), stream_of(a));
   });
 }
@@ -348,14 +306,9 @@ generic::ReduceLayout reduce_layout(const Shape& in, const std::vector<int64_t>&
 }
 
 void register_reductions(KernelRegistry& registry) {
-  const std::pair<Op, generic::ReduceOp> reductions[] = {
-      {Op::kSum, generic::ReduceOp::kSum},
-      {Op::kMean, generic::ReduceOp::kMean},
-      {Op::kMax, generic::ReduceOp::kMax},
-  };
-  for (auto [op, code] : reductions) {
-    add(registry, op, [code](const KernelArgs& a) {
-      generic::launch_reduce(code, elem(a.inputs[0]), a.inputs[0].raw(), a.outputs[0].raw(),
+  for (Op op : {Op::kSum, Op::kMean, Op::kMax}) {
+    add(registry, op, [op](const KernelArgs& a) {
+      generic::launch_reduce(op, a.inputs[0].dtype(), a.inputs[0].raw(), a.outputs[0].raw(),
                              reduce_layout(a.inputs[0].shape(), a.attrs.ints("axes")),
                              stream_of(a));
     });
@@ -363,7 +316,7 @@ void register_reductions(KernelRegistry& registry) {
   add(registry, Op::kArgmax, [](const KernelArgs& a) {
     const Tensor& x = a.inputs[0];
     const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
-    generic::launch_argmax(elem(x), x.raw(), a.outputs[0].data<int64_t>(), v.outer, v.dim,
+    generic::launch_argmax(x.dtype(), x.raw(), a.outputs[0].data<int64_t>(), v.outer, v.dim,
                            v.inner, stream_of(a));
   });
 }
@@ -418,40 +371,40 @@ void register_nn(KernelRegistry& registry) {
     fill_strides(L.a_batch_strides, broadcast_strides(a_batch, batch));
     fill_strides(L.b_batch_strides, broadcast_strides(b_batch, batch));
     L.batch = numel(batch);
-    generic::launch_matmul(elem(x), x.raw(), w.raw(), a.outputs[0].raw(), L, stream_of(a));
+    generic::launch_matmul(x.dtype(), x.raw(), w.raw(), a.outputs[0].raw(), L, stream_of(a));
   });
 
   for (bool log : {false, true}) {
     add(registry, log ? Op::kLogSoftmax : Op::kSoftmax, [log](const KernelArgs& a) {
       const Tensor& x = a.inputs[0];
       const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
-      generic::launch_softmax(elem(x), log, x.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
+      generic::launch_softmax(x.dtype(), log, x.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
                               stream_of(a));
     });
     add(registry, log ? Op::kLogSoftmaxGrad : Op::kSoftmaxGrad, [log](const KernelArgs& a) {
       const Tensor &y = a.inputs[0], &dy = a.inputs[1];
       const AxisView v = view_around(y.shape(), normalize_axis(a.attrs.i("axis"), y.rank()));
-      generic::launch_softmax_grad(elem(y), log, y.raw(), dy.raw(), a.outputs[0].raw(), v.outer,
+      generic::launch_softmax_grad(y.dtype(), log, y.raw(), dy.raw(), a.outputs[0].raw(), v.outer,
                                    v.dim, v.inner, stream_of(a));
     });
   }
 
   add(registry, Op::kLayerNorm, [](const KernelArgs& a) {
     const Rows r = rows_of(a.inputs[0].shape());
-    generic::launch_norm(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
+    generic::launch_norm(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(),
                          a.inputs[2].raw(), a.outputs[0].raw(), r.rows, r.cols,
                          a.attrs.f("epsilon"), stream_of(a));
   });
   add(registry, Op::kRmsNorm, [](const KernelArgs& a) {
     const Rows r = rows_of(a.inputs[0].shape());
-    generic::launch_norm(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(), nullptr,
+    generic::launch_norm(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(), nullptr,
                          a.outputs[0].raw(), r.rows, r.cols, a.attrs.f("epsilon"), stream_of(a));
   });
   for (Op op : {Op::kLayerNormGrad, Op::kRmsNormGrad}) {
     add(registry, op, [op](const KernelArgs& a) {
       const Rows r = rows_of(a.inputs[0].shape());
       void* dbeta = op == Op::kLayerNormGrad ? a.outputs[2].raw() : nullptr;
-      generic::launch_norm_grad(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
+      generic::launch_norm_grad(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(),
                                 a.inputs[2].raw(), a.outputs[0].raw(), a.outputs[1].raw(), dbeta,
                                 r.rows, r.cols, a.attrs.f("epsilon"), stream_of(a));
     });
@@ -460,14 +413,14 @@ void register_nn(KernelRegistry& registry) {
   add(registry, Op::kCrossEntropy, [](const KernelArgs& a) {
     const Tensor &logits = a.inputs[0], &labels = a.inputs[1];
     const Rows r = rows_of(logits.shape());
-    generic::launch_cross_entropy(elem(logits), logits.raw(), elem(labels), labels.raw(),
+    generic::launch_cross_entropy(logits.dtype(), logits.raw(), labels.dtype(), labels.raw(),
                                   a.outputs[0].raw(), r.rows, r.cols, a.attrs.i("ignore_index"),
                                   reduction_code(a.attrs), stream_of(a));
   });
   add(registry, Op::kCrossEntropyGrad, [](const KernelArgs& a) {
     const Tensor &logits = a.inputs[0], &labels = a.inputs[1];
     const Rows r = rows_of(logits.shape());
-    generic::launch_cross_entropy_grad(elem(logits), logits.raw(), elem(labels), labels.raw(),
+    generic::launch_cross_entropy_grad(logits.dtype(), logits.raw(), labels.dtype(), labels.raw(),
                                        a.inputs[2].raw(), a.outputs[0].raw(), r.rows, r.cols,
                                        a.attrs.i("ignore_index"), reduction_code(a.attrs),
                                        stream_of(a));
@@ -483,7 +436,7 @@ void register_nn(KernelRegistry& registry) {
   add(registry, Op::kAttention, [](const KernelArgs& a) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
-    generic::launch_attention(elem(q), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(),
+    generic::launch_attention(q.dtype(), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(),
                               a.outputs[1].raw(), d.batch, d.tq, d.tk, d.d, d.dv,
                               a.attrs.b("causal"), attention_scale(a.attrs, d.d), stream_of(a));
   }, attention_fits);
@@ -491,7 +444,7 @@ void register_nn(KernelRegistry& registry) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
     // inputs: q, k, v, out, dout, lse.
-    generic::launch_attention_grad(elem(q), q.raw(), k.raw(), v.raw(), a.inputs[3].raw(),
+    generic::launch_attention_grad(q.dtype(), q.raw(), k.raw(), v.raw(), a.inputs[3].raw(),
                                    a.inputs[4].raw(), a.inputs[5].raw(), a.outputs[0].raw(),
                                    a.outputs[1].raw(), a.outputs[2].raw(), d.batch, d.tq, d.tk,
                                    d.d, d.dv, a.attrs.b("causal"), attention_scale(a.attrs, d.d),
@@ -500,16 +453,16 @@ void register_nn(KernelRegistry& registry) {
 
   add(registry, Op::kSgdUpdate, [](const KernelArgs& a) {
     const Tensor& lr = a.inputs[3];
-    generic::launch_sgd_update(elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(),
-                               a.inputs[2].raw(), elem(lr), lr.raw(), a.outputs[0].raw(),
+    generic::launch_sgd_update(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(),
+                               a.inputs[2].raw(), lr.dtype(), lr.raw(), a.outputs[0].raw(),
                                a.outputs[1].raw(), a.inputs[0].numel(), a.attrs.f("momentum"),
                                a.attrs.b("nesterov"), a.attrs.f("weight_decay"), stream_of(a));
   }, nullptr, true);
   add(registry, Op::kAdamwUpdate, [](const KernelArgs& a) {
     const Tensor &lr = a.inputs[4], &step = a.inputs[5];
     generic::launch_adamw_update(
-        elem(a.inputs[0]), a.inputs[0].raw(), a.inputs[1].raw(), a.inputs[2].raw(),
-        a.inputs[3].raw(), elem(lr), lr.raw(), elem(step), step.raw(), a.outputs[0].raw(),
+        a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(), a.inputs[2].raw(),
+        a.inputs[3].raw(), lr.dtype(), lr.raw(), step.dtype(), step.raw(), a.outputs[0].raw(),
         a.outputs[1].raw(), a.outputs[2].raw(), a.inputs[0].numel(), a.attrs.f("beta1"),
         a.attrs.f("beta2"), a.attrs.f("epsilon"), a.attrs.f("weight_decay"), stream_of(a));
   }, nullptr, true);

@@ -1,7 +1,8 @@
 // Kernels and launchers of the "cuda" generic dialect (declared in generic.cuh): one simple,
 // correct kernel per op. Written for clarity, not speed: grid-stride loops, index arithmetic
-// over a small by-value layout struct, one block (or warp) per reduced line. The op is a
-// functor, so each kernel is one template instantiated per functor and dtype.
+// over a small by-value layout struct, one block (or warp) per reduced line. An elementwise op
+// is its line of ops/elementwise_math.h, so each elementwise kernel is one template
+// instantiated per line and dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,6 +13,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/device_errors.cuh"
+#include "backends/cuda/device_math.cuh"
 #include "backends/cuda/generic.cuh"
 #include "backends/cuda/scratch.cuh"
 #include "support/philox.h"
@@ -87,28 +89,28 @@ template <class T> struct Tag { using type = T; };
 
 // Calls fn(Tag<T>{}) with the storage type of `t`.
 template <class Fn>
-void visit(ElemType t, Fn&& fn) {
+void visit(DType t, Fn&& fn) {
   switch (t) {
-    case ElemType::kF32: return fn(Tag<float>{});
-    case ElemType::kF64: return fn(Tag<double>{});
-    case ElemType::kF16: return fn(Tag<__half>{});
-    case ElemType::kBF16: return fn(Tag<__nv_bfloat16>{});
-    case ElemType::kI32: return fn(Tag<int32_t>{});
-    case ElemType::kI64: return fn(Tag<int64_t>{});
-    case ElemType::kBool: return fn(Tag<bool>{});
-    case ElemType::kU8: return fn(Tag<uint8_t>{});
+    case DType::kF32: return fn(Tag<float>{});
+    case DType::kF64: return fn(Tag<double>{});
+    case DType::kF16: return fn(Tag<__half>{});
+    case DType::kBF16: return fn(Tag<__nv_bfloat16>{});
+    case DType::kI32: return fn(Tag<int32_t>{});
+    case DType::kI64: return fn(Tag<int64_t>{});
+    case DType::kBool: return fn(Tag<bool>{});
+    case DType::kU8: return fn(Tag<uint8_t>{});
   }
-  fail("cuda generic: unknown element type code {}", static_cast<int>(t));
+  fail("cuda generic: unknown dtype code {}", static_cast<int>(t));
 }
 // Same, for float types only (the caller's supports() guarantees it).
 template <class Fn>
-void visit_float(ElemType t, Fn&& fn) {
+void visit_float(DType t, Fn&& fn) {
   visit(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (kIsFloat<T>) {
       fn(tag);
     } else {
-      fail("cuda generic: a float dtype was expected, got type code {}", static_cast<int>(t));
+      fail("cuda generic: a float dtype was expected, got {}", dtype_name(t));
     }
   });
 }
@@ -124,23 +126,9 @@ void visit_size(int size, Fn&& fn) {
   fail("cuda generic: unsupported element size {}", size);
 }
 
-// ---- math, overloaded for float and double ------------------------------------------------------
+// ---- math -----------------------------------------------------------------------------------------
 
-#define KILN_MATH(name, f32, f64)                              \
-  __device__ inline float name(float x) { return f32(x); }    \
-  __device__ inline double name(double x) { return f64(x); }
-KILN_MATH(m_exp, expf, exp)
-KILN_MATH(m_log, logf, log)
-KILN_MATH(m_sqrt, sqrtf, sqrt)
-KILN_MATH(m_tanh, tanhf, tanh)
-KILN_MATH(m_erf, erff, erf)
-KILN_MATH(m_fabs, fabsf, fabs)
-#undef KILN_MATH
-// std::max's rule: the first operand unless the second is larger.
-template <class C> __device__ inline C m_max(C a, C b) { return a < b ? b : a; }
-__device__ inline float m_pow(float a, float b) { return powf(a, b); }
-__device__ inline double m_pow(double a, double b) { return pow(a, b); }
-
+// The primitives of every kernel here: DeviceMath (device_math.cuh), and abs of an Int below.
 template <class C> __device__ inline bool is_nan(C x) {
   if constexpr (std::is_floating_point_v<C>) {
     return x != x;
@@ -148,6 +136,8 @@ template <class C> __device__ inline bool is_nan(C x) {
     return false;
   }
 }
+// std::max's rule: the first operand unless the second is larger.
+template <class C> __device__ inline C m_max(C a, C b) { return a < b ? b : a; }
 template <class C> __device__ inline C lowest() {
   if constexpr (std::is_floating_point_v<C>) {
     return -std::numeric_limits<C>::infinity();
@@ -157,6 +147,43 @@ template <class C> __device__ inline C lowest() {
 }
 // Wrapping integer arithmetic (through unsigned, so overflow is defined).
 template <class C> __device__ inline C wrap(uint64_t v) { return static_cast<C>(v); }
+
+// kiln's integer arithmetic, as the elementwise lines compute it on integer dtypes (in i64):
+// +, -, * and negation wrap modulo 2^64 (the store then wraps modulo 2^bits); division
+// truncates toward zero, a zero divisor is a data error whose result is 0, and min / -1 wraps.
+struct Int {
+  int64_t v;
+  __device__ Int(int64_t value = 0) : v(value) {}
+};
+__device__ inline Int operator+(Int a, Int b) {
+  return wrap<int64_t>(static_cast<uint64_t>(a.v) + static_cast<uint64_t>(b.v));
+}
+__device__ inline Int operator-(Int a, Int b) {
+  return wrap<int64_t>(static_cast<uint64_t>(a.v) - static_cast<uint64_t>(b.v));
+}
+__device__ inline Int operator*(Int a, Int b) {
+  return wrap<int64_t>(static_cast<uint64_t>(a.v) * static_cast<uint64_t>(b.v));
+}
+__device__ inline Int operator-(Int a) { return wrap<int64_t>(0ull - static_cast<uint64_t>(a.v)); }
+__device__ inline Int operator/(Int a, Int b) {
+  if (b.v == 0) {
+    record_device_error(kDivideByZeroError, a.v);
+    return 0;
+  }
+  if (b.v == -1) return -a;
+  return a.v / b.v;
+}
+__device__ inline bool operator==(Int a, Int b) { return a.v == b.v; }
+__device__ inline bool operator!=(Int a, Int b) { return a.v != b.v; }
+__device__ inline bool operator<(Int a, Int b) { return a.v < b.v; }
+__device__ inline bool operator<=(Int a, Int b) { return a.v <= b.v; }
+__device__ inline bool operator>(Int a, Int b) { return a.v > b.v; }
+__device__ inline bool operator>=(Int a, Int b) { return a.v >= b.v; }
+
+struct GenericMath : DeviceMath {
+  using DeviceMath::abs;
+  static __device__ Int abs(Int x) { return x < Int(0) ? -x : x; }
+};
 
 // ---- layout ---------------------------------------------------------------------------------------
 
@@ -175,171 +202,56 @@ __device__ inline void locate(const Layout& layout, int64_t i, int64_t (&off)[co
   }
 }
 
-// ---- unary ----------------------------------------------------------------------------------------
+// ---- elementwise: the lines of ops/elementwise_math.h ---------------------------------------------
 
-// Each functor: kInt says whether it also takes integers; operator() maps a compute value.
-struct AbsF {
-  static constexpr bool kInt = true;
-  template <class C> __device__ C operator()(C x) const {
-    if constexpr (std::is_integral_v<C>) {
-      return x < 0 ? wrap<C>(0ull - static_cast<uint64_t>(x)) : x;
-    } else {
-      return m_fabs(x);
-    }
+// A storage value as a line computes it (floats as Num's compute type, integers and bool as
+// Int), and a line's result stored back (bool for comparisons).
+template <class T> __device__ inline auto load(T v) {
+  if constexpr (kIsFloat<T>) {
+    return Num<T>::load(v);
+  } else {
+    return Int(Num<T>::load(v));
   }
-};
-struct NegF {
-  static constexpr bool kInt = true;
-  template <class C> __device__ C operator()(C x) const {
-    if constexpr (std::is_integral_v<C>) {
-      return wrap<C>(0ull - static_cast<uint64_t>(x));
-    } else {
-      return -x;
-    }
+}
+template <class TOut, class C> __device__ inline TOut store(C v) {
+  if constexpr (std::is_same_v<C, Int>) {
+    return Num<TOut>::store(v.v);
+  } else {
+    return Num<TOut>::store(v);
   }
-};
-struct ReluF {  // x < 0 rather than max(x, 0): NaN propagates
-  static constexpr bool kInt = true;
-  template <class C> __device__ C operator()(C x) const { return x < C(0) ? C(0) : x; }
-};
-struct SquareF {
-  static constexpr bool kInt = true;
-  template <class C> __device__ C operator()(C x) const {
-    if constexpr (std::is_integral_v<C>) {
-      return wrap<C>(static_cast<uint64_t>(x) * static_cast<uint64_t>(x));
-    } else {
-      return x * x;
-    }
-  }
-};
-#define KILN_FLOAT_UNARY(Name, expr)                                \
-  struct Name {                                                     \
-    static constexpr bool kInt = false;                             \
-    template <class C> __device__ C operator()(C x) const { return expr; } \
-  };
-KILN_FLOAT_UNARY(ExpF, m_exp(x))
-KILN_FLOAT_UNARY(LogF, m_log(x))
-KILN_FLOAT_UNARY(ReciprocalF, C(1) / x)
-KILN_FLOAT_UNARY(RsqrtF, C(1) / m_sqrt(x))
-KILN_FLOAT_UNARY(SigmoidF, C(1) / (C(1) + m_exp(-x)))
-KILN_FLOAT_UNARY(SiluF, x / (C(1) + m_exp(-x)))
-KILN_FLOAT_UNARY(SqrtF, m_sqrt(x))
-KILN_FLOAT_UNARY(TanhF, m_tanh(x))
-KILN_FLOAT_UNARY(GeluErfF, C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440))))
-// GPT-2's tanh form, sqrt(2 / pi) = 0.7978845608...
-KILN_FLOAT_UNARY(GeluTanhF,
-                 C(0.5) * x *
-                     (C(1) + m_tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))))
-#undef KILN_FLOAT_UNARY
-
-template <class T, class F>
-__global__ void unary_kernel(F f, const T* x, T* y, int64_t n) {
-  KILN_GRID_LOOP(i, n) { y[i] = Num<T>::store(f(Num<T>::load(x[i]))); }
 }
 
-template <class F>
-void unary(ElemType type, const void* x, void* y, int64_t n, cudaStream_t stream) {
-  visit(type, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if constexpr (kIsFloat<T> || (F::kInt && !std::is_same_v<T, bool>)) {
-      unary_kernel<T, F><<<grid_for(n), kThreads, 0, stream>>>(F{}, static_cast<const T*>(x),
-                                                             static_cast<T*>(y), n);
-      check_launch();
-    } else {
-      fail("cuda generic: unary op does not take type code {}", static_cast<int>(type));
-    }
-  });
+// Whether line F takes storage type T (its domain).
+template <class F, class T> constexpr bool takes() {
+  if constexpr (F::kDomain == math::Domain::kFloat) {
+    return kIsFloat<T>;
+  } else if constexpr (F::kDomain == math::Domain::kArithmetic) {
+    return !std::is_same_v<T, bool>;
+  } else {
+    return true;
+  }
+}
+template <class F, class T>
+using OutOf = std::conditional_t<F::kDomain == math::Domain::kCompare, bool, T>;
+
+template <class F, class T>
+__global__ void unary_kernel(const T* x, T* y, int64_t n) {
+  KILN_GRID_LOOP(i, n) { y[i] = store<T>(F::template apply<GenericMath>(load(x[i]))); }
 }
 
-// ---- binary ---------------------------------------------------------------------------------------
-
-// kInt: takes integers; kCompare: bool output.
-#define KILN_ARITH(Name, int_expr, float_expr)                               \
-  struct Name {                                                              \
-    static constexpr bool kInt = true, kCompare = false;                     \
-    template <class C> __device__ C operator()(C a, C b) const {             \
-      if constexpr (std::is_integral_v<C>) {                                 \
-        return int_expr;                                                     \
-      } else {                                                               \
-        return float_expr;                                                   \
-      }                                                                      \
-    }                                                                        \
-  };
-KILN_ARITH(AddF, wrap<C>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b)), a + b)
-KILN_ARITH(SubF, wrap<C>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b)), a - b)
-KILN_ARITH(MulF, wrap<C>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b)), a * b)
-// NaN in either operand gives NaN (a != a: a is NaN).
-KILN_ARITH(MaximumF, a > b ? a : b, (a > b || a != a) ? a : b)
-KILN_ARITH(MinimumF, a < b ? a : b, (a < b || a != a) ? a : b)
-#undef KILN_ARITH
-
-// Integer division truncates toward zero; a zero divisor is a data error (the result is 0);
-// min / -1 wraps.
-struct DivF {
-  static constexpr bool kInt = true, kCompare = false;
-  template <class C> __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      if (b == 0) {
-        record_device_error(kDivideByZeroError, a);
-        return 0;
-      }
-      if (b == -1) return wrap<C>(0ull - static_cast<uint64_t>(a));
-      return a / b;
-    } else {
-      return a / b;
-    }
-  }
-};
-struct PowF {
-  static constexpr bool kInt = false, kCompare = false;
-  template <class C> __device__ C operator()(C a, C b) const { return m_pow(a, b); }
-};
-
-#define KILN_COMPARE(Name, op)                                                             \
-  struct Name {                                                                            \
-    static constexpr bool kInt = true, kCompare = true;                                    \
-    template <class C> __device__ bool operator()(C a, C b) const { return a op b; }        \
-  };
-KILN_COMPARE(EqF, ==)
-KILN_COMPARE(NeF, !=)
-KILN_COMPARE(LtF, <)
-KILN_COMPARE(LeF, <=)
-KILN_COMPARE(GtF, >)
-KILN_COMPARE(GeF, >=)
-#undef KILN_COMPARE
-
-// (x, dy) -> dy * gelu'(x). Exact: Phi(x) + x phi(x); tanh form with u = k (x + c x^3):
-// 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2).
-struct GeluGradErfF {
-  static constexpr bool kInt = false, kCompare = false;
-  template <class C> __device__ C operator()(C x, C dy) const {
-    const C cdf = C(0.5) * (C(1) + m_erf(x * C(0.70710678118654752440)));
-    const C pdf = m_exp(C(-0.5) * x * x) * C(0.39894228040143267794);
-    return dy * (cdf + x * pdf);
-  }
-};
-struct GeluGradTanhF {
-  static constexpr bool kInt = false, kCompare = false;
-  template <class C> __device__ C operator()(C x, C dy) const {
-    const C k = C(0.79788456080286535588), c = C(0.044715);
-    const C t = m_tanh(k * (x + c * x * x * x));
-    return dy * (C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * k * (C(1) + C(3) * c * x * x));
-  }
-};
-
-template <class T, class TOut, class F>
-__global__ void binary_kernel(F f, const T* a, const T* b, TOut* out, Layout layout, int64_t n) {
+template <class F, class T, class TOut>
+__global__ void binary_kernel(const T* a, const T* b, TOut* out, Layout layout, int64_t n) {
   KILN_GRID_LOOP(i, n) {
     int64_t off[3];
     locate<3>(layout, i, off);
-    out[off[0]] = Num<TOut>::store(f(Num<T>::load(a[off[1]]), Num<T>::load(b[off[2]])));
+    out[off[0]] = store<TOut>(F::template apply<GenericMath>(load(a[off[1]]), load(b[off[2]])));
   }
 }
 
 // A rank-2 layout whose operands each walk a row contiguously (stride 1 along it; a broadcast
 // operand has row stride 0): row r, element j, with no index division. blockIdx.y takes rows.
-template <class T, class TOut, class F>
-__global__ void binary_rows_kernel(F f, const T* a, const T* b, TOut* out, Layout layout) {
+template <class F, class T, class TOut>
+__global__ void binary_rows_kernel(const T* a, const T* b, TOut* out, Layout layout) {
   const int64_t rows = layout.shape[0], cols = layout.shape[1];
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* ar = a + layout.offset[1] + r * layout.strides[1][0];
@@ -347,7 +259,7 @@ __global__ void binary_rows_kernel(F f, const T* a, const T* b, TOut* out, Layou
     TOut* o = out + layout.offset[0] + r * layout.strides[0][0];
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < cols;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      o[j] = Num<TOut>::store(f(Num<T>::load(ar[j]), Num<T>::load(br[j])));
+      o[j] = store<TOut>(F::template apply<GenericMath>(load(ar[j]), load(br[j])));
   }
 }
 
@@ -359,31 +271,43 @@ bool walks_rows(const Layout& layout, int operands) {
 }
 
 template <class F>
-void binary(ElemType type, const void* a, const void* b, void* out, const Layout& layout,
+void unary(DType type, const void* x, void* y, int64_t n, cudaStream_t stream) {
+  visit(type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (takes<F, T>() && F::kDomain != math::Domain::kCompare) {
+      unary_kernel<F, T><<<grid_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x),
+                                                             static_cast<T*>(y), n);
+      check_launch();
+    } else {
+      fail("cuda generic: {} does not take {}", F::kName, dtype_name(type));
+    }
+  });
+}
+
+template <class F>
+void binary(DType type, const void* a, const void* b, void* out, const Layout& layout,
             int64_t n, cudaStream_t stream) {
   visit(type, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    using TOut = std::conditional_t<F::kCompare, bool, T>;
-    constexpr bool ok =
-        kIsFloat<T> || (F::kInt && (F::kCompare || !std::is_same_v<T, bool>));
-    if constexpr (ok) {
+    using TOut = OutOf<F, T>;
+    if constexpr (takes<F, T>()) {
       if (walks_rows(layout, 3)) {
         // About 4096 blocks in all, each thread a few elements of a row.
         const int64_t rows = std::min<int64_t>(layout.shape[0], 65535);
         const int64_t per_row = std::clamp<int64_t>((4096 + rows - 1) / rows, 1,
                                                     (layout.shape[1] + kThreads - 1) / kThreads);
-        binary_rows_kernel<T, TOut, F>
+        binary_rows_kernel<F, T, TOut>
             <<<dim3(static_cast<unsigned>(per_row), static_cast<unsigned>(rows)), kThreads, 0,
-               stream>>>(F{}, static_cast<const T*>(a), static_cast<const T*>(b),
+               stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
                          static_cast<TOut*>(out), layout);
       } else {
-        binary_kernel<T, TOut, F><<<grid_for(n), kThreads, 0, stream>>>(
-            F{}, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<TOut*>(out),
-            layout, n);
+        binary_kernel<F, T, TOut><<<grid_for(n), kThreads, 0, stream>>>(
+            static_cast<const T*>(a), static_cast<const T*>(b), static_cast<TOut*>(out), layout,
+            n);
       }
       check_launch();
     } else {
-      fail("cuda generic: binary op does not take type code {}", static_cast<int>(type));
+      fail("cuda generic: {} does not take {}", F::kName, dtype_name(type));
     }
   });
 }
@@ -661,12 +585,12 @@ __global__ void softmax_kernel(bool log, const T* x, T* y, int64_t outer, int64_
     max = block_max(max);
     C sum = 0;
     for (int64_t j = threadIdx.x; j < dim; j += blockDim.x)
-      sum += m_exp(Num<T>::load(x[base + j * inner]) - max);
+      sum += DeviceMath::exp(Num<T>::load(x[base + j * inner]) - max);
     sum = block_sum(sum);
-    const C log_sum = m_log(sum);
+    const C log_sum = DeviceMath::log(sum);
     for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
       const C shifted = Num<T>::load(x[base + j * inner]) - max;
-      y[base + j * inner] = Num<T>::store(log ? shifted - log_sum : m_exp(shifted) / sum);
+      y[base + j * inner] = Num<T>::store(log ? shifted - log_sum : DeviceMath::exp(shifted) / sum);
     }
   }
 }
@@ -686,7 +610,7 @@ __global__ void softmax_grad_kernel(bool log, const T* y, const T* dy, T* dx, in
     for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
       const int64_t at = base + j * inner;
       const C yj = Num<T>::load(y[at]), dyj = Num<T>::load(dy[at]);
-      dx[at] = Num<T>::store(log ? dyj - m_exp(yj) * total : yj * (dyj - total));
+      dx[at] = Num<T>::store(log ? dyj - DeviceMath::exp(yj) * total : yj * (dyj - total));
     }
   }
 }
@@ -707,7 +631,7 @@ __device__ void row_stats(const T* x, int64_t cols, double epsilon, bool rms,
     const C centered = Num<T>::load(x[c]) - mean;
     squares += centered * centered;
   }
-  inv = C(1) / m_sqrt(block_sum(squares) / C(cols) + C(epsilon));
+  inv = C(1) / DeviceMath::sqrt(block_sum(squares) / C(cols) + C(epsilon));
 }
 
 template <class T>
@@ -802,7 +726,7 @@ __device__ void row_logsumexp(const T* row, int64_t vocab, typename Num<T>::C& m
   for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) max = m_max(max, Num<T>::load(row[c]));
   max = block_max(max);
   sum = 0;
-  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) sum += m_exp(Num<T>::load(row[c]) - max);
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) sum += DeviceMath::exp(Num<T>::load(row[c]) - max);
   sum = block_sum(sum);
 }
 
@@ -825,7 +749,7 @@ __global__ void cross_entropy_rows_kernel(const T* logits, const I* labels, T* o
     C max, sum;
     row_logsumexp(row, vocab, max, sum);
     if (threadIdx.x == 0) {
-      const C loss = max + m_log(sum) - Num<T>::load(row[label]);
+      const C loss = max + DeviceMath::log(sum) - Num<T>::load(row[label]);
       if (out != nullptr) out[r] = Num<T>::store(loss);
       if (scratch != nullptr) {
         scratch[2 * r] = loss;
@@ -884,7 +808,7 @@ __global__ void cross_entropy_grad_kernel(const T* logits, const I* labels, cons
     C max, sum;
     row_logsumexp(row, vocab, max, sum);
     for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
-      const C p = m_exp(Num<T>::load(row[c]) - max) / sum;
+      const C p = DeviceMath::exp(Num<T>::load(row[c]) - max) / sum;
       out[c] = Num<T>::store((p - (c == label ? C(1) : C(0))) * scale);
     }
   }
@@ -892,18 +816,18 @@ __global__ void cross_entropy_grad_kernel(const T* logits, const I* labels, cons
 
 // ---- optimizers -----------------------------------------------------------------------------------
 
-__device__ inline double load_scalar(ElemType type, const void* p) {
+__device__ inline double load_scalar(DType type, const void* p) {
   switch (type) {
-    case ElemType::kF32: return *static_cast<const float*>(p);
-    case ElemType::kF64: return *static_cast<const double*>(p);
-    case ElemType::kF16: return __half2float(*static_cast<const __half*>(p));
-    case ElemType::kBF16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+    case DType::kF32: return *static_cast<const float*>(p);
+    case DType::kF64: return *static_cast<const double*>(p);
+    case DType::kF16: return __half2float(*static_cast<const __half*>(p));
+    case DType::kBF16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
     default: return 0;  // inference accepts float scalars only
   }
 }
 
 template <class T>
-__global__ void sgd_kernel(const T* param, const T* grad, const T* buf, ElemType lr_type,
+__global__ void sgd_kernel(const T* param, const T* grad, const T* buf, DType lr_type,
                            const void* lr_ptr, T* param_out, T* buf_out, int64_t n,
                            double momentum, bool nesterov, double weight_decay) {
   const double lr = load_scalar(lr_type, lr_ptr);
@@ -919,7 +843,7 @@ __global__ void sgd_kernel(const T* param, const T* grad, const T* buf, ElemType
 
 template <class T>
 __global__ void adamw_kernel(const T* param, const T* grad, const T* m_in, const T* v_in,
-                             ElemType lr_type, const void* lr_ptr, ElemType step_type,
+                             DType lr_type, const void* lr_ptr, DType step_type,
                              const void* step_ptr, T* param_out, T* m_out, T* v_out, int64_t n,
                              double b1, double b2, double eps, double wd) {
   using C = typename Num<T>::C;
@@ -1002,14 +926,14 @@ __device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
   max = block_max(max);
   C sum = 0;
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
-    const C w = (causal && j > i) ? C(0) : m_exp(weights[j] - max);
+    const C w = (causal && j > i) ? C(0) : DeviceMath::exp(weights[j] - max);
     weights[j] = w;
     sum += w;
   }
   sum = block_sum(sum);
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) weights[j] /= sum;
   __syncthreads();
-  return max + m_log(sum);
+  return max + DeviceMath::log(sum);
 }
 
 // P_j = exp(s_j - lse) of query i from the saved log-sum-exp (masked keys 0); block-wide.
@@ -1024,7 +948,7 @@ __device__ void attention_weights_from_lse(const T* q_row, const T* k_mat,
     if (!causal || j <= i) {
       C s = 0;
       for (int64_t c = 0; c < d; ++c) s += Num<T>::load(q_row[c]) * Num<T>::load(k_mat[j * d + c]);
-      w = m_exp(s * C(scale) - lse);
+      w = DeviceMath::exp(s * C(scale) - lse);
     }
     weights[j] = w;
   }
@@ -1108,49 +1032,30 @@ __global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const 
 
 // ---- launchers -------------------------------------------------------------------------------------
 
-void launch_unary(UnaryOp op, ElemType type, const void* x, void* y, int64_t n,
+void launch_unary(math::Fn fn, DType type, const void* x, void* y, int64_t n,
                   cudaStream_t stream) {
   if (n == 0) return;
-  switch (op) {
-    case UnaryOp::kAbs: return unary<AbsF>(type, x, y, n, stream);
-    case UnaryOp::kExp: return unary<ExpF>(type, x, y, n, stream);
-    case UnaryOp::kLog: return unary<LogF>(type, x, y, n, stream);
-    case UnaryOp::kNeg: return unary<NegF>(type, x, y, n, stream);
-    case UnaryOp::kReciprocal: return unary<ReciprocalF>(type, x, y, n, stream);
-    case UnaryOp::kRelu: return unary<ReluF>(type, x, y, n, stream);
-    case UnaryOp::kRsqrt: return unary<RsqrtF>(type, x, y, n, stream);
-    case UnaryOp::kSigmoid: return unary<SigmoidF>(type, x, y, n, stream);
-    case UnaryOp::kSilu: return unary<SiluF>(type, x, y, n, stream);
-    case UnaryOp::kSqrt: return unary<SqrtF>(type, x, y, n, stream);
-    case UnaryOp::kSquare: return unary<SquareF>(type, x, y, n, stream);
-    case UnaryOp::kTanh: return unary<TanhF>(type, x, y, n, stream);
-    case UnaryOp::kGeluErf: return unary<GeluErfF>(type, x, y, n, stream);
-    case UnaryOp::kGeluTanh: return unary<GeluTanhF>(type, x, y, n, stream);
-  }
-  fail("cuda generic: unknown unary op {}", static_cast<int>(op));
+  math::visit(fn, [&](auto line) {
+    using F = decltype(line);
+    if constexpr (F::kArity == 1) {
+      unary<F>(type, x, y, n, stream);
+    } else {
+      fail("cuda generic: {} is not a unary line", F::kName);
+    }
+  });
 }
 
-void launch_binary(BinaryOp op, ElemType type, const void* a, const void* b, void* out,
+void launch_binary(math::Fn fn, DType type, const void* a, const void* b, void* out,
                    const Layout& layout, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  switch (op) {
-    case BinaryOp::kAdd: return binary<AddF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kSub: return binary<SubF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kMul: return binary<MulF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kDiv: return binary<DivF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kPow: return binary<PowF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kMaximum: return binary<MaximumF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kMinimum: return binary<MinimumF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kEq: return binary<EqF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kNe: return binary<NeF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kLt: return binary<LtF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kLe: return binary<LeF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kGt: return binary<GtF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kGe: return binary<GeF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kGeluGradErf: return binary<GeluGradErfF>(type, a, b, out, layout, n, stream);
-    case BinaryOp::kGeluGradTanh: return binary<GeluGradTanhF>(type, a, b, out, layout, n, stream);
-  }
-  fail("cuda generic: unknown binary op {}", static_cast<int>(op));
+  math::visit(fn, [&](auto line) {
+    using F = decltype(line);
+    if constexpr (F::kArity == 2) {
+      binary<F>(type, a, b, out, layout, n, stream);
+    } else {
+      fail("cuda generic: {} is not a binary line", F::kName);
+    }
+  });
 }
 
 void launch_where(int elem_size, const void* cond, const void* a, const void* b, void* out,
@@ -1165,7 +1070,7 @@ void launch_where(int elem_size, const void* cond, const void* a, const void* b,
   });
 }
 
-void launch_cast(ElemType from, ElemType to, const void* x, void* y, int64_t n,
+void launch_cast(DType from, DType to, const void* x, void* y, int64_t n,
                  cudaStream_t stream) {
   if (n == 0) return;
   visit(from, [&](auto from_tag) {
@@ -1179,7 +1084,7 @@ void launch_cast(ElemType from, ElemType to, const void* x, void* y, int64_t n,
   });
 }
 
-void launch_dropout(ElemType type, const void* x, void* y, int64_t n, double p,
+void launch_dropout(DType type, const void* x, void* y, int64_t n, double p,
                     uint32_t threshold, uint64_t seed, const int64_t* offset,
                     cudaStream_t stream) {
   if (n == 0) return;
@@ -1209,7 +1114,7 @@ void launch_fill(int elem_size, uint64_t bits, void* out, int64_t n, cudaStream_
   });
 }
 
-void launch_iota(ElemType type, void* out, int64_t n, int64_t dim, int64_t inner,
+void launch_iota(DType type, void* out, int64_t n, int64_t dim, int64_t inner,
                  cudaStream_t stream) {
   if (n == 0) return;
   visit(type, [&](auto tag) {
@@ -1230,7 +1135,7 @@ void launch_copy(int elem_size, const void* in, void* out, const Layout& layout,
   });
 }
 
-void launch_one_hot(ElemType index_type, const void* indices, ElemType out_type, void* out,
+void launch_one_hot(DType index_type, const void* indices, DType out_type, void* out,
                     int64_t n_indices, int64_t depth, cudaStream_t stream) {
   const int64_t n = n_indices * depth;
   if (n == 0) return;
@@ -1251,13 +1156,13 @@ void launch_one_hot(ElemType index_type, const void* indices, ElemType out_type,
 
 // Index types are i32 or i64 (inference checks it).
 template <class Fn>
-void visit_index(ElemType t, Fn&& fn) {
-  if (t == ElemType::kI32) return fn(Tag<int32_t>{});
-  if (t == ElemType::kI64) return fn(Tag<int64_t>{});
-  fail("cuda generic: indices must be i32 or i64, got type code {}", static_cast<int>(t));
+void visit_index(DType t, Fn&& fn) {
+  if (t == DType::kI32) return fn(Tag<int32_t>{});
+  if (t == DType::kI64) return fn(Tag<int64_t>{});
+  fail("cuda generic: indices must be i32 or i64, got {}", dtype_name(t));
 }
 
-void launch_gather(int elem_size, const void* table, ElemType index_type, const void* indices,
+void launch_gather(int elem_size, const void* table, DType index_type, const void* indices,
                    void* out, int64_t outer, int64_t dim, int64_t inner, int64_t n_indices,
                    cudaStream_t stream) {
   const int64_t n = outer * n_indices * inner;
@@ -1274,7 +1179,7 @@ void launch_gather(int elem_size, const void* table, ElemType index_type, const 
   });
 }
 
-void launch_scatter_add(ElemType type, const void* base, ElemType index_type, const void* indices,
+void launch_scatter_add(DType type, const void* base, DType index_type, const void* indices,
                         const void* updates, void* out, int64_t outer, int64_t dim,
                         int64_t inner, int64_t n_indices, cudaStream_t stream) {
   visit(type, [&](auto tag) {
@@ -1299,23 +1204,23 @@ void launch_scatter_add(ElemType type, const void* base, ElemType index_type, co
   });
 }
 
-void launch_reduce(ReduceOp op, ElemType type, const void* x, void* out,
-                   const ReduceLayout& layout, cudaStream_t stream) {
+void launch_reduce(Op op, DType type, const void* x, void* out, const ReduceLayout& layout,
+                   cudaStream_t stream) {
   visit(type, [&](auto tag) {
     using T = typename decltype(tag)::type;
     switch (op) {
-      case ReduceOp::kSum: return run_reduce<T>(SumReduce<T, false>{}, x, out, layout, stream);
-      case ReduceOp::kMean:
+      case Op::kSum: return run_reduce<T>(SumReduce<T, false>{}, x, out, layout, stream);
+      case Op::kMean:
         if constexpr (kIsFloat<T>) return run_reduce<T>(SumReduce<T, true>{}, x, out, layout, stream);
         break;
-      case ReduceOp::kMax: return run_reduce<T>(MaxReduce<T>{}, x, out, layout, stream);
+      case Op::kMax: return run_reduce<T>(MaxReduce<T>{}, x, out, layout, stream);
+      default: break;
     }
-    fail("cuda generic: reduction {} does not take type code {}", static_cast<int>(op),
-         static_cast<int>(type));
+    fail("cuda generic: {} is not a reduction that takes {}", op_name(op), dtype_name(type));
   });
 }
 
-void launch_argmax(ElemType type, const void* x, int64_t* out, int64_t outer, int64_t dim,
+void launch_argmax(DType type, const void* x, int64_t* out, int64_t outer, int64_t dim,
                    int64_t inner, cudaStream_t stream) {
   ReduceLayout layout;
   layout.kept_rank = 2;
@@ -1334,7 +1239,7 @@ void launch_argmax(ElemType type, const void* x, int64_t* out, int64_t outer, in
   });
 }
 
-void launch_matmul(ElemType type, const void* a, const void* b, void* c,
+void launch_matmul(DType type, const void* a, const void* b, void* c,
                    const MatmulLayout& layout, cudaStream_t stream) {
   if (layout.m == 0 || layout.n == 0 || layout.batch == 0) return;
   visit_float(type, [&](auto tag) {
@@ -1350,7 +1255,7 @@ void launch_matmul(ElemType type, const void* a, const void* b, void* c,
   });
 }
 
-void launch_softmax(ElemType type, bool log, const void* x, void* y, int64_t outer, int64_t dim,
+void launch_softmax(DType type, bool log, const void* x, void* y, int64_t outer, int64_t dim,
                     int64_t inner, cudaStream_t stream) {
   if (outer * inner * dim == 0) return;
   visit_float(type, [&](auto tag) {
@@ -1361,7 +1266,7 @@ void launch_softmax(ElemType type, bool log, const void* x, void* y, int64_t out
   });
 }
 
-void launch_softmax_grad(ElemType type, bool log, const void* y, const void* dy, void* dx,
+void launch_softmax_grad(DType type, bool log, const void* y, const void* dy, void* dx,
                          int64_t outer, int64_t dim, int64_t inner, cudaStream_t stream) {
   if (outer * inner * dim == 0) return;
   visit_float(type, [&](auto tag) {
@@ -1373,7 +1278,7 @@ void launch_softmax_grad(ElemType type, bool log, const void* y, const void* dy,
   });
 }
 
-void launch_norm(ElemType type, const void* x, const void* gamma, const void* beta, void* y,
+void launch_norm(DType type, const void* x, const void* gamma, const void* beta, void* y,
                  int64_t rows, int64_t cols, double epsilon, cudaStream_t stream) {
   if (rows * cols == 0) return;
   visit_float(type, [&](auto tag) {
@@ -1385,7 +1290,7 @@ void launch_norm(ElemType type, const void* x, const void* gamma, const void* be
   });
 }
 
-void launch_norm_grad(ElemType type, const void* x, const void* gamma, const void* dy, void* dx,
+void launch_norm_grad(DType type, const void* x, const void* gamma, const void* dy, void* dx,
                       void* dgamma, void* dbeta, int64_t rows, int64_t cols, double epsilon,
                       cudaStream_t stream) {
   if (cols == 0) return;
@@ -1406,7 +1311,7 @@ void launch_norm_grad(ElemType type, const void* x, const void* gamma, const voi
   });
 }
 
-void launch_cross_entropy(ElemType type, const void* logits, ElemType label_type,
+void launch_cross_entropy(DType type, const void* logits, DType label_type,
                           const void* labels, void* out, int64_t rows, int64_t vocab,
                           int64_t ignore_index, int reduction, cudaStream_t stream) {
   visit_float(type, [&](auto tag) {
@@ -1431,7 +1336,7 @@ void launch_cross_entropy(ElemType type, const void* logits, ElemType label_type
   });
 }
 
-void launch_cross_entropy_grad(ElemType type, const void* logits, ElemType label_type,
+void launch_cross_entropy_grad(DType type, const void* logits, DType label_type,
                                const void* labels, const void* dloss, void* dlogits,
                                int64_t rows, int64_t vocab, int64_t ignore_index, int reduction,
                                cudaStream_t stream) {
@@ -1453,8 +1358,8 @@ void launch_cross_entropy_grad(ElemType type, const void* logits, ElemType label
   });
 }
 
-void launch_sgd_update(ElemType type, const void* param, const void* grad, const void* buf,
-                       ElemType lr_type, const void* lr, void* param_out, void* buf_out,
+void launch_sgd_update(DType type, const void* param, const void* grad, const void* buf,
+                       DType lr_type, const void* lr, void* param_out, void* buf_out,
                        int64_t n, double momentum, bool nesterov, double weight_decay,
                        cudaStream_t stream) {
   if (n == 0) return;
@@ -1468,8 +1373,8 @@ void launch_sgd_update(ElemType type, const void* param, const void* grad, const
   });
 }
 
-void launch_adamw_update(ElemType type, const void* param, const void* grad, const void* m,
-                         const void* v, ElemType lr_type, const void* lr, ElemType step_type,
+void launch_adamw_update(DType type, const void* param, const void* grad, const void* m,
+                         const void* v, DType lr_type, const void* lr, DType step_type,
                          const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
                          double beta1, double beta2, double epsilon, double weight_decay,
                          cudaStream_t stream) {
@@ -1494,7 +1399,7 @@ void allow_shared(Kernel kernel, size_t bytes) {
                                          static_cast<int>(bytes)));
 }
 
-void launch_attention(ElemType type, const void* q, const void* k, const void* v, void* out,
+void launch_attention(DType type, const void* q, const void* k, const void* v, void* out,
                       void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
                       bool causal, double scale, cudaStream_t stream) {
   if (batch * tq == 0) return;
@@ -1512,7 +1417,7 @@ void launch_attention(ElemType type, const void* q, const void* k, const void* v
   });
 }
 
-void launch_attention_grad(ElemType type, const void* q, const void* k, const void* v,
+void launch_attention_grad(DType type, const void* q, const void* k, const void* v,
                            const void* out, const void* dout, const void* lse, void* dq, void* dk,
                            void* dv_out, int64_t batch,
                            int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
@@ -1522,7 +1427,7 @@ void launch_attention_grad(ElemType type, const void* q, const void* k, const vo
   visit_float(type, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = typename Num<T>::C;
-    const ElemType acc_type = std::is_same_v<C, double> ? ElemType::kF64 : ElemType::kF32;
+    const DType acc_type = std::is_same_v<C, double> ? DType::kF64 : DType::kF32;
     const int64_t nk = batch * tk * d, nv = batch * tk * dv;
     Scratch dk_acc(nk * sizeof(C), stream), dv_acc(nv * sizeof(C), stream);
     KILN_CUDA_CHECK(cudaMemsetAsync(dk_acc.as<C>(), 0, nk * sizeof(C), stream));

@@ -17,13 +17,14 @@
 
 #include <cstdint>
 
+#include "ir/dtype.h"
+#include "ir/op.h"
+#include "ops/elementwise_math.h"
+
 namespace kiln::cuda::generic {
 
 inline constexpr int kMaxRank = 8;
 inline constexpr int kMaxOperands = 4;  // output + up to 3 inputs (where)
-
-// Element types: the values of kiln::DType (ir/dtype.h); generic.cc static_asserts they agree.
-enum class ElemType : int { kF32, kF64, kF16, kBF16, kI32, kI64, kBool, kU8 };
 
 // An iteration space of `rank` dims and, for each operand, a base offset and strides in
 // elements over those dims (0 along broadcast dims). Element i of the space is at
@@ -39,21 +40,12 @@ struct Layout {
 
 // ---- elementwise -----------------------------------------------------------------------------
 
-enum class UnaryOp : int {
-  kAbs, kExp, kLog, kNeg, kReciprocal, kRelu, kRsqrt, kSigmoid, kSilu, kSqrt, kSquare, kTanh,
-  kGeluErf, kGeluTanh,
-};
-// Float ops take kF32/kF64/kF16/kBF16; abs, neg, relu, square also kI32/kI64/kU8.
-void launch_unary(UnaryOp op, ElemType type, const void* x, void* y, int64_t n,
+// A line of ops/elementwise_math.h over one input (x and y contiguous) or two (layout operands:
+// 0 = out (contiguous), 1 = a, 2 = b). The line's domain says which dtypes it takes;
+// comparisons write bool.
+void launch_unary(math::Fn fn, DType type, const void* x, void* y, int64_t n,
                   cudaStream_t stream);
-
-enum class BinaryOp : int {
-  kAdd, kSub, kMul, kDiv, kPow, kMaximum, kMinimum,
-  kEq, kNe, kLt, kLe, kGt, kGe,     // bool output
-  kGeluGradErf, kGeluGradTanh,      // (x, dy) -> dy * gelu'(x)
-};
-// Layout operands: 0 = out (contiguous), 1 = a, 2 = b. Comparisons write bool.
-void launch_binary(BinaryOp op, ElemType type, const void* a, const void* b, void* out,
+void launch_binary(math::Fn fn, DType type, const void* a, const void* b, void* out,
                    const Layout& layout, int64_t n, cudaStream_t stream);
 
 // where(cond, a, b): operands 0 = out, 1 = cond (bool), 2 = a, 3 = b; any element size.
@@ -62,11 +54,11 @@ void launch_where(int elem_size, const void* cond, const void* a, const void* b,
 
 // Any dtype to any dtype, the reference's rules (float->int truncates and saturates, NaN -> 0;
 // int->int wraps; ->bool is x != 0; f64->f16/bf16 rounds through f32 as the host does).
-void launch_cast(ElemType from, ElemType to, const void* x, void* y, int64_t n,
+void launch_cast(DType from, DType to, const void* x, void* y, int64_t n,
                  cudaStream_t stream);
 
 // Philox dropout (support/philox.h): `offset` is a device i64 scalar or nullptr (offset 0).
-void launch_dropout(ElemType type, const void* x, void* y, int64_t n, double p,
+void launch_dropout(DType type, const void* x, void* y, int64_t n, double p,
                     uint32_t threshold, uint64_t seed, const int64_t* offset,
                     cudaStream_t stream);
 
@@ -75,29 +67,28 @@ void launch_dropout(ElemType type, const void* x, void* y, int64_t n, double p,
 // Every element = the `elem_size`-byte pattern in the low bytes of `bits`.
 void launch_fill(int elem_size, uint64_t bits, void* out, int64_t n, cudaStream_t stream);
 // out[i] = (i / inner) % dim, converted to `type`.
-void launch_iota(ElemType type, void* out, int64_t n, int64_t dim, int64_t inner,
+void launch_iota(DType type, void* out, int64_t n, int64_t dim, int64_t inner,
                  cudaStream_t stream);
 // Strided copy over `layout`: operand 0 = out, 1 = in (transpose, broadcast_to, slice, concat,
 // split are all this with different strides and offsets).
 void launch_copy(int elem_size, const void* in, void* out, const Layout& layout, int64_t n,
                  cudaStream_t stream);
 // one_hot: out[p * depth + c] = (c == indices[p]); indices outside [0, depth) give a zero row.
-void launch_one_hot(ElemType index_type, const void* indices, ElemType out_type, void* out,
+void launch_one_hot(DType index_type, const void* indices, DType out_type, void* out,
                     int64_t n_indices, int64_t depth, cudaStream_t stream);
 // gather along an axis seen as (outer, dim, inner): out (outer, n_indices, inner).
-void launch_gather(int elem_size, const void* table, ElemType index_type, const void* indices,
+void launch_gather(int elem_size, const void* table, DType index_type, const void* indices,
                    void* out, int64_t outer, int64_t dim, int64_t inner, int64_t n_indices,
                    cudaStream_t stream);
 // scatter_add: out = base, then updates (outer, n_indices, inner) summed into rows with
 // atomicAdd: the order of the sums varies, so float results are not bitwise deterministic.
 // All dtypes but bool and u8 (no byte-wide atomics).
-void launch_scatter_add(ElemType type, const void* base, ElemType index_type, const void* indices,
+void launch_scatter_add(DType type, const void* base, DType index_type, const void* indices,
                         const void* updates, void* out, int64_t outer, int64_t dim,
                         int64_t inner, int64_t n_indices, cudaStream_t stream);
 
 // ---- reductions ---------------------------------------------------------------------------------
 
-enum class ReduceOp : int { kSum, kMean, kMax };
 // Output element o covers the kept dims (kept_shape/kept_strides: o's multi-index -> input
 // offset) and the reduced dims (reduced_shape/reduced_strides), `count` elements.
 struct ReduceLayout {
@@ -106,11 +97,12 @@ struct ReduceLayout {
   int64_t reduced_shape[kMaxRank] = {}, reduced_strides[kMaxRank] = {};
   int64_t outputs = 0, count = 0;
 };
-// Sums accumulate in f64 (floats) or wrapping i64 (integers); max propagates NaN.
-void launch_reduce(ReduceOp op, ElemType type, const void* x, void* out,
+// op: sum, mean or max. Sums accumulate in f64 (floats) or wrapping i64 (integers); max
+// propagates NaN.
+void launch_reduce(Op op, DType type, const void* x, void* out,
                    const ReduceLayout& layout, cudaStream_t stream);
 // argmax along the middle of (outer, dim, inner): first index of the maximum, NaN is the max.
-void launch_argmax(ElemType type, const void* x, int64_t* out, int64_t outer, int64_t dim,
+void launch_argmax(DType type, const void* x, int64_t* out, int64_t outer, int64_t dim,
                    int64_t inner, cudaStream_t stream);
 
 // ---- nn ------------------------------------------------------------------------------------------
@@ -125,39 +117,39 @@ struct MatmulLayout {
   int64_t a_batch_strides[kMaxRank] = {}, b_batch_strides[kMaxRank] = {};
   int64_t batch = 1;
 };
-void launch_matmul(ElemType type, const void* a, const void* b, void* c,
+void launch_matmul(DType type, const void* a, const void* b, void* c,
                    const MatmulLayout& layout, cudaStream_t stream);
 
 // softmax / log_softmax along the middle axis of (outer, dim, inner); one block per line.
-void launch_softmax(ElemType type, bool log, const void* x, void* y, int64_t outer, int64_t dim,
+void launch_softmax(DType type, bool log, const void* x, void* y, int64_t outer, int64_t dim,
                     int64_t inner, cudaStream_t stream);
-void launch_softmax_grad(ElemType type, bool log, const void* y, const void* dy, void* dx,
+void launch_softmax_grad(DType type, bool log, const void* y, const void* dy, void* dx,
                          int64_t outer, int64_t dim, int64_t inner, cudaStream_t stream);
 // layer_norm (beta given) or rms_norm (beta == nullptr) over rows of `cols`.
-void launch_norm(ElemType type, const void* x, const void* gamma, const void* beta, void* y,
+void launch_norm(DType type, const void* x, const void* gamma, const void* beta, void* y,
                  int64_t rows, int64_t cols, double epsilon, cudaStream_t stream);
 // layer_norm_grad (dbeta given) or rms_norm_grad (dbeta == nullptr). Uses a stream-ordered
 // scratch buffer (cudaMallocAsync) for the per-row statistics.
-void launch_norm_grad(ElemType type, const void* x, const void* gamma, const void* dy, void* dx,
+void launch_norm_grad(DType type, const void* x, const void* gamma, const void* dy, void* dx,
                       void* dgamma, void* dbeta, int64_t rows, int64_t cols, double epsilon,
                       cudaStream_t stream);
 // reduction: 0 mean, 1 sum, 2 none.
-void launch_cross_entropy(ElemType type, const void* logits, ElemType label_type,
+void launch_cross_entropy(DType type, const void* logits, DType label_type,
                           const void* labels, void* out, int64_t rows, int64_t vocab,
                           int64_t ignore_index, int reduction, cudaStream_t stream);
-void launch_cross_entropy_grad(ElemType type, const void* logits, ElemType label_type,
+void launch_cross_entropy_grad(DType type, const void* logits, DType label_type,
                                const void* labels, const void* dloss, void* dlogits,
                                int64_t rows, int64_t vocab, int64_t ignore_index, int reduction,
                                cudaStream_t stream);
 
 // Optimizer updates; lr and step are device scalars of their own float dtypes. Outputs may
 // alias the matching inputs (each element is read before it is written).
-void launch_sgd_update(ElemType type, const void* param, const void* grad, const void* buf,
-                       ElemType lr_type, const void* lr, void* param_out, void* buf_out,
+void launch_sgd_update(DType type, const void* param, const void* grad, const void* buf,
+                       DType lr_type, const void* lr, void* param_out, void* buf_out,
                        int64_t n, double momentum, bool nesterov, double weight_decay,
                        cudaStream_t stream);
-void launch_adamw_update(ElemType type, const void* param, const void* grad, const void* m,
-                         const void* v, ElemType lr_type, const void* lr, ElemType step_type,
+void launch_adamw_update(DType type, const void* param, const void* grad, const void* m,
+                         const void* v, DType lr_type, const void* lr, DType step_type,
                          const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
                          double beta1, double beta2, double epsilon, double weight_decay,
                          cudaStream_t stream);
@@ -167,10 +159,10 @@ void launch_adamw_update(ElemType type, const void* param, const void* grad, con
 // takes the forward's out and lse (P = exp(s - lse), D = rowsum(dout * out)) and accumulates dk
 // and dv with atomicAdd (not bitwise deterministic) in an f32/f64 scratch buffer.
 int64_t attention_max_keys();
-void launch_attention(ElemType type, const void* q, const void* k, const void* v, void* out,
+void launch_attention(DType type, const void* q, const void* k, const void* v, void* out,
                       void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
                       bool causal, double scale, cudaStream_t stream);
-void launch_attention_grad(ElemType type, const void* q, const void* k, const void* v,
+void launch_attention_grad(DType type, const void* q, const void* k, const void* v,
                            const void* out, const void* dout, const void* lse, void* dq, void* dk,
                            void* dv_out, int64_t batch,
                            int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,

@@ -37,10 +37,6 @@ using movement::kMaxDims;
 using movement::RowCopy;
 using movement::TiledCopy;
 
-static_assert(static_cast<int>(DType::kF32) == static_cast<int>(movement::Float::kF32) &&
-              static_cast<int>(DType::kF16) == static_cast<int>(movement::Float::kF16) &&
-              static_cast<int>(DType::kBF16) == static_cast<int>(movement::Float::kBF16));
-
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 
 KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel,
@@ -50,7 +46,6 @@ KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel,
 }
 
 bool storage_float(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
-movement::Float float_of(DType d) { return static_cast<movement::Float>(static_cast<int>(d)); }
 
 // ---- copies as walks over the destination ----------------------------------------------------
 
@@ -395,14 +390,14 @@ void register_movement_kernels(KernelRegistry& registry) {
                               },
                               [](const KernelArgs& a) {
                                 const Tensor &x = a.inputs[0], &y = a.outputs[0];
-                                movement::cast(float_of(x.dtype()), float_of(y.dtype()), x.raw(),
+                                movement::cast(x.dtype(), y.dtype(), x.raw(),
                                                y.raw(), x.numel(), stream_of(a));
                               }));
 
   registry.add(Op::kSum, impl(sum_supported, [](const KernelArgs& a) {
                  const Tensor &x = a.inputs[0], &y = a.outputs[0];
                  const MiddleSum m = *middle_sum(x.shape(), a.attrs.ints("axes"));
-                 movement::sum_middle(float_of(x.dtype()), x.raw(), y.raw(), m.outer, m.reduced,
+                 movement::sum_middle(x.dtype(), x.raw(), y.raw(), m.outer, m.reduced,
                                       m.inner, stream_of(a));
                }));
 }

@@ -249,13 +249,14 @@ struct BF16 {
 };
 
 template <class Fn>
-void visit_float(Float t, Fn&& fn) {
+void visit_float(DType t, Fn&& fn) {
   switch (t) {
-    case Float::kF32: return fn(F32{});
-    case Float::kF16: return fn(F16{});
-    case Float::kBF16: return fn(BF16{});
+    case DType::kF32: return fn(F32{});
+    case DType::kF16: return fn(F16{});
+    case DType::kBF16: return fn(BF16{});
+    default: break;
   }
-  fail("movement: unknown float type code {}", static_cast<int>(t));
+  fail("movement: {} is not a float storage type (f32, f16, bf16)", dtype_name(t));
 }
 
 // ---- cast ----------------------------------------------------------------------------------------
@@ -611,7 +612,7 @@ void copy_tiled(const void* src, void* dst, const TiledCopy& copy, cudaStream_t 
   }
 }
 
-void cast(Float from, Float to, const void* x, void* y, int64_t n, cudaStream_t stream) {
+void cast(DType from, DType to, const void* x, void* y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   visit_float(from, [&](auto from_tag) {
     visit_float(to, [&](auto to_tag) {
@@ -640,7 +641,7 @@ void cast(Float from, Float to, const void* x, void* y, int64_t n, cudaStream_t 
   });
 }
 
-void sum_middle(Float type, const void* x, void* y, int64_t outer, int64_t reduced, int64_t inner,
+void sum_middle(DType type, const void* x, void* y, int64_t outer, int64_t reduced, int64_t inner,
                 cudaStream_t stream) {
   if (outer <= 0 || inner <= 0) return;
   visit_float(type, [&](auto tag) {

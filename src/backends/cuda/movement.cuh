@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "ir/dtype.h"
+
 namespace kiln::cuda::movement {
 
 inline constexpr int kMaxDims = 8;
@@ -56,19 +58,17 @@ struct TiledCopy {
 };
 void copy_tiled(const void* src, void* dst, const TiledCopy& copy, cudaStream_t stream);
 
-// The float storage types these kernels take (values of kiln::DType; movement.cc checks).
-enum class Float : int { kF32 = 0, kF16 = 2, kBF16 = 3 };
-
 // y[i] = x[i] converted, rounding to nearest even exactly as the CPU reference does
 // (ir/dtype.h, NaN payloads included). `from` != `to`.
-void cast(Float from, Float to, const void* x, void* y, int64_t n, cudaStream_t stream);
+// `from` and `to`: f32, f16 or bf16.
+void cast(DType from, DType to, const void* x, void* y, int64_t n, cudaStream_t stream);
 
 // y (outer, inner) = sum over the middle axis of x (outer, reduced, inner), accumulated in f32
 // and rounded once to the storage type. Deterministic: the summation order depends only on the
 // shape (two passes through f32 partials in stream-ordered scratch; no atomics). inner == 1 is
 // a row sum (a warp per row segment), inner > 1 a column sum (a block per strip of columns).
-// reduced == 0 writes zeros.
-void sum_middle(Float type, const void* x, void* y, int64_t outer, int64_t reduced, int64_t inner,
+// reduced == 0 writes zeros. `type`: f32, f16 or bf16.
+void sum_middle(DType type, const void* x, void* y, int64_t outer, int64_t reduced, int64_t inner,
                 cudaStream_t stream);
 
 }  // namespace kiln::cuda::movement

@@ -30,7 +30,6 @@ namespace {
 
 constexpr int kMultiTensorPriority = kGeneratedPriority + 10;
 
-nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 size_t aligned_bytes_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -53,9 +52,9 @@ bool updates_supported(const NodeView& view, FusedKind kind, Op op, size_t scala
     for (size_t i = scalars_from; i < m.inputs.size(); ++i)
       if (!is_float(in[static_cast<size_t>(m.inputs[i])].dtype)) return false;
   }
-  return multi_tensor::adamw_types_supported(elem(in[static_cast<size_t>(first[0])].dtype),
-                                             elem(in[static_cast<size_t>(first[1])].dtype),
-                                             elem(in[static_cast<size_t>(first[2])].dtype));
+  return multi_tensor::adamw_types_supported(in[static_cast<size_t>(first[0])].dtype,
+                                             in[static_cast<size_t>(first[1])].dtype,
+                                             in[static_cast<size_t>(first[2])].dtype);
 }
 
 // The members' operands, with those plan_run_order says to copy replaced by copies in
@@ -101,9 +100,9 @@ void run_updates(const KernelArgs& args, Op op) {
   const Operands operands = prepare_operands(args, members, order);
   const Attributes& a = body->attrs;
   const auto& first = members[0].inputs;
-  const nn::Elem param_t = elem(args.inputs[static_cast<size_t>(first[0])].dtype());
-  const nn::Elem grad_t = elem(args.inputs[static_cast<size_t>(first[1])].dtype());
-  const nn::Elem state_t = elem(args.inputs[static_cast<size_t>(first[2])].dtype());
+  const DType param_t = args.inputs[static_cast<size_t>(first[0])].dtype();
+  const DType grad_t = args.inputs[static_cast<size_t>(first[1])].dtype();
+  const DType state_t = args.inputs[static_cast<size_t>(first[2])].dtype();
   auto out = [&](const kiln::multi_tensor::Member& m, int k) {
     return args.outputs[static_cast<size_t>(m.outputs[static_cast<size_t>(k)])].raw();
   };
@@ -120,7 +119,7 @@ void run_updates(const KernelArgs& args, Op op) {
       const nn::AdamwConfig config{static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
                                    static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
       multi_tensor::adamw(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
-                          elem(lr.dtype()), lr.raw(), elem(step.dtype()), step.raw(), config, stream_of(args));
+                          lr.dtype(), lr.raw(), step.dtype(), step.raw(), config, stream_of(args));
     } else {
       std::vector<multi_tensor::SgdTensor> tensors;
       for (int k : wave) {
@@ -133,7 +132,7 @@ void run_updates(const KernelArgs& args, Op op) {
       const nn::SgdConfig config{static_cast<float>(a.f("momentum")), static_cast<float>(a.f("weight_decay")),
                                  a.b("nesterov")};
       multi_tensor::sgd(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
-                        elem(lr.dtype()), lr.raw(), config, stream_of(args));
+                        lr.dtype(), lr.raw(), config, stream_of(args));
     }
   }
 }
@@ -156,7 +155,7 @@ void run_norm(const KernelArgs& args) {
   std::vector<multi_tensor::NormTensor> tensors;
   for (int input : norm->term_input) {
     const Tensor& x = args.inputs[static_cast<size_t>(input)];
-    tensors.push_back(multi_tensor::NormTensor{x.raw(), elem(x.dtype()), x.numel()});
+    tensors.push_back(multi_tensor::NormTensor{x.raw(), x.dtype(), x.numel()});
   }
   std::vector<int> adds;
   for (const auto& operands : norm->adds) adds.insert(adds.end(), operands.begin(), operands.end());
@@ -179,7 +178,7 @@ void run_casts(const KernelArgs& args) {
   for (const kiln::multi_tensor::CastMember& m : *members) {
     const Tensor& x = args.inputs[static_cast<size_t>(m.input)];
     tensors.push_back(multi_tensor::CastTensor{x.data<float>(),
-                                               args.outputs[static_cast<size_t>(m.output)].raw(), elem(m.to),
+                                               args.outputs[static_cast<size_t>(m.output)].raw(), m.to,
                                                x.numel()});
   }
   multi_tensor::cast(tensors.data(), static_cast<int64_t>(tensors.size()), stream_of(args));

@@ -34,13 +34,13 @@ constexpr int kWarp = 32;
 
 // to_f / from_f / load / store: elements.cuh.
 
-__device__ __forceinline__ double load_scalar(const void* p, Elem t) {
+__device__ __forceinline__ double load_scalar(const void* p, DType t) {
   switch (t) {
-    case Elem::kF64:
+    case DType::kF64:
       return *static_cast<const double*>(p);
-    case Elem::kF16:
+    case DType::kF16:
       return __half2float(*static_cast<const f16*>(p));
-    case Elem::kBF16:
+    case DType::kBF16:
       return __bfloat162float(*static_cast<const bf16*>(p));
     default:
       return *static_cast<const float*>(p);
@@ -95,8 +95,8 @@ using AdamwTable = Table<4, 3>;
 // updates); each element is read before it is written, by the same thread.
 template <typename P, typename G, typename S>
 __global__ void __launch_bounds__(kThreads)
-    adamw_multi_kernel(const __grid_constant__ AdamwTable table, const void* lr_ptr, Elem lr_t,
-                       const void* step_ptr, Elem step_t, nn::AdamwConfig c) {
+    adamw_multi_kernel(const __grid_constant__ AdamwTable table, const void* lr_ptr, DType lr_t,
+                       const void* step_ptr, DType step_t, nn::AdamwConfig c) {
   const int t = tensor_of_block(table, blockIdx.x);
   const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
   const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
@@ -147,7 +147,7 @@ using SgdTable = Table<3, 2>;
 
 template <typename P, typename G, typename S>
 __global__ void __launch_bounds__(kThreads)
-    sgd_multi_kernel(const __grid_constant__ SgdTable table, const void* lr_ptr, Elem lr_t,
+    sgd_multi_kernel(const __grid_constant__ SgdTable table, const void* lr_ptr, DType lr_t,
                      nn::SgdConfig c) {
   const int t = tensor_of_block(table, blockIdx.x);
   const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
@@ -191,7 +191,7 @@ struct NormTable {
   const void* x[kMaxTensorsPerLaunch];
   int64_t n[kMaxTensorsPerLaunch];
   int64_t first_block[kMaxTensorsPerLaunch + 1];
-  Elem t[kMaxTensorsPerLaunch];
+  DType t[kMaxTensorsPerLaunch];
   bool vec[kMaxTensorsPerLaunch];
   int count;
   int64_t partial_offset;  // this launch's first block in the partials array
@@ -250,10 +250,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
   double acc = 0;
   switch (table.t[t]) {
-    case Elem::kBF16:
+    case DType::kBF16:
       acc = sum_squares(static_cast<const bf16*>(table.x[t]), start, end, table.vec[t]);
       break;
-    case Elem::kF16:
+    case DType::kF16:
       acc = sum_squares(static_cast<const f16*>(table.x[t]), start, end, table.vec[t]);
       break;
     default:
@@ -343,12 +343,12 @@ bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t
 int64_t blocks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 template <typename Fn>
-bool visit_update_types(Elem p, Elem g, Elem s, Fn&& fn) {
-  if (p != Elem::kF32 || s != Elem::kF32) return false;
+bool visit_update_types(DType p, DType g, DType s, Fn&& fn) {
+  if (p != DType::kF32 || s != DType::kF32) return false;
   switch (g) {
-    case Elem::kF32: fn(float{}); return true;
-    case Elem::kBF16: fn(bf16{}); return true;
-    case Elem::kF16: fn(f16{}); return true;
+    case DType::kF32: fn(float{}); return true;
+    case DType::kBF16: fn(bf16{}); return true;
+    case DType::kF16: fn(f16{}); return true;
     default: return false;
   }
 }
@@ -382,12 +382,12 @@ void launch_tables(int64_t count, const int64_t* sizes, Fill&& fill, Launch&& la
 
 }  // namespace
 
-bool adamw_types_supported(Elem param, Elem grad, Elem state) {
+bool adamw_types_supported(DType param, DType grad, DType state) {
   return visit_update_types(param, grad, state, [](auto) {});
 }
 
-void adamw(Elem param_t, Elem grad_t, Elem state_t, const AdamwTensor* tensors, int64_t count,
-           Elem lr_t, const void* lr, Elem step_t, const void* step, nn::AdamwConfig config,
+void adamw(DType param_t, DType grad_t, DType state_t, const AdamwTensor* tensors, int64_t count,
+           DType lr_t, const void* lr, DType step_t, const void* step, nn::AdamwConfig config,
            cudaStream_t stream) {
   std::vector<int64_t> sizes(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
@@ -415,8 +415,8 @@ void adamw(Elem param_t, Elem grad_t, Elem state_t, const AdamwTensor* tensors, 
              static_cast<int>(state_t));
 }
 
-void sgd(Elem param_t, Elem grad_t, Elem state_t, const SgdTensor* tensors, int64_t count,
-         Elem lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream) {
+void sgd(DType param_t, DType grad_t, DType state_t, const SgdTensor* tensors, int64_t count,
+         DType lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream) {
   std::vector<int64_t> sizes(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
   const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
@@ -485,8 +485,8 @@ void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int6
 void cast(const CastTensor* tensors, int64_t count, cudaStream_t stream) {
   std::vector<int64_t> sizes(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) {
-    const Elem to = tensors[k].to;
-    KILN_CHECK(to == Elem::kBF16 || to == Elem::kF16,
+    const DType to = tensors[k].to;
+    KILN_CHECK(to == DType::kBF16 || to == DType::kF16,
                "multi-tensor cast: tensor {} is cast to type code {}, expected bf16 or f16", k,
                static_cast<int>(to));
     sizes[static_cast<size_t>(k)] = tensors[k].n;
@@ -497,7 +497,7 @@ void cast(const CastTensor* tensors, int64_t count, cudaStream_t stream) {
         const CastTensor& c = tensors[k];
         table.x[slot] = c.x;
         table.y[slot] = c.y;
-        table.f16[slot] = c.to == Elem::kF16;
+        table.f16[slot] = c.to == DType::kF16;
         table.vec[slot] = aligned_to(c.x, 16) && aligned_to(c.y, 16);
       },
       [&](const CastTable& table, int64_t blocks) {

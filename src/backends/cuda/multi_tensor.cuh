@@ -18,8 +18,6 @@
 
 namespace kiln::cuda::multi_tensor {
 
-using nn::Elem;
-
 inline constexpr int kMaxTensorsPerLaunch = 256;
 
 // ---- updates --------------------------------------------------------------------------------
@@ -37,13 +35,13 @@ struct AdamwTensor {
   int64_t n;
 };
 // f32 master weights and moments (param and state f32), grads f32, bf16 or f16.
-bool adamw_types_supported(Elem param, Elem grad, Elem state);
+bool adamw_types_supported(DType param, DType grad, DType state);
 // The arithmetic of nn::adamw_update per element, expression for expression (bias corrections
 // in f64 from the device scalar step). Measured on an H200: m and v bit for bit, the param
 // within 2 ulp (presumably nvcc contracts the same expression into fmas differently in the two
 // kernels). lr, step: device scalars of any float type.
-void adamw(Elem param_t, Elem grad_t, Elem state_t, const AdamwTensor* tensors, int64_t count,
-           Elem lr_t, const void* lr, Elem step_t, const void* step, nn::AdamwConfig config,
+void adamw(DType param_t, DType grad_t, DType state_t, const AdamwTensor* tensors, int64_t count,
+           DType lr_t, const void* lr, DType step_t, const void* step, nn::AdamwConfig config,
            cudaStream_t stream);
 
 struct SgdTensor {
@@ -55,8 +53,8 @@ struct SgdTensor {
   int64_t n;
 };
 // Same types as adamw; the arithmetic of nn::sgd_update (the same caveat on the param).
-void sgd(Elem param_t, Elem grad_t, Elem state_t, const SgdTensor* tensors, int64_t count,
-         Elem lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream);
+void sgd(DType param_t, DType grad_t, DType state_t, const SgdTensor* tensors, int64_t count,
+         DType lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream);
 
 // ---- global norm ----------------------------------------------------------------------------
 
@@ -64,7 +62,7 @@ inline constexpr int kMaxNormTerms = 2048;
 
 struct NormTensor {
   const void* x;
-  Elem t;  // f32, bf16 or f16
+  DType t;  // f32, bf16 or f16
   int64_t n;
 };
 // out (a device f32 scalar) = the add tree over the terms t_i = sum over x_i of f32(x^2):
@@ -83,7 +81,7 @@ void global_norm(const NormTensor* tensors, int64_t count, const int* adds, int6
 struct CastTensor {
   const float* x;
   void* y;
-  Elem to;  // kBF16 or kF16
+  DType to;  // kBF16 or kF16
   int64_t n;
 };
 // y_i = x_i rounded to nearest even, NaNs as the host's and movement.cu's single cast: the same

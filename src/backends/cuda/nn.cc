@@ -20,16 +20,6 @@
 namespace kiln::cuda {
 namespace {
 
-static_assert(static_cast<int>(DType::kF32) == static_cast<int>(nn::Elem::kF32) &&
-              static_cast<int>(DType::kF64) == static_cast<int>(nn::Elem::kF64) &&
-              static_cast<int>(DType::kF16) == static_cast<int>(nn::Elem::kF16) &&
-              static_cast<int>(DType::kBF16) == static_cast<int>(nn::Elem::kBF16) &&
-              static_cast<int>(DType::kI32) == static_cast<int>(nn::Elem::kI32) &&
-              static_cast<int>(DType::kI64) == static_cast<int>(nn::Elem::kI64) &&
-              static_cast<int>(DType::kBool) == static_cast<int>(nn::Elem::kBool) &&
-              static_cast<int>(DType::kU8) == static_cast<int>(nn::Elem::kU8));
-
-nn::Elem elem(DType d) { return static_cast<nn::Elem>(static_cast<int>(d)); }
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 
 KernelImpl impl(std::function<bool(const NodeView&)> supports, KernelFn kernel,
@@ -75,13 +65,13 @@ bool last_axis_supported(const NodeView& n) {
 void softmax_kernel(const KernelArgs& args, bool log) {
   const Tensor& x = args.inputs[0];
   const auto [rows, cols] = rows_cols(x.shape());
-  nn::softmax(elem(x.dtype()), x.raw(), args.outputs[0].raw(), rows, cols, log, stream_of(args));
+  nn::softmax(x.dtype(), x.raw(), args.outputs[0].raw(), rows, cols, log, stream_of(args));
 }
 
 void softmax_grad_kernel(const KernelArgs& args, bool log) {
   const Tensor &y = args.inputs[0], &dy = args.inputs[1];
   const auto [rows, cols] = rows_cols(y.shape());
-  nn::softmax_grad(elem(y.dtype()), y.raw(), dy.raw(), args.outputs[0].raw(), rows, cols, log,
+  nn::softmax_grad(y.dtype(), y.raw(), dy.raw(), args.outputs[0].raw(), rows, cols, log,
                    stream_of(args));
 }
 
@@ -114,7 +104,7 @@ bool update_supported(const NodeView& n, size_t scalars_from) {
   if (in[2].dtype != (scalars_from == 4 ? in[3].dtype : in[2].dtype)) return false;
   for (size_t i = scalars_from; i < in.size(); ++i)
     if (!is_float(in[i].dtype)) return false;
-  return nn::update_types_supported(elem(in[0].dtype), elem(in[1].dtype), elem(in[2].dtype));
+  return nn::update_types_supported(in[0].dtype, in[1].dtype, in[2].dtype);
 }
 
 // ---- gather / scatter_add -------------------------------------------------------------------
@@ -135,14 +125,14 @@ void register_nn_kernels(KernelRegistry& registry) {
   registry.add(Op::kLayerNorm, impl(layer_norm_supported, [](const KernelArgs& args) {
                  const Tensor& x = args.inputs[0];
                  const auto [rows, cols] = rows_cols(x.shape());
-                 nn::layer_norm(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                 nn::layer_norm(x.dtype(), x.raw(), args.inputs[1].raw(),
                                 args.inputs[2].raw(), args.outputs[0].raw(), rows, cols,
                                 static_cast<float>(args.attrs.f("epsilon")), stream_of(args));
                }));
   registry.add(Op::kLayerNormGrad, impl(layer_norm_grad_supported, [](const KernelArgs& args) {
                  const Tensor& x = args.inputs[0];
                  const auto [rows, cols] = rows_cols(x.shape());
-                 nn::layer_norm_grad(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                 nn::layer_norm_grad(x.dtype(), x.raw(), args.inputs[1].raw(),
                                      args.inputs[2].raw(), args.outputs[0].raw(),
                                      args.outputs[1].raw(), args.outputs[2].raw(), rows, cols,
                                      static_cast<float>(args.attrs.f("epsilon")), stream_of(args));
@@ -162,7 +152,7 @@ void register_nn_kernels(KernelRegistry& registry) {
   registry.add(Op::kCrossEntropy, impl(cross_entropy_supported, [](const KernelArgs& args) {
                  const Tensor &logits = args.inputs[0], &labels = args.inputs[1];
                  const auto [rows, vocab] = rows_cols(logits.shape());
-                 nn::cross_entropy(elem(logits.dtype()), logits.raw(), elem(labels.dtype()),
+                 nn::cross_entropy(logits.dtype(), logits.raw(), labels.dtype(),
                                    labels.raw(), args.outputs[0].raw(), rows, vocab,
                                    args.attrs.i("ignore_index"), reduction_of(args.attrs),
                                    stream_of(args));
@@ -170,7 +160,7 @@ void register_nn_kernels(KernelRegistry& registry) {
   registry.add(Op::kCrossEntropyGrad, impl(cross_entropy_supported, [](const KernelArgs& args) {
                  const Tensor &logits = args.inputs[0], &labels = args.inputs[1];
                  const auto [rows, vocab] = rows_cols(logits.shape());
-                 nn::cross_entropy_grad(elem(logits.dtype()), logits.raw(), elem(labels.dtype()),
+                 nn::cross_entropy_grad(logits.dtype(), logits.raw(), labels.dtype(),
                                         labels.raw(), args.inputs[2].raw(), args.outputs[0].raw(),
                                         rows, vocab, args.attrs.i("ignore_index"),
                                         reduction_of(args.attrs), stream_of(args));
@@ -179,12 +169,12 @@ void register_nn_kernels(KernelRegistry& registry) {
   auto elementwise_supported = [](const NodeView& n) { return all_storage_float(n); };
   registry.add(Op::kGelu, impl(elementwise_supported, [](const KernelArgs& args) {
                  const Tensor& x = args.inputs[0];
-                 nn::gelu(elem(x.dtype()), x.raw(), args.outputs[0].raw(), x.numel(),
+                 nn::gelu(x.dtype(), x.raw(), args.outputs[0].raw(), x.numel(),
                           args.attrs.s("approximate") == "tanh", stream_of(args));
                }));
   registry.add(Op::kGeluGrad, impl(elementwise_supported, [](const KernelArgs& args) {
                  const Tensor& x = args.inputs[0];
-                 nn::gelu_grad(elem(x.dtype()), x.raw(), args.inputs[1].raw(),
+                 nn::gelu_grad(x.dtype(), x.raw(), args.inputs[1].raw(),
                                args.outputs[0].raw(), x.numel(),
                                args.attrs.s("approximate") == "tanh", stream_of(args));
                }));
@@ -198,9 +188,9 @@ void register_nn_kernels(KernelRegistry& registry) {
              nn::AdamwConfig config{
                  static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
                  static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
-             nn::adamw_update(elem(in[0].dtype()), elem(in[1].dtype()), elem(in[2].dtype()),
+             nn::adamw_update(in[0].dtype(), in[1].dtype(), in[2].dtype(),
                               in[0].raw(), in[1].raw(), in[2].raw(), in[3].raw(),
-                              elem(in[4].dtype()), in[4].raw(), elem(in[5].dtype()), in[5].raw(),
+                              in[4].dtype(), in[4].raw(), in[5].dtype(), in[5].raw(),
                               args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
                               in[0].numel(), config, stream_of(args));
            },
@@ -212,9 +202,9 @@ void register_nn_kernels(KernelRegistry& registry) {
                                       nn::SgdConfig config{static_cast<float>(a.f("momentum")),
                                                            static_cast<float>(a.f("weight_decay")),
                                                            a.b("nesterov")};
-                                      nn::sgd_update(elem(in[0].dtype()), elem(in[1].dtype()),
-                                                     elem(in[2].dtype()), in[0].raw(), in[1].raw(),
-                                                     in[2].raw(), elem(in[3].dtype()), in[3].raw(),
+                                      nn::sgd_update(in[0].dtype(), in[1].dtype(),
+                                                     in[2].dtype(), in[0].raw(), in[1].raw(),
+                                                     in[2].raw(), in[3].dtype(), in[3].raw(),
                                                      args.outputs[0].raw(), args.outputs[1].raw(),
                                                      in[0].numel(), config, stream_of(args));
                                     },
@@ -225,7 +215,7 @@ void register_nn_kernels(KernelRegistry& registry) {
                  const int axis = normalize_axis(args.attrs.i("axis"), table.rank());
                  const AxisView v = axis_view(table.shape(), axis);
                  nn::gather(table.raw(), static_cast<int64_t>(dtype_size(table.dtype())),
-                            elem(indices.dtype()), indices.raw(), args.outputs[0].raw(), v.outer,
+                            indices.dtype(), indices.raw(), args.outputs[0].raw(), v.outer,
                             v.dim, v.inner, indices.numel(), stream_of(args));
                }));
   registry.add(Op::kScatterAdd,
@@ -234,7 +224,7 @@ void register_nn_kernels(KernelRegistry& registry) {
                       const Tensor &base = args.inputs[0], &indices = args.inputs[1];
                       const int axis = normalize_axis(args.attrs.i("axis"), base.rank());
                       const AxisView v = axis_view(base.shape(), axis);
-                      nn::scatter_add(elem(base.dtype()), base.raw(), elem(indices.dtype()),
+                      nn::scatter_add(base.dtype(), base.raw(), indices.dtype(),
                                       indices.raw(), args.inputs[2].raw(), args.outputs[0].raw(),
                                       v.outer, v.dim, v.inner, indices.numel(), stream_of(args));
                     },

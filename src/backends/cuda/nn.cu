@@ -24,8 +24,10 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elements.cuh"
 #include "backends/cuda/device_errors.cuh"
+#include "backends/cuda/device_math.cuh"
 #include "backends/cuda/nn.cuh"
 #include "backends/cuda/scratch.cuh"
+#include "ops/elementwise_math.h"
 
 namespace kiln::cuda::nn {
 namespace {
@@ -65,13 +67,13 @@ __device__ __forceinline__ void load_maybe(const T* p, float (&out)[N], bool vec
   }
 }
 // A device scalar of any float type (lr, step), read by every thread.
-__device__ __forceinline__ double load_scalar(const void* p, Elem t) {
+__device__ __forceinline__ double load_scalar(const void* p, DType t) {
   switch (t) {
-    case Elem::kF64:
+    case DType::kF64:
       return *static_cast<const double*>(p);
-    case Elem::kF16:
+    case DType::kF16:
       return __half2float(*static_cast<const f16*>(p));
-    case Elem::kBF16:
+    case DType::kBF16:
       return __bfloat162float(*static_cast<const bf16*>(p));
     default:
       return *static_cast<const float*>(p);
@@ -282,16 +284,16 @@ void dispatch_rows(int64_t cols, bool vec, Launch&& launch) {
 }
 
 template <typename Fn>
-void visit_float(Elem t, Fn&& fn) {
+void visit_float(DType t, Fn&& fn) {
   switch (t) {
-    case Elem::kF32:
+    case DType::kF32:
       return fn(Tag<float>{});
-    case Elem::kF16:
+    case DType::kF16:
       return fn(Tag<f16>{});
-    case Elem::kBF16:
+    case DType::kBF16:
       return fn(Tag<bf16>{});
     default:
-      fail("cuda-nn: element type {} is not f32, f16 or bf16", static_cast<int>(t));
+      fail("cuda-nn: {} is not f32, f16 or bf16", dtype_name(t));
   }
 }
 
@@ -711,31 +713,13 @@ __global__ void __launch_bounds__(kBlockRow ? kMaxBlockThreads : kWarp * kWarpRo
 
 // ---- gelu -----------------------------------------------------------------------------------
 
-constexpr float kSqrt2OverPi = 0.79788456080286536f;
-constexpr float kGeluCubic = 0.044715f;
-constexpr float kInvSqrt2 = 0.70710678118654752f;
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-
-// Tanh form: 0.5 x (1 + tanh u) = x * sigmoid(2u), u = k (x + c x^3): no 1 + (-1) cancellation.
+// gelu and d gelu / dx: the lines of ops/elementwise_math.h.
 __device__ __forceinline__ float gelu_f(float x, bool tanh_form) {
-  if (tanh_form) {
-    const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-    return x / (1.0f + expf(-2.0f * u));
-  }
-  return 0.5f * x * erfcf(-x * kInvSqrt2);
+  return tanh_form ? math::GeluTanh::apply<DeviceMath>(x) : math::GeluErf::apply<DeviceMath>(x);
 }
-
-// d gelu / dx. Tanh form with s = sigmoid(2u): s + x (1 - tanh^2 u) / 2 * k (1 + 3 c x^2), and
-// 1 - tanh^2 u = 4 s (1 - s) = 4 e / (1 + e)^2 with e = exp(-2|u|) (never cancels).
 __device__ __forceinline__ float gelu_derivative_f(float x, bool tanh_form) {
-  if (tanh_form) {
-    const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-    const float e = expf(-2.0f * fabsf(u));
-    const float inv = 1.0f / (1.0f + e);
-    const float s = u < 0.0f ? e * inv : inv;
-    return s + 2.0f * x * (e * inv * inv) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-  }
-  return 0.5f * erfcf(-x * kInvSqrt2) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  return tanh_form ? math::gelu_tanh_derivative<DeviceMath>(x)
+                   : math::gelu_erf_derivative<DeviceMath>(x);
 }
 
 // Items 0..nchunks-1 are N-element chunks, the rest single tail elements.
@@ -793,7 +777,7 @@ template <typename P, typename G, typename S>
 // over their inputs (in place), and each element is read before it is written by one thread.
 __global__ void adamw_kernel(const P* param, const G* grad,
                              const S* m, const S* v, const void* lr_ptr,
-                             Elem lr_t, const void* step_ptr, Elem step_t,
+                             DType lr_t, const void* step_ptr, DType step_t,
                              P* param_out, S* m_out,
                              S* v_out, int64_t n, AdamwConfig c, bool vec) {
   // Bias corrections in f64 (1 - 0.999^t loses digits in f32), once per thread.
@@ -835,7 +819,7 @@ __global__ void adamw_kernel(const P* param, const G* grad,
 
 template <typename P, typename G, typename S>
 __global__ void sgd_kernel(const P* param, const G* grad,
-                           const S* buf, const void* lr_ptr, Elem lr_t,
+                           const S* buf, const void* lr_ptr, DType lr_t,
                            P* param_out, S* buf_out, int64_t n,
                            SgdConfig c, bool vec) {
   const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
@@ -870,7 +854,7 @@ __global__ void sgd_kernel(const P* param, const G* grad,
 
 // Calls fn(Tag<P>, Tag<G>, Tag<S>) for a supported combination.
 template <typename Fn>
-bool visit_update_types(Elem p, Elem g, Elem s, Fn&& fn) {
+bool visit_update_types(DType p, DType g, DType s, Fn&& fn) {
   auto same = [&](auto tag) {
     using T = typename decltype(tag)::type;
     fn(Tag<T>{}, Tag<T>{}, Tag<T>{});
@@ -879,13 +863,13 @@ bool visit_update_types(Elem p, Elem g, Elem s, Fn&& fn) {
     visit_float(p, same);
     return true;
   }
-  if (p == g && s == Elem::kF32 && p == Elem::kBF16)
+  if (p == g && s == DType::kF32 && p == DType::kBF16)
     return fn(Tag<bf16>{}, Tag<bf16>{}, Tag<float>{}), true;
-  if (p == g && s == Elem::kF32 && p == Elem::kF16)
+  if (p == g && s == DType::kF32 && p == DType::kF16)
     return fn(Tag<f16>{}, Tag<f16>{}, Tag<float>{}), true;
-  if (p == Elem::kF32 && s == Elem::kF32 && g == Elem::kBF16)
+  if (p == DType::kF32 && s == DType::kF32 && g == DType::kBF16)
     return fn(Tag<float>{}, Tag<bf16>{}, Tag<float>{}), true;
-  if (p == Elem::kF32 && s == Elem::kF32 && g == Elem::kF16)
+  if (p == DType::kF32 && s == DType::kF32 && g == DType::kF16)
     return fn(Tag<float>{}, Tag<f16>{}, Tag<float>{}), true;
   return false;
 }
@@ -954,7 +938,7 @@ __global__ void scatter_runs_kernel(const T* __restrict__ base, const T* __restr
 
 // ---- launchers ------------------------------------------------------------------------------
 
-void layer_norm(Elem t, const void* x, const void* gamma, const void* beta, void* y, int64_t rows,
+void layer_norm(DType t, const void* x, const void* gamma, const void* beta, void* y, int64_t rows,
                 int64_t cols, float eps, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   visit_float(t, [&](auto tag) {
@@ -973,7 +957,7 @@ void layer_norm(Elem t, const void* x, const void* gamma, const void* beta, void
   });
 }
 
-void layer_norm_grad(Elem t, const void* x, const void* gamma, const void* dy, void* dx,
+void layer_norm_grad(DType t, const void* x, const void* gamma, const void* dy, void* dx,
                      void* dgamma, void* dbeta, int64_t rows, int64_t cols, float eps,
                      cudaStream_t stream) {
   if (cols == 0) return;
@@ -1013,7 +997,7 @@ void layer_norm_grad(Elem t, const void* x, const void* gamma, const void* dy, v
   });
 }
 
-void softmax(Elem t, const void* x, void* y, int64_t rows, int64_t cols, bool log,
+void softmax(DType t, const void* x, void* y, int64_t rows, int64_t cols, bool log,
              cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   visit_float(t, [&](auto tag) {
@@ -1029,7 +1013,7 @@ void softmax(Elem t, const void* x, void* y, int64_t rows, int64_t cols, bool lo
   });
 }
 
-void softmax_grad(Elem t, const void* y, const void* dy, void* dx, int64_t rows, int64_t cols,
+void softmax_grad(DType t, const void* y, const void* dy, void* dx, int64_t rows, int64_t cols,
                   bool log, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   visit_float(t, [&](auto tag) {
@@ -1046,10 +1030,10 @@ void softmax_grad(Elem t, const void* y, const void* dy, void* dx, int64_t rows,
   });
 }
 
-void cross_entropy(Elem t, const void* logits, Elem label_t, const void* labels, void* out,
+void cross_entropy(DType t, const void* logits, DType label_t, const void* labels, void* out,
                    int64_t rows, int64_t vocab, int64_t ignore_index, Reduction reduction,
                    cudaStream_t stream) {
-  const bool labels64 = label_t == Elem::kI64;
+  const bool labels64 = label_t == DType::kI64;
   visit_float(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (rows == 0) {  // no rows: "none" has nothing to write; mean and sum are 0
@@ -1077,11 +1061,11 @@ void cross_entropy(Elem t, const void* logits, Elem label_t, const void* labels,
   });
 }
 
-void cross_entropy_grad(Elem t, const void* logits, Elem label_t, const void* labels,
+void cross_entropy_grad(DType t, const void* logits, DType label_t, const void* labels,
                         const void* dloss, void* dlogits, int64_t rows, int64_t vocab,
                         int64_t ignore_index, Reduction reduction, cudaStream_t stream) {
   if (rows == 0 || vocab == 0) return;
-  const bool labels64 = label_t == Elem::kI64;
+  const bool labels64 = label_t == DType::kI64;
   visit_float(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     Scratch count(sizeof(float), stream);
@@ -1103,7 +1087,7 @@ void cross_entropy_grad(Elem t, const void* logits, Elem label_t, const void* la
   });
 }
 
-void gelu(Elem t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream_t stream) {
+void gelu(DType t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream_t stream) {
   if (n == 0) return;
   visit_float(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -1120,7 +1104,7 @@ void gelu(Elem t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream_
   });
 }
 
-void gelu_grad(Elem t, const void* x, const void* dy, void* dx, int64_t n, bool tanh_form,
+void gelu_grad(DType t, const void* x, const void* dy, void* dx, int64_t n, bool tanh_form,
                cudaStream_t stream) {
   if (n == 0) return;
   visit_float(t, [&](auto tag) {
@@ -1138,12 +1122,12 @@ void gelu_grad(Elem t, const void* x, const void* dy, void* dx, int64_t n, bool 
   });
 }
 
-bool update_types_supported(Elem param, Elem grad, Elem state) {
+bool update_types_supported(DType param, DType grad, DType state) {
   return visit_update_types(param, grad, state, [](auto, auto, auto) {});
 }
 
-void adamw_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, const void* grad,
-                  const void* m, const void* v, Elem lr_t, const void* lr, Elem step_t,
+void adamw_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
+                  const void* m, const void* v, DType lr_t, const void* lr, DType step_t,
                   const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
                   AdamwConfig config, cudaStream_t stream) {
   if (n == 0) return;
@@ -1167,8 +1151,8 @@ void adamw_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, co
              static_cast<int>(param_t), static_cast<int>(grad_t), static_cast<int>(state_t));
 }
 
-void sgd_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, const void* grad,
-                const void* buf, Elem lr_t, const void* lr, void* param_out, void* buf_out,
+void sgd_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
+                const void* buf, DType lr_t, const void* lr, void* param_out, void* buf_out,
                 int64_t n, SgdConfig config, cudaStream_t stream) {
   if (n == 0) return;
   const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto pt, auto gt, auto st) {
@@ -1189,11 +1173,11 @@ void sgd_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, cons
              static_cast<int>(param_t), static_cast<int>(grad_t), static_cast<int>(state_t));
 }
 
-void gather(const void* table, int64_t elem_bytes, Elem index_t, const void* indices, void* out,
+void gather(const void* table, int64_t elem_bytes, DType index_t, const void* indices, void* out,
             int64_t outer, int64_t dim, int64_t inner, int64_t n, cudaStream_t stream) {
   const int64_t total_rows = outer * n, row_bytes = inner * elem_bytes;
   if (total_rows == 0 || row_bytes == 0) return;
-  const bool indices64 = index_t == Elem::kI64;
+  const bool indices64 = index_t == DType::kI64;
   auto launch = [&](auto unit) {
     using U = typename decltype(unit)::type;
     const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
@@ -1220,7 +1204,7 @@ void gather(const void* table, int64_t elem_bytes, Elem index_t, const void* ind
     launch(Tag<uint8_t>{});
 }
 
-void scatter_add(Elem t, const void* base, Elem index_t, const void* indices, const void* updates,
+void scatter_add(DType t, const void* base, DType index_t, const void* indices, const void* updates,
                  void* out, int64_t outer, int64_t dim, int64_t inner, int64_t n,
                  cudaStream_t stream) {
   KILN_CHECK(dim < (int64_t{1} << 31) && n < (int64_t{1} << 31),
@@ -1247,7 +1231,7 @@ void scatter_add(Elem t, const void* base, Elem index_t, const void* indices, co
     auto* keys = reinterpret_cast<uint32_t*>(bytes + 2 * array_bytes);
     auto* pos = reinterpret_cast<uint32_t*>(bytes + 3 * array_bytes);
     scatter_keys_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(
-        indices, index_t == Elem::kI64, n, dim, keys_in, pos_in);
+        indices, index_t == DType::kI64, n, dim, keys_in, pos_in);
     KILN_CUDA_CHECK(cudaGetLastError());
     KILN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(bytes + 4 * array_bytes, temp_bytes, keys_in,
                                                     keys, pos_in, pos, static_cast<int>(n), 0, bits,

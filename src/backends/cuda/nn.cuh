@@ -25,80 +25,79 @@
 
 #include <cstdint>
 
+#include "ir/dtype.h"
+
 namespace kiln::cuda::nn {
 
-// Element types: the values of kiln::DType (ir/dtype.h); nn.cc static_asserts they agree.
-enum class Elem : int { kF32, kF64, kF16, kBF16, kI32, kI64, kBool, kU8 };
-
 // Whether the row/elementwise kernels here store this type (f32, f16, bf16).
-inline bool is_storage_float(Elem t) {
-  return t == Elem::kF32 || t == Elem::kF16 || t == Elem::kBF16;
+inline bool is_storage_float(DType t) {
+  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16;
 }
 
 // ---- row ops over the last axis: x is (rows, cols) ----------------------------------------------
 
 // y = (x - mean) / sqrt(var + eps) * gamma + beta, biased variance (two-pass, f32).
-void layer_norm(Elem t, const void* x, const void* gamma, const void* beta, void* y, int64_t rows,
+void layer_norm(DType t, const void* x, const void* gamma, const void* beta, void* y, int64_t rows,
                 int64_t cols, float eps, cudaStream_t stream);
 // dx, and dgamma/dbeta summed over rows. cols <= kLayerNormGradMaxCols.
 inline constexpr int64_t kLayerNormGradMaxCols = 6144;
-void layer_norm_grad(Elem t, const void* x, const void* gamma, const void* dy, void* dx,
+void layer_norm_grad(DType t, const void* x, const void* gamma, const void* dy, void* dx,
                      void* dgamma, void* dbeta, int64_t rows, int64_t cols, float eps,
                      cudaStream_t stream);
 // softmax (log = false) or log_softmax (log = true).
-void softmax(Elem t, const void* x, void* y, int64_t rows, int64_t cols, bool log,
+void softmax(DType t, const void* x, void* y, int64_t rows, int64_t cols, bool log,
              cudaStream_t stream);
 // softmax_grad(y, dy) (log = false) or log_softmax_grad(y, dy) (log = true).
-void softmax_grad(Elem t, const void* y, const void* dy, void* dx, int64_t rows, int64_t cols,
+void softmax_grad(DType t, const void* y, const void* dy, void* dx, int64_t rows, int64_t cols,
                   bool log, cudaStream_t stream);
 
 enum class Reduction : int { kMean, kSum, kNone };
 // logits (rows, vocab) of type t, labels (rows) i32 or i64. out: rows losses (kNone) or one.
-void cross_entropy(Elem t, const void* logits, Elem label_t, const void* labels, void* out,
+void cross_entropy(DType t, const void* logits, DType label_t, const void* labels, void* out,
                    int64_t rows, int64_t vocab, int64_t ignore_index, Reduction reduction,
                    cudaStream_t stream);
 // dloss: rows values (kNone) or one, of type t.
-void cross_entropy_grad(Elem t, const void* logits, Elem label_t, const void* labels,
+void cross_entropy_grad(DType t, const void* logits, DType label_t, const void* labels,
                         const void* dloss, void* dlogits, int64_t rows, int64_t vocab,
                         int64_t ignore_index, Reduction reduction, cudaStream_t stream);
 
 // ---- elementwise --------------------------------------------------------------------------------
 
-void gelu(Elem t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream_t stream);
-void gelu_grad(Elem t, const void* x, const void* dy, void* dx, int64_t n, bool tanh_form,
+void gelu(DType t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream_t stream);
+void gelu_grad(DType t, const void* x, const void* dy, void* dx, int64_t n, bool tanh_form,
                cudaStream_t stream);
 
 // ---- optimizer updates --------------------------------------------------------------------------
 
 // The (param, grad, state) type combinations the updates support: all three equal (f32, bf16,
 // f16), or 16-bit param and grad with f32 state, or f32 param and state with a 16-bit grad.
-bool update_types_supported(Elem param, Elem grad, Elem state);
+bool update_types_supported(DType param, DType grad, DType state);
 // Scalars (lr, step) are device scalars of any float type, read by the kernel.
 struct AdamwConfig {
   float beta1, beta2, epsilon, weight_decay;
 };
-void adamw_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, const void* grad,
-                  const void* m, const void* v, Elem lr_t, const void* lr, Elem step_t,
+void adamw_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
+                  const void* m, const void* v, DType lr_t, const void* lr, DType step_t,
                   const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
                   AdamwConfig config, cudaStream_t stream);
 struct SgdConfig {
   float momentum, weight_decay;
   bool nesterov;
 };
-void sgd_update(Elem param_t, Elem grad_t, Elem state_t, const void* param, const void* grad,
-                const void* buf, Elem lr_t, const void* lr, void* param_out, void* buf_out,
+void sgd_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
+                const void* buf, DType lr_t, const void* lr, void* param_out, void* buf_out,
                 int64_t n, SgdConfig config, cudaStream_t stream);
 
 // ---- embedding ----------------------------------------------------------------------------------
 
 // table seen as (outer, dim, inner) elements of elem_bytes each; indices (n) i32/i64;
 // out (outer, n, inner): out[o, p, :] = table[o, indices[p], :]. Any element type.
-void gather(const void* table, int64_t elem_bytes, Elem index_t, const void* indices, void* out,
+void gather(const void* table, int64_t elem_bytes, DType index_t, const void* indices, void* out,
             int64_t outer, int64_t dim, int64_t inner, int64_t n, cudaStream_t stream);
 // out = base, then out[o, indices[p], :] += updates[o, p, :] for p in order (deterministic: the
 // (index, position) pairs are radix-sorted stably, and each distinct index's rows are summed in
 // position order by one block, starting from base). t: f32, bf16, f16 (f32 accumulation).
-void scatter_add(Elem t, const void* base, Elem index_t, const void* indices, const void* updates,
+void scatter_add(DType t, const void* base, DType index_t, const void* indices, const void* updates,
                  void* out, int64_t outer, int64_t dim, int64_t inner, int64_t n,
                  cudaStream_t stream);
 

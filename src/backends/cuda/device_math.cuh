@@ -1,0 +1,35 @@
+// The math policy of the CUDA kernels: the primitives that the lines of ops/elementwise_math.h
+// call (M::exp, M::erfc, ...), as CUDA's own functions, overloaded for float and double (f16
+// and bf16 compute in float). The generic kernels (generic.cu) use it, and its text is embedded
+// in every kernel NVRTC compiles (codegen.cc), so that both run the same code: plain C++17, no
+// includes, nothing NVRTC lacks.
+#pragma once
+
+namespace kiln {
+namespace cuda {
+
+#define KILN_DEVICE_MATH(name, f32, f64)                                              \
+  static __device__ __forceinline__ float name(float x) { return ::f32(x); }        \
+  static __device__ __forceinline__ double name(double x) { return ::f64(x); }
+
+struct DeviceMath {
+  KILN_DEVICE_MATH(abs, fabsf, fabs)
+  KILN_DEVICE_MATH(exp, expf, exp)
+  KILN_DEVICE_MATH(log, logf, log)
+  KILN_DEVICE_MATH(sqrt, sqrtf, sqrt)
+  KILN_DEVICE_MATH(rsqrt, rsqrtf, rsqrt)
+  KILN_DEVICE_MATH(tanh, tanhf, tanh)
+  KILN_DEVICE_MATH(erf, erff, erf)
+  KILN_DEVICE_MATH(erfc, erfcf, erfc)
+  static __device__ __forceinline__ float pow(float a, float b) { return ::powf(a, b); }
+  static __device__ __forceinline__ double pow(double a, double b) { return ::pow(a, b); }
+  template <class T>
+  static __device__ __forceinline__ T select(bool c, T a, T b) {
+    return c ? a : b;
+  }
+};
+
+#undef KILN_DEVICE_MATH
+
+}  // namespace cuda
+}  // namespace kiln
