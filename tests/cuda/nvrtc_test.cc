@@ -194,7 +194,7 @@ TEST(NvrtcTest, EveryMathLineMatchesTheReference) {
           inputs.push_back(rand(d, {5, 96}, ++seed, -3.0, 3.0));
         }
         b.out({b.op(op, ins, attrs)});
-        expect_matches(b, "elementwise", inputs,
+        expect_matches(b, FusedKind::kElementwise, inputs,
                        std::string(op_name(op)) + " " + approximate + " " +
                            std::string(dtype_name(d)));
       }
