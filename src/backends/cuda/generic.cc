@@ -451,13 +451,23 @@ void register_nn(KernelRegistry& registry) {
                                    stream_of(a));
   }, attention_fits);
 
+  // The simple update kernels read param, gradient and state as one element type; mixed
+  // precision (16-bit gradients, f32 state) is cuda-nn's (the conformance sweep found these
+  // reading a bf16 gradient as f32).
+  const auto one_element_type = [](int count) {
+    return [count](const NodeView& node) {
+      for (int i = 1; i < count; ++i)
+        if (node.input_types[i].dtype != node.input_types[0].dtype) return false;
+      return true;
+    };
+  };
   add(registry, Op::kSgdUpdate, [](const KernelArgs& a) {
     const Tensor& lr = a.inputs[3];
     generic::launch_sgd_update(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(),
                                a.inputs[2].raw(), lr.dtype(), lr.raw(), a.outputs[0].raw(),
                                a.outputs[1].raw(), a.inputs[0].numel(), a.attrs.f("momentum"),
                                a.attrs.b("nesterov"), a.attrs.f("weight_decay"), stream_of(a));
-  }, nullptr, true);
+  }, one_element_type(3), true);
   add(registry, Op::kAdamwUpdate, [](const KernelArgs& a) {
     const Tensor &lr = a.inputs[4], &step = a.inputs[5];
     generic::launch_adamw_update(
@@ -465,7 +475,7 @@ void register_nn(KernelRegistry& registry) {
         a.inputs[3].raw(), lr.dtype(), lr.raw(), step.dtype(), step.raw(), a.outputs[0].raw(),
         a.outputs[1].raw(), a.outputs[2].raw(), a.inputs[0].numel(), a.attrs.f("beta1"),
         a.attrs.f("beta2"), a.attrs.f("epsilon"), a.attrs.f("weight_decay"), stream_of(a));
-  }, nullptr, true);
+  }, one_element_type(4), true);
 }
 
 }  // namespace
