@@ -1,6 +1,6 @@
 // CPU benchmark: measured memory bandwidth (STREAM-like copy and triad), GEMM GFLOP/s through
 // the "openblas" kernel, and GB/s of the f32 fast kernels ("cpu") next to the reference kernels
-// for elementwise ops, reductions and row ops. Prints one markdown table (bench/NOTES.md keeps
+// for elementwise ops, reductions and row ops. Prints one markdown table (bench/log/sessions-1-12.md keeps
 // a run and its reading).
 //
 // Each figure is bytes moved / best time, where "bytes moved" is the least traffic the op needs

@@ -1,6 +1,6 @@
 // CPU training-step benchmark: ms/step of train::Trainer (forward, backward, AdamW as one
 // graph) for the MLP that `kiln train` runs (batch 64, 784-256-10) and gpt2-tiny (batch 4,
-// T 64), next to bench/torch_cpu_train_step.py's PyTorch numbers (bench/NOTES.md).
+// T 64), next to bench/torch_cpu_train_step.py's PyTorch numbers (bench/log/sessions-1-12.md).
 //
 // For each model it prints the median / min / max ms of N timed steps after W warmup steps,
 // the forward alone (a compiled forward step) and forward + backward (an Executor on the raw

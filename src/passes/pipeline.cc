@@ -55,7 +55,7 @@ std::vector<std::string> pass_names() {
 
 PassManager default_pipeline(PassOptions options) {
   // On CUDA the decomposed LayerNorm gradient of training-rewrites costs more than it saves:
-  // GPT-2 B=32 bf16 on an H100 ran 99.9 ms/step with it and 92.9 ms without (bench/NOTES.md;
+  // GPT-2 B=32 bf16 on an H100 ran 99.9 ms/step with it and 92.9 ms without (bench/log/sessions-1-12.md;
   // cuda-nn's layer_norm_grad kernel already does the whole row in one pass, and the decomposed
   // form leaves multiplies that fusion cannot place). On the CPU it is a win.
   if (options.target == Device::kCuda) options.disabled.insert("training-rewrites");

@@ -13,7 +13,7 @@ namespace {
 
 // OpenMP threads spin after each parallel loop by default, taking the cores that the next
 // kernel's (pthread) OpenBLAS threads need: measured 2-10x slower steps on loaded or many-core
-// hosts (bench/NOTES.md). libgomp reads OMP_WAIT_POLICY when it loads, before main, so the CLI
+// hosts (bench/log/sessions-1-12.md). libgomp reads OMP_WAIT_POLICY when it loads, before main, so the CLI
 // sets it and re-executes itself once; an explicit user setting is left alone.
 void ensure_passive_openmp_waiting(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;

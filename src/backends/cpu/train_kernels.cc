@@ -1,5 +1,5 @@
 // Fast kernels for the ops a training step spends its time in once matmul is fast (profiled in
-// bench/NOTES.md, "CPU training step"):
+// bench/log/sessions-1-12.md, "CPU training step"):
 //   dialect "cpu":
 //     adamw_update, sgd_update  f32 param/grad/state (lr and step: any float scalar, read once):
 //                               one fused pass over the elements, bias corrections computed once.

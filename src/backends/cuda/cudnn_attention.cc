@@ -204,7 +204,7 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
   auto k = g->tensor(attrs("k", kK, p.tk, true));
   auto v = g->tensor(attrs("v", kV, p.tk, true));
   const float scale = static_cast<float>(p.scale);
-  // Measurement knobs (bench/NOTES.md): KILN_CUDNN_SDPA_IMPL=unified|composite picks the
+  // Measurement knobs (bench/log/sessions-1-12.md): KILN_CUDNN_SDPA_IMPL=unified|composite picks the
   // forward's implementation (default: cuDNN's choice); KILN_CUDNN_PLAN_FORWARD=i and
   // KILN_CUDNN_PLAN_BACKWARD=i build execution plan i of the heuristic's list instead of the
   // first it can build.
