@@ -39,6 +39,10 @@ struct CompileOptions {
   // Training: the optimizer, clipping, loss scaling and the step's outputs. Both kinds: `amp`
   // and `amp_policy` (mixed precision, on the forward graph before anything else).
   OptimizerConfig optimizer;
+  // Forward: only outputs[0] (a loss to evaluate) instead of every output of the graph. What
+  // only the others needed is dropped, so a language model's logits are no graph output (their
+  // own buffer, f32, 3.3 GB for GPT-2 at B=16) but an intermediate of the planned arena.
+  bool loss_only = false;
   // The pipeline's options; `target` is ignored (the pipeline is built for executor.device).
   PassOptions passes;
   // The device, allowed dialects, CUDA stream and graphs, tuning.
