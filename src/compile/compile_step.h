@@ -40,8 +40,9 @@ struct CompileOptions {
   // and `amp_policy` (mixed precision, on the forward graph before anything else).
   OptimizerConfig optimizer;
   // Forward: only outputs[0] (a loss to evaluate) instead of every output of the graph. What
-  // only the others needed is dropped, so a language model's logits are no graph output (their
-  // own buffer, f32, 3.3 GB for GPT-2 at B=16) but an intermediate of the planned arena.
+  // only the others needed is dropped, and a language model's logits (f32, 3.07 GiB for GPT-2 at
+  // B=16) are an intermediate of the planned arena, whose bytes later values reuse, instead of
+  // an output buffer of their own kept beside it.
   bool loss_only = false;
   // The pipeline's options; `target` is ignored (the pipeline is built for executor.device).
   PassOptions passes;
