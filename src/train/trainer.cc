@@ -183,9 +183,14 @@ std::vector<Tensor> Trainer::evaluate_batches(int64_t count, const std::function
   if (!eval_slots_.defined() || eval_slots_.bytes() < needed)
     eval_slots_ = runtime_->pinned_tensor(TensorType{DType::kU8, {static_cast<int64_t>(needed)}});
   auto slot_of = [&](int64_t i) { return eval_slots_.viewed(type, stride * static_cast<size_t>(i)); };
-  for (int64_t i = 0; i < count; ++i) {
-    std::vector<Tensor> outputs = executor.run(eval_inputs(batch(i)));
-    runtime_->copy_async(slot_of(i), outputs[slot], *stream_);
+  try {
+    for (int64_t i = 0; i < count; ++i) {
+      std::vector<Tensor> outputs = executor.run(eval_inputs(batch(i)));
+      runtime_->copy_async(slot_of(i), outputs[slot], *stream_);
+    }
+  } catch (const Error&) {
+    stream_->synchronize();  // a bad batch: the copies already enqueued land before the slots may go
+    throw;
   }
   synchronize();
   std::vector<Tensor> results;
