@@ -17,6 +17,7 @@ namespace {
 bool built_with_cuda() { return false; }
 int device_count() { return 0; }
 std::string describe_device(int) { return "this build has no CUDA backend"; }
+int compute_capability(int) { return 0; }
 // No CUDA kernel ever ran, so none recorded a data error.
 void check_device_errors() {}
 double smoke_test_saxpy(int) { no_cuda(); }

@@ -23,6 +23,7 @@ DeviceAvailability device_availability(Device device) {
   out.built = cuda::built_with_cuda();
   out.count = cuda::device_count();
   out.description = cuda::describe_device(0);
+  out.compute_capability = cuda::compute_capability(0);
   return out;
 }
 

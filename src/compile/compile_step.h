@@ -39,6 +39,11 @@ struct CompileOptions {
   // Training: the optimizer, clipping, loss scaling and the step's outputs. Both kinds: `amp`
   // and `amp_policy` (mixed precision, on the forward graph before anything else).
   OptimizerConfig optimizer;
+  // Forward: only outputs[0] (a loss to evaluate) instead of every output of the graph. What
+  // only the others needed is dropped, and a language model's logits (f32, 3.07 GiB for GPT-2 at
+  // B=16) are an intermediate of the planned arena, whose bytes later values reuse, instead of
+  // an output buffer of their own kept beside it.
+  bool loss_only = false;
   // The pipeline's options; `target` is ignored (the pipeline is built for executor.device).
   PassOptions passes;
   // The device, allowed dialects, CUDA stream and graphs, tuning.

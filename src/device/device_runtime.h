@@ -225,6 +225,9 @@ struct DeviceAvailability {
   bool built = false;       // the build has the backend
   int count = 0;            // usable devices
   std::string description;  // the first device's name(), or why there is none
+  // CUDA: the first device's compute capability as major * 10 + minor (90 for an H100); 0 where
+  // there is none (and on the CPU). bf16 tensor cores from 80 (A100) on.
+  int compute_capability = 0;
 };
 DeviceAvailability device_availability(Device device);
 

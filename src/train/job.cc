@@ -42,7 +42,13 @@ struct Task {
   Graph forward;
   std::vector<Tensor> init;
   std::function<Batch(int64_t step)> train_batch;
-  std::function<std::pair<std::string, double>(const Trainer&)> evaluate;
+  // The metric's name and value, and how many batches it ran.
+  struct Evaluation {
+    std::string name;
+    double value = 0;
+    int64_t batches = 0;
+  };
+  std::function<Evaluation(const Trainer&)> evaluate;
   std::string description;
   int64_t items_per_step = 0;  // samples or tokens
   std::string item_name;
@@ -62,31 +68,36 @@ Task classification_task(const JobOptions& o) {
   auto batcher = std::make_shared<Batcher>(Batcher::training(fm.train, o.batch, o.seed));
   t.train_batch = [batcher](int64_t step) { return batcher->batch_at_step(step); };
   auto test = std::make_shared<ClassificationDataset>(fm.test);
-  const int64_t B = o.batch;
-  t.evaluate = [test, B](const Trainer& trainer) {
-    // Fixed-shape graph: the last partial batch is padded with sample 0 and only real rows count.
-    Batcher eval = Batcher::evaluation(*test, B);
+  const int64_t B = o.batch, limit = o.eval_batches;
+  t.evaluate = [test, B, limit](const Trainer& trainer) {
+    // The test set in order, or its first `limit` batches. Fixed-shape graph: the last partial
+    // batch is padded with sample 0 and only real rows count.
+    const int64_t n = test->size(), all = (n + B - 1) / B;
+    const int64_t count = limit > 0 ? std::min(limit, all) : all;
+    auto rows_of = [&](int64_t i) { return std::min(B, n - i * B); };
+    std::vector<Tensor> logits = trainer.evaluate_batches(
+        count,
+        [&](int64_t i) {
+          std::vector<int64_t> idx;
+          for (int64_t r = 0; r < B; ++r) idx.push_back(r < rows_of(i) ? i * B + r : 0);
+          Batch b = test->gather(idx);
+          return std::vector<Tensor>{b.inputs, b.targets};
+        },
+        1);
+    const int64_t* labels = test->labels().data<int64_t>();
     int64_t correct = 0, total = 0;
-    for (int64_t i = 0; i < eval.batches_per_epoch(); ++i) {
-      Batch b = eval.batch(0, i);
-      int64_t rows = b.targets.numel();
-      if (rows < B) {
-        std::vector<int64_t> idx;
-        for (int64_t r = 0; r < B; ++r) idx.push_back(r < rows ? i * B + r : 0);
-        b = test->gather(idx);
-      }
-      Tensor logits = trainer.evaluate({b.inputs, b.targets})[1];
-      const int64_t classes = logits.shape()[1];
-      const float* l = logits.data<float>();
-      for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t classes = logits[i].shape()[1];
+      const float* l = logits[i].data<float>();
+      for (int64_t r = 0; r < rows_of(i); ++r) {
         int64_t best = 0;
         for (int64_t k = 1; k < classes; ++k)
           if (l[r * classes + k] > l[r * classes + best]) best = k;
-        correct += best == b.targets.data<int64_t>()[r];
+        correct += best == labels[i * B + r];
       }
-      total += rows;
+      total += rows_of(i);
     }
-    return std::pair<std::string, double>{"accuracy", static_cast<double>(correct) / static_cast<double>(total)};
+    return Task::Evaluation{"accuracy", static_cast<double>(correct) / static_cast<double>(total), count};
   };
   t.description = fmt::format("{} on Fashion-MNIST ({} train / {} test images)", o.model,
                               fm.train.size(), fm.test.size());
@@ -121,12 +132,15 @@ Task language_model_task(const JobOptions& o) {
   t.train_batch = [train_tokens, seed](int64_t step) { return train_tokens->random_batch(seed, step); };
   int64_t eval_batches = o.eval_batches > 0 ? o.eval_batches : 10;
   t.evaluate = [eval_tokens, eval_batches, seed](const Trainer& trainer) {
-    double total = 0;
-    for (int64_t i = 0; i < eval_batches; ++i) {
+    // The same held-out windows at every evaluation, enqueued back to back; the losses are read
+    // once, at the end.
+    std::vector<Tensor> losses = trainer.evaluate_batches(eval_batches, [&](int64_t i) {
       Batch b = eval_tokens->random_batch(seed + 1, i);
-      total += trainer.evaluate({b.inputs, b.targets})[0].get(0);
-    }
-    return std::pair<std::string, double>{"perplexity", std::exp(total / static_cast<double>(eval_batches))};
+      return std::vector<Tensor>{b.inputs, b.targets};
+    });
+    double total = 0;
+    for (const Tensor& loss : losses) total += loss.get(0);
+    return Task::Evaluation{"perplexity", std::exp(total / static_cast<double>(eval_batches)), eval_batches};
   };
   t.description = fmt::format("{} ({} layers, d={}, T={}, vocab {}) on '{}' ({} tokens)", o.model, config.layers,
                               config.d_model, config.seq, config.vocab, path, tokens.size());
@@ -145,20 +159,67 @@ std::string format_duration(double seconds) {
 
 }  // namespace
 
-JobResult run_training_job(const JobOptions& o) {
+DeviceChoice choose_device(const std::string& device, const std::string& amp, const DeviceAvailability& cuda) {
+  KILN_CHECK(device == "auto" || device == "cpu" || device == "cuda", "unknown device '{}' (expected auto, cpu or cuda)",
+             device);
+  KILN_CHECK(amp == "auto" || amp == "off" || amp == "bf16" || amp == "f16",
+             "unknown amp mode '{}' (expected auto, off, bf16 or f16)", amp);
+  DeviceChoice c;
+  std::string device_why = "as asked", amp_why = "as asked";
+  c.device = device;
+  if (device == "auto") {
+    const bool gpu = cuda.built && cuda.count > 0;
+    c.device = gpu ? "cuda" : "cpu";
+    device_why = "auto: " + cuda.description;
+  }
+  c.amp = amp;
+  if (amp == "auto") {
+    if (c.device == "cpu") {
+      c.amp = "off";
+      amp_why = "auto: f32 on the CPU";
+    } else {
+      // A device of compute capability 8.0 or more (A100, H100) has bf16 tensor cores.
+      const int cc = cuda.compute_capability;
+      c.amp = cc >= 80 ? "bf16" : "off";
+      amp_why = cc >= 80 ? fmt::format("auto: sm_{} has bf16", cc)
+                         : cc > 0 ? fmt::format("auto: sm_{} has no bf16 (it needs sm_80)", cc) : "auto: no CUDA device";
+    }
+  }
+  c.note = fmt::format("device {} ({}), amp {} ({})", c.device, device_why, c.amp, amp_why);
+  return c;
+}
+
+JobResult run_training_job(const JobOptions& options) {
+  const Stopwatch run_time;
+  const bool tty = isatty(fileno(options.out)) != 0;
+  JobOptions o = options;
+  const bool any_auto = o.device == "auto" || o.optimizer.amp == "auto";
+  const DeviceChoice choice =
+      choose_device(o.device, o.optimizer.amp, any_auto ? device_availability(Device::kCuda) : DeviceAvailability{});
+  o.device = choice.device;
+  o.optimizer.amp = choice.amp;
+  // First, before anything slow: which device and precision, and why.
+  fmt::print(o.out, "kiln train: {}\n", choice.note);
+  std::fflush(o.out);
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
   KILN_CHECK(o.batch > 0, "--batch must be > 0, got {}", o.batch);
+  KILN_CHECK(o.eval_batches >= 0, "--eval-batches must be >= 0 (0: the default), got {}", o.eval_batches);
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
              "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
   validate(o.optimizer);
-  const Stopwatch run_time;
   Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
 
+  JobResult result;
+  result.device = o.device;
+  result.amp = o.optimizer.amp;
+  result.setup_seconds = run_time.seconds();
+  Stopwatch phase;
   ExecutorOptions executor_options;
   executor_options.device = runtime->device();
   Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes);
+  task.init.clear();  // the trainer has its own copy on its device
   std::string checkpoint = o.checkpoint_dir.empty() ? "" : (std::filesystem::path(o.checkpoint_dir) / "last.safetensors").string();
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
   if (o.resume) {
@@ -168,18 +229,21 @@ JobResult run_training_job(const JobOptions& o) {
     KILN_CHECK(metadata["kiln.model"] == o.model, "checkpoint '{}' is of model '{}', not '{}'", checkpoint,
                metadata["kiln.model"], o.model);
   }
+  result.compile_seconds = phase.lap();
   std::ofstream metrics;
   if (!o.metrics_path.empty()) {
     metrics.open(o.metrics_path, std::ios::app);
     KILN_CHECK(metrics.good(), "cannot open metrics file '{}'", o.metrics_path);
   }
   auto save = [&] {
-    if (!checkpoint.empty()) trainer.save(checkpoint, {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}});
+    if (checkpoint.empty()) return;
+    const Stopwatch saving;
+    trainer.save(checkpoint, {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}});
+    result.checkpoint_seconds += saving.seconds();
   };
 
-  const bool tty = isatty(fileno(o.out)) != 0;
-  fmt::print(o.out, "kiln train: {}\n  {} steps of batch {}, {} lr {}, seed {}, device {}{}\n", task.description, o.steps,
-             o.batch, o.optimizer.name, o.optimizer.lr, o.seed, o.device,
+  fmt::print(o.out, "  {}\n  {} steps of batch {}, {} lr {}, seed {}{}\n", task.description, o.steps, o.batch,
+             o.optimizer.name, o.optimizer.lr, o.seed,
              trainer.steps_done() > 0 ? fmt::format(", resumed at step {}", trainer.steps_done()) : "");
   if (on_cuda)
     fmt::print(o.out, "  {}: params and state {}, step arena and outputs {}\n", runtime->name(),
@@ -189,7 +253,6 @@ JobResult run_training_job(const JobOptions& o) {
   const int64_t first = trainer.steps_done();
   KILN_CHECK(first < o.steps, "the checkpoint is already at step {}; ask for more --steps than that", first);
   BatchPrefetcher prefetcher([&](int64_t i) { return task.train_batch(first + i); }, o.steps - first);
-  JobResult result;
   const Stopwatch loop_time;
   double ema_loss = NAN;
   std::string eval_note;
@@ -208,6 +271,12 @@ JobResult run_training_job(const JobOptions& o) {
 
     std::vector<double> losses = trainer.take_losses();
     KILN_CHECK(losses.size() == unread_lrs.size(), "internal: {} losses for {} steps", losses.size(), unread_lrs.size());
+    if (done == first + 1) {
+      // take_losses() waited for it: the step has run.
+      result.first_step_seconds = run_time.seconds();
+      fmt::print(o.out, "  first step done {:.2f} s after start (setup {:.2f} s, compile {:.2f} s, the step {:.2f} s)\n",
+                 result.first_step_seconds, result.setup_seconds, result.compile_seconds, loop_time.seconds());
+    }
     double elapsed = loop_time.seconds();
     double rate = static_cast<double>((done - first) * task.items_per_step) / elapsed;
     double eta = elapsed / static_cast<double>(done - first) * static_cast<double>(o.steps - done);
@@ -226,11 +295,16 @@ JobResult run_training_job(const JobOptions& o) {
     }
     unread_lrs.clear();
     if (eval_now) {
-      auto [name, value] = task.evaluate(trainer);
-      result.eval_name = name;
-      result.eval_metric = value;
-      records.back()["eval_" + name] = value;
-      eval_note = name == "accuracy" ? fmt::format("  test acc {:.2f}%", 100 * value) : fmt::format("  eval ppl {:.2f}", value);
+      const Stopwatch evaluating;
+      const Task::Evaluation e = task.evaluate(trainer);
+      result.eval_seconds += evaluating.seconds();
+      ++result.evaluations;
+      result.eval_name = e.name;
+      result.eval_metric = e.value;
+      result.eval_batches = e.batches;
+      records.back()["eval_" + e.name] = e.value;
+      eval_note = e.name == "accuracy" ? fmt::format("  test acc {:.2f}%", 100 * e.value)
+                                       : fmt::format("  eval ppl {:.2f}", e.value);
       save();
     }
     if (metrics.is_open())
@@ -244,11 +318,19 @@ JobResult run_training_job(const JobOptions& o) {
   }
   if (tty) fmt::print(o.out, "\n");
   result.steps_done = trainer.steps_done();
+  result.step_seconds = loop_time.seconds() - result.eval_seconds - result.checkpoint_seconds;
   result.seconds = run_time.seconds();
-  fmt::print(o.out, "done: {} steps in {}, final loss {:.4f}, test {} {}\n", result.steps_done,
+  fmt::print(o.out, "done: {} steps in {}, final loss {:.4f}, test {} {}, evaluation {:.2f} s\n", result.steps_done,
              format_duration(result.seconds), result.final_loss, result.eval_name,
              result.eval_name == "accuracy" ? fmt::format("{:.2f}%", 100 * result.eval_metric)
-                                            : fmt::format("{:.2f}", result.eval_metric));
+                                            : fmt::format("{:.2f}", result.eval_metric),
+             result.eval_seconds);
+  fmt::print(o.out,
+             "  wall time {:.2f} s: setup {:.2f} s, compile {:.2f} s, steps {:.2f} s ({:.1f} ms/step), evaluation "
+             "{:.2f} s ({} x {} batches, compile {:.2f} s), checkpoints {:.2f} s\n",
+             result.seconds, result.setup_seconds, result.compile_seconds, result.step_seconds,
+             1e3 * result.step_seconds / static_cast<double>(o.steps - first), result.eval_seconds, result.evaluations,
+             result.eval_batches, trainer.eval_compile_seconds(), result.checkpoint_seconds);
   if (!checkpoint.empty()) fmt::print(o.out, "checkpoint: {}\n", checkpoint);
   return result;
 }
@@ -296,8 +378,14 @@ double device_peak_flops(const std::string& name, const std::string& amp, std::s
   return 0;
 }
 
-BenchResult run_benchmark(const BenchOptions& o) {
+BenchResult run_benchmark(const BenchOptions& options) {
   const double entered_s = seconds_since_process_start();
+  BenchOptions o = options;
+  if (o.device == "auto" || o.amp == "auto") {
+    const DeviceChoice choice = choose_device(o.device, o.amp, device_availability(Device::kCuda));
+    o.device = choice.device;
+    o.amp = choice.amp;
+  }
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
   KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "compile/training_graph.h"
+#include "device/device_runtime.h"
 #include "passes/pass.h"
 
 namespace kiln::train {
@@ -24,14 +25,15 @@ struct JobOptions {
   OptimizerConfig optimizer;
   PassOptions passes;                 // the pipeline's: memory budget, logits chunks, disabled passes
   uint64_t seed = 0;
-  std::string device = "cpu";         // cpu | cuda
+  std::string device = "cpu";         // cpu | cuda | auto (choose_device); optimizer.amp may be "auto" too
   std::string checkpoint_dir = "";    // "" = no checkpoints
   bool resume = false;                // continue from checkpoint_dir/last.safetensors
   int64_t eval_every = 0;             // 0 = only at the end
   int64_t log_every = 50;             // plain log line interval (not on a terminal); on cuda
                                       // also how often the loss is read back from the device
   std::string metrics_path = "";      // JSON lines appended here; "" = none
-  int64_t eval_batches = 0;           // LM eval batches; 0 = 10. Classifiers use the whole test set.
+  int64_t eval_batches = 0;           // batches per evaluation: LMs 0 = 10 (random held-out windows);
+                                      // classifiers the first N of the test set, 0 = all of it
   std::FILE* out = stdout;            // progress and summary
 };
 
@@ -40,8 +42,30 @@ struct JobResult {
   double final_loss = 0;
   double eval_metric = 0;  // classifiers: test accuracy in [0, 1]; LMs: perplexity
   std::string eval_name;   // "accuracy" or "perplexity"
+  std::string device, amp;  // what ran (after choose_device)
+  int64_t evaluations = 0;  // how many times the job evaluated
+  int64_t eval_batches = 0;  // batches the last evaluation ran
+  // Where the wall time went (seconds): the whole run; before the trainer (device, data, model,
+  // init); the trainer's construction (compile_step, upload) and a resumed checkpoint's load;
+  // the job's start to the end of its first step; the steps (the loop without evaluation and
+  // checkpoints); evaluation (its compile at first use included); saving checkpoints.
   double seconds = 0;
+  double setup_seconds = 0, compile_seconds = 0, first_step_seconds = 0;
+  double step_seconds = 0, eval_seconds = 0, checkpoint_seconds = 0;
 };
+
+// `--device` and `--amp` with "auto" resolved, and one line saying which and why.
+struct DeviceChoice {
+  std::string device;  // "cpu" or "cuda"
+  std::string amp;     // "off", "bf16" or "f16"
+  std::string note;    // "device cuda (auto: NVIDIA H100 ..., sm_90, 79.1 GiB), amp bf16 (auto: ...)"
+};
+// device "auto": CUDA when the build has it and a GPU is present, else the CPU. amp "auto": bf16
+// on a CUDA device of compute capability 8.0 or more (bf16 tensor cores), off otherwise (the
+// CPU's steps are f32). Explicit values are kept. `cuda` is what the machine offers
+// (device_availability(Device::kCuda); tests pass made-up ones). Throws kiln::Error on a name
+// that is none of these.
+DeviceChoice choose_device(const std::string& device, const std::string& amp, const DeviceAvailability& cuda);
 
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
@@ -52,8 +76,8 @@ struct BenchOptions {
   std::string model = "gpt2";     // mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium
   int64_t batch = 32;
   int64_t seq = 0;                // gpt2*: 0 = the config's
-  std::string amp = "bf16";       // off | bf16 | f16
-  std::string device = "cuda";    // cpu | cuda
+  std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)
+  std::string device = "cuda";    // cpu | cuda | auto
   int64_t steps = 20;             // timed steps
   int64_t warmup = 5;             // untimed steps first (on cuda the first three run, tune and capture)
   bool cuda_graphs = true;

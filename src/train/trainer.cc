@@ -1,4 +1,6 @@
 #include "train/trainer.h"
+
+#include <algorithm>
 #include <utility>
 
 #include "support/error.h"
@@ -76,17 +78,23 @@ void Trainer::synchronize() const {
   runtime_->check_kernel_errors();  // a kernel's data error (a label out of range, ...) surfaces here
 }
 
-const Executor& Trainer::eval_executor() const {
-  if (!eval_) {
+const Executor& Trainer::eval_executor(bool loss_only) const {
+  std::unique_ptr<CompiledStep>& eval = loss_only ? loss_eval_ : eval_;
+  if (!eval) {
+    const Stopwatch compile;
     CompileOptions options;
     options.kind = StepKind::kForward;
-    options.optimizer.amp = "off";  // the f32 forward (trainer.h says why)
+    options.loss_only = loss_only;
+    // The step's mixed precision (amp and policy), so the forward computes as the step's does;
+    // the optimizer's other fields mean nothing to a forward step.
+    options.optimizer = config_;
     options.passes = pass_options_;
     options.passes.print_after.clear();  // the step's IR was printed; the forward's is not asked for
     options.executor = executor_options_;
-    eval_ = std::make_unique<CompiledStep>(compile_step(forward_, options));
+    eval = std::make_unique<CompiledStep>(compile_step(forward_, options));
+    eval_compile_s_ += compile.seconds();
   }
-  return *eval_->executor;
+  return *eval->executor;
 }
 
 std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
@@ -127,29 +135,67 @@ std::vector<double> Trainer::take_losses() {
   return std::exchange(losses_, {});
 }
 
-std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
+std::vector<Tensor> Trainer::eval_inputs(const std::vector<Tensor>& data) const {
   std::vector<Tensor> inputs;
   size_t d = 0;
   for (size_t i = 0; i < forward_.inputs.size(); ++i) {
-    if (forward_.inputs[i].role == Role::kData) {
-      KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", step_.program.data_inputs.size(), data.size());
-      // The step's data buffers have the same types: the copy is ordered after the steps that
-      // read them, on the one stream.
-      const Tensor& device = inputs_[step_.program.data_inputs[d]];
-      KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}", d,
-                 to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
-      uploader_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), *stream_);
-      inputs.push_back(device);
-      ++d;
-    } else {
+    if (forward_.inputs[i].role != Role::kData) {
       inputs.push_back(inputs_[i]);  // forward inputs come first in the training graph
+      continue;
     }
+    KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", step_.program.data_inputs.size(),
+               data.size());
+    // The step's data buffers have the same types and stay put, so a replayed graph reads them;
+    // the copy is ordered after the steps that read them, on the one stream.
+    const Tensor& device = inputs_[step_.program.data_inputs[d]];
+    KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}", d,
+               to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
+    KILN_CHECK(data[d].device() == Device::kCpu, "evaluate: data input {} must be a host tensor, got a {} tensor", d,
+               device_name(data[d].device()));
+    uploader_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), *stream_);
+    inputs.push_back(device);
+    ++d;
   }
   KILN_CHECK(d == data.size(), "evaluate takes {} data tensors, {} given", d, data.size());
-  std::vector<Tensor> outputs = eval_executor().run(inputs);
+  return inputs;
+}
+
+std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
+  const Executor& executor = eval_executor();
+  std::vector<Tensor> outputs = executor.run(eval_inputs(data));
   synchronize();
   for (Tensor& t : outputs) t = runtime_->to_host(t);
   return outputs;
+}
+
+std::vector<Tensor> Trainer::evaluate_batches(int64_t count, const std::function<std::vector<Tensor>(int64_t)>& batch,
+                                              int output) const {
+  KILN_CHECK(count >= 0, "evaluate_batches: the count of batches must be >= 0, got {}", count);
+  KILN_CHECK(output >= 0 && static_cast<size_t>(output) < forward_.outputs.size(),
+             "evaluate_batches: output {} of graph '{}', which has {}", output, forward_.name, forward_.outputs.size());
+  const Executor& executor = eval_executor(output == 0);
+  const Graph& g = executor.graph();
+  const size_t slot = static_cast<size_t>(output);
+  const TensorType type = g.type(g.outputs.at(slot));
+  const size_t stride = (type.bytes() + 15) / 16 * 16;
+  const size_t needed = std::max<size_t>(stride * static_cast<size_t>(count), 16);
+  // Nothing is in flight into the slots between calls (each call waits at its end).
+  if (!eval_slots_.defined() || eval_slots_.bytes() < needed)
+    eval_slots_ = runtime_->pinned_tensor(TensorType{DType::kU8, {static_cast<int64_t>(needed)}});
+  auto slot_of = [&](int64_t i) { return eval_slots_.viewed(type, stride * static_cast<size_t>(i)); };
+  try {
+    for (int64_t i = 0; i < count; ++i) {
+      std::vector<Tensor> outputs = executor.run(eval_inputs(batch(i)));
+      runtime_->copy_async(slot_of(i), outputs[slot], *stream_);
+    }
+  } catch (const Error&) {
+    stream_->synchronize();  // a bad batch: the copies already enqueued land before the slots may go
+    throw;
+  }
+  synchronize();
+  std::vector<Tensor> results;
+  for (int64_t i = 0; i < count; ++i) results.push_back(slot_of(i).clone());
+  return results;
 }
 
 std::map<std::string, Tensor> Trainer::named_tensors() const {

@@ -10,10 +10,15 @@
 // on) and enqueues an asynchronous copy of the loss into pinned host memory; step() returns
 // without waiting for the device. take_losses() reads the losses of the steps since the last
 // call (it waits for the last step), so a caller that reads every N steps lets the host run
-// ahead of the device in between. evaluate() and checkpoints copy to and from the host (they
-// wait for the device). On the CPU the work is done when a call returns.
+// ahead of the device in between. Evaluation runs a forward step compiled by the same driver
+// and with the same mixed precision as the training step (compile_step, StepKind::kForward: on
+// CUDA fused, planned and replayed as a CUDA graph), reading the step's params in place and
+// the batch from the step's own data buffers (stable pointers, so its runs replay a graph too);
+// evaluate_batches() enqueues many batches and waits once. evaluate() and checkpoints copy to
+// and from the host (they wait for the device). On the CPU the work is done when a call returns.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,10 +52,21 @@ class Trainer {
   // The losses (outputs[0]) of the steps since the last call, oldest first; waits for the
   // device.
   std::vector<double> take_losses();
-  // The forward graph with the current params (no update), on host data; returns host tensors
-  // on every device. Under amp it is still the f32 forward: the master weights are f32, and
-  // evaluation is not where the speed of 16 bits matters.
+  // The forward graph with the current params (no update), on host data; returns every output
+  // of the forward, as host tensors on every device. Under amp the forward runs in the step's
+  // precision (the f32 master params are cast in the graph, as the step casts them).
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
+  // Output `output` of the forward on `count` batches (batch(i): the data tensors of batch i, on
+  // the host), as host tensors, one per batch. The batches are enqueued back to back, each
+  // output copied into pinned host memory on the stream, and read after one wait at the end, so
+  // the host makes batch i + 1 while the device runs batch i. Output 0 (the loss) runs a step
+  // compiled for the loss alone, which stores no other output (a language model's logits).
+  std::vector<Tensor> evaluate_batches(int64_t count, const std::function<std::vector<Tensor>(int64_t)>& batch,
+                                       int output = 0) const;
+  // The forward step's executor, compiled on first use: every output, or the loss alone.
+  const Executor& eval_executor(bool loss_only = false) const;
+  // Seconds spent compiling the forward steps so far (their first use).
+  double eval_compile_seconds() const { return eval_compile_s_; }
   // Waits for every step enqueued so far, then throws the first data error a kernel recorded
   // (a label or index out of range: DeviceRuntime::check_kernel_errors). take_losses() and
   // evaluate() do the same.
@@ -86,7 +102,9 @@ class Trainer {
   std::map<std::string, std::string> load(const std::string& path);
 
  private:
-  const Executor& eval_executor() const;
+  // The forward step's inputs for host `data`: the step's params and state, and its data
+  // buffers, into which `data` is uploaded (on the stream, after the steps that read them).
+  std::vector<Tensor> eval_inputs(const std::vector<Tensor>& data) const;
 
   OptimizerConfig config_;
   Graph forward_;
@@ -97,7 +115,10 @@ class Trainer {
   std::unique_ptr<DeviceRuntime> runtime_;
   std::unique_ptr<DeviceStream> stream_;
   CompiledStep step_;
-  mutable std::unique_ptr<CompiledStep> eval_;  // the forward step, compiled at the first evaluate()
+  // The forward steps, compiled at first use: every output, and the loss alone.
+  mutable std::unique_ptr<CompiledStep> eval_, loss_eval_;
+  mutable double eval_compile_s_ = 0;
+  mutable Tensor eval_slots_;  // pinned host memory evaluate_batches() copies outputs into
   // Training-graph inputs, on the device: params and state, and buffers for the data and lr that
   // each step's values are copied into.
   std::vector<Tensor> inputs_;

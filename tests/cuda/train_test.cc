@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -80,6 +81,50 @@ TEST(CudaTrainer, Gpt2TinyStepsMatchCpu) {
   ASSERT_EQ(eb[0].device(), Device::kCpu);
   EXPECT_NEAR(eb[0].get(0), ea[0].get(0), 2e-3 * std::abs(ea[0].get(0)));
   EXPECT_LE(max_scaled_error(eb[1], ea[1], 5e-3, 5e-3), 1.0);
+}
+
+// Evaluation on the GPU under bf16 is the forward step compiled like the bf16 training step
+// (fused, planned, captured): against the forward graph run as given by the CPU's reference
+// kernels on the same (GPU-trained) params, within bf16's rounding; a second evaluation of the
+// same batches replays the captured graph and gives the same losses.
+TEST(CudaTrainer, Bf16EvaluationMatchesTheCpuReferenceAndReplays) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  Graph forward = models::gpt(c);
+  OptimizerConfig config;
+  config.lr = 1e-3;
+  config.amp = "bf16";
+  Trainer gpu(forward, config, models::init_params(forward, 3, c.layers), cuda_options());
+  for (int s = 0; s < 2; ++s) gpu.step(batch(c, 10 * s));
+  const std::vector<Tensor> data = batch(c, 77);
+  std::vector<Tensor> inputs;
+  const std::map<std::string, Tensor> host = gpu.host_tensors();
+  size_t d = 0;
+  for (const GraphInput& in : forward.inputs)
+    inputs.push_back(in.role == Role::kData ? data[d++] : host.at(forward.value(in.value).name));
+  ExecutorOptions reference;
+  reference.dialects = {"reference"};
+  const std::vector<Tensor> want = Executor(forward, reference).run(inputs);
+  const std::vector<Tensor> got = gpu.evaluate(data);
+  ASSERT_EQ(got[0].device(), Device::kCpu);
+  EXPECT_NEAR(got[0].get(0), want[0].get(0), 3e-2 * std::abs(want[0].get(0)));
+  EXPECT_LE(max_scaled_error(got[1], want[1], 5e-2, 5e-2), 1.0);
+
+  // The loss-only step, 3 batches per evaluation: runs 1-3 warm up, tune the products and
+  // capture; 4-6 replay.
+  auto eval_batch = [&](int64_t i) { return i == 0 ? data : batch(c, 500 + 10 * i); };
+  const std::vector<Tensor> first = gpu.evaluate_batches(3, eval_batch);
+  const std::vector<Tensor> second = gpu.evaluate_batches(3, eval_batch);
+  const Executor& eval = gpu.eval_executor(/*loss_only=*/true);
+  EXPECT_EQ(eval.graph_captures(), 1);
+  EXPECT_GE(eval.graph_replays(), 3);  // 4 where no product tunes
+  ASSERT_EQ(first.size(), 3u);
+  ASSERT_EQ(second.size(), 3u);
+  EXPECT_NEAR(first[0].get(0), got[0].get(0), 1e-3 * std::abs(got[0].get(0)));
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(second[i].get(0), first[i].get(0), 1e-6 * std::abs(first[i].get(0))) << i;
+  bool has_bf16 = false;
+  for (const Value& v : eval.graph().values) has_bf16 = has_bf16 || v.type.dtype == DType::kBF16;
+  EXPECT_TRUE(has_bf16);
 }
 
 // The loss and every parameter gradient of gpt2-tiny, computed by the forward + autodiff graph

@@ -156,6 +156,18 @@ TEST(CudaUnavailable, CliTrainOnCudaFailsWithOneClearLine) {
   expect_contains(out, cuda::built_with_cuda() ? "no CUDA device" : "no CUDA backend");
 }
 
+TEST(CliTrain, HelpNamesTheAutoDefaultsAndEvalBatches) {
+  auto [status, help] = run_cli("train --help");
+  if (status == -1) GTEST_SKIP() << "the kiln binary is not built";
+  EXPECT_EQ(status, 0) << help;
+  expect_contains(help, "--device");
+  expect_contains(help, "--amp");
+  expect_contains(help, "--eval-batches");
+  expect_contains(help, "auto (cuda when the build has it");
+  auto [bad, out] = run_cli("train --device tpu");
+  EXPECT_NE(bad, 0) << out;
+}
+
 TEST(CliBench, RunsOnTheCpu) {
   auto [status, out] = run_cli("bench --device cpu --model mlp --batch 8 --amp off --steps 2 --warmup 1");
   if (status == -1) GTEST_SKIP() << "the kiln binary is not built";

@@ -1,8 +1,10 @@
 // Training jobs as `kiln train` runs them: a short real Fashion-MNIST run, resume, a NaN stop
 // that keeps the last good checkpoint, and bad options.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "test_util.h"
 #include "train/data/fashion_mnist.h"
@@ -115,18 +117,115 @@ TEST(TrainJob, BadOptionsAreOneClearError) {
   EXPECT_THROW(run_training_job(o), Error);
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 TEST(TrainJob, TinyGptTrainsOnText) {
   JobOptions o = quiet_mlp(30);
   o.model = "gpt2-tiny";
   o.data = "";  // the default text
   o.batch = 2;
   o.seq = 32;
-  o.eval_batches = 2;
+  o.eval_batches = 3;
+  o.eval_every = 10;
   o.optimizer.lr = 3e-3;
+  const std::string log = temp_dir("gpt_log.txt");
+  o.out = std::fopen(log.c_str(), "w");
   JobResult r = run_training_job(o);
+  std::fclose(o.out);
   EXPECT_EQ(r.eval_name, "perplexity");
   EXPECT_LT(r.eval_metric, 256.0);  // better than uniform over the byte vocabulary
   EXPECT_LT(r.final_loss, 5.0);     // ln(256) = 5.55 at the start
+  // --eval-batches: each of the 3 evaluations ran 3 batches.
+  EXPECT_EQ(r.evaluations, 3);
+  EXPECT_EQ(r.eval_batches, 3);
+  // Where the time went: every part measured, and together no more than the whole.
+  EXPECT_GT(r.eval_seconds, 0);
+  EXPECT_GT(r.step_seconds, 0);
+  EXPECT_GT(r.first_step_seconds, r.setup_seconds + r.compile_seconds);
+  EXPECT_LE(r.setup_seconds + r.compile_seconds + r.step_seconds + r.eval_seconds + r.checkpoint_seconds,
+            r.seconds + 1e-6);
+  // The first line says which device and precision and why; the summary names the evaluation
+  // time and the breakdown follows it.
+  const std::string text = read_file(log);
+  EXPECT_EQ(text.rfind("kiln train: device cpu (as asked), amp off (as asked)\n", 0), 0u) << text;
+  EXPECT_NE(text.find("first step done"), std::string::npos) << text;
+  const size_t done = text.find("done: 30 steps");
+  ASSERT_NE(done, std::string::npos) << text;
+  const std::string summary = text.substr(done, text.find('\n', done) - done);
+  EXPECT_NE(summary.find(fmt::format("evaluation {:.2f} s", r.eval_seconds)), std::string::npos) << summary;
+  EXPECT_NE(text.find("wall time", done), std::string::npos) << text;
+  EXPECT_NE(text.find("(3 x 3 batches", done), std::string::npos) << text;
+  std::filesystem::remove(log);
+}
+
+TEST(TrainJob, EvalBatchesTakeTheFirstTestBatchesOfAClassifier) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  JobOptions o = quiet_mlp(20);
+  JobResult all = run_training_job(o);
+  EXPECT_EQ(all.eval_batches, (10000 + 31) / 32);  // the whole test set, the last batch padded
+  o.eval_batches = 4;
+  JobResult some = run_training_job(o);
+  EXPECT_EQ(some.eval_batches, 4);
+  EXPECT_EQ(some.final_loss, all.final_loss);
+  // 128 images: the accuracy is a multiple of 1/128.
+  EXPECT_NEAR(some.eval_metric * 128, std::round(some.eval_metric * 128), 1e-9);
+  o.eval_batches = -1;
+  EXPECT_THROW(run_training_job(o), Error);
+}
+
+TEST(TrainDevice, AutoPicksTheGpuWhenThereIsOneAndBf16FromSm80) {
+  const DeviceAvailability no_backend{false, 0, "this build has no CUDA backend", 0};
+  const DeviceAvailability no_gpu{true, 0, "no CUDA device", 0};
+  const DeviceAvailability h100{true, 1, "NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB", 90};
+  const DeviceAvailability t4{true, 1, "Tesla T4, sm_75, 14.6 GiB", 75};
+
+  DeviceChoice c = choose_device("auto", "auto", h100);
+  EXPECT_EQ(c.device, "cuda");
+  EXPECT_EQ(c.amp, "bf16");
+  EXPECT_EQ(c.note, "device cuda (auto: NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB), amp bf16 (auto: sm_90 has bf16)");
+  c = choose_device("auto", "auto", t4);
+  EXPECT_EQ(c.device, "cuda");
+  EXPECT_EQ(c.amp, "off");  // no bf16 tensor cores before sm_80
+  EXPECT_NE(c.note.find("sm_75 has no bf16"), std::string::npos) << c.note;
+  for (const DeviceAvailability& none : {no_backend, no_gpu}) {
+    c = choose_device("auto", "auto", none);
+    EXPECT_EQ(c.device, "cpu");
+    EXPECT_EQ(c.amp, "off");
+    EXPECT_NE(c.note.find("auto: " + none.description), std::string::npos) << c.note;
+  }
+  // Explicit values win, whatever the machine has.
+  c = choose_device("cpu", "auto", h100);
+  EXPECT_EQ(c.device, "cpu");
+  EXPECT_EQ(c.amp, "off");
+  c = choose_device("auto", "f16", h100);
+  EXPECT_EQ(c.amp, "f16");
+  c = choose_device("cuda", "off", h100);
+  EXPECT_EQ(c.device, "cuda");
+  EXPECT_EQ(c.amp, "off");
+  EXPECT_EQ(c.note, "device cuda (as asked), amp off (as asked)");
+  c = choose_device("cpu", "bf16", no_backend);
+  EXPECT_EQ(c.amp, "bf16");
+  EXPECT_THROW(choose_device("tpu", "auto", h100), Error);
+  EXPECT_THROW(choose_device("auto", "fp8", h100), Error);
+}
+
+TEST(TrainJob, AutoDeviceRunsWhereTheMachineSays) {
+  JobOptions o = quiet_mlp(3);
+  o.model = "gpt2-tiny";
+  o.data = "";
+  o.batch = 2;
+  o.seq = 16;
+  o.eval_batches = 1;
+  o.device = "auto";
+  o.optimizer.amp = "auto";
+  JobResult r = run_training_job(o);
+  const DeviceChoice expected = choose_device("auto", "auto", device_availability(Device::kCuda));
+  EXPECT_EQ(r.device, expected.device);
+  EXPECT_EQ(r.amp, expected.amp);
+  EXPECT_EQ(r.steps_done, 3);
 }
 
 }  // namespace

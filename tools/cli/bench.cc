@@ -8,13 +8,13 @@ void add_bench_command(CLI::App& app) {
   CLI::App* command =
       app.add_subcommand("bench", "Time training steps of a model on random data: ms/step, tokens/s, MFU, memory");
   auto o = std::make_shared<train::BenchOptions>();
-  auto device = std::make_shared<Device>(Device::kCuda);
   auto peak_tflops = std::make_shared<double>(0);
   add_model_option(command, o->model, "gpt2");
   command->add_option("--batch", o->batch, "Batch size")->default_val(32);
   command->add_option("--seq", o->seq, "Sequence length for gpt2* (default: the config's)");
-  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16");
-  add_device_option(command, *device, "cuda | cpu");
+  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | auto (bf16 where the device has it)",
+                 /*with_auto=*/true);
+  add_device_choice_option(command, o->device, "cuda | cpu | auto (cuda when present, else cpu)");
   command->add_option("--steps", o->steps, "Timed steps")->default_val(20);
   command->add_option("--warmup", o->warmup, "Untimed steps first")->default_val(5);
   command->add_option("--peak-tflops", *peak_tflops,
@@ -36,8 +36,7 @@ void add_bench_command(CLI::App& app) {
                       "step's span, busy and idle time, its largest gaps and a per-node table, and write a Chrome "
                       "trace-event JSON of them to this file");
   command->add_option("--timeline-steps", o->timeline_steps, "Steps --timeline traces (default 10)");
-  command->callback([o, device, peak_tflops] {
-    o->device = device_name(*device);
+  command->callback([o, peak_tflops] {
     o->peak_flops = *peak_tflops * 1e12;
     train::run_benchmark(*o);
   });

@@ -12,6 +12,7 @@
 #include "options.h"
 #include "passes/fusion/fusion.h"
 #include "analysis/memory_plan.h"
+#include "support/error.h"
 #include "support/stopwatch.h"
 #ifdef KILN_HAVE_CUDA
 #include "backends/cuda/nvrtc.h"
@@ -101,6 +102,8 @@ void compile(CompileCommand o) {
   const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, o.seq) : parse_file(o.file);
   const double build_s = phase.lap();
   o.compile.kind = o.forward_only ? StepKind::kForward : StepKind::kTraining;
+  KILN_CHECK(!o.compile.loss_only || o.forward_only, "--loss-only needs --forward-only (a training step returns the "
+             "loss alone anyway)");
   o.compile.bind_kernels = false;
   const CompiledStep step = compile_step(forward, o.compile);
   if (!o.dump_kernels_dir.empty()) dump_kernels(step.program.graph, o.dump_kernels_dir);
@@ -128,6 +131,8 @@ void add_compile_command(CLI::App& app) {
   command->add_option("--seq", o->seq, "Sequence length of --model gpt2* (default: the config's)");
   command->add_flag("--forward-only", o->forward_only,
                     "Compile the graph as given (an evaluation or inference step): no autodiff, no optimizer");
+  command->add_flag("--loss-only", o->compile.loss_only,
+                    "With --forward-only: the loss (the first output) alone, as the trainer's evaluation compiles it");
   command->add_option("--optimizer", o->compile.optimizer.name, "adamw | sgd")
       ->check(CLI::IsMember({"adamw", "sgd"}))
       ->default_val("adamw");

@@ -38,8 +38,14 @@ void add_device_option(CLI::App* command, Device& device, const std::string& hel
       ->default_str(std::string(device_name(device)));
 }
 
-void add_amp_option(CLI::App* command, std::string& amp, const std::string& help) {
-  command->add_option("--amp", amp, help)->check(CLI::IsMember({"off", "bf16", "f16"}))->default_val(amp);
+void add_device_choice_option(CLI::App* command, std::string& device, const std::string& help) {
+  command->add_option("--device", device, help)->check(CLI::IsMember({"auto", "cpu", "cuda"}))->default_val(device);
+}
+
+void add_amp_option(CLI::App* command, std::string& amp, const std::string& help, bool with_auto) {
+  std::vector<std::string> modes{"off", "bf16", "f16"};
+  if (with_auto) modes.push_back("auto");
+  command->add_option("--amp", amp, help)->check(CLI::IsMember(modes))->default_val(amp);
 }
 
 void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects) {

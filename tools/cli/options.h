@@ -30,8 +30,11 @@ void add_model_option(CLI::App* command, std::string& model, const std::string& 
 // own help (what the device is for: running, or only preparing the graph).
 void add_device_option(CLI::App* command, Device& device, const std::string& help,
                        const std::string& names = "--device");
-// --amp off|bf16|f16.
-void add_amp_option(CLI::App* command, std::string& amp, const std::string& help);
+// --device auto|cpu|cuda as a name, for the commands that train (train::choose_device resolves
+// "auto": CUDA when present, else the CPU).
+void add_device_choice_option(CLI::App* command, std::string& device, const std::string& help);
+// --amp off|bf16|f16, and auto (bf16 where the device has it) where `with_auto`.
+void add_amp_option(CLI::App* command, std::string& amp, const std::string& help, bool with_auto = false);
 // --dialects a,b: the kernel dialects kernel selection may choose from.
 void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects);
 // The pipeline's options, as one group: --disable-pass, --print-after, --memory-budget,

@@ -5,9 +5,8 @@
 namespace kiln::cli {
 
 void add_train_command(CLI::App& app) {
-  CLI::App* command = app.add_subcommand("train", "Train a model on the CPU or a CUDA GPU, printing progress");
+  CLI::App* command = app.add_subcommand("train", "Train a model on a CUDA GPU when there is one, else the CPU, printing progress");
   auto job = std::make_shared<train::JobOptions>();
-  auto device = std::make_shared<Device>(Device::kCpu);
   add_model_option(command, job->model, "mlp");
   command->add_option("--data", job->data,
                       "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*); default: fashion-mnist, or a GPL text "
@@ -30,18 +29,28 @@ void add_train_command(CLI::App& app) {
   command->add_option("--decay-steps", job->optimizer.decay_steps,
                       "Cosine decay to 0.1 x lr by this step (0 = constant lr; -1 = --steps)")
       ->default_val(-1);
-  add_amp_option(command, job->optimizer.amp, "Mixed precision: off | bf16 | f16 (f16 with dynamic loss scaling)");
+  job->optimizer.amp = "auto";
+  add_amp_option(command, job->optimizer.amp,
+                 "Mixed precision: auto (bf16 on a GPU that has it, sm_80 on; off on the CPU) | off | bf16 | f16 (f16 "
+                 "with dynamic loss scaling)",
+                 /*with_auto=*/true);
   command->add_option("--seed", job->seed, "Seed for init and data order")->default_val(0);
-  add_device_option(command, *device, "cpu | cuda (cuda needs a build with the CUDA backend and a GPU)");
+  job->device = "auto";
+  add_device_choice_option(command, job->device,
+                           "auto (cuda when the build has it and a GPU is present, else cpu; the first line says "
+                           "which and why) | cpu | cuda");
   command->add_option("--checkpoint-dir", job->checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
   command->add_flag("--resume", job->resume, "Continue from --checkpoint-dir's last checkpoint");
   command->add_option("--eval-every", job->eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")
       ->default_val(500);
+  command->add_option("--eval-batches", job->eval_batches,
+                      "Batches per evaluation: gpt2* held-out windows (0 = 10); mlp, cnn the first N batches of the "
+                      "test set (0 = all of it)")
+      ->default_val(0);
   command->add_option("--log-every", job->log_every, "Log line interval when not on a terminal")->default_val(100);
   command->add_option("--metrics", job->metrics_path, "Append metrics as JSON lines to FILE");
   add_pass_options(command, job->passes);
-  command->callback([job, device] {
-    job->device = device_name(*device);
+  command->callback([job] {
     if (job->optimizer.decay_steps < 0) job->optimizer.decay_steps = job->steps;
     train::run_training_job(*job);
   });

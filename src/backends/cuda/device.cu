@@ -42,6 +42,14 @@ std::string describe_device(int device) {
                      static_cast<double>(prop.totalGlobalMem) / (1 << 30));
 }
 
+int compute_capability(int device) {
+  if (device >= device_count()) return 0;
+  int major = 0, minor = 0;
+  KILN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  KILN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
 int current_device() {
   int device = 0;
   KILN_CUDA_CHECK(cudaGetDevice(&device));

@@ -12,6 +12,9 @@ bool built_with_cuda();
 int device_count();
 // "NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB" for device 0, or why there is none.
 std::string describe_device(int device = 0);
+// The compute capability of `device` as major * 10 + minor (90 for sm_90); 0 where there is no
+// such device.
+int compute_capability(int device = 0);
 // Runs a tiny kernel (y = a*x + y on n floats) on device 0 and returns max |error| against the
 // host result: a smoke test that compiling, loading and launching work. Throws kiln::Error.
 double smoke_test_saxpy(int n);
