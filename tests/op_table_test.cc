@@ -77,8 +77,8 @@ TEST(OpTable, ElementwiseOpsAreTheLinesOfTheMathTable) {
       const std::optional<math::Fn> fn = ops::elementwise_fn(op, attrs);
       ASSERT_TRUE(fn.has_value()) << op_name(op);
       math::visit(*fn, [&](auto line) {
-        EXPECT_EQ(decltype(line)::kArity, op_info(op).min_inputs) << op_name(op);
-        EXPECT_EQ(decltype(line)::kArity, op_info(op).max_inputs) << op_name(op);
+        EXPECT_EQ(decltype(line)::arity(), op_info(op).min_inputs) << op_name(op);
+        EXPECT_EQ(decltype(line)::arity(), op_info(op).max_inputs) << op_name(op);
       });
     }
   }

@@ -260,7 +260,7 @@ double integer_divide(double a, double b) {
 // set_wrapped. Integer division is its own (div's line divides doubles).
 template <class F>
 KernelFn line_reference() {
-  if constexpr (F::kArity == 1) {
+  if constexpr (F::arity() == 1) {
     return [](const KernelArgs& k) {
       for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
         set_wrapped(k.outputs[0], i, F::template apply<ReferenceMath>(k.inputs[0].get(i)));
@@ -283,19 +283,19 @@ KernelFn line_reference() {
 template <class F, Op op>
 void define_line(OpRegistry& registry) {
   InferFn infer = [](std::span<const TensorType> in, const Attributes&) {
-    if constexpr (F::kArity == 1) {
-      if (F::kDomain == math::Domain::kFloat) {
+    if constexpr (F::arity() == 1) {
+      if (F::domain() == math::Domain::kFloat) {
         check_float(in[0]);
       } else {
         check_arithmetic(in[0]);
       }
       return std::vector<TensorType>{in[0]};
     } else {
-      const DType dtype = F::kDomain == math::Domain::kCompare ? DType::kBool : in[0].dtype;
-      return std::vector<TensorType>{{dtype, binary_shape(in, F::kDomain)}};
+      const DType dtype = F::domain() == math::Domain::kCompare ? DType::kBool : in[0].dtype;
+      return std::vector<TensorType>{{dtype, binary_shape(in, F::domain())}};
     }
   };
-  if constexpr (F::kDomain == math::Domain::kCompare) {
+  if constexpr (F::domain() == math::Domain::kCompare) {
     registry.define(op, OpDef{{}, std::move(infer), line_reference<F>(), /*gradient=*/nullptr,
                               /*differentiable=*/false});
   } else {

@@ -102,15 +102,17 @@ KILN_MATH_FN T gelu_tanh_derivative(T x) {
 
 // ---- one functor per line: Name::apply<M>(x) or Name::apply<M>(a, b) ------------------------
 
+// Its facts are constexpr functions rather than static data members, which NVRTC would emit into
+// every generated kernel's module as device globals.
 #define KILN_MATH_PARAMS_1 T x
 #define KILN_MATH_PARAMS_2 T a, T b
-#define KILN_MATH_FUNCTOR(Name, arity, domain, expression)                           \
+#define KILN_MATH_FUNCTOR(Name, Arity, Domain_, expression)                          \
   struct Name {                                                                      \
-    static constexpr const char* kName = #Name;                                      \
-    static constexpr int kArity = arity;                                             \
-    static constexpr Domain kDomain = Domain::domain;                                \
+    static constexpr const char* name() { return #Name; }                            \
+    static constexpr int arity() { return Arity; }                                   \
+    static constexpr Domain domain() { return Domain::Domain_; }                     \
     template <class M, class T>                                                      \
-    static KILN_MATH_FN auto apply(KILN_MATH_PARAMS_##arity) {                       \
+    static KILN_MATH_FN auto apply(KILN_MATH_PARAMS_##Arity) {                       \
       return expression;                                                             \
     }                                                                                \
   };

@@ -353,7 +353,7 @@ TEST(NvrtcCodegenTest, EveryMathLineGeneratesAsACallOfItsLine) {
       GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
       math::visit(*ops::elementwise_fn(op, normalize_attributes(op, attrs)), [&](auto line) {
         const std::string call =
-            std::string("kiln::math::") + decltype(line)::kName + "::apply<KilnMath>(";
+            std::string("kiln::math::") + decltype(line)::name() + "::apply<KilnMath>(";
         EXPECT_TRUE(contains(k.source, call)) << call << "\n" << k.source;
       });
       expect_compiles(k);

@@ -34,7 +34,7 @@ void unary_loop(const float* __restrict__ in, float* __restrict__ out, int64_t n
 template <typename F>
 void unary_kernel(const KernelArgs& args) {
   // Float-only lines are transcendental or a division: worth splitting across threads sooner.
-  constexpr int64_t grain = F::kDomain == math::Domain::kFloat ? kGrainExpensive : kGrainCheap;
+  constexpr int64_t grain = F::domain() == math::Domain::kFloat ? kGrainExpensive : kGrainCheap;
   const float* in = args.inputs[0].data<float>();
   float* out = args.outputs[0].data<float>();
   parallel_for(0, args.outputs[0].numel(), grain,
@@ -149,10 +149,10 @@ bool f32_supported(const NodeView& node) { return all_dtype(node, DType::kF32); 
 void line_kernel(Op op, const KernelArgs& args) {
   math::visit(*ops::elementwise_fn(op, args.attrs), [&](auto line) {
     using F = decltype(line);
-    if constexpr (F::kDomain == math::Domain::kCompare) {
+    if constexpr (F::domain() == math::Domain::kCompare) {
       fail("cpu elementwise kernel: {} has a bool output (supports() should refuse it)",
-           F::kName);
-    } else if constexpr (F::kArity == 1) {
+           F::name());
+    } else if constexpr (F::arity() == 1) {
       unary_kernel<F>(args);
     } else {
       binary_kernel<F>(args);

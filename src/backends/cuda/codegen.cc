@@ -383,8 +383,8 @@ std::vector<int> emit_line(Ctx& c) {
   std::string name;
   math::Domain domain = math::Domain::kFloat;
   math::visit(fn, [&](auto line) {
-    name = decltype(line)::kName;
-    domain = decltype(line)::kDomain;
+    name = decltype(line)::name();
+    domain = decltype(line)::domain();
   });
   if (domain == math::Domain::kCompare || fn == math::Fn::kMaximum || fn == math::Fn::kMinimum) {
     for (size_t k = 0; k < c.node.inputs.size(); ++k)

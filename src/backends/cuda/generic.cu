@@ -223,16 +223,16 @@ template <class TOut, class C> __device__ inline TOut store(C v) {
 
 // Whether line F takes storage type T (its domain).
 template <class F, class T> constexpr bool takes() {
-  if constexpr (F::kDomain == math::Domain::kFloat) {
+  if constexpr (F::domain() == math::Domain::kFloat) {
     return kIsFloat<T>;
-  } else if constexpr (F::kDomain == math::Domain::kArithmetic) {
+  } else if constexpr (F::domain() == math::Domain::kArithmetic) {
     return !std::is_same_v<T, bool>;
   } else {
     return true;
   }
 }
 template <class F, class T>
-using OutOf = std::conditional_t<F::kDomain == math::Domain::kCompare, bool, T>;
+using OutOf = std::conditional_t<F::domain() == math::Domain::kCompare, bool, T>;
 
 template <class F, class T>
 __global__ void unary_kernel(const T* x, T* y, int64_t n) {
@@ -274,12 +274,12 @@ template <class F>
 void unary(DType type, const void* x, void* y, int64_t n, cudaStream_t stream) {
   visit(type, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if constexpr (takes<F, T>() && F::kDomain != math::Domain::kCompare) {
+    if constexpr (takes<F, T>() && F::domain() != math::Domain::kCompare) {
       unary_kernel<F, T><<<grid_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x),
                                                              static_cast<T*>(y), n);
       check_launch();
     } else {
-      fail("cuda generic: {} does not take {}", F::kName, dtype_name(type));
+      fail("cuda generic: {} does not take {}", F::name(), dtype_name(type));
     }
   });
 }
@@ -307,7 +307,7 @@ void binary(DType type, const void* a, const void* b, void* out, const Layout& l
       }
       check_launch();
     } else {
-      fail("cuda generic: {} does not take {}", F::kName, dtype_name(type));
+      fail("cuda generic: {} does not take {}", F::name(), dtype_name(type));
     }
   });
 }
@@ -1037,10 +1037,10 @@ void launch_unary(math::Fn fn, DType type, const void* x, void* y, int64_t n,
   if (n == 0) return;
   math::visit(fn, [&](auto line) {
     using F = decltype(line);
-    if constexpr (F::kArity == 1) {
+    if constexpr (F::arity() == 1) {
       unary<F>(type, x, y, n, stream);
     } else {
-      fail("cuda generic: {} is not a unary line", F::kName);
+      fail("cuda generic: {} is not a unary line", F::name());
     }
   });
 }
@@ -1050,10 +1050,10 @@ void launch_binary(math::Fn fn, DType type, const void* a, const void* b, void* 
   if (n == 0) return;
   math::visit(fn, [&](auto line) {
     using F = decltype(line);
-    if constexpr (F::kArity == 2) {
+    if constexpr (F::arity() == 2) {
       binary<F>(type, a, b, out, layout, n, stream);
     } else {
-      fail("cuda generic: {} is not a binary line", F::kName);
+      fail("cuda generic: {} is not a binary line", F::name());
     }
   });
 }
