@@ -349,8 +349,8 @@ TEST(NvrtcCodegenTest, EveryMathLineGeneratesAsACallOfItsLine) {
         ins.push_back(b.in("x" + std::to_string(k), DType::kBF16, {4, 64}));
       b.out({b.op(op, ins, attrs)});
       std::string why;
-      ASSERT_TRUE(cuda::can_generate(*b.g, "elementwise", &why)) << why;
-      GeneratedKernel k = cuda::generate_kernel(*b.g, "elementwise");
+      ASSERT_TRUE(cuda::can_generate(*b.g, FusedKind::kElementwise, &why)) << why;
+      GeneratedKernel k = cuda::generate_kernel(*b.g, FusedKind::kElementwise);
       math::visit(*ops::elementwise_fn(op, normalize_attributes(op, attrs)), [&](auto line) {
         const std::string call =
             std::string("kiln::math::") + decltype(line)::name() + "::apply<KilnMath>(";
