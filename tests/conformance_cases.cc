@@ -110,6 +110,9 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"div_negative", Op::kDiv, kArith,
                {uniform({2, 9}, -2, 2, -50, 50), uniform({9}, -3, -0.25, -9, -1)}});
   c.push_back({"pow", Op::kPow, kFloats, {positive({4, 1, 5}), uniform({3, 1})}});
+  // The same-shape and scalar-exponent forms the CPU fast kernel takes.
+  c.push_back({"pow_same", Op::kPow, kFloats, {positive({7, 33}), uniform({7, 33}, -3, 3)}});
+  c.push_back({"pow_scalar", Op::kPow, kF32, {positive({301, 517}), values(DType::kF32, {}, {2.0})}});
   for (auto [name, op] : {std::pair{"eq", Op::kEq}, {"ne", Op::kNe}, {"lt", Op::kLt},
                           {"le", Op::kLe}, {"gt", Op::kGt}, {"ge", Op::kGe}})
     c.push_back({name, op, kAll, {uniform({4, 1, 5}, -2, 2, -3, 3), uniform({3, 1}, -2, 2, -3, 3)}});
