@@ -173,9 +173,9 @@ void classifier() {
                             ? logits
                             : cuda::device_tensor({DType::kBF16, logits_shape}, false);
     cls::Problem p;
-    p.logits_t = logits_t == DType::kBF16 ? cls::Float::kBF16 : cls::Float::kF32;
+    p.logits_t = logits_t;
     p.logits = logits.raw();
-    p.grad_t = cls::Float::kBF16;
+    p.grad_t = DType::kBF16;
     p.dlogits = grad.raw();
     p.labels = labels.raw();
     p.dloss = dloss.data<float>();
