@@ -106,6 +106,11 @@ class CpuRuntime final : public DeviceRuntime {
                format_bytes(bytes), bytes, format_bytes(info.free_bytes), name());
   }
   std::shared_ptr<std::byte[]> allocate(size_t bytes, const std::string& what) const override {
+    // More than the machine has can never succeed: refuse it before asking the allocator (which,
+    // under AddressSanitizer, aborts on an absurd size instead of returning null).
+    const size_t total = memory_info().total_bytes;
+    KILN_CHECK(total == 0 || bytes <= total, "{} needs {} ({} bytes) of host memory, more than the {} of {}",
+               what, format_bytes(bytes), bytes, format_bytes(total), name());
     const size_t rounded = (std::max<size_t>(bytes, 1) + kAllocationAlignment - 1) / kAllocationAlignment *
                            kAllocationAlignment;
     auto* p = static_cast<std::byte*>(std::aligned_alloc(kAllocationAlignment, rounded));
