@@ -61,7 +61,7 @@ Views find_views(const Graph& graph, const ViewPredicate& view_ok) {
   for (const Update& u : graph.updates) keep[u.value] = true;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    if (node.op != Op::kReshape && node.op != Op::kSlice) continue;
+    if (node.op != Op::kReshape && node.op != Op::kSlice && node.op != Op::kCollectiveWait) continue;
     if (node.inputs.size() != 1 || node.outputs.size() != 1) continue;
     const ValueId in = node.inputs[0], out = node.outputs[0];
     if (keep[out]) continue;
@@ -69,7 +69,7 @@ Views find_views(const Graph& graph, const ViewPredicate& view_ok) {
     const TensorType& out_type = graph.type(out);
     if (in_type.dtype != out_type.dtype) continue;
     int64_t offset = 0;
-    if (node.op == Op::kReshape) {
+    if (node.op == Op::kReshape || node.op == Op::kCollectiveWait) {
       // Same dtype and element count, so the same bytes in the same (row-major) order.
       if (in_type.bytes() != out_type.bytes()) continue;
     } else {
@@ -92,6 +92,16 @@ Liveness compute_liveness(const Graph& graph) {
     const int index = static_cast<int>(n);
     for (ValueId id : graph.nodes[n].inputs) l.last[id] = index;
     for (ValueId id : graph.nodes[n].outputs) l.def[id] = l.last[id] = index;
+  }
+  // A collective reads its input on the communication stream until its wait, not just at its
+  // own node (ops/collective.h): the input's bytes stay its own until then. (Its output is
+  // written from the start on: defined at the collective's node, as every output.)
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& wait = graph.nodes[n];
+    if (wait.op != Op::kCollectiveWait) continue;
+    const int start = l.def[wait.inputs[0]];
+    if (start < 0) continue;
+    for (ValueId id : graph.nodes[start].inputs) l.last[id] = std::max(l.last[id], static_cast<int>(n));
   }
   const int end = static_cast<int>(graph.nodes.size());
   for (ValueId id : graph.outputs) l.last[id] = end;

@@ -19,6 +19,10 @@
 // (KernelImpl::in_place_ok): the fast CPU kernels use __restrict__ loops and must
 // never see aliased buffers. An input that is a view must start at its buffer's start (below).
 //
+// Collectives (ops/collective.h): a collective_wait is a view of its collective's output (the
+// join adds no bytes), and a collective's inputs live until its wait, since the communication
+// stream reads them until then.
+//
 // Views: every IR tensor is dense row-major, so a reshape's output is exactly its input's bytes,
 // and a slice with every step 1 whose output is one contiguous run of its input (some axis a:
 // every dim before a has output extent 1, dim a any range [start, end), every dim after a whole)

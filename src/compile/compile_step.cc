@@ -9,13 +9,15 @@ namespace kiln {
 namespace {
 
 // The forward step's program: the graph as given, its inputs' roles read off the graph.
-StepProgram forward_program(const Graph& forward, const OptimizerConfig& config, bool loss_only) {
+StepProgram forward_program(const Graph& forward, const OptimizerConfig& config, bool loss_only,
+                            const ShardingOptions& sharding) {
   KILN_CHECK(!loss_only || !forward.outputs.empty(), "graph '{}' has no outputs (the loss must be the first)",
              forward.name);
   StepProgram out;
   out.graph = forward;
   if (loss_only) out.graph.outputs.resize(1);  // dead-code drops what only the others needed
   apply_mixed_precision(out.graph, config);
+  shard_forward_step(out.graph, sharding);
   for (size_t i = 0; i < forward.inputs.size(); ++i) {
     const int index = static_cast<int>(i);
     switch (forward.inputs[i].role) {
@@ -33,8 +35,8 @@ CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
   CompiledStep step;
   Stopwatch phase;
   const bool training = options.kind == StepKind::kTraining;
-  step.program = training ? build_training_graph(forward, options.optimizer)
-                          : forward_program(forward, options.optimizer, options.loss_only);
+  step.program = training ? build_training_graph(forward, options.optimizer, options.sharding)
+                          : forward_program(forward, options.optimizer, options.loss_only, options.sharding);
   step.phase_seconds.emplace_back(training ? "training graph" : "forward graph", phase.lap());
 
   // Passes keep graph inputs in place, so the program's input indices stay valid.

@@ -44,6 +44,9 @@ struct CompileOptions {
   // B=16) are an intermediate of the planned arena, whose bytes later values reuse, instead of
   // an output buffer of their own kept beside it.
   bool loss_only = false;
+  // One rank's step of a data-parallel group (passes/sharding.h); the executor then needs the
+  // group's communicator (executor.communicator).
+  ShardingOptions sharding;
   // The pipeline's options; `target` is ignored (the pipeline is built for executor.device).
   PassOptions passes;
   // The device, allowed dialects, CUDA stream and graphs, tuning.

@@ -1,5 +1,7 @@
 #include "compile/loss_scaling.h"
 
+#include "ops/collective.h"
+
 #include <cmath>
 
 #include "support/error.h"
@@ -40,7 +42,7 @@ std::vector<Expr> unscale_gradients(const std::vector<Expr>& gradients,
   return out;
 }
 
-Expr gradients_overflow(const std::vector<Expr>& gradients) {
+Expr gradients_overflow(const std::vector<Expr>& gradients, int world_size) {
   KILN_CHECK(!gradients.empty(), "gradients_overflow: no gradients given");
   Expr total;
   for (const Expr& g : gradients) {
@@ -48,6 +50,7 @@ Expr gradients_overflow(const std::vector<Expr>& gradients) {
     Expr poisoned = as_f32(sum(g * 0.0));
     total = total.id() < 0 ? poisoned : total + poisoned;
   }
+  if (world_size > 1) total = all_reduce(total, world_size, ReduceOp::kSum);  // NaN anywhere: NaN
   return ne(total, total).named("amp.overflow");  // only NaN differs from itself
 }
 

@@ -52,8 +52,10 @@ Expr scale_loss(Expr loss, const LossScaleState& state);
 // Each gradient times 1/scale, computed in f32, returned in the gradient's dtype.
 std::vector<Expr> unscale_gradients(const std::vector<Expr>& gradients,
                                     const LossScaleState& state);
-// A bool scalar: true when some element of some gradient is inf or NaN.
-Expr gradients_overflow(const std::vector<Expr>& gradients);
+// A bool scalar: true when some element of some gradient is inf or NaN. `world_size` > 1: the
+// gradients are this rank's shards, and the answer is every rank's (an all_reduce), so that all
+// ranks skip the same steps.
+Expr gradients_overflow(const std::vector<Expr>& gradients, int world_size = 1);
 // Replaces the value of every update in the graph whose target is in `targets` by
 // where(overflow, target, value): the step leaves those inputs unchanged on overflow.
 void skip_updates_on_overflow(Builder& b, Expr overflow, const std::set<ValueId>& targets);

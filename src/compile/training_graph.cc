@@ -5,6 +5,7 @@
 
 #include "ir/builder.h"
 #include "ir/verifier.h"
+#include "ops/collective.h"
 #include "passes/autodiff.h"
 #include "support/error.h"
 
@@ -41,8 +42,21 @@ void apply_mixed_precision(Graph& forward, const OptimizerConfig& config) {
   verify(forward);
 }
 
-StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config) {
+void shard_forward_step(Graph& forward, const ShardingOptions& sharding) {
+  validate(sharding);
+  if (!sharding.enabled()) return;
+  if (sharding.mode == ShardMode::kZero3) gather_sharded_params(forward, sharding.world_size);
+  KILN_CHECK(!forward.outputs.empty(), "graph '{}' has no outputs (the loss must be the first)", forward.name);
+  Builder b(std::move(forward));
+  b.graph().outputs[0] = all_reduce(b.wrap(b.graph().outputs[0]), sharding.world_size, ReduceOp::kAvg).id();
+  forward = b.take();
+  verify(forward);
+}
+
+StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config, const ShardingOptions& sharding) {
   validate(config);
+  validate(sharding);
+  const int world = sharding.world_size;
   KILN_CHECK(!forward.outputs.empty(), "graph '{}' has no outputs (the loss must be the first)", forward.name);
   StepProgram out;
   std::vector<ValueId> params;
@@ -63,6 +77,13 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
   Graph amp_forward = forward;
   apply_mixed_precision(amp_forward, config);
   for (size_t i = 0; i < params.size(); ++i) params[i] = amp_forward.inputs[out.param_inputs[i]].value;
+  // The full types of the params, before zero3 makes the inputs shards.
+  std::vector<TensorType> full_types;
+  for (ValueId p : params) full_types.push_back(amp_forward.type(p));
+  // zero3: the params become shards, gathered before use; autodiff differentiates with respect
+  // to the gathered values (passes/sharding.h).
+  std::vector<std::vector<ValueId>> gathered;
+  if (sharding.mode == ShardMode::kZero3) gathered = gather_sharded_params(amp_forward, world);
   // f16: the loss scale is state of the graph and multiplies the loss before autodiff.
   const bool scaled = config.amp == "f16";
   Builder forward_builder(amp_forward);
@@ -76,15 +97,41 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     out.state_initial_values[kLossScaleName] = config.loss_scale.initial_scale;
     loss = scale_loss(forward_builder.wrap(forward_builder.graph().outputs[0]), loss_scale).id();
   }
-  AutodiffResult joint = autodiff(forward_builder.take(), loss, params);
+  const ValueId local_loss = forward_builder.graph().outputs[0];
+  const size_t forward_nodes = forward_builder.graph().nodes.size();
+  std::vector<ValueId> wrt = params;
+  if (!gathered.empty()) {
+    wrt.clear();
+    for (const auto& uses : gathered) wrt.insert(wrt.end(), uses.begin(), uses.end());
+  }
+  AutodiffResult joint = autodiff(forward_builder.take(), loss, wrt);
+  if (!gathered.empty()) regather_for_backward(joint.graph, forward_nodes);
 
   Builder b(std::move(joint.graph));
-  std::vector<Expr> grads;
-  for (ValueId g : joint.gradients) grads.push_back(b.wrap(g));
+  std::vector<Expr> grads;  // per param: this rank's full-shape gradient of its local loss
+  if (gathered.empty()) {
+    for (ValueId g : joint.gradients) grads.push_back(b.wrap(g));
+  } else {
+    size_t next = 0;
+    for (const auto& uses : gathered) {
+      Expr total;
+      for (size_t u = 0; u < uses.size(); ++u) {
+        Expr g = b.wrap(joint.gradients[next++]);
+        if (g.dtype() != DType::kF32) g = cast(g, DType::kF32);
+        total = total.id() < 0 ? g : total + g;
+      }
+      grads.push_back(total);
+    }
+  }
+  // Averaged over ranks (and for zero1/2/3, this rank's shard of it).
+  if (sharding.enabled())
+    for (Expr& g : grads) g = reduce_gradient(g, sharding);
   Expr overflow;
   if (scaled) {
     loss_scale = LossScaleState{b.wrap(loss_scale.scale.id()), b.wrap(loss_scale.good_steps.id())};
-    overflow = gradients_overflow(grads);  // of the scaled gradients: unscaling keeps inf and NaN
+    // Of the scaled gradients (unscaling keeps inf and NaN); over every rank's shard, so that
+    // every rank skips the same steps.
+    overflow = gradients_overflow(grads, sharding.shards_optimizer() ? world : 1);
     grads = unscale_gradients(grads, loss_scale);
   }
 
@@ -95,6 +142,7 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
       Expr s = sum(square(cast(g, DType::kF32)));
       total = total.id() < 0 ? s : total + s;
     }
+    if (sharding.shards_optimizer()) total = sum_over_ranks(total, world);  // shards are disjoint
     Expr norm = sqrt(total).named("grad_norm");
     Expr scale = minimum(b.scalar(1.0), b.scalar(config.grad_clip) / (norm + 1e-6));
     for (Expr& g : grads) g = g * cast(scale, g.dtype());
@@ -105,14 +153,15 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     out.state_inputs.push_back(static_cast<int>(b.graph().inputs.size() - 1));
     return e;
   };
-  std::vector<Expr> moments;  // per param: sgd buf, or adamw m and v
-  for (ValueId p : params) {
-    const Value v = b.graph().value(p);  // a copy: add_state() grows the graph's values
+  std::vector<Expr> moments;  // per param: sgd buf, or adamw m and v (shards, for zero1/2/3)
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Value v = b.graph().value(params[i]);  // a copy: add_state() grows the graph's values
+    const TensorType type = grads[i].type().shape == v.type.shape ? v.type : TensorType{v.type.dtype, grads[i].type().shape};
     if (config.name == "sgd") {
-      moments.push_back(add_state("opt.buf." + v.name, v.type));
+      moments.push_back(add_state("opt.buf." + v.name, type));
     } else {
-      moments.push_back(add_state("opt.m." + v.name, v.type));
-      moments.push_back(add_state("opt.v." + v.name, v.type));
+      moments.push_back(add_state("opt.m." + v.name, type));
+      moments.push_back(add_state("opt.v." + v.name, type));
     }
   }
   Expr step = add_state("opt.step", TensorType{DType::kF32, {}});
@@ -130,21 +179,29 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
   }
 
   for (size_t i = 0; i < params.size(); ++i) {
-    Expr p = b.wrap(params[i]);
+    const Expr param = b.wrap(params[i]);
+    // What the optimizer updates: the param, or (zero1/2) this rank's shard of it; zero3's
+    // param input is its shard already.
+    const bool gather_after = sharding.mode == ShardMode::kZero1 || sharding.mode == ShardMode::kZero2;
+    Expr p = gather_after ? shard_of(param, world) : param;
+    // The new value of the param input from the optimizer's result.
+    auto param_update = [&](const Expr& updated) {
+      return gather_after ? unshard(updated, param_shard(full_types[i], world)) : updated;
+    };
     Expr g = grads[i].dtype() == p.dtype() ? grads[i] : cast(grads[i], p.dtype());
     Expr lr_p = cast(lr, p.dtype());
     if (config.name == "sgd") {
       std::vector<Expr> r = b.apply(Op::kSgdUpdate, {p, g, moments[i], lr_p},
                                     {{"momentum", config.momentum}, {"nesterov", config.nesterov},
                                      {"weight_decay", config.weight_decay}});
-      b.graph().updates.push_back(Update{p.id(), r[0].id()});
+      b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
       b.graph().updates.push_back(Update{moments[i].id(), r[1].id()});
     } else {
       Expr m = moments[2 * i], v = moments[2 * i + 1];
       std::vector<Expr> r = b.apply(Op::kAdamwUpdate, {p, g, m, v, lr_p, cast(next_step, p.dtype())},
                                     {{"beta1", config.beta1}, {"beta2", config.beta2},
                                      {"epsilon", config.epsilon}, {"weight_decay", config.weight_decay}});
-      b.graph().updates.push_back(Update{p.id(), r[0].id()});
+      b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
       b.graph().updates.push_back(Update{m.id(), r[1].id()});
       b.graph().updates.push_back(Update{v.id(), r[2].id()});
     }
@@ -157,6 +214,8 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     skip_updates_on_overflow(b, overflow, skipped);
     update_loss_scale(b, loss_scale, overflow, config.loss_scale);
   }
+  // The reported loss: the mean over ranks of their slices' means, the global batch's mean.
+  if (sharding.enabled()) b.graph().outputs[0] = all_reduce(b.wrap(local_loss), world, ReduceOp::kAvg).id();
   out.graph = b.take();
   if (!config.keep_forward_outputs) out.graph.outputs.resize(1);  // dead-code drops what only they needed
   out.graph.name = forward.name + ".train";

@@ -28,6 +28,7 @@
 #include "compile/loss_scaling.h"
 #include "ir/graph.h"
 #include "passes/mixed_precision.h"
+#include "passes/sharding.h"
 
 namespace kiln {
 
@@ -71,11 +72,19 @@ struct StepProgram {
   std::map<std::string, double> state_initial_values;
 };
 
-// `forward` must have a scalar float loss as outputs[0] and at least one param.
-StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config);
+// `forward` must have a scalar float loss as outputs[0] and at least one param. `sharding`:
+// the step of one rank of a data-parallel group (passes/sharding.h): gradients averaged over
+// ranks, the optimizer on shards for zero1/2/3, params sharded for zero3, the loss output the
+// global mean. The optimizer state of a sharded mode is this rank's flat shard ([k]) per param.
+StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& config,
+                                 const ShardingOptions& sharding = {});
 
 // The mixed-precision pass as `config.amp` and `config.amp_policy` say (nothing when amp is
 // "off"), on a forward graph: what build_training_graph does first, and a forward step too.
 void apply_mixed_precision(Graph& forward, const OptimizerConfig& config);
+
+// A forward step of one rank of a group (evaluation): zero3 gathers its sharded params before
+// use, and outputs[0] (the loss) becomes the mean over ranks. Nothing for ShardMode::kNone.
+void shard_forward_step(Graph& forward, const ShardingOptions& sharding);
 
 }  // namespace kiln

@@ -164,7 +164,8 @@ Expr slice(Expr x, std::vector<int64_t> starts, std::vector<int64_t> ends, std::
 Expr slice_axis(Expr x, int64_t axis, int64_t start, int64_t end) {
   int a = normalize_axis(axis, x.rank());
   std::vector<int64_t> starts(x.rank(), 0);
-  std::vector<int64_t> ends(x.shape().begin(), x.shape().end());
+  const Shape shape = x.shape();  // by value: begin() and end() of two temporaries would not pair
+  std::vector<int64_t> ends(shape.begin(), shape.end());
   starts[a] = start;
   ends[a] = end;
   return slice(x, starts, ends);

@@ -17,6 +17,7 @@
 namespace kiln {
 
 class Tensor;
+class Communicator;  // device/communicator.h
 class Expr;
 class Graph;
 struct GradContext;  // ops/gradient.h
@@ -40,6 +41,9 @@ struct KernelArgs {
   void* stream = nullptr;
   // The node's body: set for `fused` nodes (Node::body), nullptr otherwise.
   const Graph* body = nullptr;
+  // The process group's collective engine, for the ops that need one (needs_process_group);
+  // nullptr in a single-process step. A collective's `stream` is the communication stream.
+  const Communicator* communicator = nullptr;
 };
 
 using InferFn = std::function<std::vector<TensorType>(std::span<const TensorType> inputs,

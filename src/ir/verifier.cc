@@ -56,6 +56,31 @@ void verify(const Graph& graph) {
     KILN_CHECK(graph.is_valid(id) && defined[id], "graph output {} is not defined",
                value_label(graph, id));
   }
+  // Collectives and their joins pair up (ops/collective.h): a collective's output is read only
+  // by collective_wait nodes (never by a kernel that would race the communication stream, nor
+  // as a graph output), and a wait reads only a collective's output.
+  std::vector<int> producer(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId out : graph.nodes[n].outputs) producer[out] = static_cast<int>(n);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    for (ValueId in : node.inputs) {
+      const bool from_collective = producer[in] >= 0 && has_flag(graph.nodes[producer[in]].op, kCollective);
+      if (node.op == Op::kCollectiveWait) {
+        KILN_CHECK(from_collective, "node {} (collective_wait): {} is not the output of a collective", n,
+                   value_label(graph, in));
+      } else {
+        KILN_CHECK(!from_collective, "node {} ({}) reads {}, a collective's output, without its collective_wait",
+                   n, op_name(node.op), value_label(graph, in));
+      }
+    }
+  }
+  for (ValueId id : graph.outputs)
+    KILN_CHECK(producer[id] < 0 || !has_flag(graph.nodes[producer[id]].op, kCollective),
+               "graph output {} is a collective's output: wait for it (collective_wait)", value_label(graph, id));
+  for (const Update& u : graph.updates)
+    KILN_CHECK(!graph.is_valid(u.value) || producer[u.value] < 0 || !has_flag(graph.nodes[producer[u.value]].op, kCollective),
+               "update of {} is a collective's output: wait for it (collective_wait)", value_label(graph, u.target));
   std::set<ValueId> updated;
   for (const Update& u : graph.updates) {
     int index = graph.input_index(u.target);

@@ -11,7 +11,9 @@ GptConfig gpt_config(const std::string& name) {
   if (name == "gpt2-tiny") return GptConfig{4, 64, 256, 2, 4, 64, 0.0};
   if (name == "gpt2") return GptConfig{8, 1024, 50304, 12, 12, 768, 0.0};
   if (name == "gpt2-medium") return GptConfig{8, 1024, 50304, 24, 16, 1024, 0.0};
-  fail("unknown GPT config '{}' (expected gpt2-tiny, gpt2 or gpt2-medium)", name);
+  if (name == "gpt2-large") return GptConfig{8, 1024, 50304, 36, 20, 1280, 0.0};
+  if (name == "gpt2-xl") return GptConfig{8, 1024, 50304, 48, 25, 1600, 0.0};
+  fail("unknown GPT config '{}' (expected gpt2-tiny, gpt2, gpt2-medium, gpt2-large or gpt2-xl)", name);
 }
 
 Graph gpt(const GptConfig& c) {

@@ -36,7 +36,8 @@ struct GptConfig {
 // "rng.offset" (i64 scalar) keys the dropout masks; the training step advances it (see
 // compile/training_graph.h), so every step draws new masks and a resumed run draws the same ones.
 Graph gpt(const GptConfig& config);
-// Named configs: gpt2-tiny (CPU tests), gpt2 (124M), gpt2-medium (350M).
+// Named configs: gpt2-tiny (CPU tests), gpt2 (124M), gpt2-medium (350M), gpt2-large (774M),
+// gpt2-xl (1.56B); the vocabulary padded to 50304 (a multiple of 128) as nanoGPT does.
 GptConfig gpt_config(const std::string& name);
 
 // Initial parameter values in graph-input order (params only), deterministic in seed:
@@ -66,8 +67,11 @@ Graph cnn(const CnnConfig& config);
 // (biases) 0. Keeps relu activations O(1) through depth, unlike init_params' fixed 0.02.
 std::vector<Tensor> init_params_fan_in(const Graph& graph, uint64_t seed);
 
-// The model zoo by name, as the CLI knows it: mlp (784-256-10), cnn, gpt2-tiny, gpt2,
-// gpt2-medium; seq > 0 overrides a GPT config's sequence length.
+// The model zoo by name, as the CLI knows it (model_names(): mlp (784-256-10), cnn, gpt2-tiny,
+// gpt2, gpt2-medium, gpt2-large, gpt2-xl); seq > 0 overrides a GPT config's sequence length.
 Graph by_name(const std::string& name, int64_t batch, int64_t seq = 0);
+const std::vector<std::string>& model_names();
+// "mlp, cnn, ... or gpt2-xl", for error messages.
+std::string model_names_text();
 
 }  // namespace kiln::models

@@ -28,6 +28,7 @@ const OpRegistry& registry() {
     define_nn_ops(r);
     define_conv_ops(r);
     define_optimizer_ops(r);
+    define_collective_ops(r);
     define_fused_ops(r);
     return r;
   }();

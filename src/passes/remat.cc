@@ -24,7 +24,9 @@ constexpr size_t kPeakNodesPerRound = 4;
 
 double numel_of(const Graph& g, ValueId id) { return static_cast<double>(g.type(id).numel()); }
 
-bool recomputable(Op op) { return !has_flag(op, kOptimizer); }
+// A collective is a round of communication every rank must make in the same order: the sharding
+// pass, not remat, decides when one is repeated.
+bool recomputable(Op op) { return !has_flag(op, kOptimizer) && !has_flag(op, kCollective) && op != Op::kCollectiveWait; }
 
 // Which improvement counts: the arena first; then the live peak and the live bytes summed over
 // nodes, so choices that lower one of several equal peaks are still progress.

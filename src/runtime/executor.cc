@@ -193,6 +193,29 @@ void Executor::setup() {
   }
   stream_handle_ = stream_->handle();
   mark_node_ = runtime_->node_marker();
+  waited_collective_.assign(graph_.nodes.size(), -1);
+  comm_ready_.resize(graph_.nodes.size());
+  comm_done_.resize(graph_.nodes.size());
+  std::vector<int> producer(graph_.values.size(), -1);
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
+    for (ValueId id : node.outputs) producer[id] = static_cast<int>(n);
+    if (needs_process_group(node.op)) {
+      KILN_CHECK(options_.communicator != nullptr,
+                 "graph '{}' has collective ops ({}) but no process group: run it under `kiln launch -n N` or "
+                 "torchrun's variables",
+                 graph_.name, op_name(node.op));
+      KILN_CHECK(options_.communicator->device() == options_.device,
+                 "graph '{}': the process group communicates on {}, the step runs on {}", graph_.name,
+                 device_name(options_.communicator->device()), device_name(options_.device));
+    }
+    if (has_flag(node.op, kCollective)) {
+      if (!comm_stream_) comm_stream_ = runtime_->create_stream();
+      comm_ready_[n] = runtime_->create_event();
+      comm_done_[n] = runtime_->create_event();
+    }
+    if (node.op == Op::kCollectiveWait) waited_collective_[n] = producer[node.inputs[0]];
+  }
   if (options_.cuda_graphs && !options_.profile && runtime_->can_capture()) captured_ = runtime_->create_graph();
   if (options_.profile)
     for (size_t i = 0; i < 2 * graph_.nodes.size(); ++i) timing_events_.push_back(runtime_->create_event(true));
@@ -365,6 +388,8 @@ void Executor::enqueue(std::span<const Tensor> inputs, std::span<const Tensor> o
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
     const int index = static_cast<int>(n);
+    // The join of a collective: the compute stream goes on once the communication is done.
+    if (waited_collective_[n] >= 0) stream_->wait(*comm_done_[static_cast<size_t>(waited_collective_[n])]);
     if (is_view_node(n)) {
       // A view: nothing launched (nor captured), its input's bytes (a reshape's) or a run of them
       // (a slice's) seen as the output's type, in whatever storage the input lives (arena,
@@ -388,7 +413,14 @@ void Executor::enqueue(std::span<const Tensor> inputs, std::span<const Tensor> o
         args_out.push_back(Tensor(graph_.type(id), arena_, static_cast<size_t>(plan_.offsets[id]), options_.device));
       }
     }
-    KernelArgs args{node.attrs, args_in, args_out, stream_handle_, node.body.get()};
+    KernelArgs args{node.attrs, args_in, args_out, stream_handle_, node.body.get(), options_.communicator};
+    const bool collective = comm_done_[n] != nullptr;
+    if (collective) {
+      // The fork: the communication stream starts once the compute stream has made the inputs.
+      comm_ready_[n]->record(*stream_);
+      comm_stream_->wait(*comm_ready_[n]);
+      args.stream = comm_stream_->handle();
+    }
     if (profiling) timing_events_[2 * n]->record(*stream_);
     if (mark_node_) mark_node_(index);  // a device trace names the graph nodes captured now
     try {
@@ -400,6 +432,7 @@ void Executor::enqueue(std::span<const Tensor> inputs, std::span<const Tensor> o
            kernels_[n]->dialect, e.what());
     }
     if (profiling) timing_events_[2 * n + 1]->record(*stream_);
+    if (collective) comm_done_[n]->record(*comm_stream_);
     for (size_t i = 0; i < node.outputs.size(); ++i) values[node.outputs[i]] = args_out[i];
     // Release what no later node reads (graph inputs stay owned by the caller anyway; arena
     // views only drop a reference).

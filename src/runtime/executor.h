@@ -45,6 +45,13 @@
 //   graph and launches it; later runs with the same input pointers replay it (one launch per
 //   step). Input pointers that change trigger a new capture. Off: every run launches every
 //   kernel (for debugging, and the oracle of the replay tests).
+// - Collectives (ops/collective.h; options.communicator): a collective runs on a communication
+//   stream of the executor's own, after an event recorded on the compute stream where the node
+//   stands, and records a second event when done; its collective_wait makes the compute stream
+//   wait for that one. Kernels between the two overlap the communication. Both streams are
+//   captured into the one CUDA graph (the fork and join are events), and the collectives are
+//   enqueued in node order, which is the same on every rank. On the CPU, Gloo's calls return
+//   when done and the events cost nothing.
 // - Profiling (options.profile): every run launches every kernel (no capture), with a timing
 //   event recorded before and after each node's kernel (events created once, at construction,
 //   and reused; on the CPU they read the host's clock); profile() reads the last run's per-node
@@ -58,6 +65,7 @@
 
 #include "analysis/memory_plan.h"
 #include "backends/backend.h"
+#include "device/communicator.h"
 #include "device/device_runtime.h"
 #include "ir/graph.h"
 #include "runtime/profile.h"
@@ -93,6 +101,9 @@ struct ExecutorOptions {
   // Where kernels are chosen from; nullptr: kernel_registry(), every kernel kiln has (tests
   // bring their own).
   const KernelRegistry* registry = nullptr;
+  // The process group's collective engine (borrowed), for graphs with collective ops
+  // (ops/collective.h); required by them, ignored by the rest.
+  const Communicator* communicator = nullptr;
 };
 
 class Executor {
@@ -191,6 +202,12 @@ class Executor {
   mutable int64_t graph_replays_ = 0;
   mutable int64_t graph_captures_ = 0;
   BuildTimes build_times_;
+  // Collectives: the communication stream, and per collective node the event the compute
+  // stream records before it (ready) and the one the communication stream records after it
+  // (done); empty without collectives.
+  std::unique_ptr<DeviceStream> comm_stream_;
+  std::vector<std::unique_ptr<DeviceEvent>> comm_ready_, comm_done_;
+  std::vector<int> waited_collective_;  // per node: a collective_wait's collective node, or -1
   // options.profile: events 2n and 2n+1 around node n's kernel.
   std::vector<std::unique_ptr<DeviceEvent>> timing_events_;
   mutable bool profiled_run_ = false;

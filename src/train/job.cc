@@ -206,8 +206,8 @@ JobResult run_training_job(const JobOptions& options) {
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
   KILN_CHECK(o.batch > 0, "--batch must be > 0, got {}", o.batch);
   KILN_CHECK(o.eval_batches >= 0, "--eval-batches must be >= 0 (0: the default), got {}", o.eval_batches);
-  KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
-             "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
+  KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
+             "unknown model '{}' (expected {})", o.model, models::model_names_text());
   validate(o.optimizer);
   Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
 
@@ -388,8 +388,8 @@ BenchResult run_benchmark(const BenchOptions& options) {
   }
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
-  KILN_CHECK(o.model == "mlp" || o.model == "cnn" || is_language_model(o.model),
-             "unknown model '{}' (expected mlp, cnn, gpt2-tiny, gpt2 or gpt2-medium)", o.model);
+  KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
+             "unknown model '{}' (expected {})", o.model, models::model_names_text());
   KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
   KILN_CHECK(o.timeline_path.empty() || on_cuda, "--timeline needs --device cuda (it traces the GPU's work)");
   KILN_CHECK(o.timeline_path.empty() || runtime->can_trace(),

@@ -16,7 +16,7 @@
 namespace kiln::train {
 
 struct JobOptions {
-  std::string model = "mlp";          // mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium
+  std::string model = "mlp";          // models::model_names()
   std::string data = "";             // fashion-mnist (classifiers) | a text or .tok file (LMs); "" = the model's default
   std::string data_dir = "";          // Fashion-MNIST directory; "" = the Debian package's
   int64_t steps = 1000;
@@ -73,7 +73,7 @@ JobResult run_training_job(const JobOptions& options);
 
 // `kiln bench`: training steps of a model on random data (no data loading), timed.
 struct BenchOptions {
-  std::string model = "gpt2";     // mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium
+  std::string model = "gpt2";     // models::model_names()
   int64_t batch = 32;
   int64_t seq = 0;                // gpt2*: 0 = the config's
   std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)

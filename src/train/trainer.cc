@@ -1,18 +1,40 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
+#include "device/communicator.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #include "train/checkpoint/safetensors.h"
 
 namespace kiln::train {
 
+namespace {
+
+// Rank `rank`'s flat shard of a full host tensor (passes/sharding.h: zero-padded to world * k).
+Tensor host_shard(const Tensor& full, int64_t shard_numel, int rank) {
+  Tensor out(TensorType{full.dtype(), {shard_numel}});
+  const size_t element = dtype_size(full.dtype());
+  const int64_t begin = shard_numel * rank;
+  const int64_t count = std::clamp<int64_t>(full.numel() - begin, 0, shard_numel);
+  std::memset(out.raw(), 0, out.bytes());
+  if (count > 0) std::memcpy(out.raw(), full.raw() + static_cast<size_t>(begin) * element, static_cast<size_t>(count) * element);
+  return out;
+}
+
+}  // namespace
+
 Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
-                 ExecutorOptions executor_options, PassOptions pass_options)
-    : config_(std::move(config)), forward_(forward), executor_options_(std::move(executor_options)),
-      pass_options_(std::move(pass_options)) {
+                 ExecutorOptions executor_options, PassOptions pass_options, ShardingOptions sharding)
+    : config_(std::move(config)), sharding_(sharding), forward_(forward),
+      executor_options_(std::move(executor_options)), pass_options_(std::move(pass_options)) {
+  KILN_CHECK(!sharding_.enabled() || executor_options_.communicator != nullptr,
+             "a {} trainer needs a process group (ExecutorOptions::communicator)", shard_mode_name(sharding_.mode));
+  KILN_CHECK(!sharding_.enabled() || executor_options_.communicator->world_size() == sharding_.world_size,
+             "sharding over {} ranks, but the process group has {}", sharding_.world_size,
+             executor_options_.communicator->world_size());
   try {
     runtime_ = device_runtime(executor_options_.device);
   } catch (const Error& e) {
@@ -23,6 +45,7 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   executor_options_.stream = stream_.get();
   CompileOptions options;
   options.optimizer = config_;
+  options.sharding = sharding_;
   options.passes = pass_options_;
   options.executor = executor_options_;
   // The executor checks that its arena and every input (uploaded below) fit before anything is
@@ -35,11 +58,27 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   KILN_CHECK(params.size() == program.param_inputs.size(), "graph '{}' has {} params, {} initial values given",
              forward.name, program.param_inputs.size(), params.size());
   inputs_.resize(g.inputs.size());
+  std::map<std::string, TensorType> param_types;  // full, by name
   for (size_t i = 0; i < params.size(); ++i) {
     const Value& v = g.value(g.inputs[program.param_inputs[i]].value);
-    KILN_CHECK(params[i].type() == v.type, "param '{}' must be {}, got {}", v.name, to_string(v.type),
+    const TensorType& full = forward.type(forward.inputs[program.param_inputs[i]].value);
+    param_types[v.name] = full;
+    KILN_CHECK(params[i].type() == full, "param '{}' must be {}, got {}", v.name, to_string(full),
                to_string(params[i].type()));
-    inputs_[program.param_inputs[i]] = params[i];  // host; the upload below is the trainer's own copy
+    // host; the upload below is the trainer's own copy (zero3: of this rank's shard)
+    if (v.type != full) {
+      sharded_[v.name] = full;
+      params[i] = host_shard(params[i], v.type.numel(), rank());
+    }
+    inputs_[program.param_inputs[i]] = params[i];
+  }
+  for (int i : program.state_inputs) {
+    const Value& v = g.value(g.inputs[i].value);
+    for (const char* prefix : {"opt.m.", "opt.v.", "opt.buf."}) {
+      if (v.name.rfind(prefix, 0) != 0) continue;
+      auto full = param_types.find(v.name.substr(std::string_view(prefix).size()));
+      if (full != param_types.end() && full->second != v.type) sharded_[v.name] = full->second;
+    }
   }
   for (int i : program.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
@@ -88,6 +127,7 @@ const Executor& Trainer::eval_executor(bool loss_only) const {
     // The step's mixed precision (amp and policy), so the forward computes as the step's does;
     // the optimizer's other fields mean nothing to a forward step.
     options.optimizer = config_;
+    options.sharding = sharding_;  // zero3 gathers the params; the loss is the ranks' mean
     options.passes = pass_options_;
     options.passes.print_after.clear();  // the step's IR was printed; the forward's is not asked for
     options.executor = executor_options_;
@@ -224,22 +264,93 @@ std::vector<Tensor> Trainer::params() const {
   return out;
 }
 
+double Trainer::reduce_over_ranks(double value, ReduceOp op) const {
+  const Communicator* communicator = executor_options_.communicator;
+  if (communicator == nullptr || communicator->world_size() == 1) return value;
+  Tensor host(TensorType{DType::kF64, {1}});
+  host.set(0, value);
+  Tensor device = runtime_->to_device(host);
+  communicator->all_reduce(device, device, op, stream_->handle());
+  stream_->synchronize();
+  return runtime_->to_host(device).get(0);
+}
+
+int Trainer::rank() const {
+  return executor_options_.communicator ? executor_options_.communicator->rank() : 0;
+}
+int Trainer::world_size() const {
+  return executor_options_.communicator ? executor_options_.communicator->world_size() : 1;
+}
+
 void Trainer::save(const std::string& path, std::map<std::string, std::string> metadata) const {
   metadata["kiln.steps_done"] = std::to_string(steps_done_);
   metadata["kiln.graph"] = forward_.name;
+  if (sharding_.enabled()) {
+    metadata["kiln.world_size"] = std::to_string(world_size());
+    metadata["kiln.rank"] = std::to_string(rank());
+    metadata["kiln.shard"] = std::string(shard_mode_name(sharding_.mode));
+  }
   save_safetensors(path, host_tensors(), metadata);
+}
+
+void Trainer::save_consolidated(const std::string& path, std::map<std::string, std::string> metadata) const {
+  metadata["kiln.steps_done"] = std::to_string(steps_done_);
+  metadata["kiln.graph"] = forward_.name;
+  metadata["kiln.consolidated"] = "1";
+  std::map<std::string, Tensor> full;
+  // Every rank gathers every shard (in name order, the same on every rank); rank 0 writes.
+  for (const auto& [name, tensor] : named_tensors()) {
+    auto sharded = sharded_.find(name);
+    if (sharded == sharded_.end()) {
+      if (rank() == 0) full[name] = runtime_->to_host(tensor);
+      continue;
+    }
+    const TensorType& type = sharded->second;
+    Tensor gathered = runtime_->device_tensor(TensorType{tensor.dtype(), {tensor.numel() * world_size()}}, false);
+    executor_options_.communicator->all_gather(tensor, gathered, stream_->handle());
+    Tensor host = runtime_->to_host(gathered);  // waits for the stream
+    Tensor whole(type);
+    std::memcpy(whole.raw(), host.raw(), whole.bytes());
+    if (rank() == 0) full[name] = whole;
+  }
+  if (rank() == 0) save_safetensors(path, full, metadata);
 }
 
 std::map<std::string, std::string> Trainer::load(const std::string& path) {
   SafetensorsFile file = load_safetensors(path);
   std::map<std::string, Tensor> mine = named_tensors();
-  // Check everything first, so a mismatched checkpoint leaves the trainer untouched.
-  for (const auto& [name, tensor] : mine) {
+  auto meta = [&](const char* key) {
+    auto it = file.metadata.find(key);
+    return it == file.metadata.end() ? std::string() : it->second;
+  };
+  const bool consolidated = meta("kiln.consolidated") == "1";
+  if (!consolidated) {
+    // A rank's file: only the same place in a group of the same size and mode reads it.
+    const std::string ranks = meta("kiln.world_size").empty() ? "1" : meta("kiln.world_size");
+    const std::string mode = meta("kiln.shard").empty() ? "none" : meta("kiln.shard");
+    const std::string want_mode(shard_mode_name(sharding_.mode));
+    const bool same_group = ranks == std::to_string(world_size()) &&
+                            (mode == want_mode || (world_size() == 1 && !sharding_.shards_optimizer()));
+    KILN_CHECK(same_group,
+               "checkpoint '{}' was written by {} rank{} ({}), this run has {} ({}): resume with the same "
+               "--nproc and --shard, or from a consolidated checkpoint (kiln train --consolidate)",
+               path, ranks, ranks == "1" ? "" : "s", mode, world_size(), want_mode);
+    KILN_CHECK(meta("kiln.rank").empty() || meta("kiln.rank") == std::to_string(rank()),
+               "checkpoint '{}' is rank {}'s, this process is rank {}", path, meta("kiln.rank"), rank());
+  }
+  // Check everything first, so a mismatched checkpoint leaves the trainer untouched. A
+  // consolidated file holds full tensors: a rank takes its shard of a sharded one.
+  for (auto& [name, tensor] : mine) {
     auto it = file.tensors.find(name);
     KILN_CHECK(it != file.tensors.end(), "checkpoint '{}' has no tensor '{}'", path, name);
-    KILN_CHECK(it->second.type() == tensor.type(), "checkpoint '{}': '{}' is {}, the model needs {}", path,
-               name, to_string(it->second.type()), to_string(tensor.type()));
+    auto sharded = sharded_.find(name);
+    const TensorType& want = consolidated && sharded != sharded_.end() ? sharded->second : tensor.type();
+    KILN_CHECK(it->second.type() == want, "checkpoint '{}': '{}' is {}, the model needs {}", path,
+               name, to_string(it->second.type()), to_string(want));
   }
+  if (consolidated)
+    for (const auto& [name, type] : sharded_)
+      file.tensors[name] = host_shard(file.tensors[name], mine[name].numel(), rank());
   auto steps = file.metadata.find("kiln.steps_done");
   KILN_CHECK(steps != file.metadata.end(), "checkpoint '{}' has no kiln.steps_done metadata", path);
   int64_t steps_done = 0;

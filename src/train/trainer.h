@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "device/communicator.h"
 #include "device/device_runtime.h"
 #include "compile/compile_step.h"
 #include "passes/pass.h"
@@ -39,8 +40,13 @@ class Trainer {
   // `params` and the data are host tensors on every device.
   // Throws kiln::Error (when the params, state and step do not fit in the device's memory,
   // naming the bytes needed and free).
+  // `sharding`: this process is one rank of a data-parallel group (passes/sharding.h), whose
+  // communicator is executor_options.communicator; `params` are the full initial values (the
+  // same on every rank), of which a zero3 trainer keeps its shard. The data are this rank's
+  // slice of the global batch.
   Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
-          ExecutorOptions executor_options = {}, PassOptions pass_options = {});
+          ExecutorOptions executor_options = {}, PassOptions pass_options = {},
+          ShardingOptions sharding = {});
   ~Trainer();
 
   // One training step on the forward's data inputs (host tensors, in order); returns the
@@ -96,17 +102,37 @@ class Trainer {
   size_t param_and_state_bytes() const;
 
   // Checkpoint: every param and state tensor, the step count and `metadata`, in safetensors,
-  // written atomically. load() checks names, types and shapes before touching anything.
+  // written atomically. load() checks names, types and shapes before touching anything. In a
+  // group, each rank writes its own tensors (its shards, for the sharded modes) with the world
+  // size, rank and shard mode in the metadata; such a file loads only into the same rank of a
+  // group of the same size and mode.
   void save(const std::string& path, std::map<std::string, std::string> metadata = {}) const;
+  // Every param and state tensor at its full shape (shards gathered from every rank), written
+  // by rank 0 alone; every rank must call it (it communicates). A single process writes what
+  // save() writes. The params are plain tensors under their names, readable by any safetensors
+  // reader; load() takes the file in a group of any size and mode.
+  void save_consolidated(const std::string& path, std::map<std::string, std::string> metadata = {}) const;
   // Returns the checkpoint's metadata.
   std::map<std::string, std::string> load(const std::string& path);
+  // `value` reduced over the group's ranks (the communicator, on the trainer's stream; every
+  // rank must call it): a metric's sum, a peak's max. A single process returns `value`.
+  double reduce_over_ranks(double value, ReduceOp op = ReduceOp::kSum) const;
+  // A group's rank and size (0 and 1 for a single process).
+  int rank() const;
+  int world_size() const;
+  const ShardingOptions& sharding() const { return sharding_; }
 
  private:
   // The forward step's inputs for host `data`: the step's params and state, and its data
   // buffers, into which `data` is uploaded (on the stream, after the steps that read them).
   std::vector<Tensor> eval_inputs(const std::vector<Tensor>& data) const;
 
+  // A param or state tensor's full type where this rank holds a shard of it (zero1/2's optimizer
+  // state, zero3's params too), by name; absent: held whole.
+  std::map<std::string, TensorType> sharded_;
+
   OptimizerConfig config_;
+  ShardingOptions sharding_;
   Graph forward_;
   ExecutorOptions executor_options_;
   PassOptions pass_options_;

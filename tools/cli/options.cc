@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "ir/text.h"
+#include "models/models.h"
 #include "passes/remat.h"
 #include "support/error.h"
 
@@ -24,8 +25,10 @@ size_t parse_size_flag(const std::string& flag, const std::string& text) {
 }  // namespace
 
 void add_model_option(CLI::App* command, std::string& model, const std::string& default_model) {
-  command->add_option("--model", model, "mlp | cnn | gpt2-tiny | gpt2 | gpt2-medium")
-      ->check(CLI::IsMember({"mlp", "cnn", "gpt2-tiny", "gpt2", "gpt2-medium"}))
+  std::string names;
+  for (const std::string& name : models::model_names()) names += (names.empty() ? "" : " | ") + name;
+  command->add_option("--model", model, names)
+      ->check(CLI::IsMember(models::model_names()))
       ->default_val(default_model);
 }
 

@@ -12,6 +12,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/generic.cuh"
 #include "backends/cuda/registration.h"
+#include "device/communicator.h"
 #include "ops/elementwise.h"
 #include "support/philox.h"
 
@@ -478,6 +479,26 @@ void register_nn(KernelRegistry& registry) {
   }, one_element_type(4), true);
 }
 
+// ---- collectives (ops/collective.h) -------------------------------------------------------------
+
+void register_collectives(KernelRegistry& registry) {
+  // The op's own kernel calls the communicator (NCCL here), which enqueues on args.stream: the
+  // executor's communication stream.
+  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter}) add(registry, op, op_def(op).reference);
+  // The join adds no bytes (a view, memory_plan.h); a copy only where the plan keeps one.
+  add(registry, Op::kCollectiveWait,
+      [](const KernelArgs& a) { copy_bytes(a.inputs[0], a.outputs[0], stream_of(a)); }, nullptr,
+      /*in_place_ok=*/true);
+  add(registry, Op::kLocalShard, [](const KernelArgs& a) {
+    KILN_CHECK(a.communicator != nullptr, "local_shard needs a process group");
+    const Tensor& x = a.inputs[0];
+    const Tensor& y = a.outputs[0];
+    Tensor from = x.viewed(y.type(), y.bytes() * static_cast<size_t>(a.communicator->rank()));
+    Tensor to = y;
+    copy_bytes(from, to, stream_of(a));
+  });
+}
+
 }  // namespace
 
 void register_generic_kernels(KernelRegistry& registry) {
@@ -485,6 +506,7 @@ void register_generic_kernels(KernelRegistry& registry) {
   register_shape(registry);
   register_reductions(registry);
   register_nn(registry);
+  register_collectives(registry);
 }
 
 }  // namespace kiln::cuda

@@ -67,7 +67,7 @@ bool ConstantFolding::run(Graph& graph) {
   };
 
   for (Node& node : graph.nodes) {
-    bool foldable = !is_source(node.op);
+    bool foldable = !is_source(node.op) && !needs_process_group(node.op);
     int64_t out_elements = 0;
     for (ValueId out : node.outputs) out_elements += graph.type(out).numel();
     foldable = foldable && out_elements <= kMaxFoldedElements;

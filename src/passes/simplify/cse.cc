@@ -82,6 +82,12 @@ bool CommonSubexpressionElimination::run(Graph& graph) {
 
   for (Node& node : graph.nodes) {
     for (ValueId& id : node.inputs) id = replacement[id];  // earlier merges first
+    // Two collectives of one value are two rounds of communication that the program asked for
+    // (zero3 gathers a param again for the backward so it need not stay resident): never merged.
+    if (has_flag(node.op, kCollective)) {
+      kept.push_back(std::move(node));
+      continue;
+    }
     const size_t h = hash_node(node);
     const Node* match = nullptr;
     auto [begin, end] = seen.equal_range(h);
