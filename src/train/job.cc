@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -12,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "device/device_runtime.h"
+#include "distributed/process_group.h"
+#include "ir/text.h"
 #include "models/models.h"
 #include "runtime/profile.h"
 #include "support/error.h"
@@ -37,6 +40,28 @@ std::unique_ptr<DeviceRuntime> runtime_of(const std::string& device) {
   }
 }
 
+// Where this process stands in a job: its rank of how many, and the group (null alone).
+struct Place {
+  int rank = 0;
+  int world = 1;
+  ProcessGroup* group = nullptr;
+};
+
+// Rows [rank * b, (rank + 1) * b) of a global batch's tensors (b = rows / world): this rank's
+// slice. Alone: the batch itself.
+Batch rows_of_rank(Batch global, const Place& place) {
+  if (place.world == 1) return global;
+  auto slice = [&](const Tensor& t) {
+    const int64_t rows = t.shape()[0] / place.world;
+    Shape shape = t.shape();
+    shape[0] = rows;
+    Tensor out(TensorType{t.dtype(), shape});
+    std::memcpy(out.raw(), t.raw() + out.bytes() * static_cast<size_t>(place.rank), out.bytes());
+    return out;
+  };
+  return Batch{slice(global.inputs), slice(global.targets)};
+}
+
 // The task: how to make batch `step`, how to evaluate, what the model is.
 struct Task {
   Graph forward;
@@ -54,34 +79,36 @@ struct Task {
   std::string item_name;
 };
 
-Task classification_task(const JobOptions& o) {
+Task classification_task(const JobOptions& o, const Place& place) {
   KILN_CHECK(o.data == "fashion-mnist" || o.data.empty(),
              "model {} trains on fashion-mnist, got --data '{}'", o.model, o.data);
   FashionMnist fm = load_fashion_mnist(o.data_dir.empty() ? kFashionMnistDir : o.data_dir);
   Task t;
-  t.forward = models::by_name(o.model, o.batch);
+  t.forward = models::by_name(o.model, o.batch / place.world);  // this rank's slice of the batch
   t.init = models::init_params_fan_in(t.forward, o.seed);
   if (o.model == "cnn") {
     fm.train = fm.train.with_sample_shape(kFashionMnistImageShape);
     fm.test = fm.test.with_sample_shape(kFashionMnistImageShape);
   }
   auto batcher = std::make_shared<Batcher>(Batcher::training(fm.train, o.batch, o.seed));
-  t.train_batch = [batcher](int64_t step) { return batcher->batch_at_step(step); };
+  t.train_batch = [batcher, place](int64_t step) { return rows_of_rank(batcher->batch_at_step(step), place); };
   auto test = std::make_shared<ClassificationDataset>(fm.test);
   const int64_t B = o.batch, limit = o.eval_batches;
-  t.evaluate = [test, B, limit](const Trainer& trainer) {
+  t.evaluate = [test, B, limit, place](const Trainer& trainer) {
     // The test set in order, or its first `limit` batches. Fixed-shape graph: the last partial
     // batch is padded with sample 0 and only real rows count.
     const int64_t n = test->size(), all = (n + B - 1) / B;
     const int64_t count = limit > 0 ? std::min(limit, all) : all;
+    // In a group each rank takes its rows of every batch, and the counts are summed over ranks.
+    const int64_t b = B / place.world, first_row = b * place.rank;
     auto rows_of = [&](int64_t i) { return std::min(B, n - i * B); };
     std::vector<Tensor> logits = trainer.evaluate_batches(
         count,
         [&](int64_t i) {
           std::vector<int64_t> idx;
-          for (int64_t r = 0; r < B; ++r) idx.push_back(r < rows_of(i) ? i * B + r : 0);
-          Batch b = test->gather(idx);
-          return std::vector<Tensor>{b.inputs, b.targets};
+          for (int64_t r = first_row; r < first_row + b; ++r) idx.push_back(r < rows_of(i) ? i * B + r : 0);
+          Batch batch = test->gather(idx);
+          return std::vector<Tensor>{batch.inputs, batch.targets};
         },
         1);
     const int64_t* labels = test->labels().data<int64_t>();
@@ -89,15 +116,18 @@ Task classification_task(const JobOptions& o) {
     for (int64_t i = 0; i < count; ++i) {
       const int64_t classes = logits[i].shape()[1];
       const float* l = logits[i].data<float>();
-      for (int64_t r = 0; r < rows_of(i); ++r) {
+      for (int64_t r = first_row; r < std::min(first_row + b, rows_of(i)); ++r) {
+        const float* row = l + (r - first_row) * classes;
         int64_t best = 0;
         for (int64_t k = 1; k < classes; ++k)
-          if (l[r * classes + k] > l[r * classes + best]) best = k;
+          if (row[k] > row[best]) best = k;
         correct += best == labels[i * B + r];
+        ++total;
       }
-      total += rows_of(i);
     }
-    return Task::Evaluation{"accuracy", static_cast<double>(correct) / static_cast<double>(total), count};
+    const double all_correct = trainer.reduce_over_ranks(static_cast<double>(correct));
+    const double all_rows = trainer.reduce_over_ranks(static_cast<double>(total));
+    return Task::Evaluation{"accuracy", all_correct / all_rows, count};
   };
   t.description = fmt::format("{} on Fashion-MNIST ({} train / {} test images)", o.model,
                               fm.train.size(), fm.test.size());
@@ -106,9 +136,9 @@ Task classification_task(const JobOptions& o) {
   return t;
 }
 
-Task language_model_task(const JobOptions& o) {
+Task language_model_task(const JobOptions& o, const Place& place) {
   models::GptConfig config = models::gpt_config(o.model);
-  config.batch = o.batch;
+  config.batch = o.batch;  // the global batch the batchers draw; the model takes this rank's rows
   if (o.seq > 0) config.seq = o.seq;
   std::string path = o.data.empty() || o.data == "fashion-mnist" ? kDefaultTextPath : o.data;
   KILN_CHECK(o.data != "fashion-mnist", "model {} is a language model: give --data a text or .tok file", o.model);
@@ -126,16 +156,20 @@ Task language_model_task(const JobOptions& o) {
   auto train_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin(), tokens.begin() + split), config.batch, config.seq);
   auto eval_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin() + split, tokens.end()), config.batch, config.seq);
   Task t;
-  t.forward = models::gpt(config);
+  models::GptConfig local = config;
+  local.batch = config.batch / place.world;
+  t.forward = models::gpt(local);
   t.init = models::init_params(t.forward, o.seed, config.layers);
   uint64_t seed = o.seed;
-  t.train_batch = [train_tokens, seed](int64_t step) { return train_tokens->random_batch(seed, step); };
+  t.train_batch = [train_tokens, seed, place](int64_t step) {
+    return rows_of_rank(train_tokens->random_batch(seed, step), place);
+  };
   int64_t eval_batches = o.eval_batches > 0 ? o.eval_batches : 10;
-  t.evaluate = [eval_tokens, eval_batches, seed](const Trainer& trainer) {
+  t.evaluate = [eval_tokens, eval_batches, seed, place](const Trainer& trainer) {
     // The same held-out windows at every evaluation, enqueued back to back; the losses are read
-    // once, at the end.
+    // once, at the end. In a group each rank runs its rows, and the step's loss is their mean.
     std::vector<Tensor> losses = trainer.evaluate_batches(eval_batches, [&](int64_t i) {
-      Batch b = eval_tokens->random_batch(seed + 1, i);
+      Batch b = rows_of_rank(eval_tokens->random_batch(seed + 1, i), place);
       return std::vector<Tensor>{b.inputs, b.targets};
     });
     double total = 0;
@@ -189,15 +223,62 @@ DeviceChoice choose_device(const std::string& device, const std::string& amp, co
   return c;
 }
 
+std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, size_t device_bytes,
+                              std::string* note) {
+  KILN_CHECK(shard == "auto" || shard == "none" || shard == "dp" || shard == "zero1" || shard == "zero2" ||
+                 shard == "zero3",
+             "unknown --shard '{}' (expected auto, dp, zero1, zero2 or zero3)", shard);
+  KILN_CHECK(world_size > 1 || shard == "auto" || shard == "none",
+             "--shard {} needs several processes (kiln launch -n N -- train ...)", shard);
+  std::string mode = shard;
+  const double state = 16.0 * static_cast<double>(params);  // f32 param, gradient, AdamW m and v
+  if (shard == "auto") mode = world_size == 1 ? "none" : state <= 0.25 * static_cast<double>(device_bytes) ? "dp" : "zero3";
+  if (note)
+    *note = shard != "auto" ? mode
+            : world_size == 1 ? "none (one process)"
+            : fmt::format("{} (auto: params, gradients and AdamW state {} {} a quarter of the device's {})", mode,
+                          format_bytes(static_cast<size_t>(state)), mode == "dp" ? "within" : "over", format_bytes(device_bytes));
+  return mode;
+}
+
+namespace {
+
+// A fingerprint of everything that must agree across ranks: the compiled step's text (model,
+// batch, precision, sharding, passes) and the build.
+std::string step_fingerprint(const Trainer& trainer, const std::string& extra) {
+  const std::string text = print(trainer.program().graph) + extra + KILN_VERSION + __VERSION__ + __DATE__ + __TIME__;
+  return fmt::format("{:016x}", std::hash<std::string>{}(text));
+}
+
+// The process group when launched (WORLD_SIZE > 1), joined on `device`; null alone.
+std::unique_ptr<ProcessGroup> join_group(const std::string& device) {
+  const std::optional<DistEnv> env = dist_env_from_environment();
+  if (!env || env->world_size == 1) return nullptr;
+  return init_process_group(*env, device == "cuda" ? Device::kCuda : Device::kCpu);
+}
+
+}  // namespace
+
 JobResult run_training_job(const JobOptions& options) {
   const Stopwatch run_time;
-  const bool tty = isatty(fileno(options.out)) != 0;
   JobOptions o = options;
   const bool any_auto = o.device == "auto" || o.optimizer.amp == "auto";
   const DeviceChoice choice =
       choose_device(o.device, o.optimizer.amp, any_auto ? device_availability(Device::kCuda) : DeviceAvailability{});
   o.device = choice.device;
   o.optimizer.amp = choice.amp;
+  // In a group: join it first (on CUDA that picks this rank's GPU, before the runtime takes the
+  // current one); only rank 0 prints.
+  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+  Place place;
+  if (group) place = Place{group->rank(), group->world_size(), group.get()};
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(nullptr, &std::fclose);
+  if (place.rank != 0) {
+    sink.reset(std::fopen("/dev/null", "w"));
+    KILN_CHECK(sink != nullptr, "cannot open /dev/null for rank {}'s output", place.rank);
+    o.out = sink.get();
+  }
+  const bool tty = isatty(fileno(o.out)) != 0;
   // First, before anything slow: which device and precision, and why.
   fmt::print(o.out, "kiln train: {}\n", choice.note);
   std::fflush(o.out);
@@ -208,25 +289,56 @@ JobResult run_training_job(const JobOptions& options) {
   KILN_CHECK(o.eval_batches >= 0, "--eval-batches must be >= 0 (0: the default), got {}", o.eval_batches);
   KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
              "unknown model '{}' (expected {})", o.model, models::model_names_text());
+  KILN_CHECK(o.batch % place.world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch,
+             place.world);
   validate(o.optimizer);
-  Task task = is_language_model(o.model) ? language_model_task(o) : classification_task(o);
+  Task task = is_language_model(o.model) ? language_model_task(o, place) : classification_task(o, place);
+  int64_t param_count = 0;
+  for (const Tensor& t : task.init) param_count += t.numel();
+  std::string shard_note;
+  const std::string shard = choose_shard_mode(
+      o.shard, place.world, param_count, on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30, &shard_note);
+  if (place.world > 1)
+    fmt::print(o.out, "  {} ranks ({} on each), global batch {} ({} a rank), shard {}\n", place.world,
+               group->communicator()->engine(), o.batch, o.batch / place.world, shard_note);
 
   JobResult result;
   result.device = o.device;
   result.amp = o.optimizer.amp;
+  result.world_size = place.world;
+  result.shard = shard;
   result.setup_seconds = run_time.seconds();
   Stopwatch phase;
   ExecutorOptions executor_options;
   executor_options.device = runtime->device();
-  Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes);
+  if (group) executor_options.communicator = group->communicator().get();
+  const ShardingOptions sharding{parse_shard_mode(shard), place.world};
+  Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes, sharding);
   task.init.clear();  // the trainer has its own copy on its device
-  std::string checkpoint = o.checkpoint_dir.empty() ? "" : (std::filesystem::path(o.checkpoint_dir) / "last.safetensors").string();
+  // Every rank compiled the same step (same model, batch, flags and build), or none goes on.
+  if (group)
+    group->check_agreement("the compiled step (model, batch, flags, build)",
+                           step_fingerprint(trainer, fmt::format("{} {} {} {}", o.model, o.batch, o.seq, o.seed)));
+  // Checkpoints: one file alone; in a group one per rank (its shards), named for the group's
+  // size, and on request a consolidated one that any group size (or one process) resumes from.
+  const std::filesystem::path dir = o.checkpoint_dir;
+  const std::string checkpoint =
+      o.checkpoint_dir.empty() ? ""
+      : place.world == 1       ? (dir / "last.safetensors").string()
+                               : (dir / fmt::format("last.rank{}-of-{}.safetensors", place.rank, place.world)).string();
+  const std::string consolidated = o.checkpoint_dir.empty() ? "" : (dir / "consolidated.safetensors").string();
+  KILN_CHECK(!o.consolidate || !o.checkpoint_dir.empty(), "--consolidate needs --checkpoint-dir");
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
   if (o.resume) {
     KILN_CHECK(!checkpoint.empty(), "--resume needs --checkpoint-dir");
-    KILN_CHECK(std::filesystem::exists(checkpoint), "--resume: no checkpoint at '{}'", checkpoint);
-    auto metadata = trainer.load(checkpoint);
-    KILN_CHECK(metadata["kiln.model"] == o.model, "checkpoint '{}' is of model '{}', not '{}'", checkpoint,
+    std::string from = checkpoint;
+    if (!std::filesystem::exists(from) && std::filesystem::exists(consolidated)) from = consolidated;
+    KILN_CHECK(std::filesystem::exists(from),
+               "--resume: no checkpoint at '{}' (a group of another size resumes from consolidated.safetensors, "
+               "written with --consolidate)",
+               checkpoint);
+    auto metadata = trainer.load(from);
+    KILN_CHECK(metadata["kiln.model"] == o.model, "checkpoint '{}' is of model '{}', not '{}'", from,
                metadata["kiln.model"], o.model);
   }
   result.compile_seconds = phase.lap();
@@ -238,7 +350,9 @@ JobResult run_training_job(const JobOptions& options) {
   auto save = [&] {
     if (checkpoint.empty()) return;
     const Stopwatch saving;
-    trainer.save(checkpoint, {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}});
+    const std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
+    trainer.save(checkpoint, metadata);
+    if (o.consolidate) trainer.save_consolidated(consolidated, metadata);
     result.checkpoint_seconds += saving.seconds();
   };
 
@@ -331,7 +445,9 @@ JobResult run_training_job(const JobOptions& options) {
              result.seconds, result.setup_seconds, result.compile_seconds, result.step_seconds,
              1e3 * result.step_seconds / static_cast<double>(o.steps - first), result.eval_seconds, result.evaluations,
              result.eval_batches, trainer.eval_compile_seconds(), result.checkpoint_seconds);
-  if (!checkpoint.empty()) fmt::print(o.out, "checkpoint: {}\n", checkpoint);
+  if (!checkpoint.empty())
+    fmt::print(o.out, "checkpoint: {}{}\n", place.world == 1 ? checkpoint : (dir / "last.rank*.safetensors").string(),
+               o.consolidate ? fmt::format(" and {}", consolidated) : "");
   return result;
 }
 
@@ -386,6 +502,12 @@ BenchResult run_benchmark(const BenchOptions& options) {
     o.device = choice.device;
     o.amp = choice.amp;
   }
+  // In a group (kiln launch): join it before the runtime takes the current GPU; rank 0 reports.
+  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+  const int world = group ? group->world_size() : 1, rank = group ? group->rank() : 0;
+  if (rank != 0) o.out = nullptr;
+  KILN_CHECK(o.profile_path.empty() && o.timeline_path.empty() || world == 1,
+             "--profile and --timeline run on one process (drop kiln launch)");
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
   KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
@@ -399,8 +521,10 @@ BenchResult run_benchmark(const BenchOptions& options) {
   KILN_CHECK(o.timeline_steps > 0, "--timeline-steps must be > 0, got {}", o.timeline_steps);
   KILN_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "--batch and --steps must be > 0 and --warmup >= 0, got {}, {}, {}",
              o.batch, o.steps, o.warmup);
+  KILN_CHECK(o.batch % world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch, world);
   BenchResult r;
-  Graph forward = models::by_name(o.model, o.batch, o.seq);
+  r.world_size = world;
+  Graph forward = models::by_name(o.model, o.batch / world, o.seq);  // this rank's rows
   std::vector<Tensor> init;
   int64_t int_high = 10, layers = 0, seq = 1, d_model = 0;
   if (is_language_model(o.model)) {
@@ -422,7 +546,7 @@ BenchResult run_benchmark(const BenchOptions& options) {
       if (in.role != Role::kData) continue;
       const TensorType& type = forward.type(in.value);
       bool integer = is_integer(type.dtype);
-      batches[k].push_back(random_tensor(type, o.seed * 7919 + 31 * k + batches[k].size(), integer ? 0.0 : -1.0,
+      batches[k].push_back(random_tensor(type, o.seed * 7919 + 31 * k + batches[k].size() + 1009 * rank, integer ? 0.0 : -1.0,
                                          integer ? static_cast<double>(int_high) : 1.0));
     }
   for (const GraphInput& in : forward.inputs)
@@ -438,6 +562,11 @@ BenchResult run_benchmark(const BenchOptions& options) {
   executor_options.device = runtime->device();
   executor_options.cuda_graphs = o.cuda_graphs;
   executor_options.tune_gemms = o.tune_gemms;
+  if (group) executor_options.communicator = group->communicator().get();
+  std::string shard_note;
+  r.shard = choose_shard_mode(o.shard, world, r.params, on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30,
+                              &shard_note);
+  const ShardingOptions sharding{parse_shard_mode(r.shard), world};
   // The profiling and tracing trainers (--profile, --timeline) need the initial params again:
   // the first trainer is gone by then (two step arenas at once may not fit).
   std::vector<Tensor> again_init;
@@ -450,9 +579,12 @@ BenchResult run_benchmark(const BenchOptions& options) {
   r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Stopwatch phase;
-  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, o.passes);
+  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, o.passes, sharding);
   Trainer& trainer = *trainer_owner;
   r.compile_s = phase.lap();
+  if (group)
+    group->check_agreement("the compiled step (model, batch, flags, build)",
+                           step_fingerprint(trainer, fmt::format("{} {} {}", o.model, o.batch, o.seq)));
   r.build_parts = trainer.build_seconds();
   init.clear();
 
@@ -484,6 +616,7 @@ BenchResult run_benchmark(const BenchOptions& options) {
     r.param_state_bytes = trainer.param_and_state_bytes();
     r.arena_bytes = trainer.step_executor().device_bytes();
     r.kiln_peak_bytes = runtime->peak_allocated_bytes();
+    r.max_peak_bytes = static_cast<size_t>(trainer.reduce_over_ranks(static_cast<double>(r.kiln_peak_bytes), ReduceOp::kMax));
     size_t free_after = runtime->memory_info().free_bytes;
     r.device_used_delta_bytes = free_before > free_after ? free_before - free_after : 0;
     r.graph_replays = trainer.step_executor().graph_replays();
@@ -496,7 +629,8 @@ BenchResult run_benchmark(const BenchOptions& options) {
   }
   r.kernels_per_step = static_cast<int64_t>(trainer.step_executor().graph().nodes.size());
   r.updates = trainer.step_executor().graph().updates.size();
-  r.mfu = r.peak_flops > 0 ? r.flops_per_step / (r.median_ms / 1e3) / r.peak_flops : 0;
+  // Per GPU: each does 1/world of the global step's FLOPs.
+  r.mfu = r.peak_flops > 0 ? r.flops_per_step / world / (r.median_ms / 1e3) / r.peak_flops : 0;
   // --timeline and --profile: before the report, so that the report (and its JSON line) stays last.
   if (!o.timeline_path.empty() || !o.profile_path.empty()) trainer_owner.reset();
   auto another_trainer = [&](const ExecutorOptions& options) {
@@ -542,16 +676,23 @@ BenchResult run_benchmark(const BenchOptions& options) {
                o.amp, r.device_name, on_cuda ? (o.cuda_graphs ? ", CUDA graphs on" : ", CUDA graphs off") : "");
     fmt::print(o.out, "  ms/step          {:.2f} median of {} steps (each waited for); {:.2f} mean when issued back to back\n",
                r.median_ms, o.steps, r.pipelined_ms);
-    fmt::print(o.out, "  {}/s         {:.0f}\n", unit, r.tokens_per_s);
-    fmt::print(o.out, "  MFU              {}  ({:.3g} GFLOP/step = 6*N*{} + 12*L*T*d*{}; {})\n",
+    if (world > 1) {
+      fmt::print(o.out, "  ranks            {} ({}), shard {}; batch {} is {} a rank\n", world,
+                 group->communicator()->engine(), shard_note, o.batch, o.batch / world);
+      fmt::print(o.out, "  {}/s         {:.0f} total, {:.0f} per GPU\n", unit, r.tokens_per_s, r.tokens_per_s / world);
+    } else {
+      fmt::print(o.out, "  {}/s         {:.0f}\n", unit, r.tokens_per_s);
+    }
+    fmt::print(o.out, "  MFU{}          {}  ({:.3g} GFLOP/step = 6*N*{} + 12*L*T*d*{}; {})\n", world > 1 ? "/GPU" : "    ",
                r.peak_flops > 0 ? fmt::format("{:.3f}", r.mfu) : "n/a", r.flops_per_step / 1e9, unit, unit, r.peak_note);
     if (on_cuda)
       fmt::print(o.out, "  executor         {} kernels per step, {} CUDA graph replays, {} of {} updates written in place\n",
                  r.kernels_per_step, r.graph_replays, r.updates_in_place, r.updates);
     if (on_cuda)
-      fmt::print(o.out, "  device memory    kiln peak {} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
-                 format_bytes(r.kiln_peak_bytes), format_bytes(r.param_state_bytes),
-                 format_bytes(r.arena_bytes), format_bytes(r.device_used_delta_bytes));
+      fmt::print(o.out, "  device memory    kiln peak {}{} (params+state {}, step arena+outputs {}); cudaMemGetInfo used +{}\n",
+                 format_bytes(r.kiln_peak_bytes),
+                 world > 1 ? fmt::format(" on rank 0, {} the most of any rank", format_bytes(r.max_peak_bytes)) : "",
+                 format_bytes(r.param_state_bytes), format_bytes(r.arena_bytes), format_bytes(r.device_used_delta_bytes));
     if (o.passes.memory_budget)
       fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
                  format_bytes(*o.passes.memory_budget));
@@ -569,6 +710,7 @@ BenchResult run_benchmark(const BenchOptions& options) {
     if (o.json) {
       auto gib = [](size_t bytes) { return std::round(static_cast<double>(bytes) / double(1ull << 30) * 100) / 100; };
       nlohmann::json j{{"model", o.model}, {"amp", o.amp}, {"batch", o.batch}, {"seq", seq}, {"device", r.device_name},
+                       {"world_size", world}, {"shard", r.shard}, {"max_peak_gib", gib(r.max_peak_bytes)},
                        {"cuda_graphs", on_cuda && o.cuda_graphs}, {"params", r.params},
                        {"ms_per_step", std::round(r.median_ms * 100) / 100},
                        {"pipelined_ms", std::round(r.pipelined_ms * 100) / 100},

@@ -26,7 +26,11 @@ struct JobOptions {
   PassOptions passes;                 // the pipeline's: memory budget, logits chunks, disabled passes
   uint64_t seed = 0;
   std::string device = "cpu";         // cpu | cuda | auto (choose_device); optimizer.amp may be "auto" too
-  std::string checkpoint_dir = "";    // "" = no checkpoints
+  // Under a launcher (kiln launch, torchrun: WORLD_SIZE set) this process is one rank of a
+  // data-parallel group; `batch` is the global batch, of which each rank trains its rows.
+  std::string shard = "auto";         // dp | zero1 | zero2 | zero3 | auto (choose_shard_mode)
+  std::string checkpoint_dir = "";    // "" = no checkpoints (in a group: one file per rank)
+  bool consolidate = false;           // in a group, also write checkpoint_dir/consolidated.safetensors
   bool resume = false;                // continue from checkpoint_dir/last.safetensors
   int64_t eval_every = 0;             // 0 = only at the end
   int64_t log_every = 50;             // plain log line interval (not on a terminal); on cuda
@@ -43,6 +47,8 @@ struct JobResult {
   double eval_metric = 0;  // classifiers: test accuracy in [0, 1]; LMs: perplexity
   std::string eval_name;   // "accuracy" or "perplexity"
   std::string device, amp;  // what ran (after choose_device)
+  int world_size = 1;
+  std::string shard = "none";  // what ran (after choose_shard_mode)
   int64_t evaluations = 0;  // how many times the job evaluated
   int64_t eval_batches = 0;  // batches the last evaluation ran
   // Where the wall time went (seconds): the whole run; before the trainer (device, data, model,
@@ -67,6 +73,12 @@ struct DeviceChoice {
 // that is none of these.
 DeviceChoice choose_device(const std::string& device, const std::string& amp, const DeviceAvailability& cuda);
 
+// `--shard`: an explicit mode is kept; "auto" is none alone, and in a group dp while the params,
+// gradients and AdamW state (16 bytes a param) take at most a quarter of `device_bytes` (the
+// memory of one device), else zero3. `note` says which and why.
+std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, size_t device_bytes,
+                              std::string* note);
+
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
 JobResult run_training_job(const JobOptions& options);
@@ -77,6 +89,7 @@ struct BenchOptions {
   int64_t batch = 32;
   int64_t seq = 0;                // gpt2*: 0 = the config's
   std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)
+  std::string shard = "auto";     // in a group (kiln launch): as JobOptions::shard; batch is global
   std::string device = "cuda";    // cpu | cuda | auto
   int64_t steps = 20;             // timed steps
   int64_t warmup = 5;             // untimed steps first (on cuda the first three run, tune and capture)
@@ -104,6 +117,9 @@ struct BenchOptions {
 
 struct BenchResult {
   std::string device_name;
+  int world_size = 1;             // ranks (GPUs) the step spans
+  std::string shard = "none";
+  size_t max_peak_bytes = 0;      // the largest kiln_peak_bytes over the ranks
   int64_t params = 0;             // parameter count N
   int64_t tokens_per_step = 0;    // B*T (LMs) or B (classifiers)
   double flops_per_step = 0;      // 6*N*tokens + 12*layers*T*d_model*tokens (attention)

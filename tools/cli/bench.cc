@@ -10,7 +10,9 @@ void add_bench_command(CLI::App& app) {
   auto o = std::make_shared<train::BenchOptions>();
   auto peak_tflops = std::make_shared<double>(0);
   add_model_option(command, o->model, "gpt2");
-  command->add_option("--batch", o->batch, "Batch size")->default_val(32);
+  command->add_option("--batch", o->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
+      ->default_val(32);
+  add_shard_option(command, o->shard);
   command->add_option("--seq", o->seq, "Sequence length for gpt2* (default: the config's)");
   add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | auto (bf16 where the device has it)",
                  /*with_auto=*/true);

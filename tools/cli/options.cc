@@ -32,6 +32,16 @@ void add_model_option(CLI::App* command, std::string& model, const std::string& 
       ->default_val(default_model);
 }
 
+void add_shard_option(CLI::App* command, std::string& shard) {
+  command
+      ->add_option("--shard", shard,
+                   "Under kiln launch (or torchrun): dp (gradients all-reduced) | zero1 (AdamW state sharded) | zero2 "
+                   "(+ gradients reduce-scattered) | zero3 (+ params sharded, gathered before use) | auto (dp while "
+                   "params, gradients and AdamW state fit in a quarter of a device, else zero3)")
+      ->check(CLI::IsMember({"auto", "dp", "zero1", "zero2", "zero3"}))
+      ->default_val("auto");
+}
+
 void add_device_option(CLI::App* command, Device& device, const std::string& help, const std::string& names) {
   command
       ->add_option_function<std::string>(

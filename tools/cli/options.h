@@ -26,6 +26,8 @@ void add_bench_command(CLI::App& app);
 
 // --model NAME: the model zoo's models (models/models.h).
 void add_model_option(CLI::App* command, std::string& model, const std::string& default_model);
+// --shard: the data-parallel mode under kiln launch (train/job.h choose_shard_mode).
+void add_shard_option(CLI::App* command, std::string& shard);
 // --device cpu|cuda under `names` (CLI11's "--device,--target" for aliases), with the command's
 // own help (what the device is for: running, or only preparing the graph).
 void add_device_option(CLI::App* command, Device& device, const std::string& help,

@@ -13,7 +13,8 @@ void add_train_command(CLI::App& app) {
                       "for gpt2*");
   command->add_option("--data-dir", job->data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
   command->add_option("--steps", job->steps, "Total training steps")->default_val(3000);
-  command->add_option("--batch", job->batch, "Batch size")->default_val(64);
+  command->add_option("--batch", job->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
+      ->default_val(64);
   command->add_option("--seq", job->seq, "Sequence length for gpt2* (default: the config's)");
   command->add_option("--lr", job->optimizer.lr, "Peak learning rate")->default_val(1e-3);
   command->add_option("--optimizer", job->optimizer.name, "adamw | sgd")
@@ -39,8 +40,15 @@ void add_train_command(CLI::App& app) {
   add_device_choice_option(command, job->device,
                            "auto (cuda when the build has it and a GPU is present, else cpu; the first line says "
                            "which and why) | cpu | cuda");
-  command->add_option("--checkpoint-dir", job->checkpoint_dir, "Write DIR/last.safetensors at each evaluation");
-  command->add_flag("--resume", job->resume, "Continue from --checkpoint-dir's last checkpoint");
+  add_shard_option(command, job->shard);
+  command->add_option("--checkpoint-dir", job->checkpoint_dir,
+                      "Write DIR/last.safetensors at each evaluation (under kiln launch: DIR/last.rankR-of-N.safetensors, "
+                      "each rank its shards)");
+  command->add_flag("--consolidate", job->consolidate,
+                    "Under kiln launch, also write DIR/consolidated.safetensors: every tensor whole, readable by any "
+                    "safetensors reader, and resumable on any number of ranks");
+  command->add_flag("--resume", job->resume,
+                    "Continue from --checkpoint-dir's last checkpoint (this rank's, else consolidated.safetensors)");
   command->add_option("--eval-every", job->eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")
       ->default_val(500);
   command->add_option("--eval-batches", job->eval_batches,

@@ -1,0 +1,239 @@
+// The correctness bar, in CI: with Gloo at 2 and 3 ranks (threads of this process, each
+// its own process group), for every --shard mode, 10 AdamW steps of gpt2-tiny and of an MLP give
+// the losses and parameters of one process on the same global batch, within float32 tolerance.
+// Also: a rank's checkpoint resumes exactly in a group of the same size; a consolidated one
+// resumes in a group of another size (and alone); a rank's file in a group of another size is a
+// clear error.
+//
+// Not bitwise: each rank's loss is the mean over its rows and the ranks' gradients are averaged,
+// while one process takes the mean over all rows at once; float32 sums in another order differ
+// in the last bits, and AdamW's division by sqrt(v) carries those to the params at ~1e-6.
+#include <filesystem>
+#include <map>
+#include <mutex>
+
+#include "distributed/process_group.h"
+#include "models/models.h"
+#include "test_util.h"
+#include "train/checkpoint/safetensors.h"
+#include "train/trainer.h"
+#include "distributed/test_ranks.h"
+
+namespace kiln {
+namespace {
+
+using train::Trainer;
+
+struct Model {
+  std::string name;
+  int64_t batch = 6;  // global: splits over 1, 2 and 3 ranks
+  Graph (*forward)(int64_t batch);
+  std::vector<Tensor> (*init)(const Graph& forward);
+};
+
+Graph tiny_gpt(int64_t batch) {
+  models::GptConfig c = models::gpt_config("gpt2-tiny");
+  c.batch = batch;
+  c.seq = 16;
+  return models::gpt(c);
+}
+Graph small_mlp(int64_t batch) { return models::mlp(models::MlpConfig{batch, 24, {32}, 10}); }
+std::vector<Tensor> gpt_init(const Graph& g) { return models::init_params(g, 7, 2); }
+std::vector<Tensor> mlp_init(const Graph& g) { return models::init_params_fan_in(g, 7); }
+
+const Model kGpt{"gpt2-tiny", 6, tiny_gpt, gpt_init};
+const Model kMlp{"mlp", 6, small_mlp, mlp_init};
+
+// Global batch `step` of `model`: random data (never zeros), the same on every rank.
+std::vector<Tensor> global_batch(const Model& model, int64_t step) {
+  const Graph g = model.forward(model.batch);
+  std::vector<Tensor> data;
+  for (const GraphInput& in : g.inputs) {
+    if (in.role != Role::kData) continue;
+    const TensorType& t = g.type(in.value);
+    const bool integer = is_integer(t.dtype);
+    data.push_back(random_tensor(t, 1000 * static_cast<uint64_t>(step) + data.size() + 1, integer ? 0.0 : -1.0,
+                                 integer ? (model.name == "mlp" ? 10.0 : 256.0) : 1.0));
+  }
+  return data;
+}
+
+// Rank `rank`'s rows of a global batch.
+std::vector<Tensor> rows_of(const std::vector<Tensor>& global, int rank, int world) {
+  std::vector<Tensor> out;
+  for (const Tensor& t : global) {
+    Shape shape = t.shape();
+    shape[0] /= world;
+    Tensor part(TensorType{t.dtype(), shape});
+    std::memcpy(part.raw(), t.raw() + part.bytes() * static_cast<size_t>(rank), part.bytes());
+    out.push_back(part);
+  }
+  return out;
+}
+
+OptimizerConfig adamw() {
+  OptimizerConfig c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.1;
+  c.grad_clip = 1.0;  // the global norm: over shards, an all_reduce of the squares
+  return c;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::map<std::string, Tensor> tensors;  // every param and state tensor, whole (host)
+};
+
+std::map<std::string, Tensor> read_all(const std::string& path) { return train::load_safetensors(path).tensors; }
+
+// One process on the global batch.
+Run single(const Model& model, int64_t steps) {
+  const Graph g = model.forward(model.batch);
+  Trainer trainer(g, adamw(), model.init(g));
+  Run run;
+  for (int64_t s = 0; s < steps; ++s) trainer.step(global_batch(model, s));
+  run.losses = trainer.take_losses();
+  run.tensors = trainer.host_tensors();
+  return run;
+}
+
+ProcessGroupOptions thread_options() {
+  ProcessGroupOptions options;
+  options.serve_store = false;
+  options.timeout = std::chrono::seconds(30);
+  options.on_lost = [](int rank, const std::string& reason) { ADD_FAILURE() << "rank " << rank << " lost: " << reason; };
+  return options;
+}
+
+DistEnv env_of(int rank, int world, int port) {
+  DistEnv env;
+  env.rank = rank;
+  env.world_size = world;
+  env.local_rank = rank;
+  env.local_world_size = world;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  return env;
+}
+
+// `world` ranks as threads: each trains its rows of every global batch; `between(trainer)`, if
+// given, runs on every rank after `steps` steps (checkpoints), then `more_steps` follow. Returns
+// rank 0's losses and the consolidated tensors (gathered from every rank).
+Run group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t first_step = 0,
+          const std::function<void(Trainer&)>& before = nullptr, const std::function<void(Trainer&)>& after = nullptr) {
+  StoreServer server("127.0.0.1", 0, world);
+  const std::string consolidated =
+      (std::filesystem::temp_directory_path() / fmt::format("kiln_sharded_{}_{}.safetensors", ::getpid(), world)).string();
+  Run run;
+  std::mutex mutex;
+  testing::run_ranks(world, [&](int rank) {
+    std::unique_ptr<ProcessGroup> pg = init_process_group(env_of(rank, world, server.port()), Device::kCpu, thread_options());
+    const Graph g = model.forward(model.batch / world);
+    ExecutorOptions options;
+    options.communicator = pg->communicator().get();
+    Trainer trainer(g, adamw(), model.init(g), options, {}, ShardingOptions{mode, world});
+    if (before) before(trainer);
+    for (int64_t s = first_step; s < first_step + steps; ++s) trainer.step(rows_of(global_batch(model, s), rank, world));
+    std::vector<double> losses = trainer.take_losses();
+    if (after) after(trainer);
+    trainer.save_consolidated(consolidated);
+    pg->barrier();  // rank 0 has written it
+    if (rank == 0) {
+      std::lock_guard lock(mutex);
+      run.losses = losses;
+      run.tensors = read_all(consolidated);
+    }
+  });
+  std::filesystem::remove(consolidated);
+  return run;
+}
+
+void expect_same_run(const Run& want, const Run& got, double tolerance) {
+  ASSERT_EQ(want.losses.size(), got.losses.size());
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], want.losses[i], tolerance * (1 + std::abs(want.losses[i]))) << "step " << i;
+  ASSERT_EQ(want.tensors.size(), got.tensors.size());
+  for (const auto& [name, tensor] : want.tensors) {
+    auto it = got.tensors.find(name);
+    ASSERT_NE(it, got.tensors.end()) << name;
+    ASSERT_EQ(it->second.type(), tensor.type()) << name;
+    EXPECT_LE(max_scaled_error(it->second, tensor, tolerance, tolerance), 1.0) << name;
+  }
+}
+
+class ShardedTraining : public ::testing::TestWithParam<std::tuple<std::string, int, ShardMode>> {
+ protected:
+  void SetUp() override {
+    if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
+  }
+};
+
+TEST_P(ShardedTraining, MatchesOneProcessOnTheGlobalBatch) {
+  const auto& [model_name, world, mode] = GetParam();
+  const Model& model = model_name == "mlp" ? kMlp : kGpt;
+  const Run want = single(model, 10);
+  const Run got = group(model, mode, world, 10);
+  // The losses move: the comparison is not of a run that did nothing.
+  EXPECT_GT(std::abs(want.losses.front() - want.losses.back()), 1e-3);
+  expect_same_run(want, got, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gloo, ShardedTraining,
+    ::testing::Combine(::testing::Values("gpt2-tiny", "mlp"), ::testing::Values(2, 3),
+                       ::testing::Values(ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3)),
+    [](const auto& info) {
+      std::string model = std::get<0>(info.param) == "mlp" ? "Mlp" : "Gpt";
+      return fmt::format("{}{}Ranks{}", model, std::get<1>(info.param), shard_mode_name(std::get<2>(info.param)));
+    });
+
+class ShardedCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
+    dir_ = std::filesystem::temp_directory_path() / fmt::format("kiln_sharded_ckpt_{}", ::getpid());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string rank_file(int rank) const { return (dir_ / fmt::format("rank{}.safetensors", rank)).string(); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(ShardedCheckpoint, RankFilesResumeExactlyAndConsolidatedResumesOnAnotherWorldSize) {
+  const Model& model = kGpt;
+  const ShardMode mode = ShardMode::kZero3;
+  // Uninterrupted: 6 steps on 2 ranks.
+  const Run whole = group(model, mode, 2, 6);
+  // 3 steps, each rank saves its shards and all a consolidated file ...
+  const std::string consolidated = (dir_ / "consolidated.safetensors").string();
+  group(model, mode, 2, 3, 0, nullptr, [&](Trainer& t) {
+    t.save(rank_file(t.rank()));
+    t.save_consolidated(consolidated);
+  });
+  // ... and new trainers resume from the rank files: bit for bit the uninterrupted run.
+  const Run resumed = group(model, mode, 2, 3, 3, [&](Trainer& t) { t.load(rank_file(t.rank())); });
+  ASSERT_EQ(resumed.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[3 + i]);
+  for (const auto& [name, tensor] : whole.tensors)
+    EXPECT_EQ(max_scaled_error(resumed.tensors.at(name), tensor, 0, 0), 0.0) << name;
+  // The consolidated file resumes on 3 ranks (zero2) and alone, within float32 tolerance.
+  const Run three = group(model, ShardMode::kZero2, 3, 3, 3, [&](Trainer& t) { t.load(consolidated); });
+  Run tail = whole;
+  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 3);
+  expect_same_run(tail, three, 2e-5);
+  const Graph g = model.forward(model.batch);
+  Trainer alone(g, adamw(), model.init(g));
+  alone.load(consolidated);
+  for (int64_t s = 3; s < 6; ++s) alone.step(global_batch(model, s));
+  Run one{alone.take_losses(), alone.host_tensors()};
+  expect_same_run(tail, one, 2e-5);
+  // A rank's file in a group of another size: a clear error, before anything is touched.
+  std::string error;
+  group(model, mode, 3, 1, 0, [&](Trainer& t) {
+    if (t.rank() == 0) error = testing::error_of([&] { t.load(rank_file(0)); });
+  });
+  EXPECT_NE(error.find("was written by 2 ranks (zero3), this run has 3"), std::string::npos) << error;
+}
+
+}  // namespace
+}  // namespace kiln
