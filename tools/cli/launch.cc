@@ -312,9 +312,10 @@ void add_launch_command(CLI::App& app) {
   command->footer(
       "kiln launch -n N [OPTIONS] [--] COMMAND [ARGS...]: COMMAND's own options come after it.\n"
       "COMMAND is a kiln command (train, bench, ...), run by this kiln, or any program on PATH.\n"
-      "Each process gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N), MASTER_ADDR,\n"
-      "MASTER_PORT, and NCCL_NVLS_ENABLE=0. Rank 0's output passes through; the others' lines start with\n"
-      "'[rank R] '. SIGINT and SIGTERM go to every rank. When a rank fails, the launcher names it, ends the\n"
+      "Each process gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),\n"
+      "MASTER_ADDR, MASTER_PORT, and NCCL_NVLS_ENABLE=0 (NVLink multicast off).\n"
+      "Rank 0's output passes through; the others' lines start with '[rank R] '.\n"
+      "SIGINT and SIGTERM go to every rank. When a rank fails, the launcher names it, ends the\n"
       "others and exits with its code (128 + the signal that killed it).");
   command->callback([options, command, &app] {
     LaunchOptions launch = *options;
@@ -324,7 +325,7 @@ void add_launch_command(CLI::App& app) {
     KILN_CHECK(launch.grace_seconds >= 0 && launch.grace_seconds <= kMaxGraceSeconds,
                "launch: --grace {}: expected seconds from 0 to {}", launch.grace_seconds, kMaxGraceSeconds);
     KILN_CHECK(launch.master_port >= 0 && launch.master_port <= 65535,
-               "launch: --master-port {}: expected a port from 1 to 65535", launch.master_port);
+               "launch: --master-port {}: expected a port from 1 to 65535 (0: a free one)", launch.master_port);
     launch.command = resolve_command(app, *command, launch.command);
     if (launch.master_port == 0) launch.master_port = free_port();
     const int code = Launcher(launch).run();
