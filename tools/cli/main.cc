@@ -38,11 +38,14 @@ int main(int argc, char** argv) {
   kiln::cli::add_compile_command(app);
   kiln::cli::add_train_command(app);
   kiln::cli::add_bench_command(app);
+  kiln::cli::add_launch_command(app);
   // The subcommands run in their callbacks, inside parse.
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const kiln::cli::ExitCode& e) {
+    return e.code;
   } catch (const kiln::Error& e) {
     std::cerr << "kiln: error: " << e.what() << "\n";
     return 1;

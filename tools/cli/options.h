@@ -23,6 +23,13 @@ void add_opt_command(CLI::App& app);
 void add_compile_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_launch_command(CLI::App& app);
+
+// Thrown by a command that ends with an exit code of its own (kiln launch: its failed rank's),
+// having said why already: main returns the code and prints nothing.
+struct ExitCode {
+  int code;
+};
 
 // --model NAME: the model zoo's models (models/models.h).
 void add_model_option(CLI::App* command, std::string& model, const std::string& default_model);
