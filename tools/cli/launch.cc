@@ -18,7 +18,10 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <cstdlib>
+#include <map>
 #include <optional>
+#include <thread>
 
 #include "options.h"
 #include "processes.h"
@@ -122,6 +125,12 @@ void Launcher::start_ranks() {
   environment["WORLD_SIZE"] = environment["LOCAL_WORLD_SIZE"] = std::to_string(options_.processes);
   environment["MASTER_ADDR"] = options_.master_addr;
   environment["MASTER_PORT"] = std::to_string(options_.master_port);
+  // N ranks each with every core's OpenMP threads would oversubscribe the CPU N times (CPU
+  // ranks compute on OpenMP): share the cores, unless the caller chose.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    environment["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(options_.processes)));
+  }
   for (int index = 0; index < options_.processes; ++index) {
     environment["RANK"] = environment["LOCAL_RANK"] = std::to_string(index);
     try {
