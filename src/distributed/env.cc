@@ -47,7 +47,8 @@ std::optional<DistEnv> parse_dist_env(const std::function<const char*(const char
   KILN_CHECK(env.local_world_size >= 1 && env.local_world_size <= env.world_size,
              "LOCAL_WORLD_SIZE={} must be between 1 and WORLD_SIZE={}", env.local_world_size,
              env.world_size);
-  env.local_rank = integer_variable(lookup, "LOCAL_RANK").value_or(env.rank);
+  // Launchers number ranks machine by machine.
+  env.local_rank = integer_variable(lookup, "LOCAL_RANK").value_or(env.rank % env.local_world_size);
   KILN_CHECK(env.local_rank >= 0 && env.local_rank < env.local_world_size,
              "LOCAL_RANK={} is not a rank of LOCAL_WORLD_SIZE={} (expected 0 to {})",
              env.local_rank, env.local_world_size, env.local_world_size - 1);

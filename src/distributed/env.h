@@ -25,9 +25,9 @@ struct DistEnv {
 // nullopt when WORLD_SIZE is unset (a single process, not launched by torchrun). Otherwise every
 // variable is checked and a bad one throws kiln::Error naming it and its value: not an integer,
 // RANK missing or not in [0, WORLD_SIZE), LOCAL_RANK not in [0, LOCAL_WORLD_SIZE), MASTER_ADDR or
-// MASTER_PORT missing while WORLD_SIZE > 1, a port outside 1..65535. LOCAL_RANK defaults to
-// RANK and LOCAL_WORLD_SIZE to WORLD_SIZE (one machine); MASTER_ADDR/PORT default to
-// 127.0.0.1:29500 for WORLD_SIZE=1.
+// MASTER_PORT missing while WORLD_SIZE > 1, a port outside 1..65535. LOCAL_WORLD_SIZE defaults
+// to WORLD_SIZE (one machine) and LOCAL_RANK to RANK % LOCAL_WORLD_SIZE; MASTER_ADDR/PORT
+// default to 127.0.0.1:29500 for WORLD_SIZE=1.
 std::optional<DistEnv> dist_env_from_environment();
 // The same over any lookup (tests): `lookup(name)` returns the value or nullptr when unset.
 std::optional<DistEnv> parse_dist_env(const std::function<const char*(const char*)>& lookup);

@@ -22,8 +22,9 @@ void meet(Store& store, const std::string& key, std::chrono::milliseconds timeou
   if (store.add(key, 1) == world_size) store.set(key + "/all", "");
   try {
     store.get(key + "/all", timeout);
+  } catch (const LostRankError&) {
+    throw;
   } catch (const Error&) {
-    if (store.lost_rank()) throw;
     fail("{}: only {} of {} ranks arrived within {}{}", what, store.add(key, 0), world_size,
          format_seconds(timeout), hint);
   }
@@ -121,8 +122,9 @@ void ProcessGroup::check_agreement(const std::string& what, const std::string& f
     std::string value;
     try {
       value = r == rank() ? mine : store_->get(prefix + std::to_string(r), options_.timeout);
+    } catch (const LostRankError&) {
+      throw;
     } catch (const Error&) {
-      if (store_->lost_rank()) throw;
       fail("checking that the ranks agree on {}: rank {} did not give its fingerprint within {}",
            what, r, format_seconds(options_.timeout));
     }

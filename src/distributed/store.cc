@@ -623,7 +623,8 @@ std::string Store::lost_reason() const {
 }
 
 void Store::throw_lost(const std::string& doing) const {
-  fail("{}: rank {} was lost ({})", doing, lost_.load(), lost_reason());
+  int rank = lost_.load();
+  throw LostRankError(rank, fmt::format("{}: rank {} was lost ({})", doing, rank, lost_reason()));
 }
 
 void Store::set(const std::string& key, const std::string& value) {

@@ -26,10 +26,22 @@
 #include <vector>
 
 #include "device/communicator.h"
+#include "support/error.h"
 
 namespace kiln {
 
 using namespace std::chrono_literals;
+
+// What the store's requests throw once a rank is lost ("... rank N was lost (<reason>)"), so
+// that a caller can tell it from a timeout.
+class LostRankError : public Error {
+ public:
+  LostRankError(int rank, const std::string& message) : Error(message), rank_(rank) {}
+  int rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
 
 // "60 s", "0.3 s" (for messages).
 std::string format_seconds(std::chrono::milliseconds duration);
@@ -94,8 +106,9 @@ class Store final : public KeyValueStore {
 
   void set(const std::string& key, const std::string& value) override;
   // Waits until `key` is set and returns its value. Throws kiln::Error naming the key and the
-  // wait after `timeout` (default: options().timeout), and "rank N was lost" as soon as the
-  // server knows one is.
+  // wait after `timeout` (default: options().timeout), and LostRankError ("rank N was lost")
+  // as soon as the server knows one is; every request throws LostRankError once the
+  // connection to the server has dropped (rank 0 lost).
   std::string get(const std::string& key) { return get(key, options_.timeout); }
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   // Adds `delta` to the counter `key` (absent: 0) atomically and returns the new value; get()

@@ -17,12 +17,12 @@ std::optional<DistEnv> parse(const std::map<std::string, std::string>& vars) {
   });
 }
 
-const std::map<std::string, std::string> kTwoRanks = {
+const std::map<std::string, std::string> kFourRanks = {
     {"WORLD_SIZE", "4"}, {"RANK", "3"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
     {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29511"}};
 
 std::map<std::string, std::string> with(std::string name, std::optional<std::string> value) {
-  std::map<std::string, std::string> vars = kTwoRanks;
+  std::map<std::string, std::string> vars = kFourRanks;
   if (value) vars[name] = *value;
   else vars.erase(name);
   return vars;
@@ -34,7 +34,7 @@ TEST(DistEnv, NoWorldSizeIsASingleProcess) {
 }
 
 TEST(DistEnv, ReadsTorchrunsVariables) {
-  DistEnv env = parse(kTwoRanks).value();
+  DistEnv env = parse(kFourRanks).value();
   EXPECT_EQ(env.world_size, 4);
   EXPECT_EQ(env.rank, 3);
   EXPECT_EQ(env.local_rank, 1);
@@ -45,7 +45,7 @@ TEST(DistEnv, ReadsTorchrunsVariables) {
 
 TEST(DistEnv, LocalDefaultsAreOneMachine) {
   DistEnv env = parse(with("LOCAL_RANK", std::nullopt)).value();
-  EXPECT_EQ(env.local_rank, 3 % 4);
+  EXPECT_EQ(env.local_rank, 1);  // RANK 3 is the second of its machine's 2
   env = parse({{"WORLD_SIZE", "3"}, {"RANK", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}).value();
   EXPECT_EQ(env.local_rank, 2);
   EXPECT_EQ(env.local_world_size, 3);

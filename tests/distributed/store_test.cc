@@ -150,6 +150,13 @@ TEST(Store, ADeclaredLossReachesTheOthersWithItsReason) {
   leaving.declare_lost("it ran out of memory");
   EXPECT_NE(waiting.get().find("rank 2 was lost (it ran out of memory)"), std::string::npos);
   EXPECT_EQ(blocked.lost_rank(), 2);
+  // Once a rank is lost, a get of a key nobody set fails at once, as a LostRankError.
+  try {
+    blocked.get("also never set", 30s);
+    ADD_FAILURE() << "no error";
+  } catch (const LostRankError& e) {
+    EXPECT_EQ(e.rank(), 2);
+  }
 }
 
 TEST(Store, TheServerGoingIsRankZeroLost) {
