@@ -26,6 +26,17 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Gloo (the CPU collectives of distributed jobs): optional, since older releases lack the package
+# (kiln then builds without CPU collectives and says so).
+if [[ "$(dpkg-query -W -f='${Status}' libgloo-dev 2>/dev/null || true)" != "install ok installed" ]]; then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  echo "install-deps: installing libgloo-dev"
+  { $sudo apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends libgloo-dev >/dev/null; } ||
+    echo "install-deps: warning: could not install libgloo-dev; CPU collectives are left out"
+fi
+
 # Python packages used only by tests that compare against other implementations.
 python_packages=(safetensors numpy)
 need_pip=()

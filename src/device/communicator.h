@@ -20,6 +20,8 @@
 // Errors (a lost peer, a timeout, a bad size) throw kiln::Error naming the collective.
 #pragma once
 
+#include <chrono>
+#include <memory>
 #include <string>
 
 #include "tensor/tensor.h"
@@ -46,6 +48,45 @@ class Communicator {
   virtual void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op, void* stream) const = 0;
   // Rank `root`'s tensor to every rank, in place.
   virtual void broadcast(const Tensor& tensor, int root, void* stream) const = 0;
+
+  // For the process group's watchdog, from its own thread while collectives may be blocked:
+  // an error the engine found by itself (NCCL's asynchronous errors: a peer's connection
+  // failed), "" while there is none; and ending the work in flight so that a rank blocked in a
+  // collective returns (ncclCommAbort; the communicator is unusable afterwards). Gloo needs
+  // neither: its collectives time out by themselves.
+  virtual std::string async_error() const { return ""; }
+  virtual void abort() noexcept {}
 };
+
+// The buffer contracts above, which every engine checks before calling its library: throw
+// kiln::Error naming the collective ("all_gather: out has 10 elements, expected 3 ranks x 4").
+void check_all_reduce(const Communicator& comm, const Tensor& in, const Tensor& out);
+void check_all_gather(const Communicator& comm, const Tensor& shard, const Tensor& out);
+void check_reduce_scatter(const Communicator& comm, const Tensor& in, const Tensor& out);
+void check_broadcast(const Communicator& comm, const Tensor& tensor, int root);
+
+// Where the ranks of a job exchange what their engine needs to connect (Gloo's addresses,
+// NCCL's unique id): the rendezvous store (distributed/store.h) implements it, and the
+// backends see only this.
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Waits until `key` is set; throws kiln::Error after `timeout` or when a rank is lost.
+  virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // This host's address on the way to the store's server: where the other ranks can reach this
+  // one (Gloo listens there).
+  virtual std::string local_address() const = 0;
+};
+
+// The communicator of `device`'s engine for rank `rank` of `world_size`, connected to the other
+// ranks through `store` (every rank calls this at the same point; one communicator per store,
+// its keys are fixed): Gloo for kCpu, NCCL for kCuda on the calling thread's current GPU.
+// `timeout` bounds connecting and, on Gloo, each collective. Throws kiln::Error when the engine
+// is not built in ("this kiln was built without Gloo (install libgloo-dev and reconfigure)").
+// Defined in backends/communicator.cc.
+std::unique_ptr<Communicator> make_communicator(Device device, int rank, int world_size,
+                                                KeyValueStore& store,
+                                                std::chrono::milliseconds timeout);
 
 }  // namespace kiln
