@@ -506,7 +506,7 @@ BenchResult run_benchmark(const BenchOptions& options) {
   const std::unique_ptr<ProcessGroup> group = join_group(o.device);
   const int world = group ? group->world_size() : 1, rank = group ? group->rank() : 0;
   if (rank != 0) o.out = nullptr;
-  KILN_CHECK(o.profile_path.empty() && o.timeline_path.empty() || world == 1,
+  KILN_CHECK((o.profile_path.empty() && o.timeline_path.empty()) || world == 1,
              "--profile and --timeline run on one process (drop kiln launch)");
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;

@@ -7,7 +7,10 @@
 //
 // Not bitwise: each rank's loss is the mean over its rows and the ranks' gradients are averaged,
 // while one process takes the mean over all rows at once; float32 sums in another order differ
-// in the last bits, and AdamW's division by sqrt(v) carries those to the params at ~1e-6.
+// in the last bits. SGD carries those to the params as they are (1e-5 relative); AdamW divides
+// each gradient by its running RMS, so an element whose gradient is within rounding of zero can
+// step by up to lr either way: its params are compared to 2% of lr absolute. AdamW is blind to
+// the gradients' scale (a sum over ranks instead of a mean would pass), SGD is not: both run.
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -21,6 +24,12 @@
 
 namespace kiln {
 namespace {
+
+#ifdef KILN_HAVE_GLOO
+constexpr bool kHaveGloo = true;
+#else
+constexpr bool kHaveGloo = false;
+#endif
 
 using train::Trainer;
 
@@ -79,7 +88,19 @@ OptimizerConfig adamw() {
   return c;
 }
 
-struct Run {
+OptimizerConfig sgd() {
+  OptimizerConfig c;
+  c.name = "sgd";
+  c.lr = 0.1;
+  c.momentum = 0.9;
+  c.weight_decay = 0.01;
+  return c;
+}
+
+// The tolerance a run with `config` is compared at (see the top).
+double param_tolerance(const OptimizerConfig& config) { return config.name == "adamw" ? 0.02 * config.lr : 2e-5; }
+
+struct RunResult {
   std::vector<double> losses;
   std::map<std::string, Tensor> tensors;  // every param and state tensor, whole (host)
 };
@@ -87,10 +108,10 @@ struct Run {
 std::map<std::string, Tensor> read_all(const std::string& path) { return train::load_safetensors(path).tensors; }
 
 // One process on the global batch.
-Run single(const Model& model, int64_t steps) {
+RunResult single(const Model& model, int64_t steps, const OptimizerConfig& config = adamw()) {
   const Graph g = model.forward(model.batch);
-  Trainer trainer(g, adamw(), model.init(g));
-  Run run;
+  Trainer trainer(g, config, model.init(g));
+  RunResult run;
   for (int64_t s = 0; s < steps; ++s) trainer.step(global_batch(model, s));
   run.losses = trainer.take_losses();
   run.tensors = trainer.host_tensors();
@@ -119,19 +140,20 @@ DistEnv env_of(int rank, int world, int port) {
 // `world` ranks as threads: each trains its rows of every global batch; `between(trainer)`, if
 // given, runs on every rank after `steps` steps (checkpoints), then `more_steps` follow. Returns
 // rank 0's losses and the consolidated tensors (gathered from every rank).
-Run group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t first_step = 0,
-          const std::function<void(Trainer&)>& before = nullptr, const std::function<void(Trainer&)>& after = nullptr) {
+RunResult group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t first_step = 0,
+                const std::function<void(Trainer&)>& before = nullptr,
+                const std::function<void(Trainer&)>& after = nullptr, const OptimizerConfig& config = adamw()) {
   StoreServer server("127.0.0.1", 0, world);
   const std::string consolidated =
       (std::filesystem::temp_directory_path() / fmt::format("kiln_sharded_{}_{}.safetensors", ::getpid(), world)).string();
-  Run run;
+  RunResult run;
   std::mutex mutex;
   testing::run_ranks(world, [&](int rank) {
     std::unique_ptr<ProcessGroup> pg = init_process_group(env_of(rank, world, server.port()), Device::kCpu, thread_options());
     const Graph g = model.forward(model.batch / world);
     ExecutorOptions options;
     options.communicator = pg->communicator().get();
-    Trainer trainer(g, adamw(), model.init(g), options, {}, ShardingOptions{mode, world});
+    Trainer trainer(g, config, model.init(g), options, {}, ShardingOptions{mode, world});
     if (before) before(trainer);
     for (int64_t s = first_step; s < first_step + steps; ++s) trainer.step(rows_of(global_batch(model, s), rank, world));
     std::vector<double> losses = trainer.take_losses();
@@ -148,20 +170,21 @@ Run group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t 
   return run;
 }
 
-void expect_same_run(const Run& want, const Run& got, double tolerance) {
+// Losses within 1e-5 relative; params and state within `tolerance` absolute plus 1e-5 relative.
+void expect_same_run(const RunResult& want, const RunResult& got, double tolerance) {
   ASSERT_EQ(want.losses.size(), got.losses.size());
   for (size_t i = 0; i < want.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], want.losses[i], tolerance * (1 + std::abs(want.losses[i]))) << "step " << i;
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5 * (1 + std::abs(want.losses[i]))) << "step " << i;
   ASSERT_EQ(want.tensors.size(), got.tensors.size());
   for (const auto& [name, tensor] : want.tensors) {
     auto it = got.tensors.find(name);
     ASSERT_NE(it, got.tensors.end()) << name;
     ASSERT_EQ(it->second.type(), tensor.type()) << name;
-    EXPECT_LE(max_scaled_error(it->second, tensor, tolerance, tolerance), 1.0) << name;
+    EXPECT_LE(max_scaled_error(it->second, tensor, tolerance, 1e-5), 1.0) << name;
   }
 }
 
-class ShardedTraining : public ::testing::TestWithParam<std::tuple<std::string, int, ShardMode>> {
+class ShardedTraining : public ::testing::TestWithParam<std::tuple<std::string, int, ShardMode, std::string>> {
  protected:
   void SetUp() override {
     if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
@@ -169,22 +192,25 @@ class ShardedTraining : public ::testing::TestWithParam<std::tuple<std::string, 
 };
 
 TEST_P(ShardedTraining, MatchesOneProcessOnTheGlobalBatch) {
-  const auto& [model_name, world, mode] = GetParam();
+  const auto& [model_name, world, mode, optimizer] = GetParam();
   const Model& model = model_name == "mlp" ? kMlp : kGpt;
-  const Run want = single(model, 10);
-  const Run got = group(model, mode, world, 10);
+  const OptimizerConfig config = optimizer == "sgd" ? sgd() : adamw();
+  const RunResult want = single(model, 10, config);
+  const RunResult got = group(model, mode, world, 10, 0, nullptr, nullptr, config);
   // The losses move: the comparison is not of a run that did nothing.
   EXPECT_GT(std::abs(want.losses.front() - want.losses.back()), 1e-3);
-  expect_same_run(want, got, 2e-5);
+  expect_same_run(want, got, param_tolerance(config));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Gloo, ShardedTraining,
     ::testing::Combine(::testing::Values("gpt2-tiny", "mlp"), ::testing::Values(2, 3),
-                       ::testing::Values(ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3)),
+                       ::testing::Values(ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3),
+                       ::testing::Values("adamw", "sgd")),
     [](const auto& info) {
       std::string model = std::get<0>(info.param) == "mlp" ? "Mlp" : "Gpt";
-      return fmt::format("{}{}Ranks{}", model, std::get<1>(info.param), shard_mode_name(std::get<2>(info.param)));
+      return fmt::format("{}{}Ranks{}{}", model, std::get<1>(info.param), shard_mode_name(std::get<2>(info.param)),
+                         std::get<3>(info.param));
     });
 
 class ShardedCheckpoint : public ::testing::Test {
@@ -203,7 +229,7 @@ TEST_F(ShardedCheckpoint, RankFilesResumeExactlyAndConsolidatedResumesOnAnotherW
   const Model& model = kGpt;
   const ShardMode mode = ShardMode::kZero3;
   // Uninterrupted: 6 steps on 2 ranks.
-  const Run whole = group(model, mode, 2, 6);
+  const RunResult whole = group(model, mode, 2, 6);
   // 3 steps, each rank saves its shards and all a consolidated file ...
   const std::string consolidated = (dir_ / "consolidated.safetensors").string();
   group(model, mode, 2, 3, 0, nullptr, [&](Trainer& t) {
@@ -211,22 +237,22 @@ TEST_F(ShardedCheckpoint, RankFilesResumeExactlyAndConsolidatedResumesOnAnotherW
     t.save_consolidated(consolidated);
   });
   // ... and new trainers resume from the rank files: bit for bit the uninterrupted run.
-  const Run resumed = group(model, mode, 2, 3, 3, [&](Trainer& t) { t.load(rank_file(t.rank())); });
+  const RunResult resumed = group(model, mode, 2, 3, 3, [&](Trainer& t) { t.load(rank_file(t.rank())); });
   ASSERT_EQ(resumed.losses.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[3 + i]);
   for (const auto& [name, tensor] : whole.tensors)
     EXPECT_EQ(max_scaled_error(resumed.tensors.at(name), tensor, 0, 0), 0.0) << name;
   // The consolidated file resumes on 3 ranks (zero2) and alone, within float32 tolerance.
-  const Run three = group(model, ShardMode::kZero2, 3, 3, 3, [&](Trainer& t) { t.load(consolidated); });
-  Run tail = whole;
+  const RunResult three = group(model, ShardMode::kZero2, 3, 3, 3, [&](Trainer& t) { t.load(consolidated); });
+  RunResult tail = whole;
   tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 3);
-  expect_same_run(tail, three, 2e-5);
+  expect_same_run(tail, three, param_tolerance(adamw()));
   const Graph g = model.forward(model.batch);
   Trainer alone(g, adamw(), model.init(g));
   alone.load(consolidated);
   for (int64_t s = 3; s < 6; ++s) alone.step(global_batch(model, s));
-  Run one{alone.take_losses(), alone.host_tensors()};
-  expect_same_run(tail, one, 2e-5);
+  RunResult one{alone.take_losses(), alone.host_tensors()};
+  expect_same_run(tail, one, param_tolerance(adamw()));
   // A rank's file in a group of another size: a clear error, before anything is touched.
   std::string error;
   group(model, mode, 3, 1, 0, [&](Trainer& t) {
