@@ -250,6 +250,18 @@ std::string step_fingerprint(const Trainer& trainer, const std::string& extra) {
   return fmt::format("{:016x}", std::hash<std::string>{}(text));
 }
 
+// An error in a group: when a rank was lost meanwhile, say so first (the engine's own message,
+// "connection reset by peer", does not name it). The store may learn of the loss a moment after
+// the engine does: up to 2 s.
+[[noreturn]] void fail_in_group(ProcessGroup* group, const Error& error) {
+  for (int i = 0; group != nullptr && i < 20; ++i) {
+    if (std::optional<int> lost = group->store().lost_rank())
+      fail("rank {} was lost ({}); rank {} stops: {}", *lost, group->store().lost_reason(), group->rank(), error.what());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  throw error;
+}
+
 // The process group when launched (WORLD_SIZE > 1), joined on `device`; null alone.
 std::unique_ptr<ProcessGroup> join_group(const std::string& device) {
   const std::optional<DistEnv> env = dist_env_from_environment();
@@ -259,19 +271,12 @@ std::unique_ptr<ProcessGroup> join_group(const std::string& device) {
 
 }  // namespace
 
-JobResult run_training_job(const JobOptions& options) {
-  const Stopwatch run_time;
-  JobOptions o = options;
-  const bool any_auto = o.device == "auto" || o.optimizer.amp == "auto";
-  const DeviceChoice choice =
-      choose_device(o.device, o.optimizer.amp, any_auto ? device_availability(Device::kCuda) : DeviceAvailability{});
-  o.device = choice.device;
-  o.optimizer.amp = choice.amp;
-  // In a group: join it first (on CUDA that picks this rank's GPU, before the runtime takes the
-  // current one); only rank 0 prints.
-  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+namespace {
+
+// The job once the device is chosen and, in a group, the group joined.
+JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group, const Stopwatch& run_time) {
   Place place;
-  if (group) place = Place{group->rank(), group->world_size(), group.get()};
+  if (group) place = Place{group->rank(), group->world_size(), group};
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(nullptr, &std::fclose);
   if (place.rank != 0) {
     sink.reset(std::fopen("/dev/null", "w"));
@@ -451,6 +456,26 @@ JobResult run_training_job(const JobOptions& options) {
   return result;
 }
 
+}  // namespace
+
+JobResult run_training_job(const JobOptions& options) {
+  const Stopwatch run_time;
+  JobOptions o = options;
+  const bool any_auto = o.device == "auto" || o.optimizer.amp == "auto";
+  const DeviceChoice choice =
+      choose_device(o.device, o.optimizer.amp, any_auto ? device_availability(Device::kCuda) : DeviceAvailability{});
+  o.device = choice.device;
+  o.optimizer.amp = choice.amp;
+  // In a group: join it first (on CUDA that picks this rank's GPU, before the runtime takes the
+  // current one); only rank 0 prints.
+  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+  try {
+    return run_job(o, choice, group.get(), run_time);
+  } catch (const Error& e) {
+    fail_in_group(group.get(), e);
+  }
+}
+
 namespace {
 
 // Seconds since this process started (the kernel's start time, so it counts the dynamic loader
@@ -494,16 +519,10 @@ double device_peak_flops(const std::string& name, const std::string& amp, std::s
   return 0;
 }
 
-BenchResult run_benchmark(const BenchOptions& options) {
-  const double entered_s = seconds_since_process_start();
-  BenchOptions o = options;
-  if (o.device == "auto" || o.amp == "auto") {
-    const DeviceChoice choice = choose_device(o.device, o.amp, device_availability(Device::kCuda));
-    o.device = choice.device;
-    o.amp = choice.amp;
-  }
-  // In a group (kiln launch): join it before the runtime takes the current GPU; rank 0 reports.
-  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+namespace {
+
+// The benchmark once the device is chosen and, in a group, the group joined.
+BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   const int world = group ? group->world_size() : 1, rank = group ? group->rank() : 0;
   if (rank != 0) o.out = nullptr;
   KILN_CHECK((o.profile_path.empty() && o.timeline_path.empty()) || world == 1,
@@ -725,6 +744,25 @@ BenchResult run_benchmark(const BenchOptions& options) {
     }
   }
   return r;
+}
+
+}  // namespace
+
+BenchResult run_benchmark(const BenchOptions& options) {
+  const double entered_s = seconds_since_process_start();
+  BenchOptions o = options;
+  if (o.device == "auto" || o.amp == "auto") {
+    const DeviceChoice choice = choose_device(o.device, o.amp, device_availability(Device::kCuda));
+    o.device = choice.device;
+    o.amp = choice.amp;
+  }
+  // In a group (kiln launch): join it before the runtime takes the current GPU; rank 0 reports.
+  const std::unique_ptr<ProcessGroup> group = join_group(o.device);
+  try {
+    return run_bench(o, group.get(), entered_s);
+  } catch (const Error& e) {
+    fail_in_group(group.get(), e);
+  }
 }
 
 }  // namespace kiln::train

@@ -33,7 +33,9 @@ def run(cmd, timeout=600, env=None):
     return p, time.time() - started
 
 
-TOLERANCE = 1e-5
+# Params: |got - want| <= TOLERANCE + 1e-5 |want|. AdamW steps an element whose gradient is within
+# rounding of zero by up to lr either way, so the default is 2% of the runs' lr (3e-3).
+TOLERANCE = 6e-5
 AMP = "off"
 
 
@@ -78,10 +80,10 @@ def check_match(kiln, device, ranks, models, modes):
                         g = got[key]
                         assert g.shape == w.shape, (name, key, g.shape, w.shape)
                         # float32 tolerance: the ranks' means of means differ from one mean in the last bits.
-                        err = float(np.max(np.abs(g.astype(np.float64) - w) / (TOLERANCE * (1 + np.abs(w))))) if w.size else 0
+                        err = float(np.max(np.abs(g.astype(np.float64) - w) / (TOLERANCE + 1e-5 * np.abs(w)))) if w.size else 0
                         worst = max(worst, err)
                     loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses)) if want_losses else 0
-                    ok = worst <= 1.0 and loss_err <= 20 * TOLERANCE and len(got_losses) == len(want_losses)
+                    ok = worst <= 1.0 and loss_err <= 2e-4 and len(got_losses) == len(want_losses)
                     print(f"{'ok  ' if ok else 'FAIL'} {name}: params max scaled error {worst:.3f}, "
                           f"loss max diff {loss_err:.2e} over {len(got_losses)} lines, {seconds:.1f} s")
                     failures += 0 if ok else 1
@@ -153,8 +155,7 @@ def check_fault(kiln, device):
         ok = launcher.returncode != 0 and "rank 1" in output and seconds < 60 and intact
         print(f"{'ok  ' if ok else 'FAIL'} rank 1 killed: launcher exit {launcher.returncode} after {seconds:.1f} s, "
               f"checkpoint {'intact' if intact else 'BROKEN'}")
-        if not ok:
-            print(output[-3000:])
+        print("  " + "\n  ".join(output.strip().splitlines()[-4:]))
         return 0 if ok else 1
 
 
@@ -168,7 +169,7 @@ def main():
     ap.add_argument("--modes", default="dp,zero1,zero2,zero3")
     ap.add_argument("--checks", default="match,disagree,fault")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
-                    help="params: |got - want| <= tol * (1 + |want|); losses within 20 tol")
+                    help="params: |got - want| <= tol + 1e-5 |want| (losses, printed to 4 places: within 2e-4)")
     ap.add_argument("--amp", default=AMP)
     a = ap.parse_args()
     TOLERANCE, AMP = a.tolerance, a.amp
