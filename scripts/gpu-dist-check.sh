@@ -3,7 +3,7 @@
 # N GPUs as on one (every --shard mode, NCCL), that a killed rank ends the job, then benchmark
 # the shard modes against PyTorch FSDP2 and print a table last. Logs go to $OUT (or ./gpu-out).
 #
-#   bash scripts/gpu-dist-check.sh [--no-tests] [--no-check] [--ranks "2 4"]
+#   bash scripts/gpu-dist-check.sh [--no-tests] [--no-check] [--no-bench] [--ranks "2 4"]
 #                                  [--model gpt2-xl] [--per-gpu 8] [--modes "dp zero1 zero2 zero3"]
 #                                  [--no-torch] [--steps 10]
 #
@@ -13,13 +13,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-tests=1; check=1; torch=1; ranks_list="2 4"; model=gpt2-xl; per_gpu=8; modes="dp zero1 zero2 zero3"; steps=10
+tests=1; check=1; torch=1; bench=1; ranks_list="2 4"; model=gpt2-xl; per_gpu=8; modes="dp zero1 zero2 zero3"; steps=10
 single_model=gpt2-medium
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-tests) tests=0 ;;
     --no-check) check=0 ;;
     --no-torch) torch=0 ;;
+    --no-bench) bench=0 ;;
     --ranks) shift; ranks_list="$1" ;;
     --model) shift; model="$1" ;;
     --per-gpu) shift; per_gpu="$1" ;;
@@ -66,15 +67,16 @@ fi
 
 : >"$out/bench.jsonl"
 batch=$(( per_gpu * gpus ))
+[ $bench = 0 ] && modes=""
 for mode in $modes; do
   line=$($kiln launch -n "$gpus" -- bench --model "$model" --batch "$batch" --seq 1024 --amp bf16 --shard "$mode" \
          --steps "$steps" --warmup 3 --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
   if [ "${line:0:1}" = "{" ]; then echo "$line" >>"$out/bench.jsonl"; else echo "kiln $mode: failed (bench.err)"; tail -3 "$out/bench.err"; fi
 done
-single=$($kiln bench --model "$single_model" --batch "$per_gpu" --seq 1024 --amp bf16 --steps "$steps" --warmup 3 \
+[ $bench = 1 ] && single=$($kiln bench --model "$single_model" --batch "$per_gpu" --seq 1024 --amp bf16 --steps "$steps" --warmup 3 \
          --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
-[ "${single:0:1}" = "{" ] && echo "$single" >"$out/single.json"
-if [ $torch = 1 ] && [ -f .carry/torch_fsdp_gpt2.py ]; then
+[ $bench = 1 ] && [ "${single:0:1}" = "{" ] && echo "$single" >"$out/single.json"
+if [ $bench = 1 ] && [ $torch = 1 ] && [ -f .carry/torch_fsdp_gpt2.py ]; then
   torchrun --standalone --nproc_per_node="$gpus" .carry/torch_fsdp_gpt2.py --model "$model" --batch "$per_gpu" \
     --seq 1024 --steps "$steps" >"$out/fsdp.log" 2>&1
   grep '^{' "$out/fsdp.log" | tail -1 >"$out/fsdp.json"
