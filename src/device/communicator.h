@@ -59,7 +59,8 @@ class Communicator {
 };
 
 // The buffer contracts above, which every engine checks before calling its library: throw
-// kiln::Error naming the collective ("all_gather: out has 10 elements, expected 3 ranks x 4").
+// kiln::Error naming the collective ("all_gather: out has 10 elements, expected 3 ranks x the
+// shard's 4").
 void check_all_reduce(const Communicator& comm, const Tensor& in, const Tensor& out);
 void check_all_gather(const Communicator& comm, const Tensor& shard, const Tensor& out);
 void check_reduce_scatter(const Communicator& comm, const Tensor& in, const Tensor& out);

@@ -69,9 +69,12 @@ std::unique_ptr<ProcessGroup> init_process_group(const DistEnv& env, Device devi
     meet(*g.store_, "kiln/joined", g.options_.timeout,
          fmt::format("joining the rendezvous at {}:{}", env.master_addr, store_options.port),
          " (did every rank start, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)");
+    // The watchdog first: NCCL's initialization waits for every rank without a timeout of its
+    // own, so a rank lost meanwhile must reach the handler too.
+    if (g.options_.watchdog) g.start_watchdog();
     g.communicator_ = make_communicator(device, env.rank, env.world_size, *g.store_,
                                         g.options_.timeout);
-    if (g.options_.watchdog) g.start_watchdog();
+    g.active_communicator_ = g.communicator_.get();
   } catch (const std::exception& e) {
     // The others would otherwise wait for this rank until their timeout.
     g.store_->declare_lost(fmt::format("it failed to join: {}", e.what()));
@@ -97,8 +100,9 @@ ProcessGroup::~ProcessGroup() {
   }
   if (!failure.empty()) {
     store_->declare_lost(failure);
-    if (communicator_) communicator_->abort();
+    abort();
   }
+  active_communicator_ = nullptr;
   communicator_.reset();
   store_.reset();
   server_.reset();  // waits for the other ranks to leave the store
@@ -144,7 +148,7 @@ void ProcessGroup::check_agreement(const std::string& what, const std::string& f
 }
 
 void ProcessGroup::abort() noexcept {
-  if (communicator_) communicator_->abort();
+  if (Communicator* communicator = active_communicator_.load()) communicator->abort();
 }
 
 void ProcessGroup::exit_on_lost_rank(int rank, const std::string& reason) noexcept {
@@ -157,8 +161,8 @@ void ProcessGroup::exit_on_lost_rank(int rank, const std::string& reason) noexce
   // of its own, in case the abort itself waits on the device for long.
   try {
     auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread([communicator = communicator_, done] {
-      if (communicator) communicator->abort();
+    std::thread([this, done] {
+      abort();
       *done = true;
     }).detach();
     for (int i = 0; i < 50 && !*done; ++i) std::this_thread::sleep_for(100ms);
@@ -193,7 +197,10 @@ void ProcessGroup::watch() {
     if (watchdog_wake_.wait_for(lock, options_.watchdog_period, [&] { return stopping_; })) return;
     lock.unlock();
     std::optional<int> lost = watch_store_->lost_rank();
-    std::string reason = lost ? watch_store_->lost_reason() : communicator_->async_error();
+    Communicator* communicator = active_communicator_.load();
+    std::string reason = lost            ? watch_store_->lost_reason()
+                         : communicator ? communicator->async_error()
+                                        : "";
     if (lost || !reason.empty()) {
       int rank = lost.value_or(-1);
       if (options_.on_lost) options_.on_lost(rank, reason);

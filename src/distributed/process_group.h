@@ -105,6 +105,8 @@ class ProcessGroup {
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::shared_ptr<Communicator> communicator_;
+  // communicator_ for the watchdog's thread, once made (nullptr before and after).
+  std::atomic<Communicator*> active_communicator_{nullptr};
   int barriers_ = 0;
   int agreements_ = 0;
 
@@ -117,7 +119,7 @@ class ProcessGroup {
 
 // Joins the job `env` describes on `device`: rank 0 serves the store, every rank connects to it
 // and waits until all WORLD_SIZE have joined (kiln::Error after options.timeout, naming how many
-// did), then creates the communicator and starts the watchdog. On CUDA it checks that this
+// did), then starts the watchdog and creates the communicator. On CUDA it checks that this
 // machine has a GPU for LOCAL_RANK and makes it the calling thread's current device first.
 // A rank that fails here tells the others (they see it lost) before throwing.
 std::unique_ptr<ProcessGroup> init_process_group(const DistEnv& env, Device device,

@@ -461,8 +461,8 @@ void StoreServer::serve() {
           if (!payload) break;
           s.handle(c, *payload);
         }
-      } catch (const Error&) {
-        c.closing = true;  // a malformed message: this is no kiln client
+      } catch (const std::exception&) {
+        c.closing = true;  // a malformed message (this is no kiln client), or out of memory
       }
     }
     Clock::time_point now = Clock::now();

@@ -110,6 +110,7 @@ TEST_F(ProcessGroupTest, AKilledRankReachesEveryWatchdog) {
   testing::ChildRank child([](int port, const std::function<void()>& ready) {
     ProcessGroupOptions options = thread_options([](int, const std::string&) {});
     auto group = init_process_group(env_of(2, 3, port), Device::kCpu, options);
+    group->barrier();  // every rank's Gloo pairs are connected
     ready();
     ::pause();
   });
@@ -122,6 +123,7 @@ TEST_F(ProcessGroupTest, AKilledRankReachesEveryWatchdog) {
         thread_options([&, rank](int lost_rank, const std::string& reason) {
           lost[rank].set_value(fmt::format("rank {} was lost ({})", lost_rank, reason));
         }));
+    group->barrier();
     if (rank == 0) {
       child.wait_ready();
       child.kill();

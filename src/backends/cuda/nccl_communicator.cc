@@ -15,7 +15,7 @@
 // the process ends.
 //
 // NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is forced in the environment before
-// the first NCCL call (the machines kiln runs on do not lend it; see DESIGN.md).
+// the first NCCL call, whatever it was (the machines kiln runs on must not use it; DESIGN.md).
 #if KILN_HAVE_NCCL
 #include "backends/cuda/nccl_communicator.h"
 
@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "backends/cuda/cuda_check.h"
 #include "support/error.h"
@@ -73,7 +74,6 @@ class NcclCommunicator final : public Communicator {
       : rank_(rank), world_size_(world_size) {
     KILN_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
                "nccl: rank {} is not a rank of a world of {}", rank, world_size);
-    ::setenv("NCCL_NVLS_ENABLE", "0", 1);
     KILN_CUDA_CHECK(cudaGetDevice(&gpu_));
     ncclUniqueId id;
     if (rank == 0) {
@@ -169,6 +169,10 @@ class NcclCommunicator final : public Communicator {
 std::unique_ptr<Communicator> make_nccl_communicator(int rank, int world_size,
                                                      KeyValueStore& store,
                                                      std::chrono::milliseconds timeout) {
+  // Once per process, before its first NCCL call: setenv is not safe while another thread reads
+  // the environment (an NCCL call in progress does), and ranks may be threads of one process.
+  static std::once_flag nvls_off;
+  std::call_once(nvls_off, [] { ::setenv("NCCL_NVLS_ENABLE", "0", 1); });
   return std::make_unique<NcclCommunicator>(rank, world_size, store, timeout);
 }
 
