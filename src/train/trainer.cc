@@ -332,8 +332,8 @@ std::map<std::string, std::string> Trainer::load(const std::string& path) {
     const bool same_group = ranks == std::to_string(world_size()) &&
                             (mode == want_mode || (world_size() == 1 && !sharding_.shards_optimizer()));
     KILN_CHECK(same_group,
-               "checkpoint '{}' was written by {} rank{} ({}), this run has {} ({}): resume with the same "
-               "--nproc and --shard, or from a consolidated checkpoint (kiln train --consolidate)",
+               "checkpoint '{}' was written by {} rank{} ({}), this run has {} ({}): resume with as many "
+               "ranks (kiln launch -n) and the same --shard, or from a consolidated checkpoint (kiln train --consolidate)",
                path, ranks, ranks == "1" ? "" : "s", mode, world_size(), want_mode);
     KILN_CHECK(meta("kiln.rank").empty() || meta("kiln.rank") == std::to_string(rank()),
                "checkpoint '{}' is rank {}'s, this process is rank {}", path, meta("kiln.rank"), rank());
