@@ -86,7 +86,8 @@ void expect_kernels_match_reference(Op op, Device device);
 
 // Ops of the op table that have at least one case, in table order (the sweep's parameters).
 std::vector<Op> ops_with_cases();
-// The ops of the op table that have no case (the sweep fails naming each).
+// The ops of the op table that have no case (the sweep fails naming each), but the collectives
+// (needs_process_group, and collective_wait), which tests/distributed/ and tests/cuda/ check.
 std::vector<Op> ops_without_cases();
 
 // The coverage of the table on `devices`: a markdown table of op x (device, dialect) giving
