@@ -13,12 +13,7 @@ namespace kiln {
 namespace {
 
 using testing::client_options;
-
-#ifdef KILN_HAVE_GLOO
-constexpr bool kHaveGloo = true;
-#else
-constexpr bool kHaveGloo = false;
-#endif
+using testing::kHaveGloo;
 
 // Runs body(communicator) on world_size ranks, each a thread with its own Gloo communicator.
 void with_gloo(int world_size, const std::function<void(const Communicator&)>& body) {

@@ -13,34 +13,9 @@
 namespace kiln {
 namespace {
 
-#ifdef KILN_HAVE_GLOO
-constexpr bool kHaveGloo = true;
-#else
-constexpr bool kHaveGloo = false;
-#endif
-
-DistEnv env_of(int rank, int world_size, int port) {
-  DistEnv env;
-  env.rank = rank;
-  env.world_size = world_size;
-  env.local_rank = rank;
-  env.local_world_size = world_size;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  return env;
-}
-
-// Ranks as threads share one StoreServer that the test starts (so its port is known first).
-ProcessGroupOptions thread_options(LostRankHandler on_lost = {}) {
-  ProcessGroupOptions options;
-  options.serve_store = false;
-  options.timeout = 10s;
-  options.watchdog_period = 50ms;
-  options.on_lost = on_lost ? on_lost : [](int rank, const std::string& reason) {
-    ADD_FAILURE() << "rank " << rank << " lost: " << reason;
-  };
-  return options;
-}
+using testing::env_of;
+using testing::kHaveGloo;
+using testing::thread_options;
 
 class ProcessGroupTest : public ::testing::Test {
  protected:

@@ -25,12 +25,9 @@
 namespace kiln {
 namespace {
 
-#ifdef KILN_HAVE_GLOO
-constexpr bool kHaveGloo = true;
-#else
-constexpr bool kHaveGloo = false;
-#endif
-
+using testing::env_of;
+using testing::kHaveGloo;
+using testing::thread_options;
 using train::Trainer;
 
 struct Model {
@@ -116,25 +113,6 @@ RunResult single(const Model& model, int64_t steps, const OptimizerConfig& confi
   run.losses = trainer.take_losses();
   run.tensors = trainer.host_tensors();
   return run;
-}
-
-ProcessGroupOptions thread_options() {
-  ProcessGroupOptions options;
-  options.serve_store = false;
-  options.timeout = std::chrono::seconds(30);
-  options.on_lost = [](int rank, const std::string& reason) { ADD_FAILURE() << "rank " << rank << " lost: " << reason; };
-  return options;
-}
-
-DistEnv env_of(int rank, int world, int port) {
-  DistEnv env;
-  env.rank = rank;
-  env.world_size = world;
-  env.local_rank = rank;
-  env.local_world_size = world;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  return env;
 }
 
 // `world` ranks as threads: each trains its rows of every global batch; `between(trainer)`, if

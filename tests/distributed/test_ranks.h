@@ -15,10 +15,44 @@
 #include <thread>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "distributed/process_group.h"
 #include "distributed/store.h"
 #include "support/error.h"
 
 namespace kiln::testing {
+
+#ifdef KILN_HAVE_GLOO
+inline constexpr bool kHaveGloo = true;
+#else
+inline constexpr bool kHaveGloo = false;
+#endif
+
+// Rank `rank` of `world_size` on this machine, its store at 127.0.0.1:port.
+inline DistEnv env_of(int rank, int world_size, int port) {
+  DistEnv env;
+  env.rank = rank;
+  env.world_size = world_size;
+  env.local_rank = rank;
+  env.local_world_size = world_size;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  return env;
+}
+
+// Ranks as threads share one StoreServer that the test starts (so its port is known first); a
+// lost rank fails the test unless `on_lost` says otherwise.
+inline ProcessGroupOptions thread_options(LostRankHandler on_lost = {}) {
+  ProcessGroupOptions options;
+  options.serve_store = false;
+  options.timeout = 10s;
+  options.watchdog_period = 50ms;
+  options.on_lost = on_lost ? on_lost : [](int rank, const std::string& reason) {
+    ADD_FAILURE() << "rank " << rank << " lost: " << reason;
+  };
+  return options;
+}
 
 inline StoreOptions client_options(int port, int rank, int world_size) {
   StoreOptions options;
