@@ -59,7 +59,7 @@ if [ $check = 1 ]; then
     # reduction; TF32-free f32 products agree with one GPU to ~1e-5.
     checks=match; [ "$n" = 2 ] && checks=match,disagree,fault
     python3 tests/distributed/train_ranks_test.py --kiln $kiln --device cuda --ranks "$n" --models gpt2-tiny \
-      --checks "$checks" --amp off --tolerance 1e-4 >"$out/check_$n.log" 2>&1
+      --checks "$checks" --amp off --tolerance 3e-4 >"$out/check_$n.log" 2>&1
     echo "== $n GPUs (NCCL) =="; cat "$out/check_$n.log" | grep -E "^(ok|FAIL)|passed|FAILED"
     check_summary+="$n GPUs: $(tail -1 "$out/check_$n.log"); "
   done

@@ -9,7 +9,10 @@
 // while one process takes the mean over all rows at once; float32 sums in another order differ
 // in the last bits. SGD carries those to the params as they are (1e-5 relative); AdamW divides
 // each gradient by its running RMS, so an element whose gradient is within rounding of zero can
-// step by up to lr either way: its params are compared to 2% of lr absolute. AdamW is blind to
+// step by up to lr either way: its params are compared to 10% of lr absolute. (Attention's key
+// bias is one: its gradient is zero in exact arithmetic, softmax being blind to a constant added
+// to every score of a row, so AdamW moves it by normalised rounding noise; measured up to 2.4%
+// of lr in the Release build.) AdamW is blind to
 // the gradients' scale (a sum over ranks instead of a mean would pass), SGD is not: both run.
 #include <filesystem>
 #include <map>
@@ -95,7 +98,7 @@ OptimizerConfig sgd() {
 }
 
 // The tolerance a run with `config` is compared at (see the top).
-double param_tolerance(const OptimizerConfig& config) { return config.name == "adamw" ? 0.02 * config.lr : 2e-5; }
+double param_tolerance(const OptimizerConfig& config) { return config.name == "adamw" ? 0.1 * config.lr : 2e-5; }
 
 struct RunResult {
   std::vector<double> losses;

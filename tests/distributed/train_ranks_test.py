@@ -34,8 +34,9 @@ def run(cmd, timeout=600, env=None):
 
 
 # Params: |got - want| <= TOLERANCE + 1e-5 |want|. AdamW steps an element whose gradient is within
-# rounding of zero by up to lr either way, so the default is 2% of the runs' lr (3e-3).
-TOLERANCE = 6e-5
+# rounding of zero (attention's key bias: zero in exact arithmetic) by up to lr either way, so the
+# default is 10% of the runs' lr (3e-3).
+TOLERANCE = 3e-4
 AMP = "off"
 
 
