@@ -198,10 +198,7 @@ Expr reduce_gradient(const Expr& full_grad, const ShardingOptions& options) {
   switch (options.mode) {
     case ShardMode::kNone: return g;
     case ShardMode::kDp: return all_reduce(g, world, ReduceOp::kAvg);
-    case ShardMode::kZero1: {
-      const ParamShard where = param_shard(g.type(), world);
-      return local_shard(flat_padded(all_reduce(g, world, ReduceOp::kAvg), where.padded_numel()), world);
-    }
+    case ShardMode::kZero1: return shard_of(all_reduce(g, world, ReduceOp::kAvg), world);
     case ShardMode::kZero2:
     case ShardMode::kZero3: {
       const ParamShard where = param_shard(g.type(), world);
