@@ -45,6 +45,7 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
       }
       r.seconds = watch.seconds();
       r.ran = true;
+      r.notes = pass->notes();
     }
     r.nodes_after = graph.nodes.size();
     records.push_back(r);

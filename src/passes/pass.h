@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "analysis/cost_model.h"
 #include "ir/graph.h"
 #include "tensor/tensor.h"
 
@@ -24,6 +25,9 @@ class Pass {
   virtual std::string name() const = 0;  // kebab-case, e.g. "dead-code"
   // Rewrites `graph`; returns true when it changed. Throws kiln::Error on input it cannot take.
   virtual bool run(Graph& graph) = 0;
+  // What the last run did, in a few lines for `kiln compile --report` (what it moved, merged or
+  // kept, the bytes and the predicted time saved); empty for most passes.
+  virtual std::vector<std::string> notes() const { return {}; }
 };
 
 // The default cap of PassOptions::logits_chunk_bytes (and ClassifierChunksPass's): why 2 GiB is in
@@ -45,6 +49,9 @@ struct PassOptions {
   // The mixed-precision pass's 16-bit dtype (bf16 or f16) when made by name (make_pass, `kiln
   // opt`); a training step takes it from OptimizerConfig::amp instead.
   DType low_precision = DType::kBF16;
+  // Predicted node and collective times for the distribution passes (passes/distributed/);
+  // unset: CostModel::defaults(target).
+  std::optional<CostModel> costs;
 };
 
 struct PassRecord {
@@ -54,6 +61,7 @@ struct PassRecord {
   double seconds = 0;
   size_t nodes_before = 0;
   size_t nodes_after = 0;
+  std::vector<std::string> notes;  // Pass::notes() after its run
 };
 
 class PassManager {

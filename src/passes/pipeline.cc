@@ -2,6 +2,8 @@
 
 #include "passes/classifier.h"
 #include "passes/classifier_chunks.h"
+#include "passes/distributed/bucketing.h"
+#include "passes/distributed/overlap.h"
 #include "passes/fusion/fusion.h"
 #include "passes/mixed_precision.h"
 #include "passes/multi_tensor.h"
@@ -36,6 +38,9 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   passes.push_back(std::make_unique<MultiTensorPass>());
   passes.push_back(std::make_unique<Rematerialize>(options.memory_budget, !options.disabled.count("schedule")));
   passes.push_back(std::make_unique<SchedulePass>());
+  const CostModel costs = options.costs.value_or(CostModel::defaults(options.target));
+  passes.push_back(std::make_unique<BucketCollectives>(costs));
+  passes.push_back(std::make_unique<OverlapCollectives>(costs, options.memory_budget));
   return passes;
 }
 
@@ -63,6 +68,7 @@ PassManager default_pipeline(PassOptions options) {
   const bool schedule_enabled = !options.disabled.count("schedule");
   const Device target = options.target;
   const size_t logits_chunk_bytes = options.logits_chunk_bytes;
+  const CostModel costs = options.costs.value_or(CostModel::defaults(target));
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -99,6 +105,11 @@ PassManager default_pipeline(PassOptions options) {
   // After the node set is final: reorder for fewer live bytes (the executor's memory plan
   // follows the node order).
   pm.add(std::make_unique<SchedulePass>());
+  // Sharded steps (the only ones with collectives), on the final order: merge collectives whose
+  // latency dominates, then move starts and waits so communication runs beside the compute, as
+  // far as the memory plan allows (passes/distributed/).
+  pm.add(std::make_unique<BucketCollectives>(costs));
+  pm.add(std::make_unique<OverlapCollectives>(costs, memory_budget));
   return pm;
 }
 

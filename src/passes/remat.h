@@ -84,10 +84,6 @@ class Rematerialize : public Pass {
 // the graph after the schedule pass (or in its own order when `schedule_after` is false).
 size_t planned_peak_bytes(const Graph& graph, bool schedule_after = true);
 
-// Estimated FLOPs of one node: 2MNK for matmul, 4BHTSD for attention (about twice that for its
-// gradient), 2 * out * C*KH*KW for convolutions, ~5 per input element for reductions and
-// normalizations, one per output element otherwise.
-double node_flops(const Graph& graph, const Node& node);
 // GEMMs, attention and convolutions (and their gradients): recomputed only as a last resort.
 bool is_heavy_op(Op op);
 

@@ -123,7 +123,8 @@ RunResult single(const Model& model, int64_t steps, const OptimizerConfig& confi
 // rank 0's losses and the consolidated tensors (gathered from every rank).
 RunResult group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t first_step = 0,
                 const std::function<void(Trainer&)>& before = nullptr,
-                const std::function<void(Trainer&)>& after = nullptr, const OptimizerConfig& config = adamw()) {
+                const std::function<void(Trainer&)>& after = nullptr, const OptimizerConfig& config = adamw(),
+                const PassOptions& passes = {}) {
   StoreServer server("127.0.0.1", 0, world);
   const std::string consolidated =
       (std::filesystem::temp_directory_path() / fmt::format("kiln_sharded_{}_{}.safetensors", ::getpid(), world)).string();
@@ -134,7 +135,7 @@ RunResult group(const Model& model, ShardMode mode, int world, int64_t steps, in
     const Graph g = model.forward(model.batch / world);
     ExecutorOptions options;
     options.communicator = pg->communicator().get();
-    Trainer trainer(g, config, model.init(g), options, {}, ShardingOptions{mode, world});
+    Trainer trainer(g, config, model.init(g), options, passes, ShardingOptions{mode, world});
     if (before) before(trainer);
     for (int64_t s = first_step; s < first_step + steps; ++s) trainer.step(rows_of(global_batch(model, s), rank, world));
     std::vector<double> losses = trainer.take_losses();
@@ -193,6 +194,28 @@ INSTANTIATE_TEST_SUITE_P(
       return fmt::format("{}{}Ranks{}{}", model, std::get<1>(info.param), shard_mode_name(std::get<2>(info.param)),
                          std::get<3>(info.param));
     });
+
+// The distribution passes (passes/distributed/: bucket-collectives, overlap-collectives) only
+// merge and move collectives: with them on and off every mode gives the same losses and params,
+// bit for bit (at 2 ranks each reduced element is the one sum a + b, however the buffers are cut;
+// tests/passes/distributed_test.cc shows they do change this step's graph).
+TEST(DistributionPasses, ChangeNoResultOfAnyMode) {
+  if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
+  PassOptions off;
+  off.disabled = {"bucket-collectives", "overlap-collectives"};
+  for (ShardMode mode : {ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3}) {
+    SCOPED_TRACE(std::string(shard_mode_name(mode)));
+    const RunResult on = group(kGpt, mode, 2, 4);
+    const RunResult without = group(kGpt, mode, 2, 4, 0, nullptr, nullptr, adamw(), off);
+    EXPECT_EQ(on.losses, without.losses);
+    ASSERT_EQ(on.tensors.size(), without.tensors.size());
+    for (const auto& [name, tensor] : without.tensors) {
+      const Tensor& other = on.tensors.at(name);
+      ASSERT_EQ(other.type(), tensor.type()) << name;
+      EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
+    }
+  }
+}
 
 class ShardedCheckpoint : public ::testing::Test {
  protected:

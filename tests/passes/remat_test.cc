@@ -8,6 +8,7 @@
 #include <cstring>
 #include <regex>
 
+#include "analysis/cost_model.h"
 #include "analysis/memory_plan.h"
 #include "ir/text.h"
 #include "models/models.h"

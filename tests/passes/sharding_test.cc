@@ -171,7 +171,10 @@ TEST(Sharding, PipelineKeepsEveryCollective) {
     StepProgram p = step_of(forward, mode, 2, "bf16");
     std::map<Op, size_t> before;
     for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter}) before[op] = count_op(p.graph, op);
-    default_pipeline().run(p.graph);
+    // (bucket-collectives merges collectives on purpose: tests/passes/distributed_test.cc.)
+    PassOptions options;
+    options.disabled.insert("bucket-collectives");
+    default_pipeline(options).run(p.graph);
     verify(p.graph);
     for (auto [op, n] : before) EXPECT_EQ(count_op(p.graph, op), n) << op_name(op);
     // A collective never lands inside a fused body.
@@ -188,7 +191,9 @@ TEST(Sharding, CseMergesNoCollectives) {
   Expr a = all_gather(shard, 2), c = all_gather(shard, 2);
   b.graph().outputs.push_back((a + c).id());
   Graph g = b.take();
-  default_pipeline().run(g);
+  PassOptions options;
+  options.disabled.insert("bucket-collectives");
+  default_pipeline(options).run(g);
   EXPECT_EQ(count_op(g, Op::kAllGather), 2u);
 }
 

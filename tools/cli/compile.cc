@@ -29,6 +29,8 @@ struct CompileCommand {
   bool report = false;
   std::string output;
   std::string dump_kernels_dir;
+  std::string shard = "none";
+  int world_size = 2;
   CompileOptions compile;
 };
 
@@ -76,6 +78,8 @@ void report(const std::string& what, const std::string& source, const Graph& for
   for (const PassRecord& r : step.pass_records)
     fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
                r.nodes_after, r.changed ? "yes" : "no");
+  for (const PassRecord& r : step.pass_records)
+    for (const std::string& note : r.notes) fmt::print("  {}: {}\n", r.name, note);
   // The fusion groups: one line per fused node, then the total.
   std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
   int64_t kept_bytes = 0;
@@ -105,6 +109,7 @@ void compile(CompileCommand o) {
   KILN_CHECK(!o.compile.loss_only || o.forward_only, "--loss-only needs --forward-only (a training step returns the "
              "loss alone anyway)");
   o.compile.bind_kernels = false;
+  o.compile.sharding = ShardingOptions{parse_shard_mode(o.shard), o.world_size};
   const CompiledStep step = compile_step(forward, o.compile);
   if (!o.dump_kernels_dir.empty()) dump_kernels(step.program.graph, o.dump_kernels_dir);
   if (o.output == "-") {
@@ -140,6 +145,13 @@ void add_compile_command(CLI::App& app) {
   add_device_option(command, o->compile.executor.device,
                     "The device the pipeline prepares the step for: cpu | cuda (no GPU needed)", "--device,--target");
   add_pass_options(command, o->compile.passes);
+  command->add_option("--shard", o->shard,
+                      "One rank's step of a data-parallel group of --world-size ranks: none | dp | zero1 | zero2 | zero3 "
+                      "(the collectives and shards the ranks of `kiln train --shard` run; no process group needed)")
+      ->default_val("none");
+  command->add_option("--world-size", o->world_size, "The number of ranks --shard compiles for")
+      ->check(CLI::PositiveNumber)
+      ->default_val(2);
   command->add_option("-o,--output", o->output, "Write the compiled step's IR text to FILE ('-': standard output)")
       ->type_name("FILE");
   command->add_flag("--report", o->report,

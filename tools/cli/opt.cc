@@ -1,7 +1,7 @@
 // `kiln opt FILE --passes a,b`: run the named passes on an IR file, in order, and print the IR
 // after them: a pass on its own, on text, as the .kir pass tests use it (tests/passes/kir/).
-// Each pass's line `// NAME: changed, N -> M nodes` (or `unchanged`) comes first; being a
-// comment, the output is IR text again.
+// Each pass's line `// NAME: changed, N -> M nodes` (or `unchanged`) comes first, then the notes
+// of the passes that say what they did; being comments, the output is IR text again.
 #include "ir/text.h"
 #include "options.h"
 #include "passes/pipeline.h"
@@ -27,6 +27,8 @@ void opt(const OptOptions& o) {
   for (const PassRecord& r : records)
     fmt::print("// {}: {}\n", r.name,
                r.changed ? fmt::format("changed, {} -> {} nodes", r.nodes_before, r.nodes_after) : "unchanged");
+  for (const PassRecord& r : records)
+    for (const std::string& note : r.notes) fmt::print("// {}: {}\n", r.name, note);
   fmt::print("{}", print(graph));
 }
 

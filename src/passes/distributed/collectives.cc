@@ -1,0 +1,65 @@
+#include "passes/distributed/collectives.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "support/error.h"
+
+namespace kiln::distributed {
+
+std::vector<Collective> find_collectives(const Graph& graph, const Uses& uses, const CostModel& costs) {
+  std::vector<Collective> found;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (!has_flag(node.op, kCollective)) continue;
+    Collective c;
+    c.start = static_cast<int>(n);
+    const auto& readers = uses.readers[static_cast<size_t>(node.outputs[0])];
+    KILN_CHECK(readers.size() == 1 && graph.nodes[static_cast<size_t>(readers[0])].op == Op::kCollectiveWait,
+               "internal: collective node {} is not read by exactly one wait", n);
+    c.wait = readers[0];
+    const ValueId out = graph.nodes[static_cast<size_t>(c.wait)].outputs[0];
+    const auto& out_readers = uses.readers[static_cast<size_t>(out)];
+    if (!uses.escapes[static_cast<size_t>(out)] && !out_readers.empty())
+      c.first_reader = *std::min_element(out_readers.begin(), out_readers.end());
+    c.producer = uses.producer[static_cast<size_t>(node.inputs[0])];
+    if (c.producer >= 0) {
+      const Node& p = graph.nodes[static_cast<size_t>(c.producer)];
+      c.producer_movable = !p.inputs.empty() && !has_flag(p.op, kRandom) &&
+                           std::all_of(p.inputs.begin(), p.inputs.end(),
+                                       [&](ValueId in) { return uses.producer[static_cast<size_t>(in)] < 0; });
+    }
+    c.bytes = collective_bytes(graph, node);
+    c.seconds = costs.collective_seconds(graph, node);
+    found.push_back(c);
+  }
+  return found;
+}
+
+void reorder_by_keys(Graph& graph, const std::vector<double>& keys) {
+  KILN_CHECK(keys.size() == graph.nodes.size(), "internal: {} keys for {} nodes", keys.size(), graph.nodes.size());
+  std::vector<size_t> order(graph.nodes.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+  std::vector<char> defined(graph.values.size(), 0);
+  for (const GraphInput& in : graph.inputs) defined[static_cast<size_t>(in.value)] = 1;
+  std::vector<Node> nodes;
+  nodes.reserve(graph.nodes.size());
+  for (size_t i : order) {
+    Node& node = graph.nodes[i];
+    for (ValueId in : node.inputs)
+      KILN_CHECK(defined[static_cast<size_t>(in)], "internal: reordering puts node {} ({}) before its input %{}", i,
+                 op_name(node.op), in);
+    for (ValueId out : node.outputs) defined[static_cast<size_t>(out)] = 1;
+    nodes.push_back(std::move(node));
+  }
+  graph.nodes = std::move(nodes);
+}
+
+std::vector<double> compute_start_times(const Graph& graph, const CostModel& costs) {
+  std::vector<double> t(graph.nodes.size() + 1, 0.0);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) t[n + 1] = t[n] + costs.node_seconds(graph, n);
+  return t;
+}
+
+}  // namespace kiln::distributed
