@@ -5,7 +5,10 @@
 #
 #   bash scripts/gpu-dist-check.sh [--no-tests] [--no-check] [--no-bench] [--ranks "2 4"]
 #                                  [--model gpt2-xl] [--per-gpu 8] [--modes "dp zero1 zero2 zero3"]
-#                                  [--no-torch] [--steps 10]
+#                                  [--no-torch] [--steps 10] [--scaling gpt2-medium]
+#
+# --scaling MODEL: also kiln alone on one GPU and on every GPU (16 x 1024 tokens per GPU, each
+# --modes mode): the scaling table.
 #
 # FSDP2's reference is ../shared/bench/torch_fsdp_gpt2.py: copy it to .carry/ (only the
 # repository travels) and carry .carry along. NVLink multicast stays off in every process.
@@ -14,7 +17,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 tests=1; check=1; torch=1; bench=1; ranks_list="2 4"; model=gpt2-xl; per_gpu=8; modes="dp zero1 zero2 zero3"; steps=10
-single_model=gpt2-medium
+single_model=gpt2-medium; scaling=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-tests) tests=0 ;;
@@ -26,6 +29,7 @@ while [ $# -gt 0 ]; do
     --per-gpu) shift; per_gpu="$1" ;;
     --modes) shift; modes="$1" ;;
     --steps) shift; steps="$1" ;;
+    --scaling) shift; scaling="$1" ;;
     *) echo "gpu-dist-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -85,6 +89,16 @@ if [ $bench = 1 ] && [ $torch = 1 ] && [ -f .carry/torch_fsdp_gpt2.py ]; then
   grep '^{' "$out/fsdp_compile.log" | tail -1 >"$out/fsdp_compile.json"
 fi
 
+: >"$out/scaling.jsonl"
+if [ -n "$scaling" ]; then
+  $kiln bench --model "$scaling" --batch 16 --seq 1024 --amp bf16 --steps "$steps" --warmup 3 --json \
+    2>>"$out/bench.err" | tee -a "$out/scaling.log" | tail -1 >>"$out/scaling.jsonl"
+  for mode in $modes; do
+    $kiln launch -n "$gpus" -- bench --model "$scaling" --batch $(( 16 * gpus )) --seq 1024 --amp bf16 --shard "$mode" \
+      --steps "$steps" --warmup 3 --json 2>>"$out/bench.err" | tee -a "$out/scaling.log" | tail -1 >>"$out/scaling.jsonl"
+  done
+fi
+
 echo
 echo "GPU: $(head -1 "$out/gpu.txt") x $gpus; tests: $test_summary"
 [ -n "$check_summary" ] && echo "checks: $check_summary"
@@ -118,4 +132,13 @@ if os.path.exists(single):
     r = json.loads(open(single).read())
     print(f"one GPU, {r['model']} batch {r['batch']}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
           f"MFU {r['mfu']:.3f}, peak {r['peak_gib']:.2f} GiB")
+runs = [json.loads(l) for l in open(os.path.join(out, "scaling.jsonl")) if l.startswith("{")]
+if runs:
+    base = next((r for r in runs if r.get("world_size", 1) == 1), None)
+    print(f"scaling: {runs[0]['model']}, 16 x 1024 tokens per GPU, bf16")
+    print(f"{'':24} {'ms/step':>8} {'tok/s':>9} {'x 1 GPU':>8} {'peak GiB/GPU':>12}")
+    for r in runs:
+        name = f"kiln {r.get('world_size', 1)} GPU" + (f" {r['shard']}" if r.get("world_size", 1) > 1 else "")
+        x = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        print(f"{name:24} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9.0f} {x:8.2f} {r.get('max_peak_gib', r['peak_gib']):12.2f}")
 EOF
