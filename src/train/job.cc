@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "device/device_runtime.h"
+#include "distributed/comm_profile.h"
 #include "distributed/process_group.h"
 #include "ir/text.h"
 #include "models/models.h"
@@ -273,6 +274,13 @@ std::unique_ptr<ProcessGroup> join_group(const std::string& device) {
 
 namespace {
 
+// A step's pass options in a group: the distribution passes plan with the group's measured
+// collective times (distributed/comm_profile.h), the same on every rank.
+PassOptions passes_for(PassOptions passes, ProcessGroup* group, const DeviceRuntime& runtime) {
+  if (group && !passes.costs) passes.costs = comm_cost_model(*group, runtime);
+  return passes;
+}
+
 // The job once the device is chosen and, in a group, the group joined.
 JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group, const Stopwatch& run_time) {
   Place place;
@@ -318,7 +326,8 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   executor_options.device = runtime->device();
   if (group) executor_options.communicator = group->communicator().get();
   const ShardingOptions sharding{parse_shard_mode(shard), place.world};
-  Trainer trainer(task.forward, o.optimizer, task.init, executor_options, o.passes, sharding);
+  Trainer trainer(task.forward, o.optimizer, task.init, executor_options, passes_for(o.passes, group, *runtime),
+                  sharding);
   task.init.clear();  // the trainer has its own copy on its device
   // Every rank compiled the same step (same model, batch, flags and build), or none goes on.
   if (group)
@@ -527,8 +536,10 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   if (rank != 0) o.out = nullptr;
   KILN_CHECK((o.profile_path.empty() && o.timeline_path.empty()) || world == 1,
              "--profile and --timeline run on one process (drop kiln launch)");
+  const double group_joined_s = seconds_since_process_start();
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
+  const double runtime_s = seconds_since_process_start();
   KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
              "unknown model '{}' (expected {})", o.model, models::model_names_text());
   KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
@@ -559,6 +570,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     init = models::init_params_fan_in(forward, o.seed);
     r.tokens_per_step = o.batch;
   }
+  const double params_s = seconds_since_process_start();
   std::vector<std::vector<Tensor>> batches(2);
   for (size_t k = 0; k < batches.size(); ++k)
     for (const GraphInput& in : forward.inputs) {
@@ -595,10 +607,15 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   size_t free_before = on_cuda ? runtime->memory_info().free_bytes : 0;  // the first call: CUDA's context
   runtime->reset_peak_allocated_bytes();
   r.setup_s = seconds_since_process_start();
-  r.setup_parts = {{"start", entered_s}, {"model and params", context_from_s - entered_s}};
+  r.setup_parts = {{"start", entered_s}};
+  if (group) r.setup_parts.emplace_back("process group", group_joined_s - entered_s);
+  r.setup_parts.emplace_back("runtime", runtime_s - group_joined_s);
+  r.setup_parts.emplace_back("model and params", params_s - runtime_s);
+  r.setup_parts.emplace_back("data", context_from_s - params_s);
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Stopwatch phase;
-  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, o.passes, sharding);
+  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options,
+                                                 passes_for(o.passes, group, *runtime), sharding);
   Trainer& trainer = *trainer_owner;
   r.compile_s = phase.lap();
   if (group)
