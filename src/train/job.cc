@@ -534,8 +534,8 @@ namespace {
 BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   const int world = group ? group->world_size() : 1, rank = group ? group->rank() : 0;
   if (rank != 0) o.out = nullptr;
-  KILN_CHECK((o.profile_path.empty() && o.timeline_path.empty()) || world == 1,
-             "--profile and --timeline run on one process (drop kiln launch)");
+  KILN_CHECK(o.profile_path.empty() || world == 1, "--profile runs on one process (drop kiln launch; --timeline "
+             "traces a group's steps)");
   const double group_joined_s = seconds_since_process_start();
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
@@ -614,8 +614,8 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   r.setup_parts.emplace_back("data", context_from_s - params_s);
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Stopwatch phase;
-  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options,
-                                                 passes_for(o.passes, group, *runtime), sharding);
+  const PassOptions passes = passes_for(o.passes, group, *runtime);  // once: every rank sweeps together
+  auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes, sharding);
   Trainer& trainer = *trainer_owner;
   r.compile_s = phase.lap();
   if (group)
@@ -672,9 +672,11 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   auto another_trainer = [&](const ExecutorOptions& options) {
     std::vector<Tensor> params;
     for (const Tensor& t : again_init) params.push_back(t.clone());
-    return std::make_unique<Trainer>(forward, config, params, options, o.passes);
+    return std::make_unique<Trainer>(forward, config, params, options, passes, sharding);
   };
   if (!o.timeline_path.empty()) {
+    // In a group every rank runs the traced steps (their collectives need each other); rank 0
+    // writes and reports its own trace, the communication stream's kernels beside the compute.
     // The trace exists before the trainer so that its graph's capture names every kernel's node.
     const std::unique_ptr<DeviceTrace> trace = runtime->create_trace();
     std::unique_ptr<Trainer> traced = another_trainer(executor_options);
@@ -685,7 +687,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     traced->synchronize();
     std::vector<std::vector<TraceEvent>> steps = split_steps(trace->stop());
     const std::vector<NodeTiming> labels = traced->step_executor().node_labels();
-    write_timeline_trace(steps, labels, o.timeline_path);
+    if (rank == 0) write_timeline_trace(steps, labels, o.timeline_path);
     if (o.out) {
       fmt::print(o.out, "{}", timeline_report(steps, labels, 25));
       fmt::print(o.out, "timeline written to {} (open in chrome://tracing or ui.perfetto.dev)\n", o.timeline_path);

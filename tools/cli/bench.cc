@@ -36,7 +36,8 @@ void add_bench_command(CLI::App& app) {
   command->add_option("--timeline", o->timeline_path,
                       "After the timed steps, trace graph-replayed steps as the GPU ran them (CUPTI): print each "
                       "step's span, busy and idle time, its largest gaps and a per-node table, and write a Chrome "
-                      "trace-event JSON of them to this file");
+                      "trace-event JSON of them to this file (under kiln launch: rank 0's, its communication "
+                      "stream's kernels beside the compute)");
   command->add_option("--timeline-steps", o->timeline_steps, "Steps --timeline traces (default 10)");
   command->callback([o, peak_tflops] {
     o->peak_flops = *peak_tflops * 1e12;
