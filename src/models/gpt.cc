@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include "models/models.h"
@@ -73,13 +74,17 @@ namespace {
 // one core: ~10 ns (one log, sqrt and sincos in f32 per pair; Philox 2 ns), against ~27 for
 // std::normal_distribution<double> on mt19937_64, which made GPT-2's 124M values most of
 // `kiln bench`'s setup (~1 s on the GPU machine). The smallest u1 is 2^-24: |z| <= 5.8.
-void fill_normal(Tensor& t, uint64_t seed, double std) {
-  const int64_t n = t.numel(), blocks = (n + 3) / 4;
-  float* f32 = t.dtype() == DType::kF32 ? t.data<float>() : nullptr;
+// Elements [begin, begin + out.numel()) of a tensor so drawn (out may be a shard's slice of
+// it): every block overlapping the range is drawn and only its elements in the range kept.
+void fill_normal(Tensor& out, int64_t begin, uint64_t seed, double std) {
+  const int64_t count = out.numel();
+  if (count == 0) return;
+  float* f32 = out.dtype() == DType::kF32 ? out.data<float>() : nullptr;
   const PhiloxKey key{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}};
   const float scale = static_cast<float>(std);
-  parallel_for(0, blocks, int64_t{1} << 13, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t first = begin / 4, last = (begin + count - 1) / 4;
+  parallel_for(first, last + 1, int64_t{1} << 13, [&](int64_t block_begin, int64_t block_end) {
+    for (int64_t b = block_begin; b < block_end; ++b) {
       const uint64_t ub = static_cast<uint64_t>(b);
       const PhiloxBlock r = philox4x32_10(PhiloxBlock{{uint32_t(ub), uint32_t(ub >> 32), 0u, 0u}}, key);
       float z[4];
@@ -91,36 +96,61 @@ void fill_normal(Tensor& t, uint64_t seed, double std) {
         z[2 * pair] = radius * std::cos(angle);
         z[2 * pair + 1] = radius * std::sin(angle);
       }
-      for (int k = 0; k < 4 && 4 * b + k < n; ++k) {
-        if (f32) f32[4 * b + k] = z[k];
-        else t.set(4 * b + k, z[k]);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t i = 4 * b + k - begin;
+        if (i < 0 || i >= count) continue;
+        if (f32) f32[i] = z[k];
+        else out.set(i, z[k]);
       }
     }
   });
+}
+
+// Elements [begin, begin + out.numel()) of param `v`'s initial value (the `index`-th param);
+// past the param's end (a shard's padding), zeros.
+void init_param(const Value& v, uint64_t seed, uint64_t index, int64_t layers, int64_t begin, Tensor& out) {
+  auto ends_with = [&](const char* suffix) {
+    std::string s(suffix);
+    return v.name.size() >= s.size() && v.name.compare(v.name.size() - s.size(), s.size(), s) == 0;
+  };
+  const int64_t n = std::clamp<int64_t>(v.type.numel() - begin, 0, out.numel());  // the rest is padding
+  if (n == 0) return;
+  Tensor head = out.viewed(TensorType{out.dtype(), {n}}, 0);
+  if (v.type.rank() == 1) {
+    const double fill = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ? 1.0 : 0.0;
+    for (int64_t i = 0; i < n; ++i) head.set(i, fill);
+  } else {
+    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
+    const double std = ends_with("proj.weight") || ends_with("fc2.weight") ? residual_std : 0.02;
+    fill_normal(head, begin, seed * 1000003ull + index, std);
+  }
 }
 
 }  // namespace
 
 std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers) {
   std::vector<Tensor> out;
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
   uint64_t index = 0;
   for (const GraphInput& in : graph.inputs) {
     if (in.role != Role::kParam) continue;
     const Value& v = graph.value(in.value);
     Tensor t(v.type);
-    auto ends_with = [&](const char* suffix) {
-      std::string s(suffix);
-      return v.name.size() >= s.size() && v.name.compare(v.name.size() - s.size(), s.size(), s) == 0;
-    };
-    const uint64_t tensor_seed = seed * 1000003ull + index++;
-    if (v.type.rank() == 1) {
-      double fill = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ? 1.0 : 0.0;
-      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, fill);
-    } else {
-      double std = ends_with("proj.weight") || ends_with("fc2.weight") ? residual_std : 0.02;
-      fill_normal(t, tensor_seed, std);
-    }
+    Tensor flat = t.reshaped({v.type.numel()});
+    init_param(v, seed, index++, layers, 0, flat);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<Tensor> init_param_shards(const Graph& graph, uint64_t seed, int64_t layers, int world, int rank) {
+  std::vector<Tensor> out;
+  uint64_t index = 0;
+  for (const GraphInput& in : graph.inputs) {
+    if (in.role != Role::kParam) continue;
+    const Value& v = graph.value(in.value);
+    const int64_t k = (v.type.numel() + world - 1) / world;  // passes/sharding.h's param_shard
+    Tensor t(TensorType{v.type.dtype, {k}});  // zero-filled: the padding stays 0
+    init_param(v, seed, index++, layers, k * rank, t);
     out.push_back(std::move(t));
   }
   return out;

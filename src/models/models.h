@@ -44,6 +44,10 @@ GptConfig gpt_config(const std::string& name);
 // weights normal(0, 0.02) (GPT-2: residual projections scaled by 1/sqrt(2 * layers)), biases 0,
 // norm gains 1. Parameters are recognized by name.
 std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers = 1);
+// Rank `rank`'s flat shards of init_params' values (passes/sharding.h's layout: each param
+// flattened, zero-padded to world * k, elements [rank * k, (rank + 1) * k)), drawing only those:
+// a zero3 rank's share of the work (Trainer takes a sharded param as its full value or as this).
+std::vector<Tensor> init_param_shards(const Graph& graph, uint64_t seed, int64_t layers, int world, int rank);
 
 struct CnnConfig {
   int64_t batch = 32;

@@ -63,12 +63,16 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     const Value& v = g.value(g.inputs[program.param_inputs[i]].value);
     const TensorType& full = forward.type(forward.inputs[program.param_inputs[i]].value);
     param_types[v.name] = full;
-    KILN_CHECK(params[i].type() == full, "param '{}' must be {}, got {}", v.name, to_string(full),
+    // zero3's params come whole (this rank takes its shard) or as this rank's shard already
+    // (models::init_param_shards: a rank draws only its share).
+    const bool given_sharded = v.type != full && params[i].type() == v.type;
+    KILN_CHECK(params[i].type() == full || given_sharded, "param '{}' must be {}{}, got {}", v.name, to_string(full),
+               v.type != full ? fmt::format(" (or this rank's shard, {})", to_string(v.type)) : "",
                to_string(params[i].type()));
     // host; the upload below is the trainer's own copy (zero3: of this rank's shard)
     if (v.type != full) {
       sharded_[v.name] = full;
-      params[i] = host_shard(params[i], v.type.numel(), rank());
+      if (!given_sharded) params[i] = host_shard(params[i], v.type.numel(), rank());
     }
     inputs_[program.param_inputs[i]] = params[i];
   }

@@ -124,7 +124,7 @@ RunResult single(const Model& model, int64_t steps, const OptimizerConfig& confi
 RunResult group(const Model& model, ShardMode mode, int world, int64_t steps, int64_t first_step = 0,
                 const std::function<void(Trainer&)>& before = nullptr,
                 const std::function<void(Trainer&)>& after = nullptr, const OptimizerConfig& config = adamw(),
-                const PassOptions& passes = {}) {
+                const PassOptions& passes = {}, bool init_as_shards = false) {
   StoreServer server("127.0.0.1", 0, world);
   const std::string consolidated =
       (std::filesystem::temp_directory_path() / fmt::format("kiln_sharded_{}_{}.safetensors", ::getpid(), world)).string();
@@ -135,7 +135,9 @@ RunResult group(const Model& model, ShardMode mode, int world, int64_t steps, in
     const Graph g = model.forward(model.batch / world);
     ExecutorOptions options;
     options.communicator = pg->communicator().get();
-    Trainer trainer(g, config, model.init(g), options, passes, ShardingOptions{mode, world});
+    // gpt_init's values, drawn as this rank's shards (zero3) or whole.
+    std::vector<Tensor> init = init_as_shards ? models::init_param_shards(g, 7, 2, world, rank) : model.init(g);
+    Trainer trainer(g, config, std::move(init), options, passes, ShardingOptions{mode, world});
     if (before) before(trainer);
     for (int64_t s = first_step; s < first_step + steps; ++s) trainer.step(rows_of(global_batch(model, s), rank, world));
     std::vector<double> losses = trainer.take_losses();
@@ -215,6 +217,17 @@ TEST(DistributionPasses, ChangeNoResultOfAnyMode) {
       EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
     }
   }
+}
+
+// A zero3 rank may be given its params as its shards (models::init_param_shards, what `kiln
+// bench` draws): the same run, bit for bit, as from the whole values.
+TEST(ShardedTrainingInit, ZeroThreeTakesItsParamsAsShards) {
+  if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
+  const RunResult whole = group(kGpt, ShardMode::kZero3, 2, 3);
+  const RunResult shards = group(kGpt, ShardMode::kZero3, 2, 3, 0, nullptr, nullptr, adamw(), {}, true);
+  EXPECT_EQ(whole.losses, shards.losses);
+  for (const auto& [name, tensor] : whole.tensors)
+    EXPECT_EQ(std::memcmp(shards.tensors.at(name).raw(), tensor.raw(), tensor.bytes()), 0) << name;
 }
 
 class ShardedCheckpoint : public ::testing::Test {

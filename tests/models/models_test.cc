@@ -244,3 +244,31 @@ TEST(Models, InitParamsDependOnTheSeedAloneNotTheThreads) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// A zero3 rank draws only its shards: laid end to end (padding dropped) they are init_params'
+// values bit for bit, for group sizes that pad and that do not.
+TEST(Models, InitParamShardsAreTheRanksSlicesOfInitParams) {
+  models::GptConfig c = models::gpt_config("gpt2-tiny");
+  c.batch = 2;
+  c.seq = 16;
+  const Graph g = models::gpt(c);
+  const std::vector<Tensor> whole = models::init_params(g, 11, c.layers);
+  for (int world : {1, 2, 3, 4}) {
+    std::vector<std::vector<Tensor>> ranks;
+    for (int r = 0; r < world; ++r) ranks.push_back(models::init_param_shards(g, 11, c.layers, world, r));
+    for (size_t p = 0; p < whole.size(); ++p) {
+      const int64_t n = whole[p].numel(), k = ranks[0][p].numel();
+      ASSERT_EQ(k, (n + world - 1) / world);
+      for (int64_t i = 0; i < k * world; ++i) {
+        const double got = ranks[static_cast<size_t>(i / k)][p].get(i % k);
+        ASSERT_EQ(got, i < n ? whole[p].get(i) : 0.0) << "param " << p << " element " << i << " world " << world;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kiln
