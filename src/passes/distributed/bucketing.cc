@@ -32,11 +32,17 @@ struct Bucket {
   double seconds = 0;
   int ready = 0;                        // the start may go before node `ready` at the earliest
   int first_read = 0;                   // the first node reading any member's output
+  int first_ready = 0;                  // the earliest member's own `ready`
 };
 
-// Where the bucket's start may go: after every member's input (a movable producer moves up
-// with it), and not before the first member's own start.
-int ready_of(const Collective& c) { return c.producer_movable ? c.start : c.producer + 1; }
+// Where the bucket's start may go: after every member's input is made (its chain of casts and
+// shape ops moves up with it). A gather's input (params) is ready from the start, but a bucket
+// then spans only gathers started before any member's output is read (its own start counts):
+// the overlap pass, not a bucket, decides how far ahead to gather.
+int ready_of(const Graph& g, const Collective& c) {
+  const Op op = g.nodes[static_cast<size_t>(c.start)].op;
+  return op == Op::kAllGather ? std::max(c.ready, c.start) : distributed::hoists_producers(op) ? c.earliest : c.ready;
+}
 
 // What a collective communicates, up to a cast of a graph input: zero3 gathers each param shard
 // once for the forward and again for the backward, so that nothing gathered lives across the
@@ -61,9 +67,13 @@ class Rewriter {
     const Attributes attrs = first.attrs;
     const int64_t world = attrs.i("world_size");
     const int start_at = std::max(bucket.ready, m[0].start);
-    for (const Collective& c : m)
-      if (c.producer_movable)  // up only: it may have readers before the bucket
-        keys_[static_cast<size_t>(c.producer)] = std::min(keys_[static_cast<size_t>(c.producer)], start_at - 0.7);
+    for (const Collective& c : m) {
+      if (distributed::hoists_producers(op))  // an all_reduce's producers (collectives.h), then its chain
+        for (int p : c.producers)
+          keys_[static_cast<size_t>(p)] = std::min(keys_[static_cast<size_t>(p)], start_at - 0.8 + 1e-7 * p);
+      for (int p : c.chain)  // up only (a chain node may have readers before), in their order
+        keys_[static_cast<size_t>(p)] = std::min(keys_[static_cast<size_t>(p)], start_at - 0.7 + 1e-7 * p);
+    }
 
     Builder b(std::move(graph_));
     size_t mark = b.graph().nodes.size();
@@ -145,6 +155,7 @@ bool BucketCollectives::run(Graph& graph) {
   if (collectives.empty()) return false;
 
   // Greedy over the node order: one open bucket per kind.
+  const std::vector<double> t = distributed::compute_start_times(graph, costs_);
   std::vector<Bucket> closed;
   std::map<Signature, Bucket> open;
   for (const Collective& c : collectives) {
@@ -157,21 +168,29 @@ bool BucketCollectives::run(Graph& graph) {
       const double merged = fit.seconds(bytes);
       const bool fits_in_time = merged <= kMergeRatio * std::max(bucket.seconds, c.seconds);
       // The merged start (after every input, not before the first member's) precedes every read.
-      const bool in_order = std::max({bucket.ready, ready_of(c), bucket.members[0].start}) <=
+      const bool in_order = std::max({bucket.ready, ready_of(graph, c), bucket.members[0].start}) <=
                             std::min(bucket.first_read, c.first_reader);
       const bool repeats = std::any_of(bucket.members.begin(), bucket.members.end(),
                                        [&](const Collective& m) { return root_of(graph, m) == root_of(graph, c); });
-      if (fits_in_time && in_order && !repeats && bytes <= kMaxBucketBytes) {
+      // A reduction waits for its last member's input: the earliest member's communication is
+      // delayed by the compute in between, which may not exceed the latency the bucket saves (or
+      // a growing bucket would swallow the whole backward and reduce it all at the end).
+      // Gathers read params, ready from the start: nothing waits.
+      const int ready = std::max(bucket.ready, ready_of(graph, c));
+      const bool reduction = node.op != Op::kAllGather;
+      const bool prompt = !reduction || t[static_cast<size_t>(ready)] - t[static_cast<size_t>(bucket.first_ready)] <=
+                                            fit.latency_s * static_cast<double>(bucket.members.size());
+      if (fits_in_time && in_order && prompt && !repeats && bytes <= kMaxBucketBytes) {
         bucket.members.push_back(c);
         bucket.bytes = bytes;
         bucket.seconds = merged;
-        bucket.ready = std::max(bucket.ready, ready_of(c));
+        bucket.ready = std::max(bucket.ready, ready_of(graph, c));
         bucket.first_read = std::min(bucket.first_read, c.first_reader);
         continue;
       }
       closed.push_back(std::move(bucket));
     }
-    bucket = Bucket{{c}, c.bytes, c.seconds, ready_of(c), c.first_reader};
+    bucket = Bucket{{c}, c.bytes, c.seconds, ready_of(graph, c), c.first_reader, ready_of(graph, c)};
   }
   for (auto& [sig, bucket] : open) closed.push_back(std::move(bucket));
 

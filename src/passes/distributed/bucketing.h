@@ -5,9 +5,11 @@
 //
 // Which: walking the node order, a collective joins the open bucket of its kind (op, world
 // size, reduction, dtype) when (DeepCompile's rule) the merged collective is predicted to take
-// less than 1.2x the longer of the bucket and the newcomer alone, and stays under 1 GiB; and when
+// less than 1.2x the longer of the bucket and the newcomer alone, and stays under 1 GiB; when
 // every member's input is ready before any member's output is first read (a param shard's cast
-// moves up with the bucket). Times come from the cost model (analysis/cost_model.h).
+// moves up with the bucket); and, for reductions (whose start waits for the last member's
+// input), when the compute between the first member's input and the newcomer's takes no longer
+// than the latency the bucket saves. Times come from the cost model (analysis/cost_model.h).
 //
 // How, per bucket (copy in, one collective, copy out, as PyTorch's FSDP2 does):
 //   all_reduce      x_i (any shape)  -> concat of the flat x_i -> all_reduce -> slices (views)

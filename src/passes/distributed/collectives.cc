@@ -29,6 +29,34 @@ std::vector<Collective> find_collectives(const Graph& graph, const Uses& uses, c
                            std::all_of(p.inputs.begin(), p.inputs.end(),
                                        [&](ValueId in) { return uses.producer[static_cast<size_t>(in)] < 0; });
     }
+    // The chain: walk up through casts and shape ops; anything else (or a graph input) ends it.
+    std::vector<ValueId> stack{node.inputs[0]};
+    while (!stack.empty()) {
+      const ValueId v = stack.back();
+      stack.pop_back();
+      const int p = uses.producer[static_cast<size_t>(v)];
+      if (p < 0) continue;
+      const Op op = graph.nodes[static_cast<size_t>(p)].op;
+      if (op != Op::kCast && !has_flag(op, kShape)) {
+        c.ready = std::max(c.ready, p + 1);
+        const Node& producer = graph.nodes[static_cast<size_t>(p)];
+        const bool movable = !has_flag(producer.op, kCollective) && producer.op != Op::kCollectiveWait &&
+                             !has_flag(producer.op, kRandom);
+        int inputs_ready = movable ? 0 : p;
+        if (movable)
+          for (ValueId in : producer.inputs)
+            inputs_ready = std::max(inputs_ready, uses.producer[static_cast<size_t>(in)] + 1);
+        if (movable && std::find(c.producers.begin(), c.producers.end(), p) == c.producers.end())
+          c.producers.push_back(p);
+        c.earliest = std::max(c.earliest, inputs_ready);
+        continue;
+      }
+      if (std::find(c.chain.begin(), c.chain.end(), p) != c.chain.end()) continue;
+      c.chain.push_back(p);
+      for (ValueId in : graph.nodes[static_cast<size_t>(p)].inputs) stack.push_back(in);
+    }
+    std::sort(c.chain.begin(), c.chain.end());
+    std::sort(c.producers.begin(), c.producers.end());
     c.bytes = collective_bytes(graph, node);
     c.seconds = costs.collective_seconds(graph, node);
     found.push_back(c);

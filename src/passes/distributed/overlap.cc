@@ -18,42 +18,6 @@ using distributed::Collective;
 // a wait (so a wait placed at its start's own index still follows it).
 constexpr double kChainKey = -0.8, kStartKey = -0.6, kWaitKey = -0.4;
 
-// Nodes computed from graph inputs alone (a shard's cast, a bucket's copy-in of casts): they may
-// run anywhere before their readers.
-std::vector<char> input_only(const Graph& g, const Uses& uses) {
-  std::vector<char> only(g.nodes.size(), 0);
-  for (size_t n = 0; n < g.nodes.size(); ++n) {
-    const Node& node = g.nodes[n];
-    if (node.inputs.empty() || has_flag(node.op, kRandom) || has_flag(node.op, kCollective) ||
-        node.op == Op::kCollectiveWait)
-      continue;
-    only[n] = std::all_of(node.inputs.begin(), node.inputs.end(), [&](ValueId in) {
-      const int p = uses.producer[static_cast<size_t>(in)];
-      return p < 0 || only[static_cast<size_t>(p)];
-    });
-  }
-  return only;
-}
-
-// The input-only nodes `value` is computed from (itself included), in node order.
-std::vector<int> chain_of(const Uses& uses, const Graph& g, const std::vector<char>& only, ValueId value) {
-  std::vector<int> chain, stack;
-  const int p = uses.producer[static_cast<size_t>(value)];
-  if (p >= 0 && only[static_cast<size_t>(p)]) stack.push_back(p);
-  while (!stack.empty()) {
-    const int n = stack.back();
-    stack.pop_back();
-    if (std::find(chain.begin(), chain.end(), n) != chain.end()) continue;
-    chain.push_back(n);
-    for (ValueId in : g.nodes[static_cast<size_t>(n)].inputs) {
-      const int q = uses.producer[static_cast<size_t>(in)];
-      if (q >= 0 && only[static_cast<size_t>(q)]) stack.push_back(q);
-    }
-  }
-  std::sort(chain.begin(), chain.end());
-  return chain;
-}
-
 // The last index p <= `limit` with t[limit] - t[p] >= lead (0 if none).
 int latest_with_lead(const std::vector<double>& t, int limit, double lead) {
   const double at = t[static_cast<size_t>(limit)] - lead;
@@ -77,7 +41,7 @@ struct Placement {
 class Planner {
  public:
   Planner(const Graph& graph, const CostModel& costs)
-      : graph_(graph), costs_(costs), uses_(graph), only_(input_only(graph, uses_)),
+      : graph_(graph), costs_(costs), uses_(graph),
         collectives_(distributed::find_collectives(graph, uses_, costs)),
         t_(distributed::compute_start_times(graph, costs)) {}
 
@@ -101,17 +65,19 @@ class Planner {
           continue;
         }
         const Node& node = graph_.nodes[static_cast<size_t>(c.start)];
-        int at;  // the start goes right before node `at`
+        int at;  // the start goes right before node `at`, its chain of casts and shape ops before it
         if (node.op == Op::kAllGather) {
           const double lead = scale * (c.seconds + extra[c.start]);
-          at = latest_with_lead(t_, c.first_reader, lead);
-          const std::vector<int> chain = chain_of(uses_, graph_, only_, node.inputs[0]);
-          if (chain.empty()) at = std::max(at, c.producer + 1);
-          for (int p : chain)  // up only: a chain node may have readers before
-            keys[static_cast<size_t>(p)] = std::min(keys[static_cast<size_t>(p)], at + kChainKey + 1e-6 * p);
+          at = std::max(c.ready, latest_with_lead(t_, c.first_reader, lead));
+        } else if (distributed::hoists_producers(node.op)) {
+          at = c.earliest;  // its producers hoisted to right after their inputs (collectives.h)
+          for (int p : c.producers)
+            keys[static_cast<size_t>(p)] = std::min(keys[static_cast<size_t>(p)], at + kChainKey - 0.1 + 1e-7 * p);
         } else {
-          at = c.producer + 1;
+          at = c.ready;
         }
+        for (int p : c.chain)  // up only: a chain node may have readers before
+          keys[static_cast<size_t>(p)] = std::min(keys[static_cast<size_t>(p)], at + kChainKey + 1e-7 * p);
         keys[static_cast<size_t>(c.start)] = at + kStartKey;
         starts.push_back({keys[static_cast<size_t>(c.start)], i});
       }
@@ -151,7 +117,6 @@ class Planner {
   const Graph& graph_;
   const CostModel& costs_;
   Uses uses_;
-  std::vector<char> only_;
   std::vector<Collective> collectives_;
   std::vector<double> t_;
 };
