@@ -280,8 +280,9 @@ void Importer::add_inputs(const ::onnx::GraphProto& graph, ImportedModel& out) {
 
   for (const auto& info : graph.input()) {
     if (initializer_names.count(info.name())) continue;  // IR < 4 lists initializers as inputs too
-    KILN_CHECK(info.type().has_tensor_type(), "graph input '{}' is not a tensor (sequences, maps and optionals are "
-               "not supported)", info.name());
+    if (!info.type().has_tensor_type())
+      throw OnnxUnsupported(fmt::format("graph input '{}' is not a tensor (sequences, maps and optionals are not "
+                                        "supported)", info.name()));
     const DType dtype = dtype_of(info.type().tensor_type().elem_type(), "graph input '" + info.name() + "'");
     values_[info.name()] = b_.data(unique_name(info.name()), input_shape(info), dtype);
   }
@@ -442,7 +443,8 @@ void Importer::add_loss() {
   Expr logits = b_.wrap(g.outputs.at(0));
   KILN_CHECK(is_float(logits.dtype()) && logits.rank() >= 1, "--loss cross_entropy needs float logits (..., V) as "
              "the first output, got {}", to_string(logits.type()));
-  Shape label_shape(logits.shape().begin(), logits.shape().end() - 1);
+  Shape label_shape = logits.shape();
+  label_shape.pop_back();
   Expr labels;
   for (const GraphInput& in : g.inputs)
     if (g.value(in.value).name == kiln_name(options_.labels)) labels = b_.wrap(in.value);

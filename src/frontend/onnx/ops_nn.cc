@@ -298,10 +298,11 @@ void add_nn_rules(RuleTable& r) {
     require_float(c, x);
     const int spatial_rank = x.rank() - 2;
     const Shape out_shape_rank = x.shape();
-    Ints kernel(w.shape().begin() + 2, w.shape().end());
+    const Shape w_shape = w.shape(), x_shape = x.shape();
+    const Ints kernel(w_shape.begin() + 2, w_shape.end());
     if (c.has_attr("kernel_shape") && c.attr_ints("kernel_shape") != kernel)
       c.fail("kernel_shape {} differs from the weight's {}", to_string(c.attr_ints("kernel_shape")), to_string(kernel));
-    Window win = window_of(c, Shape(x.shape().begin() + 2, x.shape().end()), kernel);
+    Window win = window_of(c, Shape(x_shape.begin() + 2, x_shape.end()), kernel);
     const int64_t groups = c.attr_int("group", 1);
     x = as_2d(c, x, spatial_rank);
     w = as_2d(c, w, spatial_rank);
@@ -342,7 +343,8 @@ void add_nn_rules(RuleTable& r) {
       const bool ceil_mode = c.attr_int("ceil_mode", 0) != 0;
       if (is_max && c.attr_int("storage_order", 0) != 0) c.unsupported("storage_order 1");
       const bool include_pad = !is_max && c.attr_int("count_include_pad", 0) != 0;
-      const Shape spatial(x.shape().begin() + 2, x.shape().end());
+      const Shape x_shape = x.shape();
+      const Shape spatial(x_shape.begin() + 2, x_shape.end());
       if (static_cast<int>(kernel.size()) != spatial_rank) c.fail("kernel_shape {} for {} spatial dims", to_string(kernel), spatial_rank);
       Window explicit_pads = window_of(c, spatial, kernel, false);
       Window win = window_of(c, spatial, kernel, ceil_mode);

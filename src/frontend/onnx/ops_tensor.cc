@@ -251,7 +251,9 @@ void add_tensor_rules(RuleTable& r) {
   };
   r["Flatten"] = [](NodeContext& c) {
     Expr x = c.in(0);
-    const int64_t axis = axis_in(c, c.attr_int("axis", 1), x.rank() + 1);
+    int64_t axis = c.attr_int("axis", 1);
+    if (axis < -x.rank() || axis > x.rank()) c.fail("axis {} is out of range for rank {}", axis, x.rank());
+    if (axis < 0) axis += x.rank();
     int64_t outer = 1, inner = 1;
     for (int d = 0; d < x.rank(); ++d) (d < axis ? outer : inner) *= x.dim(d);
     return std::vector<Expr>{reshape(x, {outer, inner})};
