@@ -284,6 +284,14 @@ void Importer::add_inputs(const ::onnx::GraphProto& graph, ImportedModel& out) {
       throw OnnxUnsupported(fmt::format("graph input '{}' is not a tensor (sequences, maps and optionals are not "
                                         "supported)", info.name()));
     const DType dtype = dtype_of(info.type().tensor_type().elem_type(), "graph input '" + info.name() + "'");
+    if (auto given = options_.input_values.find(info.name()); given != options_.input_values.end()) {
+      KILN_CHECK(given->second.dtype() == dtype, "the value given for graph input '{}' is {}, the model wants {}",
+                 info.name(), to_string(given->second.type()), dtype_name(dtype));
+      Expr c = constant_of(b_, given->second);
+      known_[c.id()] = given->second;
+      values_[info.name()] = c;
+      continue;
+    }
     values_[info.name()] = b_.data(unique_name(info.name()), input_shape(info), dtype);
   }
   for (const auto& init : graph.initializer()) {

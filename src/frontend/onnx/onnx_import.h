@@ -45,6 +45,10 @@ struct ImportOptions {
   std::map<std::string, Shape> shapes;
   // Glob patterns (* and ?) of float initializers kept fixed: constants, not params.
   std::vector<std::string> freeze;
+  // Graph inputs whose values are given at import (by ONNX name): constants of the graph, not
+  // inputs. For a model that takes a shape, axes or a count as an input, which kiln's static
+  // shapes need known.
+  std::map<std::string, Tensor> input_values;
   // A model that returns logits rather than its loss: loss "cross_entropy" makes the first
   // output, logits (..., V), the mean cross-entropy against the graph input `labels` (..., ) of
   // i64 (the model's own input of that name, else a new data input), and the logits the second

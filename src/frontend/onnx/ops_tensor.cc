@@ -356,6 +356,7 @@ void add_tensor_rules(RuleTable& r) {
         Ints index;
         for (int64_t p = s; p > e; p += st) index.push_back(p);
         x = take(c.b(), x, index, a);
+        hi[a] = x.dim(int(a));  // whole from here on
       }
     }
     bool whole = true;
