@@ -10,6 +10,9 @@ packages=(
   libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
   python3 python3-pip
+  # The ONNX front end (optional in CMake), its conformance data, and the PyTorch reference of
+  # tests/frontend/torch_step_test.py.
+  libonnx-dev libprotobuf-dev libonnx-testdata python3-onnx python3-torch
 )
 
 missing=()

@@ -83,7 +83,7 @@ void add_every_op(std::vector<Case>& c) {
   const Shape s{3, 70};
   // Unary.
   for (auto [name, op] : {std::pair{"erf", Op::kErf}, {"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
-                          {"silu", Op::kSilu}, {"tanh", Op::kTanh}})
+                          {"silu", Op::kSilu}, {"tanh", Op::kTanh}, {"sin", Op::kSin}, {"cos", Op::kCos}})
     c.push_back({name, op, kFloats, {uniform(s)}});
   for (auto [name, op] : {std::pair{"log", Op::kLog}, {"sqrt", Op::kSqrt}, {"rsqrt", Op::kRsqrt},
                           {"reciprocal", Op::kReciprocal}})
@@ -283,6 +283,8 @@ void add_fast_path_geometry(std::vector<Case>& c) {
       {Op::kLog, "50", 0.01, 50, {1e-7, 1e-6}},
       {Op::kTanh, "0.6", -0.6, 0.6, {1e-9, 2e-6}},  // around the polynomial / exp switch at 0.5
       {Op::kTanh, "12", -12, 12, {1e-9, 2e-6}},
+      {Op::kSin, "30", -30, 30, {1e-7, 1e-6}},
+      {Op::kCos, "30", -30, 30, {1e-7, 1e-6}},
       {Op::kSigmoid, "30", -30, 30, {1e-12, 2e-6}},
       {Op::kRelu, "1", -1, 1, {0, 0}},
       {Op::kGelu, "6", -6, 6, {1e-9, 1e-5}, {{"approximate", std::string("none")}}},

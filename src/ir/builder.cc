@@ -122,6 +122,8 @@ Expr where(Expr c, Expr a, Expr b) { return c.builder().apply1(Op::kWhere, {c, a
 
 Expr abs(Expr x) { return unary(Op::kAbs, x); }
 Expr erf(Expr x) { return unary(Op::kErf, x); }
+Expr sin(Expr x) { return unary(Op::kSin, x); }
+Expr cos(Expr x) { return unary(Op::kCos, x); }
 Expr exp(Expr x) { return unary(Op::kExp, x); }
 Expr log(Expr x) { return unary(Op::kLog, x); }
 Expr sqrt(Expr x) { return unary(Op::kSqrt, x); }

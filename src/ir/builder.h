@@ -106,6 +106,8 @@ Expr where(Expr condition, Expr a, Expr b);
 
 Expr abs(Expr x);
 Expr erf(Expr x);
+Expr sin(Expr x);
+Expr cos(Expr x);
 Expr exp(Expr x);
 Expr log(Expr x);
 Expr sqrt(Expr x);

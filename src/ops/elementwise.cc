@@ -95,6 +95,8 @@ struct ReferenceMath {
   static double tanh(double x) { return std::tanh(x); }
   static double erf(double x) { return std::erf(x); }
   static double erfc(double x) { return std::erfc(x); }
+  static double sin(double x) { return std::sin(x); }
+  static double cos(double x) { return std::cos(x); }
   static double pow(double a, double b) { return std::pow(a, b); }
   static double select(bool c, double a, double b) { return c ? a : b; }
 };
@@ -118,6 +120,15 @@ std::vector<Expr> gradient<Op::kAbs>(const GradContext& c) {
 template <>
 std::vector<Expr> gradient<Op::kErf>(const GradContext& c) {
   return {c.dy() * (exp(-square(c.x())) * (2.0 * std::numbers::inv_sqrtpi))};
+}
+// d sin(x) = cos(x), d cos(x) = -sin(x).
+template <>
+std::vector<Expr> gradient<Op::kSin>(const GradContext& c) {
+  return {c.dy() * cos(c.x())};
+}
+template <>
+std::vector<Expr> gradient<Op::kCos>(const GradContext& c) {
+  return {-(c.dy() * sin(c.x()))};
 }
 template <>
 std::vector<Expr> gradient<Op::kExp>(const GradContext& c) {

@@ -29,6 +29,7 @@
 #define KILN_ELEMENTWISE_OPS(X)                              \
   X(Abs, 1, kArithmetic, M::abs(x))                          \
   X(Add, 2, kArithmetic, a + b)                              \
+  X(Cos, 1, kFloat, M::cos(x))                               \
   X(Div, 2, kArithmetic, a / b)                              \
   X(Eq, 2, kCompare, a == b)                                 \
   X(Erf, 1, kFloat, M::erf(x))                               \
@@ -49,6 +50,7 @@
   X(Rsqrt, 1, kFloat, M::rsqrt(x))                           \
   X(Sigmoid, 1, kFloat, T(1) / (T(1) + M::exp(-x)))          \
   X(Silu, 1, kFloat, x / (T(1) + M::exp(-x)))                \
+  X(Sin, 1, kFloat, M::sin(x))                               \
   X(Sqrt, 1, kFloat, M::sqrt(x))                             \
   X(Square, 1, kArithmetic, x * x)                           \
   X(Sub, 2, kArithmetic, a - b)                              \

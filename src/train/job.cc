@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <algorithm>
@@ -30,6 +31,39 @@ namespace {
 
 
 bool is_language_model(const std::string& model) { return model.rfind("gpt2", 0) == 0; }
+bool is_onnx_model(const std::string& model) {
+  return model.size() > 5 && model.compare(model.size() - 5, 5, ".onnx") == 0;
+}
+
+// Per data input of `forward`, in order: the bound random integers must stay under to be valid
+// indices (token ids, labels): the smallest table, class count or depth an index derived from
+// it reaches (gather, cross_entropy, one_hot); 2 for an integer input used otherwise.
+std::vector<int64_t> data_index_bounds(const Graph& forward) {
+  std::vector<uint64_t> from(forward.values.size(), 0);  // bit i: derives from data input i
+  std::vector<int64_t> bounds;
+  for (const GraphInput& in : forward.inputs) {
+    if (in.role != Role::kData) continue;
+    if (bounds.size() < 64) from[in.value] = uint64_t{1} << bounds.size();
+    bounds.push_back(std::numeric_limits<int64_t>::max());
+  }
+  auto bound = [&](ValueId index, int64_t limit) {
+    for (size_t i = 0; i < bounds.size() && i < 64; ++i)
+      if (from[index] >> i & 1) bounds[i] = std::min(bounds[i], limit);
+  };
+  for (const Node& node : forward.nodes) {
+    uint64_t deps = 0;
+    for (ValueId in : node.inputs) deps |= from[in];
+    for (ValueId out : node.outputs) from[out] = deps;
+    if (node.op == Op::kGather)
+      bound(node.inputs[1], forward.type(node.inputs[0]).shape[static_cast<size_t>(
+                                normalize_axis(node.attrs.i("axis"), forward.type(node.inputs[0]).rank()))]);
+    if (node.op == Op::kCrossEntropy) bound(node.inputs[1], forward.type(node.inputs[0]).shape.back());
+    if (node.op == Op::kOneHot) bound(node.inputs[0], node.attrs.i("depth"));
+  }
+  for (int64_t& b : bounds)
+    if (b == std::numeric_limits<int64_t>::max()) b = 2;
+  return bounds;
+}
 
 // The runtime of `--device`, or an error saying why there is none.
 std::unique_ptr<DeviceRuntime> runtime_of(const std::string& device) {
@@ -540,8 +574,9 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
   const double runtime_s = seconds_since_process_start();
-  KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
-             "unknown model '{}' (expected {})", o.model, models::model_names_text());
+  const bool from_onnx = is_onnx_model(o.model);
+  KILN_CHECK(from_onnx || std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
+             "unknown model '{}' (expected {}, or an ONNX file MODEL.onnx)", o.model, models::model_names_text());
   KILN_CHECK(o.profile_path.empty() || on_cuda, "--profile needs --device cuda (it times kernels with CUDA events)");
   KILN_CHECK(o.timeline_path.empty() || on_cuda, "--timeline needs --device cuda (it traces the GPU's work)");
   KILN_CHECK(o.timeline_path.empty() || runtime->can_trace(),
@@ -554,10 +589,25 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   KILN_CHECK(o.batch % world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch, world);
   BenchResult r;
   r.world_size = world;
-  Graph forward = models::by_name(o.model, o.batch / world, o.seq);  // this rank's rows
+  Graph forward;
   std::vector<Tensor> init;
+  std::map<std::string, Tensor> onnx_state;  // an ONNX model's own state (BatchNorm statistics)
   int64_t int_high = 10, layers = 0, seq = 1, d_model = 0;
-  if (is_language_model(o.model)) {
+  std::vector<int64_t> index_bounds;  // per data input: integers are drawn from [0, bound)
+  if (from_onnx) {
+    KILN_CHECK(world == 1, "an ONNX model benchmarks in one process (its batch is the file's)");
+    onnx::ImportedModel model = onnx::import_onnx(o.model, o.onnx);
+    forward = std::move(model.graph);
+    for (const GraphInput& in : forward.inputs) {
+      const std::string& name = forward.value(in.value).name;
+      if (in.role == Role::kParam) init.push_back(model.initial_values.at(name));
+      if (in.role == Role::kState) onnx_state[name] = model.initial_values.at(name);
+    }
+    index_bounds = data_index_bounds(forward);
+    const Value& first = forward.value(forward.inputs.front().value);
+    r.tokens_per_step = first.type.rank() > 0 ? first.type.shape[0] : 1;
+  } else if (is_language_model(o.model)) {
+    forward = models::by_name(o.model, o.batch / world, o.seq);  // this rank's rows
     models::GptConfig config = models::gpt_config(o.model);
     if (o.seq > 0) config.seq = o.seq;
     int_high = config.vocab;
@@ -575,6 +625,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
                : models::init_params(forward, o.seed, config.layers);
     r.tokens_per_step = o.batch * config.seq;
   } else {
+    forward = models::by_name(o.model, o.batch / world, o.seq);
     init = models::init_params_fan_in(forward, o.seed);
     r.tokens_per_step = o.batch;
   }
@@ -585,8 +636,10 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
       if (in.role != Role::kData) continue;
       const TensorType& type = forward.type(in.value);
       bool integer = is_integer(type.dtype);
+      const double high = !integer ? 1.0 : from_onnx ? static_cast<double>(index_bounds[batches[k].size()])
+                                                     : static_cast<double>(int_high);
       batches[k].push_back(random_tensor(type, o.seed * 7919 + 31 * k + batches[k].size() + 1009 * rank, integer ? 0.0 : -1.0,
-                                         integer ? static_cast<double>(int_high) : 1.0));
+                                         high));
     }
   for (const GraphInput& in : forward.inputs)
     if (in.role == Role::kParam) r.params += forward.type(in.value).numel();
@@ -625,6 +678,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   const PassOptions passes = passes_for(o.passes, group, *runtime);  // once: every rank sweeps together
   auto trainer_owner = std::make_unique<Trainer>(forward, config, init, executor_options, passes, sharding);
   Trainer& trainer = *trainer_owner;
+  for (const auto& [name, value] : onnx_state) trainer.set_initial_value(name, value);
   r.compile_s = phase.lap();
   if (group)
     group->check_agreement("the compiled step (model, batch, flags, build)",

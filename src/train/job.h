@@ -11,6 +11,7 @@
 
 #include "compile/training_graph.h"
 #include "device/device_runtime.h"
+#include "frontend/onnx/onnx_import.h"
 #include "passes/pass.h"
 
 namespace kiln::train {
@@ -85,7 +86,8 @@ JobResult run_training_job(const JobOptions& options);
 
 // `kiln bench`: training steps of a model on random data (no data loading), timed.
 struct BenchOptions {
-  std::string model = "gpt2";     // models::model_names()
+  std::string model = "gpt2";     // models::model_names(), or an ONNX model file (.onnx)
+  onnx::ImportOptions onnx;       // for an ONNX model: dynamic dims, frozen params, its loss
   int64_t batch = 32;
   int64_t seq = 0;                // gpt2*: 0 = the config's
   std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)

@@ -250,6 +250,22 @@ std::map<std::string, Tensor> Trainer::named_tensors() const {
   return out;
 }
 
+void Trainer::set_initial_value(const std::string& name, const Tensor& value) {
+  KILN_CHECK(steps_done_ == 0, "set_initial_value('{}') after {} steps: only before the first", name, steps_done_);
+  KILN_CHECK(!sharded_.count(name), "set_initial_value('{}'): this rank holds a shard of it", name);
+  const Graph& g = step_.program.graph;
+  for (const std::vector<int>* indices : {&step_.program.param_inputs, &step_.program.state_inputs})
+    for (int i : *indices) {
+      const Value& v = g.value(g.inputs[i].value);
+      if (v.name != name) continue;
+      KILN_CHECK(value.type() == v.type, "set_initial_value('{}'): got {}, the step has {}", name,
+                 to_string(value.type()), to_string(v.type));
+      inputs_[i] = runtime_->to_device(value.clone());
+      return;
+    }
+  fail("set_initial_value('{}'): the step has no param or state of that name", name);
+}
+
 std::map<std::string, Tensor> Trainer::host_tensors() const {
   std::map<std::string, Tensor> out = named_tensors();
   for (auto& [name, t] : out) t = runtime_->to_host(t);

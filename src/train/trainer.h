@@ -98,6 +98,11 @@ class Trainer {
   std::vector<Tensor> params() const;
   // The same, copied to the host (waits for the device).
   std::map<std::string, Tensor> host_tensors() const;
+  // Before the first step: param or state `name` starts at host `value` (same type) instead of
+  // what the constructor gave it (zeros for state): an imported model's own state, such as
+  // BatchNorm's running statistics. Throws kiln::Error on an unknown name, another type, a
+  // sharded tensor or a trainer that has stepped.
+  void set_initial_value(const std::string& name, const Tensor& value);
   // Bytes of params and state (what the trainer keeps on its device besides the executors').
   size_t param_and_state_bytes() const;
 

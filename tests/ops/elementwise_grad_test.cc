@@ -134,7 +134,8 @@ TEST(GeluGrad, F32KeepsDtype) {
 
 TEST(ElementwiseGrad, SmoothUnaryOnAnyInput) {
   uint64_t seed = 10;
-  for (Op op : {Op::kNeg, Op::kErf, Op::kExp, Op::kTanh, Op::kSigmoid, Op::kSilu, Op::kSquare}) {
+  for (Op op : {Op::kNeg, Op::kErf, Op::kExp, Op::kTanh, Op::kSigmoid, Op::kSilu, Op::kSquare, Op::kSin,
+                Op::kCos}) {
     for (const Shape& shape : kUnaryShapes) {
       SCOPED_TRACE(std::string(op_name(op)) + " " + to_string(shape));
       expect_op_gradients(op, {rand64(shape, ++seed, -2.0, 2.0)});
@@ -401,7 +402,7 @@ TEST(ElementwiseGrad, EveryDifferentiableOpHasARuleAndTheRestSaySo) {
   for (Op op : {Op::kAbs, Op::kAdd, Op::kCast, Op::kDiv, Op::kDropout, Op::kErf, Op::kExp, Op::kGelu,
                 Op::kLog, Op::kMax, Op::kMaximum, Op::kMean, Op::kMinimum, Op::kMul, Op::kNeg,
                 Op::kPow, Op::kReciprocal, Op::kRelu, Op::kRsqrt, Op::kSigmoid, Op::kSilu,
-                Op::kSqrt, Op::kSquare, Op::kSub, Op::kSum, Op::kTanh, Op::kWhere}) {
+                Op::kSqrt, Op::kSquare, Op::kSub, Op::kSum, Op::kTanh, Op::kWhere, Op::kSin, Op::kCos}) {
     EXPECT_TRUE(op_def(op).differentiable) << op_name(op);
     EXPECT_TRUE(op_def(op).gradient) << op_name(op);
   }

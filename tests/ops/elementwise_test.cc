@@ -11,7 +11,7 @@ namespace kiln::testing {
 namespace {
 
 const Op kFloatOnlyUnary[] = {Op::kErf,     Op::kExp,  Op::kLog,  Op::kReciprocal, Op::kRsqrt,
-                              Op::kSigmoid, Op::kSilu, Op::kSqrt, Op::kTanh};
+                              Op::kSigmoid, Op::kSilu, Op::kSqrt, Op::kTanh, Op::kSin, Op::kCos};
 const Op kIntegerUnary[] = {Op::kAbs, Op::kNeg, Op::kRelu, Op::kSquare};
 
 // ---- unary inference ----

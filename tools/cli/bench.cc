@@ -9,7 +9,10 @@ void add_bench_command(CLI::App& app) {
       app.add_subcommand("bench", "Time training steps of a model on random data: ms/step, tokens/s, MFU, memory");
   auto o = std::make_shared<train::BenchOptions>();
   auto peak_tflops = std::make_shared<double>(0);
+  auto file = std::make_shared<std::string>();
+  command->add_option("MODEL", *file, "An ONNX model (.onnx) to benchmark instead of --model (random inputs)");
   add_model_option(command, o->model, "gpt2");
+  add_onnx_options(command, o->onnx);
   command->add_option("--batch", o->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
       ->default_val(32);
   add_shard_option(command, o->shard);
@@ -39,8 +42,9 @@ void add_bench_command(CLI::App& app) {
                       "trace-event JSON of them to this file (under kiln launch: rank 0's, its communication "
                       "stream's kernels beside the compute)");
   command->add_option("--timeline-steps", o->timeline_steps, "Steps --timeline traces (default 10)");
-  command->callback([o, peak_tflops] {
+  command->callback([o, peak_tflops, file] {
     o->peak_flops = *peak_tflops * 1e12;
+    if (!file->empty()) o->model = *file;
     train::run_benchmark(*o);
   });
 }

@@ -32,6 +32,7 @@ struct CompileCommand {
   std::string shard = "none";
   int world_size = 2;
   CompileOptions compile;
+  onnx::ImportOptions onnx;
 };
 
 // `--dump-kernels DIR`: one .cu file per fused node (node index and kind in the name) with the
@@ -103,7 +104,7 @@ void report(const std::string& what, const std::string& source, const Graph& for
 void compile(CompileCommand o) {
   const Stopwatch total;
   Stopwatch phase;
-  const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, o.seq) : parse_file(o.file);
+  const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, o.seq) : load_model_file(o.file, o.onnx).graph;
   const double build_s = phase.lap();
   o.compile.kind = o.forward_only ? StepKind::kForward : StepKind::kTraining;
   KILN_CHECK(!o.compile.loss_only || o.forward_only, "--loss-only needs --forward-only (a training step returns the "
@@ -121,7 +122,7 @@ void compile(CompileCommand o) {
   }
   if (o.report)
     report(o.file.empty() ? fmt::format("model {}", o.model) : fmt::format("graph @{} ({})", forward.name, o.file),
-           o.file.empty() ? "build forward" : "parse", forward, build_s, step, total.seconds());
+           o.file.empty() ? "build forward" : is_onnx_file(o.file) ? "import" : "parse", forward, build_s, step, total.seconds());
 }
 
 }  // namespace
@@ -130,7 +131,9 @@ void add_compile_command(CLI::App& app) {
   CLI::App* command = app.add_subcommand(
       "compile", "Compile a model's training step (or forward step) through the pass pipeline; write its IR or a report");
   auto o = std::make_shared<CompileCommand>();
-  command->add_option("FILE", o->file, "A forward graph's IR text file ('-': standard input); default: --model");
+  command->add_option("FILE", o->file,
+                      "A forward graph's IR text file ('-': standard input) or an ONNX model (.onnx); default: --model");
+  add_onnx_options(command, o->onnx);
   add_model_option(command, o->model, "gpt2-tiny");
   command->add_option("--batch", o->batch, "Batch size of --model")->default_val(8);
   command->add_option("--seq", o->seq, "Sequence length of --model gpt2* (default: the config's)");

@@ -111,6 +111,48 @@ Graph parse_file(const std::string& path) {
   }
 }
 
+void add_onnx_options(CLI::App* command, onnx::ImportOptions& options) {
+  CLI::Option_group* group = command->add_option_group("ONNX models");
+  group->add_option_function<std::vector<std::string>>(
+          "--shape",
+          [&options](const std::vector<std::string>& items) {
+            for (const std::string& item : items) {
+              const size_t eq = item.find('=');
+              if (eq == std::string::npos || eq == 0) throw CLI::ValidationError("--shape", "expected NAME=D0,D1,..., got '" + item + "'");
+              Shape shape;
+              std::stringstream dims(item.substr(eq + 1));
+              std::string dim;
+              while (std::getline(dims, dim, ',')) {
+                try {
+                  shape.push_back(std::stoll(dim));
+                } catch (const std::exception&) {
+                  throw CLI::ValidationError("--shape", "'" + dim + "' in '" + item + "' is not a number");
+                }
+              }
+              options.shapes[item.substr(0, eq)] = shape;
+            }
+          },
+          "A graph input's shape (NAME=D0,D1,...) or a dynamic dim's size (NAME=N), for ONNX inputs with dynamic dims")
+      ->type_name("NAME=DIMS")
+      ->take_all();
+  group->add_option("--freeze", options.freeze, "Keep the float initializers whose names match these globs fixed (constants)")
+      ->type_name("PATTERN");
+  group->add_option("--loss", options.loss, "The model returns logits: train on their cross-entropy (cross_entropy)")
+      ->check(CLI::IsMember({"cross_entropy"}));
+  group->add_option("--labels", options.labels, "With --loss: the labels' graph input (made if the model has none)")
+      ->default_val(options.labels);
+}
+
+bool is_onnx_file(const std::string& path) {
+  return path.size() > 5 && path.compare(path.size() - 5, 5, ".onnx") == 0;
+}
+
+ModelFile load_model_file(const std::string& path, const onnx::ImportOptions& options) {
+  if (!is_onnx_file(path)) return ModelFile{parse_file(path), {}};
+  onnx::ImportedModel model = onnx::import_onnx(path, options);
+  return ModelFile{std::move(model.graph), std::move(model.initial_values)};
+}
+
 std::vector<Tensor> random_inputs(const Graph& graph, uint64_t seed, double int_high) {
   std::vector<Tensor> inputs;
   for (size_t i = 0; i < graph.inputs.size(); ++i) {

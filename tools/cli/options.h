@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "frontend/onnx/onnx_import.h"
 #include "ir/graph.h"
 #include "passes/pass.h"
 #include "tensor/tensor.h"
@@ -24,6 +25,7 @@ void add_compile_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_launch_command(CLI::App& app);
+void add_step_command(CLI::App& app);
 
 // Thrown by a command that ends with an exit code of its own (kiln launch: its failed rank's),
 // having said why already: main returns the code and prints nothing.
@@ -52,6 +54,18 @@ void add_pass_options(CLI::App* command, PassOptions& passes);
 
 // The IR text of PATH ('-': standard input), parsed and verified; errors name the file.
 Graph parse_file(const std::string& path);
+
+// The ONNX front end's options for a MODEL.onnx: --shape NAME=D0,D1,... (repeatable), --freeze
+// PATTERN, --loss cross_entropy, --labels NAME.
+void add_onnx_options(CLI::App* command, onnx::ImportOptions& options);
+bool is_onnx_file(const std::string& path);
+// A model file: IR text (.kir, '-') or an ONNX model (.onnx, imported with `onnx`), with the
+// initial values of its params and state where the file holds them (ONNX's initializers).
+struct ModelFile {
+  Graph graph;
+  std::map<std::string, Tensor> initial_values;
+};
+ModelFile load_model_file(const std::string& path, const onnx::ImportOptions& onnx);
 // Random inputs in graph-input order: floats uniform in [-1, 1), integers in [0, int_high).
 std::vector<Tensor> random_inputs(const Graph& graph, uint64_t seed, double int_high);
 

@@ -131,6 +131,9 @@ struct FastMath {
   static float tanh(float x) { return tanh_f32(x); }
   static float erf(float x) { return erf_f32(x); }
   static float erfc(float x) { return erfc_f32(x); }
+  // The C library's: exact to an ulp over the whole range (no cheap approximation keeps that).
+  static float sin(float x) { return std::sin(x); }
+  static float cos(float x) { return std::cos(x); }
   static float pow(float a, float b) { return std::pow(a, b); }
   static float select(bool c, float a, float b) { return cpu::select(c, a, b); }
 };

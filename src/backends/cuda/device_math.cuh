@@ -21,6 +21,8 @@ struct DeviceMath {
   KILN_DEVICE_MATH(tanh, tanhf, tanh)
   KILN_DEVICE_MATH(erf, erff, erf)
   KILN_DEVICE_MATH(erfc, erfcf, erfc)
+  KILN_DEVICE_MATH(sin, sinf, sin)
+  KILN_DEVICE_MATH(cos, cosf, cos)
   static __device__ __forceinline__ float pow(float a, float b) { return ::powf(a, b); }
   static __device__ __forceinline__ double pow(double a, double b) { return ::pow(a, b); }
   template <class T>

@@ -1,0 +1,183 @@
+"""Small PyTorch models of the families kiln's ONNX front end trains, and how to export them.
+
+    python3 examples/onnx/torch_models.py OUT_DIR     # writes OUT_DIR/<name>.onnx for each model
+
+The export that works for training (docs/onnx.md): training=TrainingMode.TRAINING keeps
+BatchNorm in training mode and the weights' names; do_constant_folding=False keeps the weights
+as initializers instead of folding them into other constants. Each model returns its loss.
+tests/frontend/torch_step_test.py exports these and checks `kiln step` against torch's own step.
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), labels)
+
+    @staticmethod
+    def example(g):
+        return (torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+
+
+class Cnn(nn.Module):
+    """Conv + BatchNorm + ReLU + MaxPool, a grouped and dilated conv, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x, labels):
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        h = F.avg_pool2d(F.relu(self.bn2(self.conv2(h))), 2)
+        return F.cross_entropy(self.fc(torch.flatten(h, 1)), labels)
+
+    @staticmethod
+    def example(g):
+        return (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads, causal):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.reshape(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(C // self.heads)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        if mask is not None:  # (B, T) of 1 for real tokens, 0 for padding
+            scores = scores + (1.0 - mask[:, None, None, :]) * -1e4
+        y = F.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Bert(nn.Module):
+    """A tiny BERT-style encoder: embeddings, post-LayerNorm blocks with a padding mask, GELU."""
+
+    def __init__(self, vocab=50, d=32, heads=4, layers=2, seq=8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.ln0 = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict({"attn": Attention(d, heads, False), "ln1": nn.LayerNorm(d),
+                                              "fc1": nn.Linear(d, 4 * d), "fc2": nn.Linear(4 * d, d),
+                                              "ln2": nn.LayerNorm(d)}))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids, mask, labels):
+        T = ids.shape[1]
+        h = self.ln0(self.tok(ids) + self.pos(torch.arange(T)))
+        for b in self.blocks:
+            h = b["ln1"](h + b["attn"](h, mask))
+            h = b["ln2"](h + b["fc2"](F.gelu(b["fc1"](h))))
+        return F.cross_entropy(self.head(h[:, 0]), labels)
+
+    @staticmethod
+    def example(g):
+        ids = torch.randint(0, 50, (4, 8), generator=g)
+        mask = torch.ones(4, 8)
+        mask[1, 6:] = 0
+        mask[3, 3:] = 0
+        return (ids, mask, torch.randint(0, 3, (4,), generator=g))
+
+
+class RmsNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x, cos, sin):  # rotary embeddings, the half-split form
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+class Llama(nn.Module):
+    """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal attention, SwiGLU."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=8):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict({
+                "norm1": RmsNorm(d), "q": nn.Linear(d, d, bias=False), "k": nn.Linear(d, d, bias=False),
+                "v": nn.Linear(d, d, bias=False), "o": nn.Linear(d, d, bias=False), "norm2": RmsNorm(d),
+                "gate": nn.Linear(d, 64, bias=False), "up": nn.Linear(d, 64, bias=False),
+                "down": nn.Linear(64, d, bias=False)}))
+        self.norm = RmsNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        B, T = ids.shape
+        D = self.tok.embedding_dim // self.heads
+        freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        angles = torch.arange(T).float()[:, None] * freq[None, :]
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        h = self.tok(ids)
+        for b in self.blocks:
+            x = b["norm1"](h)
+            q, k, v = (b[n](x).reshape(B, T, self.heads, D).transpose(1, 2) for n in ("q", "k", "v"))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(causal, float("-inf"))
+            h = h + b["o"]((F.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, -1))
+            x = b["norm2"](h)
+            h = h + b["down"](F.silu(b["gate"](x)) * b["up"](x))
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.reshape(B * T, -1), labels.reshape(B * T))
+
+    @staticmethod
+    def example(g):
+        return (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+
+
+MODELS = {"mlp": (Mlp, ["x", "labels"]), "cnn": (Cnn, ["x", "labels"]),
+          "bert": (Bert, ["ids", "mask", "labels"]), "llama": (Llama, ["ids", "labels"])}
+
+
+def export(name, path, seed=0):
+    """Exports model `name` (fresh, seeded) to `path`; returns (model, example inputs, input names)."""
+    cls, names = MODELS[name]
+    torch.manual_seed(seed)
+    model = cls()
+    inputs = cls.example(torch.Generator().manual_seed(seed + 1))
+    model.train()
+    torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=17,
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    return model, inputs, names
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "."
+    os.makedirs(out, exist_ok=True)
+    for name in MODELS:
+        export(name, os.path.join(out, name + ".onnx"))
+        print("wrote", os.path.join(out, name + ".onnx"))

@@ -1,0 +1,511 @@
+// ONNX rules for data movement, constants and shapes, indexing and reductions. Shapes are static
+// in kiln, so Shape, Size, ConstantOfShape, Range and the like give known values (folded at
+// import), and the ops that take a shape as an input (Reshape, Expand, Tile, Slice, Pad, ...)
+// need it known.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "frontend/onnx/converter.h"
+
+namespace kiln::onnx {
+namespace {
+
+using Ints = std::vector<int64_t>;
+
+int rank_of(const Expr& x) { return x.rank(); }
+
+int64_t axis_in(NodeContext& c, int64_t axis, int rank) {
+  if (axis < -rank || axis >= std::max(rank, 1)) c.fail("axis {} is out of range for rank {}", axis, rank);
+  return axis < 0 ? axis + rank : axis;
+}
+
+Expr const_i64(Builder& b, const Ints& values) {
+  std::vector<double> v(values.begin(), values.end());
+  return b.constant({static_cast<int64_t>(values.size())}, v, DType::kI64);
+}
+
+// Gathers positions `index` (constant) of x along `axis`.
+Expr take(Builder& b, const Expr& x, const Ints& index, int64_t axis) {
+  return gather(x, const_i64(b, index), axis);
+}
+
+// The axes of a Squeeze/Unsqueeze/Reduce*: an input from `input_opset` on, an attribute before.
+std::optional<Ints> axes_of(NodeContext& c, int64_t input_opset, int input = 1) {
+  if (c.opset() >= input_opset) {
+    if (!c.has_input(input)) return std::nullopt;
+    return c.ints(input, "axes");
+  }
+  if (!c.has_attr("axes")) return std::nullopt;
+  return c.attr_ints("axes");
+}
+
+// Indices normalized to [0, dim): negative ones count from the end.
+Expr wrap_indices(const Expr& indices, int64_t dim) {
+  Expr zero = scalar_like(indices, 0.0);
+  return where(lt(indices, zero), indices + scalar_like(indices, static_cast<double>(dim)), indices);
+}
+
+Rule reduce(std::string kind, int64_t axes_input_opset) {
+  return [kind, axes_input_opset](NodeContext& c) {
+    Expr x = c.in(0);
+    const bool keepdims = c.attr_int("keepdims", 1) != 0;
+    const bool noop = c.attr_int("noop_with_empty_axes", 0) != 0;
+    Ints axes = axes_of(c, axes_input_opset).value_or(Ints{});
+    if (axes.empty() && noop) return std::vector<Expr>{x};
+    for (int64_t& a : axes) a = axis_in(c, a, x.rank());
+    std::sort(axes.begin(), axes.end());
+    axes.erase(std::unique(axes.begin(), axes.end()), axes.end());
+    const bool all_axes = axes.empty();
+    int64_t count = 1;
+    for (int d = 0; d < x.rank(); ++d)
+      if (all_axes || std::find(axes.begin(), axes.end(), d) != axes.end()) count *= x.dim(d);
+    if (count == 0 && kind != "sum" && kind != "sum_square" && kind != "l1" && kind != "l2")
+      c.unsupported("a {} over an empty set", kind);
+    auto float_x = [&] {
+      if (!is_float(x.dtype())) c.unsupported("Reduce{} of {} (kiln computes it on floats)", kind, dtype_name(x.dtype()));
+      return x;
+    };
+    Expr y;
+    if (kind == "sum") y = sum(x, axes, keepdims);
+    else if (kind == "mean") y = mean(float_x(), axes, keepdims);
+    else if (kind == "max") y = max(x, axes, keepdims);
+    else if (kind == "min") {
+      if (is_float(x.dtype())) y = -max(-x, axes, keepdims);
+      else y = cast(-max(-cast(x, DType::kI64), axes, keepdims), x.dtype());
+    } else if (kind == "l1") y = sum(abs(x), axes, keepdims);
+    else if (kind == "l2") y = sqrt(sum(square(float_x()), axes, keepdims));
+    else if (kind == "sum_square") y = sum(square(x), axes, keepdims);
+    else if (kind == "log_sum") y = log(sum(float_x(), axes, keepdims));
+    else if (kind == "log_sum_exp") {
+      Expr xf = float_x();
+      Expr m = max(xf, axes, true);
+      // Rows of -inf: their max is -inf, x - m would be NaN; such rows give -inf either way.
+      Expr safe = where(ne(m, m * 0.0), scalar_like(m, 0.0), m);
+      Expr s = log(sum(exp(xf - safe), axes, true)) + safe;
+      y = keepdims ? s : reshape(s, sum(xf, axes, false).shape());
+    } else {
+      c.unsupported("Reduce{}", kind);
+    }
+    return std::vector<Expr>{y};
+  };
+}
+
+Rule arg_extreme(bool is_max) {
+  return [is_max](NodeContext& c) {
+    Expr x = c.in(0);
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
+    const bool keepdims = c.attr_int("keepdims", 1) != 0;
+    const bool last = c.attr_int("select_last_index", 0) != 0;
+    if (!is_max) x = is_float(x.dtype()) ? -x : -cast(x, DType::kI64);
+    const int64_t dim = x.dim(axis);
+    if (last) {
+      Ints reversed(dim);
+      for (int64_t i = 0; i < dim; ++i) reversed[i] = dim - 1 - i;
+      x = take(c.b(), x, reversed, axis);
+    }
+    Expr i = argmax(x, axis, keepdims);
+    if (last) i = scalar_like(i, static_cast<double>(dim - 1)) - i;
+    return std::vector<Expr>{i};
+  };
+}
+
+// Reshape's target: 0 copies the input's dim (unless allowzero), one -1 is inferred.
+Shape reshape_target(NodeContext& c, const Shape& in, Ints shape, bool allow_zero) {
+  int64_t known = 1;
+  int infer = -1;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0 && !allow_zero) {
+      if (d >= in.size()) c.fail("shape {} copies dim {} of an input of rank {}", to_string(shape), d, in.size());
+      shape[d] = in[d];
+    }
+    if (shape[d] == -1) {
+      if (infer >= 0) c.fail("shape {} has two -1", to_string(shape));
+      infer = static_cast<int>(d);
+    } else {
+      known *= shape[d];
+    }
+  }
+  if (infer >= 0) {
+    const int64_t total = numel(in);
+    if (known == 0 || total % known != 0)
+      c.fail("cannot reshape {} to {}", to_string(in), to_string(shape));
+    shape[infer] = total / known;
+  }
+  return shape;
+}
+
+}  // namespace
+
+Expr pad_axis(Builder& b, Expr x, int64_t axis, int64_t before, int64_t after, const std::string& mode,
+              const Expr& value) {
+  if (before == 0 && after == 0) return x;
+  const int64_t dim = x.dim(axis);
+  if (before < 0 || after < 0) {  // negative pads crop
+    x = slice_axis(x, axis, std::max<int64_t>(-before, 0), dim - std::max<int64_t>(-after, 0));
+    return pad_axis(b, x, axis, std::max<int64_t>(before, 0), std::max<int64_t>(after, 0), mode, value);
+  }
+  if (mode == "constant") {
+    std::vector<Expr> parts;
+    Shape s = x.shape();
+    if (before > 0) {
+      s[axis] = before;
+      parts.push_back(broadcast_to(value, s));
+    }
+    parts.push_back(x);
+    if (after > 0) {
+      s[axis] = after;
+      parts.push_back(broadcast_to(value, s));
+    }
+    return concat(parts, axis);
+  }
+  Ints index;
+  for (int64_t i = -before; i < dim + after; ++i) {
+    int64_t j = i;
+    if (mode == "edge") {
+      j = std::clamp<int64_t>(i, 0, dim - 1);
+    } else {  // reflect: mirror without repeating the edge
+      const int64_t period = 2 * (dim - 1);
+      if (period == 0) j = 0;
+      else {
+        j = ((i % period) + period) % period;
+        if (j >= dim) j = period - j;
+      }
+    }
+    index.push_back(j);
+  }
+  return take(b, x, index, axis);
+}
+
+void add_tensor_rules(RuleTable& r) {
+  // ---- constants and shapes
+  r["Constant"] = [](NodeContext& c) {
+    Tensor t;
+    if (c.has_attr("value")) {
+      t = c.attr_tensor("value");
+    } else if (c.has_attr("value_float")) {
+      t = Tensor::from_f64({DType::kF32, {}}, std::vector<double>{c.attr_float("value_float", 0)});
+    } else if (c.has_attr("value_int")) {
+      t = Tensor::from_f64({DType::kI64, {}}, std::vector<double>{double(c.attr_int("value_int", 0))});
+    } else if (c.has_attr("value_floats")) {
+      std::vector<double> v = c.attr_floats("value_floats");
+      t = Tensor::from_f64({DType::kF32, {int64_t(v.size())}}, v);
+    } else if (c.has_attr("value_ints")) {
+      Ints v = c.attr_ints("value_ints");
+      t = Tensor::from_f64({DType::kI64, {int64_t(v.size())}}, std::vector<double>(v.begin(), v.end()));
+    } else {
+      c.unsupported("only tensor, float and int values are supported");
+    }
+    return std::vector<Expr>{constant_of(c.b(), t)};
+  };
+  r["Shape"] = [](NodeContext& c) {
+    const Shape s = c.in(0).shape();
+    const int rank = static_cast<int>(s.size());
+    auto clamp_axis = [&](int64_t a) { return std::clamp<int64_t>(a < 0 ? a + rank : a, 0, rank); };
+    const int64_t start = clamp_axis(c.attr_int("start", 0)), end = clamp_axis(c.attr_int("end", rank));
+    Ints part(s.begin() + start, s.begin() + std::max(start, end));
+    return std::vector<Expr>{const_i64(c.b(), part)};
+  };
+  r["Size"] = [](NodeContext& c) {
+    return std::vector<Expr>{c.b().scalar(static_cast<double>(c.in(0).type().numel()), DType::kI64)};
+  };
+  r["ConstantOfShape"] = [](NodeContext& c) {
+    const Ints shape = c.ints(0, "shape");
+    double value = 0;
+    DType dtype = DType::kF32;
+    if (c.has_attr("value")) {
+      Tensor v = c.attr_tensor("value");
+      if (v.numel() != 1) c.fail("its value must hold one element, got {}", to_string(v.type()));
+      value = v.get(0);
+      dtype = v.dtype();
+    }
+    return std::vector<Expr>{c.b().full(shape, value, dtype)};
+  };
+  r["Range"] = [](NodeContext& c) {
+    const Tensor start = c.constant(0, "start"), limit = c.constant(1, "limit"), delta = c.constant(2, "delta");
+    const double s = start.get(0), l = limit.get(0), d = delta.get(0);
+    if (d == 0) c.fail("delta is 0");
+    const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((l - s) / d)));
+    std::vector<double> values(n);
+    for (int64_t i = 0; i < n; ++i) values[i] = s + static_cast<double>(i) * d;
+    Tensor t = Tensor::from_f64({start.dtype(), {n}}, values);
+    return std::vector<Expr>{constant_of(c.b(), t)};
+  };
+  r["EyeLike"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    if (x.rank() != 2) c.fail("needs a 2-D input, got {}", to_string(x.type()));
+    const DType dtype = c.has_attr("dtype") ? dtype_of(int(c.attr_int("dtype", 1)), c.where()) : x.dtype();
+    const int64_t k = c.attr_int("k", 0);
+    Tensor t(TensorType{dtype, x.shape()});
+    for (int64_t i = 0; i < x.dim(0); ++i)
+      if (i + k >= 0 && i + k < x.dim(1)) t.set(i * x.dim(1) + i + k, 1.0);
+    return std::vector<Expr>{constant_of(c.b(), t)};
+  };
+
+  // ---- reshapes and moves
+  r["Reshape"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const Ints shape = c.opset() >= 5 ? c.ints(1, "shape") : c.attr_ints("shape");
+    const bool allow_zero = c.attr_int("allowzero", 0) != 0;
+    return std::vector<Expr>{reshape(x, reshape_target(c, x.shape(), shape, allow_zero))};
+  };
+  r["Flatten"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    int64_t axis = c.attr_int("axis", 1);
+    if (axis < -x.rank() || axis > x.rank()) c.fail("axis {} is out of range for rank {}", axis, x.rank());
+    if (axis < 0) axis += x.rank();
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < x.rank(); ++d) (d < axis ? outer : inner) *= x.dim(d);
+    return std::vector<Expr>{reshape(x, {outer, inner})};
+  };
+  r["Squeeze"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    std::optional<Ints> axes = axes_of(c, 13);
+    std::vector<bool> drop(x.rank(), false);
+    if (axes) {
+      for (int64_t a : *axes) {
+        const int64_t d = axis_in(c, a, x.rank());
+        if (x.dim(int(d)) != 1) c.fail("cannot squeeze dim {} of {}: it is not 1", d, to_string(x.type()));
+        drop[d] = true;
+      }
+    } else {
+      for (int d = 0; d < x.rank(); ++d) drop[d] = x.dim(d) == 1;
+    }
+    Shape out;
+    for (int d = 0; d < x.rank(); ++d)
+      if (!drop[d]) out.push_back(x.dim(d));
+    return std::vector<Expr>{reshape(x, out)};
+  };
+  r["Unsqueeze"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    std::optional<Ints> axes = axes_of(c, 13);
+    if (!axes) c.fail("needs axes");
+    const int rank = x.rank() + static_cast<int>(axes->size());
+    std::vector<bool> inserted(rank, false);
+    for (int64_t a : *axes) inserted[axis_in(c, a, rank)] = true;
+    Shape out;
+    int next = 0;
+    for (int d = 0; d < rank; ++d) out.push_back(inserted[d] ? 1 : x.dim(next++));
+    return std::vector<Expr>{reshape(x, out)};
+  };
+  r["Transpose"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    return std::vector<Expr>{transpose(x, c.attr_ints("perm"))};
+  };
+  r["Concat"] = [](NodeContext& c) {
+    std::vector<Expr> xs;
+    for (int i = 0; i < c.num_inputs(); ++i)
+      if (c.has_input(i)) xs.push_back(c.in(i));
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), xs.at(0).rank());
+    // Empty pieces change nothing (kiln's concat takes only real ones).
+    std::vector<Expr> parts;
+    for (const Expr& x : xs)
+      if (x.type().numel() > 0) parts.push_back(x);
+    if (parts.empty()) return std::vector<Expr>{concat(xs, axis)};
+    return std::vector<Expr>{parts.size() == 1 ? parts[0] : concat(parts, axis)};
+  };
+  r["Split"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
+    const int64_t dim = x.dim(int(axis));
+    Ints sizes;
+    if (c.opset() >= 13 && c.has_input(1)) sizes = c.ints(1, "split");
+    else if (c.opset() < 13 && c.has_attr("split")) sizes = c.attr_ints("split");
+    else {
+      const int64_t n = c.has_attr("num_outputs") ? c.attr_int("num_outputs", 1) : c.num_outputs();
+      const int64_t each = (dim + n - 1) / n;
+      for (int64_t i = 0, left = dim; i < n; ++i, left -= each) sizes.push_back(std::min(each, left));
+    }
+    return split(x, sizes, axis);
+  };
+  r["Slice"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    Ints starts, ends, axes, steps;
+    if (c.opset() >= 10) {
+      starts = c.ints(1, "starts");
+      ends = c.ints(2, "ends");
+      if (c.has_input(3)) axes = c.ints(3, "axes");
+      if (c.has_input(4)) steps = c.ints(4, "steps");
+    } else {
+      starts = c.attr_ints("starts");
+      ends = c.attr_ints("ends");
+      axes = c.attr_ints("axes");
+    }
+    if (axes.empty())
+      for (size_t i = 0; i < starts.size(); ++i) axes.push_back(static_cast<int64_t>(i));
+    if (steps.empty()) steps.assign(starts.size(), 1);
+    if (ends.size() != starts.size() || axes.size() != starts.size() || steps.size() != starts.size())
+      c.fail("starts, ends, axes and steps have different lengths");
+    Ints lo(x.rank(), 0), hi = x.shape(), step(x.rank(), 1);
+    for (size_t i = 0; i < starts.size(); ++i) {
+      const int64_t a = axis_in(c, axes[i], x.rank()), dim = x.dim(int(a));
+      int64_t s = starts[i], e = ends[i];
+      const int64_t st = steps[i];
+      if (st == 0) c.fail("step 0 on axis {}", a);
+      if (s < 0) s += dim;
+      if (e < 0) e += dim;
+      if (st > 0) {
+        s = std::clamp<int64_t>(s, 0, dim);
+        e = std::clamp<int64_t>(e, 0, dim);
+        lo[a] = s;
+        hi[a] = std::max(s, e);
+        step[a] = st;
+      } else {  // backwards: the positions, gathered
+        s = std::clamp<int64_t>(s, -1, dim - 1);
+        e = std::clamp<int64_t>(e, -1, dim - 1);
+        Ints index;
+        for (int64_t p = s; p > e; p += st) index.push_back(p);
+        x = take(c.b(), x, index, a);
+        hi[a] = x.dim(int(a));  // whole from here on
+      }
+    }
+    bool whole = true;
+    for (int d = 0; d < x.rank(); ++d) whole = whole && lo[d] == 0 && hi[d] == x.dim(d) && step[d] == 1;
+    return std::vector<Expr>{whole ? x : slice(x, lo, hi, step)};
+  };
+  r["Gather"] = [](NodeContext& c) {
+    Expr x = c.in(0), indices = c.in(1);
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
+    return std::vector<Expr>{gather(x, wrap_indices(indices, x.dim(int(axis))), axis)};
+  };
+  // out[i][j][k] = data[index[i][j][k]][j][k] (axis 0): a gather from the flat data at flat
+  // positions built from the indices and each other axis's position (iota).
+  r["GatherElements"] = [](NodeContext& c) {
+    Expr x = c.in(0), indices = c.in(1);
+    if (x.rank() != indices.rank()) c.fail("data {} and indices {} differ in rank", to_string(x.type()),
+                                           to_string(indices.type()));
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
+    const Shape shape = indices.shape();
+    const std::vector<int64_t> strides = strides_of(x.shape());
+    Expr flat;
+    for (int d = 0; d < x.rank(); ++d) {
+      Expr coordinate = d == axis ? cast_to(wrap_indices(indices, x.dim(d)), DType::kI64)
+                                  : c.b().iota(shape, d, DType::kI64);
+      Expr term = coordinate * c.b().scalar(static_cast<double>(strides[d]), DType::kI64);
+      flat = d == 0 ? term : flat + term;
+    }
+    if (x.rank() == 0) c.fail("needs rank >= 1");
+    return std::vector<Expr>{gather(reshape(x, {x.type().numel()}), flat, 0)};
+  };
+  r["Expand"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const Shape shape = broadcast_shapes(x.shape(), c.ints(1, "shape"));
+    return std::vector<Expr>{shape == x.shape() ? x : broadcast_to(x, shape)};
+  };
+  r["Tile"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const Ints repeats = c.ints(1, "repeats");
+    if (static_cast<int>(repeats.size()) != x.rank()) c.fail("{} repeats for rank {}", repeats.size(), x.rank());
+    Shape spread, tiled, out;
+    for (int d = 0; d < x.rank(); ++d) {
+      spread.insert(spread.end(), {1, x.dim(d)});
+      tiled.insert(tiled.end(), {repeats[d], x.dim(d)});
+      out.push_back(repeats[d] * x.dim(d));
+    }
+    return std::vector<Expr>{reshape(broadcast_to(reshape(x, spread), tiled), out)};
+  };
+  r["DepthToSpace"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const int64_t bs = c.attr_int("blocksize", 1);
+    const std::string mode = c.attr_string("mode", "DCR");
+    if (x.rank() != 4) c.fail("needs (N, C, H, W), got {}", to_string(x.type()));
+    const int64_t n = x.dim(0), ch = x.dim(1), h = x.dim(2), w = x.dim(3);
+    Expr y = mode == "DCR" ? transpose(reshape(x, {n, bs, bs, ch / (bs * bs), h, w}), {0, 3, 4, 1, 5, 2})
+                           : transpose(reshape(x, {n, ch / (bs * bs), bs, bs, h, w}), {0, 1, 4, 2, 5, 3});
+    return std::vector<Expr>{reshape(y, {n, ch / (bs * bs), h * bs, w * bs})};
+  };
+  r["SpaceToDepth"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const int64_t bs = c.attr_int("blocksize", 1);
+    if (x.rank() != 4) c.fail("needs (N, C, H, W), got {}", to_string(x.type()));
+    const int64_t n = x.dim(0), ch = x.dim(1), h = x.dim(2), w = x.dim(3);
+    Expr y = transpose(reshape(x, {n, ch, h / bs, bs, w / bs, bs}), {0, 3, 5, 1, 2, 4});
+    return std::vector<Expr>{reshape(y, {n, ch * bs * bs, h / bs, w / bs})};
+  };
+  r["Trilu"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const bool upper = c.attr_int("upper", 1) != 0;
+    const int64_t k = c.has_input(1) ? static_cast<int64_t>(c.scalar(1, "k")) : 0;
+    if (x.rank() < 2) c.fail("needs rank >= 2");
+    const int64_t rows = x.dim(-2), cols = x.dim(-1);
+    Tensor mask(TensorType{DType::kBool, {rows, cols}});
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) mask.set(i * cols + j, upper ? j - i >= k : j - i <= k);
+    return std::vector<Expr>{where(constant_of(c.b(), mask), x, scalar_like(x, 0.0))};
+  };
+  r["OneHot"] = [](NodeContext& c) {
+    Expr indices = cast_to(c.in(0), DType::kI64);
+    const int64_t depth = static_cast<int64_t>(c.scalar(1, "depth"));
+    Expr values = c.in(2);
+    const int64_t axis = axis_in(c, c.attr_int("axis", -1), indices.rank() + 1);
+    Expr off = reshape(slice_axis(values, 0, 0, 1), {}), on = reshape(slice_axis(values, 0, 1, 2), {});
+    Expr hot = one_hot(wrap_indices(indices, depth), depth, values.dtype());
+    Expr y = off + hot * (on - off);
+    if (axis != indices.rank()) {
+      Ints perm;
+      for (int d = 0; d < indices.rank(); ++d) {
+        if (d == axis) perm.push_back(indices.rank());
+        perm.push_back(d);
+      }
+      y = transpose(y, perm);
+    }
+    return std::vector<Expr>{y};
+  };
+  r["Pad"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const std::string mode = c.attr_string("mode", "constant");
+    if (mode != "constant" && mode != "reflect" && mode != "edge") c.unsupported("mode '{}'", mode);
+    Ints pads;
+    double value = 0;
+    Ints axes;
+    if (c.opset() >= 11) {
+      pads = c.ints(1, "pads");
+      if (c.has_input(2)) value = c.scalar(2, "constant_value");
+      if (c.has_input(3)) axes = c.ints(3, "axes");
+    } else {
+      pads = c.attr_ints("pads");
+      value = c.attr_float("value", 0.0);
+    }
+    if (axes.empty())
+      for (int d = 0; d < x.rank(); ++d) axes.push_back(d);
+    if (pads.size() != 2 * axes.size()) c.fail("{} pads for {} axes", pads.size(), axes.size());
+    Expr fill = scalar_like(x, value);
+    for (size_t i = 0; i < axes.size(); ++i)
+      x = pad_axis(c.b(), x, axis_in(c, axes[i], x.rank()), pads[i], pads[i + axes.size()], mode, fill);
+    return std::vector<Expr>{x};
+  };
+  r["Dropout"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    double ratio = 0.5;
+    bool training = false;
+    if (c.opset() >= 12) {
+      if (c.has_input(1)) ratio = c.scalar(1, "ratio");
+      if (c.has_input(2)) training = c.scalar(2, "training_mode") != 0;
+    } else {
+      ratio = c.attr_float("ratio", 0.5);
+      if (c.opset() < 7) training = c.attr_int("is_test", 0) == 0;
+    }
+    const int64_t seed = c.attr_int("seed", 0);
+    if (!training || ratio == 0) {
+      Expr mask = c.b().full(x.shape(), 1, DType::kBool);
+      return std::vector<Expr>{x, mask};
+    }
+    if (c.wants_output(1)) c.unsupported("the mask output in training mode");
+    return std::vector<Expr>{dropout(x, ratio, seed)};
+  };
+
+  // ---- reductions (axes became an input in opset 13 for ReduceSum, 18 for the others)
+  r["ReduceSum"] = reduce("sum", 13);
+  r["ReduceMean"] = reduce("mean", 18);
+  r["ReduceMax"] = reduce("max", 18);
+  r["ReduceMin"] = reduce("min", 18);
+  r["ReduceL1"] = reduce("l1", 18);
+  r["ReduceL2"] = reduce("l2", 18);
+  r["ReduceSumSquare"] = reduce("sum_square", 18);
+  r["ReduceLogSum"] = reduce("log_sum", 18);
+  r["ReduceLogSumExp"] = reduce("log_sum_exp", 18);
+  r["ArgMax"] = arg_extreme(true);
+  r["ArgMin"] = arg_extreme(false);
+}
+
+}  // namespace kiln::onnx

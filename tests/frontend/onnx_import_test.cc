@@ -1,0 +1,120 @@
+// The ONNX importer on bad input: missing, truncated, garbage and mutated model files, unknown
+// ops, dynamic dims without sizes. Each is one kiln::Error (OnnxUnsupported for what kiln
+// cannot run), never a crash; and a model built here imports to the graph it says.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#ifdef KILN_HAVE_ONNX
+#include <onnx/onnx_pb.h>
+#endif
+
+#include "frontend/onnx/onnx_import.h"
+#include "ir/text.h"
+
+namespace kiln::testing {
+namespace {
+
+constexpr const char* kRelu = "/usr/share/libonnx-testdata/data/node/test_relu/model.onnx";
+constexpr const char* kConv = "/usr/share/libonnx-testdata/data/node/test_basic_conv_with_padding/model.onnx";
+
+std::string read(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool have_data() { return onnx::onnx_available() && std::filesystem::exists(kConv); }
+
+TEST(OnnxImport, ImportsAModelOfTheTestData) {
+  if (!have_data()) GTEST_SKIP() << "no ONNX front end or no libonnx-testdata";
+  onnx::ImportedModel m = onnx::import_onnx(kConv);
+  EXPECT_NE(print(m.graph).find("conv2d("), std::string::npos) << print(m.graph);
+  EXPECT_EQ(m.graph.inputs.size(), 2u);  // x and W, both graph inputs of the test
+}
+
+TEST(OnnxImport, MissingTruncatedAndGarbageFilesAreOneError) {
+  if (!have_data()) GTEST_SKIP() << "no ONNX front end or no libonnx-testdata";
+  EXPECT_THROW(onnx::import_onnx("/nonexistent/model.onnx"), Error);
+  const std::string bytes = read(kConv);
+  for (size_t keep : {size_t{0}, size_t{3}, bytes.size() / 2, bytes.size() - 1}) {
+    try {
+      onnx::import_onnx_bytes(bytes.substr(0, keep), ".", {}, "truncated");
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(onnx::import_onnx_bytes(std::string(1000, '\xff'), ".", {}, "garbage"), Error);
+}
+
+// Mutated model files: the importer either imports them or throws kiln::Error; nothing else.
+TEST(OnnxImport, FuzzedModelsNeverCrash) {
+  if (!have_data()) GTEST_SKIP() << "no ONNX front end or no libonnx-testdata";
+  std::mt19937 rng(7);
+  int errors = 0, imported = 0;
+  for (const char* path : {kRelu, kConv}) {
+    const std::string bytes = read(path);
+    for (int trial = 0; trial < 300; ++trial) {
+      std::string mutated = bytes;
+      const int flips = 1 + static_cast<int>(rng() % 4);
+      for (int f = 0; f < flips; ++f) mutated[rng() % mutated.size()] = static_cast<char>(rng() % 256);
+      try {
+        onnx::ImportOptions options;
+        options.shapes = {{"x", {1, 1, 5, 5}}, {"W", {1, 1, 3, 3}}};
+        onnx::import_onnx_bytes(mutated, ".", options, "fuzzed");
+        ++imported;
+      } catch (const Error&) {
+        ++errors;
+      }
+    }
+  }
+  EXPECT_GT(errors, 0);
+  EXPECT_EQ(errors + imported, 600);
+}
+
+TEST(OnnxImport, DynamicDimTakesItsSizeFromShapeOrSaysWhichFlag) {
+#ifdef KILN_HAVE_ONNX
+  if (!have_data()) GTEST_SKIP() << "no libonnx-testdata";
+  // test_relu with x's first dim made dynamic ("batch").
+  ::onnx::ModelProto model;
+  ASSERT_TRUE(model.ParseFromString(read(kRelu)));
+  auto* dim = model.mutable_graph()->mutable_input(0)->mutable_type()->mutable_tensor_type()->mutable_shape()->mutable_dim(0);
+  dim->set_dim_param("batch");
+  const std::string bytes = model.SerializeAsString();
+  try {
+    onnx::import_onnx_bytes(bytes, ".", {}, "dynamic");
+    FAIL() << "imported without a size for the dynamic dim";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--shape batch=N"), std::string::npos) << e.what();
+  }
+  onnx::ImportOptions by_dim, by_input;
+  by_dim.shapes = {{"batch", {6}}};
+  by_input.shapes = {{"x", {6, 4, 5}}};
+  for (const auto& options : {by_dim, by_input}) {
+    onnx::ImportedModel m = onnx::import_onnx_bytes(bytes, ".", options, "dynamic");
+    EXPECT_EQ(m.graph.type(m.graph.inputs[0].value).shape, (Shape{6, 4, 5}));
+  }
+#else
+  GTEST_SKIP() << "no ONNX front end";
+#endif
+}
+
+TEST(OnnxImport, UnsupportedOpIsOneLineNamingTheNodeAndOp) {
+  const char* path = "/usr/share/libonnx-testdata/data/node/test_det_2d/model.onnx";
+  if (!onnx::onnx_available() || !std::filesystem::exists(path)) GTEST_SKIP() << "no ONNX front end or test data";
+  try {
+    onnx::import_onnx(path);
+    FAIL() << "Det imported";
+  } catch (const onnx::OnnxUnsupported& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("(Det): op Det is not supported"), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace kiln::testing

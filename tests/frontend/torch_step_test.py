@@ -1,0 +1,158 @@
+"""`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
+BatchNorm, tiny BERT-style encoder, tiny LLaMA-style decoder) is exported to ONNX, and one
+training step of kiln (AdamW) is compared with torch's own: the loss (relative 1e-4), every
+parameter's gradient (1e-3 of the tensor's largest magnitude), the parameters after the update
+and BatchNorm's running statistics.
+
+    torch_step_test.py --kiln PATH/TO/kiln [--keep DIR]
+
+Needs an interpreter with torch and onnx (Debian's python3-torch, python3-onnx): when this one
+has none, it runs itself under /usr/bin/python3 if that has them, else it skips (exit code 77).
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+SKIP = 77
+
+
+def reexec_with_torch():
+    try:
+        import torch  # noqa: F401
+        import onnx  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for python in ("/usr/bin/python3",):
+        if os.path.realpath(python) == os.path.realpath(sys.executable) or not os.path.exists(python):
+            continue
+        if subprocess.run([python, "-c", "import torch, onnx"], capture_output=True).returncode == 0:
+            sys.exit(subprocess.run([python] + sys.argv).returncode)
+    print("SKIP: no Python interpreter with torch and onnx (install python3-torch and python3-onnx)")
+    sys.exit(SKIP)
+
+
+reexec_with_torch()
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "onnx"))
+import torch_models  # noqa: E402
+
+DTYPES = {np.dtype("float32"): "F32", np.dtype("int64"): "I64", np.dtype("float64"): "F64"}
+NUMPY = {"F32": np.float32, "I64": np.int64, "F64": np.float64, "I32": np.int32, "BOOL": np.bool_}
+
+
+def save_safetensors(path, tensors):
+    header, offset, blobs = {}, 0, []
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = {"dtype": DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + b:8 + n + e], dtype=NUMPY[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def torch_step(model, inputs, lr, betas, eps, weight_decay):
+    """Loss, gradients, params after AdamW and buffers after the step, by name."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+    opt.step()
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().numpy().copy() for n, b in model.named_buffers() if b.dtype.is_floating_point}
+    return float(loss), grads, params, buffers
+
+
+def check_model(name, kiln, work):
+    path = os.path.join(work, name + ".onnx")
+    model, inputs, names = torch_models.export(name, path)
+    initial = {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
+    lr, betas, eps, wd = 1e-2, (0.9, 0.95), 1e-6, 0.01
+    loss, grads, params, buffers = torch_step(model, inputs, lr, betas, eps, wd)
+
+    given = {n: t.numpy() for n, t in zip(names, inputs)}
+    in_path, out_path = os.path.join(work, name + ".in.safetensors"), os.path.join(work, name + ".out.safetensors")
+    save_safetensors(in_path, given)
+    cmd = [kiln, "step", path, "--inputs", in_path, "--out", out_path, "--optimizer", "adamw", "--lr", str(lr),
+           "--betas", f"{betas[0]},{betas[1]}", "--eps", str(eps), "--weight-decay", str(wd)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        return [f"{name}: kiln step failed: {run.stderr.strip() or run.stdout.strip()}"]
+    out = load_safetensors(out_path)
+    problems = []
+    if abs(float(out["loss"]) - loss) > 1e-4 * abs(loss):
+        problems.append(f"{name}: loss {float(out['loss'])} vs torch {loss}")
+    # kiln's params are the ONNX initializers, named as torch names them.
+    compared = 0
+    for key in sorted(out):
+        kind, _, torch_name = key.partition(".")
+        if kind not in ("grad", "param", "state"):
+            continue
+        want = {"grad": grads, "param": params, "state": buffers}[kind].get(torch_name)
+        if want is None:
+            problems.append(f"{name}: {key}: torch has no {kind} of that name")
+            continue
+        got, scale = out[key], max(float(np.abs(want).max()), 1e-30)
+        if kind == "grad":  # 1e-3 of the largest magnitude; a zero in exact arithmetic is rounding noise
+            limit = 1e-3 * scale + 1e-7
+            diff = np.abs(got - want)
+        elif kind == "param":
+            # Where torch's gradient is rounding noise (a conv bias before BatchNorm has a zero
+            # gradient in exact arithmetic), AdamW moves the param by +-lr at random: skipped.
+            meaningful = np.abs(grads[torch_name]) > 1e-6
+            limit = 1e-4 * scale + 5e-3 * lr
+            diff = np.where(meaningful, np.abs(got - want), 0)
+        else:
+            limit = 1e-4 * scale
+            diff = np.abs(got - want)
+        compared += 1
+        if float(diff.max()) > limit:
+            problems.append(f"{name}: {key} differs from torch by {float(diff.max()):.3g} (limit {limit:.3g})")
+    print(f"{name}: loss {float(out['loss']):.6f} (torch {loss:.6f}), {compared} tensors compared"
+          f"{'' if problems else ', all within tolerance'}")
+    return problems
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kiln", required=True)
+    parser.add_argument("--keep", help="write the models and files here")
+    parser.add_argument("models", nargs="*", default=list(torch_models.MODELS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = args.keep or tempfile.mkdtemp(prefix="kiln_torch_step_")
+    os.makedirs(work, exist_ok=True)
+    problems = []
+    for name in args.models:
+        problems += check_model(name, args.kiln, work)
+    for p in problems:
+        print("FAIL", p)
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
