@@ -10,6 +10,7 @@ packages=(
   libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
   python3 python3-pip
+  python3-torch  # the PyTorch references of tests/train/llama_reference_test.cc (skips without it)
 )
 
 missing=()

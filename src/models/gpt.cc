@@ -115,10 +115,15 @@ std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layer
     };
     const uint64_t tensor_seed = seed * 1000003ull + index++;
     if (v.type.rank() == 1) {
-      double fill = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ? 1.0 : 0.0;
-      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, fill);
+      // Norm gains (GPT-2's ln1/ln2/lnf, LLaMA's n1/n2/norm) 1, biases 0.
+      const bool gain = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ||
+                        ends_with(".n1.weight") || ends_with(".n2.weight") || v.name == "norm.weight";
+      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, gain ? 1.0 : 0.0);
     } else {
-      double std = ends_with("proj.weight") || ends_with("fc2.weight") ? residual_std : 0.02;
+      // Residual projections: GPT-2's proj and fc2, LLaMA's o and w2.
+      const bool residual = ends_with("proj.weight") || ends_with("fc2.weight") || ends_with(".o.weight") ||
+                            ends_with(".w2.weight");
+      double std = residual ? residual_std : 0.02;
       fill_normal(t, tensor_seed, std);
     }
     out.push_back(std::move(t));
