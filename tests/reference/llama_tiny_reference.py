@@ -13,7 +13,7 @@ INPUTS and writes OUT with:
   (10,) f32: the loss before each of 10 AdamW steps (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
   weight_decay 0, no schedule) on the same batch, as train::Trainer::step returns it.
 tests/train/llama_reference_test.cc runs this (with /usr/bin/python3, Debian's python3-torch)
-and compares kiln against OUT. Sizes come from the params' shapes and INPUTS' metadata (heads).
+and compares kiln against OUT. The layer and head counts come from INPUTS' metadata.
 Safetensors is read and written with struct + json, so only torch is needed.
 """
 import json
@@ -106,9 +106,8 @@ def llama_forward(p, idx, targets, layers, heads, kv_heads):
 def main(inputs_path, out_path):
     inputs, metadata = load_safetensors(inputs_path)
     idx, targets = inputs["idx"], inputs["targets"]
-    heads, kv_heads = int(metadata["heads"]), int(metadata["kv_heads"])
+    layers, heads, kv_heads = (int(metadata[k]) for k in ("layers", "heads", "kv_heads"))
     param_names = sorted(n for n in inputs if n not in ("idx", "targets"))
-    layers = 1 + max(int(n.split(".")[0][1:]) for n in param_names if n.startswith("h"))
     params = {n: inputs[n].clone().requires_grad_(True) for n in param_names}
 
     loss, logits = llama_forward(params, idx, targets, layers, heads, kv_heads)

@@ -68,7 +68,8 @@ std::optional<Reference> make_reference(std::string* why) {
   const std::string in_path = (dir / "inputs.safetensors").string();
   const std::string out_path = (dir / "torch.safetensors").string();
   train::save_safetensors(in_path, r.inputs,
-                          {{"heads", std::to_string(config.heads)},
+                          {{"layers", std::to_string(config.layers)},
+                           {"heads", std::to_string(config.heads)},
                            {"kv_heads", std::to_string(config.kv_heads)}});
   const std::string command =
       fmt::format("{} {}/tests/reference/llama_tiny_reference.py {} {}", *python, KILN_SOURCE_DIR,
