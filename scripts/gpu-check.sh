@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu-check.sh [--no-tests | --tests GTEST_FILTER] [--no-torch]
 #                             [--bench "[NAME=value ...] ARGS"] ... [--base DIR] [--rounds N]
+#                             [--llama] [--torch-llama "CFG:MODE:B:T ..."]
 #
 # --base DIR: a second source tree (e.g. `git archive <commit>` unpacked under .carry/) built the
 # same way and benchmarked on the same lines, alternating with this tree's runs (--rounds times,
@@ -12,12 +13,16 @@
 #
 # The PyTorch reference is ../shared/bench/torch_gpt2.py; only the repository travels to the GPU
 # machine, so copy it to .carry/torch_gpt2.py (ignored by git) and carry .carry along.
+# --llama adds the LLaMA targets of issue 24 next to GPT-2's: kiln's llama-160m (16 x 2048) and
+# llama-1b (4 x 2048) and ../shared/bench/torch_llama.py's torch.compile runs of both (copy it to
+# .carry/torch_llama.py), all in the same table; --torch-llama replaces those torch runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 tests=1; torch=1; test_filter='*'; base=""; rounds=1
 benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
 torch_runs="gpt2:eager:32 gpt2:compile:32"
+llama_torch_runs=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-tests) tests=0 ;;
@@ -26,6 +31,10 @@ while [ $# -gt 0 ]; do
     --bench) shift; benches+=("$1") ;;
     --only-bench) shift; benches=("$1") ;;
     --torch) shift; torch_runs="$1" ;;
+    --llama)
+      benches+=("--model llama-160m --batch 16 --seq 2048 --amp bf16" "--model llama-1b --batch 4 --seq 2048 --amp bf16")
+      llama_torch_runs="llama-160m:compile:16:2048 llama-1b:compile:4:2048" ;;
+    --torch-llama) shift; llama_torch_runs="$1" ;;
     --base) shift; base="$1"; rounds=2 ;;
     --rounds) shift; rounds="$1" ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
@@ -90,6 +99,10 @@ done
 if [ $torch = 1 ] && [ -f .carry/torch_gpt2.py ]; then
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 .carry/torch_gpt2.py $torch_runs >"$out/torch.jsonl" 2>"$out/torch.err"
+fi
+if [ $torch = 1 ] && [ -n "$llama_torch_runs" ] && [ -f .carry/torch_llama.py ]; then
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 .carry/torch_llama.py $llama_torch_runs >>"$out/torch.jsonl" 2>>"$out/torch.err"
 fi
 
 echo; echo "== $(cat "$out/gpu.txt")"

@@ -245,6 +245,27 @@ void add_every_op(std::vector<Case>& c) {
                {uniform({2, 9, 8}, -1, 1), uniform({2, 9, 8}, -1, 1), uniform({2, 9, 8}),
                 uniform({2, 9, 8}), uniform({2, 9, 8}), lse({2, 9})},
                {{"causal", true}}, 4});
+  // Grouped-query attention: k and v with fewer heads (2 or 1) than q, both layouts.
+  c.push_back({"attention_gqa_bthd", Op::kAttention, kFloats,
+               {uniform({2, 5, 4, 8}), uniform({2, 7, 2, 8}), uniform({2, 7, 2, 6})},
+               {{"causal", true}, {"layout", std::string("bthd")}}, 2});
+  c.push_back({"attention_gqa_bhtd", Op::kAttention, kFloats,
+               {uniform({2, 3, 5, 8}), uniform({2, 1, 7, 8}), uniform({2, 1, 7, 6})}, {}, 2});
+  c.push_back({"attention_gqa_grad_bthd", Op::kAttentionGrad, kFloats,
+               {uniform({2, 9, 4, 8}, -1, 1), uniform({2, 9, 2, 8}, -1, 1), uniform({2, 9, 2, 8}),
+                uniform({2, 9, 4, 8}), uniform({2, 9, 4, 8}), lse({2, 9, 4})},
+               {{"causal", true}, {"layout", std::string("bthd")}}, 4});
+  c.push_back({"attention_gqa_grad_bhtd", Op::kAttentionGrad, kFloats,
+               {uniform({2, 3, 5, 8}, -1, 1), uniform({2, 1, 7, 8}, -1, 1), uniform({2, 1, 7, 6}),
+                uniform({2, 3, 5, 6}), uniform({2, 3, 5, 6}), lse({2, 3, 5})}, {}, 4});
+  // Rotary embeddings: both layouts, both directions; D/2 odd (scalar path) and a multiple of 8
+  // (the GPU's 16-byte chunks of both halves).
+  c.push_back({"rotary_embedding", Op::kRotaryEmbedding, kFloats, {uniform({2, 3, 9, 6})}});
+  c.push_back({"rotary_embedding_bthd_inverse", Op::kRotaryEmbedding, kFloats,
+               {uniform({2, 9, 3, 16})},
+               {{"layout", std::string("bthd")}, {"inverse", true}, {"base", 500.0}}});
+  c.push_back({"rotary_embedding_bthd_wide", Op::kRotaryEmbedding, kFloats,
+               {uniform({2, 33, 2, 64})}, {{"layout", std::string("bthd")}}});
   // Packed self-attention, (B, T, 3, H, D): every float dtype, head dims the GPU kernels take.
   c.push_back({"attention_qkv", Op::kAttentionQkv, kFloats, {uniform({2, 9, 3, 2, 8}, -1, 1)},
                {{"causal", true}}, 2});
@@ -578,6 +599,11 @@ void add_training_kernels(std::vector<Case>& c) {
       {{2, 5, 4, 4}, {2, 9, 4, 4}, {2, 9, 4, 3}, false, 0, true},   // bthd, Tq < Tk
       {{4, 64, 4, 16}, {4, 64, 4, 16}, {4, 64, 4, 16}, true, 0, true},  // gpt2-tiny, simplified
       {{9, 2, 4}, {5, 2, 4}, {5, 2, 3}, true, 0.7, true},           // bthd, no batch dims
+      // Grouped-query attention (k, v heads dividing q's): bthd, bhtd, one kv head (MQA).
+      {{2, 7, 4, 5}, {2, 7, 2, 5}, {2, 7, 2, 6}, true, 0, true},
+      {{2, 6, 5, 4}, {2, 2, 5, 4}, {2, 2, 5, 3}, false, 0},
+      {{9, 4, 4}, {5, 1, 4}, {5, 1, 3}, true, 0.7, true},
+      {{4, 64, 4, 16}, {4, 64, 2, 16}, {4, 64, 2, 16}, true, 0, true},  // llama-tiny's attention
   };
   // attention_grad's (q, k, v, out, dout, lse): out and lse from the reference forward.
   const auto forward_out_and_lse = [](std::vector<Tensor>& in, const Attributes& attrs) {
@@ -625,6 +651,10 @@ void add_training_kernels(std::vector<Case>& c) {
       {{2, 3, 77, 64}, {2, 3, 77, 64}, true, false},
       {{2, 77, 3, 32}, {2, 77, 3, 32}, true, true},
       {{1, 2, 40, 128}, {1, 2, 77, 128}, false, false},
+      // Grouped-query attention on the tensor cores: 2 query heads a kv head ("bthd", as
+      // llama's) and 4 ("bhtd"): dk and dv sum over the group.
+      {{2, 77, 4, 64}, {2, 77, 2, 64}, true, true},
+      {{1, 4, 70, 32}, {1, 1, 70, 32}, true, false},
   };
   for (const Tiled& a : tiled) {
     const Attributes attrs = attention_attrs(a.causal, 0, a.bthd);

@@ -205,13 +205,18 @@ Expr cross_entropy(Expr logits, Expr labels, int64_t ignore_index, const std::st
   return logits.builder().apply1(Op::kCrossEntropy, {logits, labels},
                                  {{"ignore_index", ignore_index}, {"reduction", reduction}});
 }
-std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal, double scale) {
-  Attributes attrs{{"causal", causal}};
+std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal, double scale,
+                                     const std::string& layout) {
+  Attributes attrs{{"causal", causal}, {"layout", layout}};
   if (scale > 0) attrs.set("scale", scale);
   return q.builder().apply(Op::kAttention, {q, k, v}, std::move(attrs));
 }
-Expr attention(Expr q, Expr k, Expr v, bool causal, double scale) {
-  return attention_with_lse(q, k, v, causal, scale)[0];
+Expr attention(Expr q, Expr k, Expr v, bool causal, double scale, const std::string& layout) {
+  return attention_with_lse(q, k, v, causal, scale, layout)[0];
+}
+Expr rotary_embedding(Expr x, double base, const std::string& layout, bool inverse) {
+  return unary(Op::kRotaryEmbedding, x,
+               {{"base", base}, {"layout", layout}, {"inverse", inverse}});
 }
 std::vector<Expr> attention_qkv(Expr qkv, bool causal, double scale) {
   Attributes attrs{{"causal", causal}};

@@ -156,11 +156,17 @@ Expr cross_entropy(Expr logits, Expr labels, int64_t ignore_index = -100,
                    const std::string& reduction = "mean");
 // q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv). scale <= 0 means 1/sqrt(D). Returns out
 // (..., Tq, Dv); the node's second output, the log-sum-exp (..., Tq), is there for the backward
-// (attention_with_lse returns both).
-Expr attention(Expr q, Expr k, Expr v, bool causal = false, double scale = 0.0);
+// (attention_with_lse returns both). layout "bthd": q (..., Tq, H, D), k and v (..., Tk, Hkv,
+// D) with Hkv dividing H (grouped-query attention; also "bhtd"'s heads, the dim before T).
+Expr attention(Expr q, Expr k, Expr v, bool causal = false, double scale = 0.0,
+               const std::string& layout = "bhtd");
 // {out, lse}: lse = log(sum_j exp(scale * q_i . k_j)) over the unmasked keys (ops/nn.cc).
 std::vector<Expr> attention_with_lse(Expr q, Expr k, Expr v, bool causal = false,
-                                     double scale = 0.0);
+                                     double scale = 0.0, const std::string& layout = "bhtd");
+// Rotary position embeddings ("rotate half") of x (..., T, D) ("bhtd") or (..., T, H, D)
+// ("bthd") at positions 0 .. T-1 (ops/nn.cc).
+Expr rotary_embedding(Expr x, double base = 10000.0, const std::string& layout = "bhtd",
+                      bool inverse = false);
 // Self-attention over a packed projection qkv (..., T, 3, H, D): {out (..., T, H, D), lse
 // (..., T, H)}, the "bthd" attention of qkv's three parts read in place.
 std::vector<Expr> attention_qkv(Expr qkv, bool causal = false, double scale = 0.0);

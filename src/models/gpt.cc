@@ -117,11 +117,16 @@ void init_param(const Value& v, uint64_t seed, uint64_t index, int64_t layers, i
   if (n == 0) return;
   Tensor head = out.viewed(TensorType{out.dtype(), {n}}, 0);
   if (v.type.rank() == 1) {
-    const double fill = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ? 1.0 : 0.0;
-    for (int64_t i = 0; i < n; ++i) head.set(i, fill);
+    // Norm gains (GPT-2's ln1/ln2/lnf, LLaMA's n1/n2/norm) 1, biases 0.
+    const bool gain = ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("lnf.weight") ||
+                      ends_with(".n1.weight") || ends_with(".n2.weight") || v.name == "norm.weight";
+    for (int64_t i = 0; i < n; ++i) head.set(i, gain ? 1.0 : 0.0);
   } else {
+    // Residual projections: GPT-2's proj and fc2, LLaMA's o and w2.
+    const bool residual = ends_with("proj.weight") || ends_with("fc2.weight") || ends_with(".o.weight") ||
+                          ends_with(".w2.weight");
     const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
-    const double std = ends_with("proj.weight") || ends_with("fc2.weight") ? residual_std : 0.02;
+    const double std = residual ? residual_std : 0.02;
     fill_normal(head, begin, seed * 1000003ull + index, std);
   }
 }

@@ -40,9 +40,47 @@ Graph gpt(const GptConfig& config);
 // gpt2-xl (1.56B); the vocabulary padded to 50304 (a multiple of 128) as nanoGPT does.
 GptConfig gpt_config(const std::string& name);
 
+struct LlamaConfig {
+  int64_t batch = 2;
+  int64_t seq = 16;         // T (rotary positions 0 .. T-1)
+  int64_t vocab = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;     // key/value heads, dividing heads (grouped-query attention)
+  int64_t d_model = 32;
+  int64_t hidden = 64;      // SwiGLU's inner size
+  double rope_base = 10000.0;
+  double norm_epsilon = 1e-5;
+  DType dtype = DType::kF32;  // of params and activations (f64 for gradient checks)
+};
+// LLaMA-style decoder (models/llama.cc), as ../shared/bench/torch_llama.py: pre-RMSNorm blocks,
+// rotary embeddings, causal grouped-query attention, SwiGLU MLP, no biases, untied head. idx and
+// targets (B, T) i64 data. Params h{l}.{n1,q,k,v,o,n2,w1,w3,w2}.weight, emb.weight,
+// norm.weight, head.weight; matrices (in, out).
+Graph llama(const LlamaConfig& config);
+// Named configs: llama-tiny (CPU tests), llama-160m and llama-1b (torch_llama.py's).
+LlamaConfig llama_config(const std::string& name);
+
+// Sizes that override a named config's (0: the config's), e.g. from the CLI's --layers flags.
+struct ModelSizes {
+  int64_t layers = 0, d_model = 0, heads = 0, kv_heads = 0, hidden = 0, vocab = 0, seq = 0;
+};
+
+// What a trainer or benchmark needs to know of a language model of the zoo.
+struct LanguageModelInfo {
+  int64_t vocab = 0, seq = 0, layers = 0, d_model = 0;
+};
+// Whether `name` is a language model of the zoo (gpt2*, llama*): data idx and targets (B, T).
+bool is_language_model(const std::string& name);
+// The sizes of language model `name` with `sizes` applied. Throws kiln::Error for other models.
+LanguageModelInfo language_model_info(const std::string& name, const ModelSizes& sizes = {});
+// Initial params of a zoo language model's graph (init_params with its layer count).
+std::vector<Tensor> init_language_model(const Graph& graph, const std::string& name, uint64_t seed,
+                                        const ModelSizes& sizes = {});
+
 // Initial parameter values in graph-input order (params only), deterministic in seed:
-// weights normal(0, 0.02) (GPT-2: residual projections scaled by 1/sqrt(2 * layers)), biases 0,
-// norm gains 1. Parameters are recognized by name.
+// weights normal(0, 0.02) (residual projections, GPT-2's proj/fc2 and LLaMA's o/w2, scaled by
+// 1/sqrt(2 * layers)), biases 0, norm gains 1. Parameters are recognized by name.
 std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers = 1);
 // Rank `rank`'s flat shards of init_params' values (passes/sharding.h's layout: each param
 // flattened, zero-padded to world * k, elements [rank * k, (rank + 1) * k)), drawing only those:
@@ -72,8 +110,11 @@ Graph cnn(const CnnConfig& config);
 std::vector<Tensor> init_params_fan_in(const Graph& graph, uint64_t seed);
 
 // The model zoo by name, as the CLI knows it (model_names(): mlp (784-256-10), cnn, gpt2-tiny,
-// gpt2, gpt2-medium, gpt2-large, gpt2-xl); seq > 0 overrides a GPT config's sequence length.
+// gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny, llama-160m, llama-1b); seq > 0 overrides
+// a language model's sequence length, `sizes` any of its sizes (an error for a size the model
+// does not have: GPT-2 has no kv_heads or hidden, mlp and cnn take none).
 Graph by_name(const std::string& name, int64_t batch, int64_t seq = 0);
+Graph by_name(const std::string& name, int64_t batch, const ModelSizes& sizes);
 const std::vector<std::string>& model_names();
 // "mlp, cnn, ... or gpt2-xl", for error messages.
 std::string model_names_text();

@@ -21,12 +21,22 @@
 //     (B, T, C) projection has when reshaped to (B, T, H, D), and gives out (..., Tq, H, Dv) and
 //     lse (..., Tq, H): the same attention per (leading index, head) with no transposes around
 //     it (the simplifier folds them: passes/simplify/algebraic.cc).
+//     Grouped-query attention: k and v may have Hkv heads where q has H, Hkv dividing H (the
+//     heads axis: -2 for "bthd", -3 for "bhtd"); query head h reads key/value head
+//     h / (H / Hkv), and attention_grad's dk, dv sum over the query heads of their group.
 //   attention_qkv(qkv (..., T, 3, H, D)) {causal, scale} -> (out (..., T, H, D), lse (..., T, H)):
 //     self-attention over a packed projection: attention{layout "bthd"}(qkv[..., 0, :, :],
 //     qkv[..., 1, :, :], qkv[..., 2, :, :]). A (B, T, 3C) projection reshaped to (B, T, 3, H, D)
 //     is read in place (kernels take q, k, v by strides) and its gradient written in place: no
 //     split before attention, no concat after its gradient. The simplifier forms it from
 //     attention over the split of a projection (passes/simplify/algebraic.cc).
+//   rotary_embedding(x) {base = 10000, inverse = false, layout = "bhtd" | "bthd"}: rotary
+//     position embeddings, "rotate half" (GPT-NeoX, LLaMA): x (..., T, D) ("bhtd") or
+//     (..., T, H, D) ("bthd", like attention's layouts), D even, positions 0 .. T-1 along T. For
+//     position t and i < D/2, with angle a = t * base^(-2i/D): y_i = x_i cos a - x_{i+D/2} sin a,
+//     y_{i+D/2} = x_{i+D/2} cos a + x_i sin a. inverse rotates by -a: the inverse and the
+//     transpose of the rotation, so it is the gradient (rotary_embedding{inverse = !inverse}).
+//     A (B, T, H, D) projection is rotated in place of its layout: no transposes around it.
 // Backward ops: first-class ops (not compositions) because kernel libraries serve them as such
 // (cuDNN, FlashAttention, Liger, llm.c). None is differentiable itself (no second derivatives).
 //   softmax_grad(y, dy) {axis = -1}: y * (dy - sum(dy * y, axis)), y = softmax(x).
@@ -192,13 +202,26 @@ struct AttentionDims {
   int64_t batch;  // attention problems: the product of the leading dims (and heads, "bthd")
   int64_t tq, tk, d, dv;
   int64_t heads = 1;  // "bthd": H, the axis between T and D; "bhtd": 1
+  // Query heads per key/value head (grouped-query attention; 1: one k, v head per query head).
+  // Problem b reads key/value problem b / group: the kv problems are numbered like the query
+  // problems with H / group heads ("bthd") or a leading heads dim H / group ("bhtd").
+  int64_t group = 1;
   // Flat index of element 0 of row t (of a tensor with `cols` a row and `rows` rows a problem)
   // of problem b: rows of a problem are contiguous in "bhtd" and H rows apart in "bthd".
   int64_t row(int64_t b, int64_t t, int64_t rows, int64_t cols) const {
-    return ((b / heads * rows + t) * heads + b % heads) * cols;
+    return row_of(b, t, rows, cols, heads);
+  }
+  // The same for k and v (and dk, dv): row t of the key/value problem that problem b reads.
+  int64_t kv_row(int64_t b, int64_t t, int64_t cols) const {
+    return row_of(b / group, t, tk, cols, heads > 1 ? heads / group : 1);
   }
   // Flat index of lse's entry of row t of problem b: (..., Tq) or (..., Tq, H).
   int64_t stat(int64_t b, int64_t t) const { return row(b, t, tq, 1); }
+
+ private:
+  static int64_t row_of(int64_t b, int64_t t, int64_t rows, int64_t cols, int64_t h) {
+    return ((b / h * rows + t) * h + b % h) * cols;
+  }
 };
 
 bool heads_inside(const Attributes& attrs) {
@@ -209,15 +232,21 @@ bool heads_inside(const Attributes& attrs) {
        "\"bthd\" ((..., T, H, D))", layout);
 }
 
+// The heads axis of a q, k or v of rank r: "bthd" r - 2; "bhtd" the last leading dim (r - 3),
+// or -1 without leading dims.
+int heads_axis(int r, bool bthd) { return bthd ? r - 2 : r - 3; }
+
 AttentionDims attention_dims(const Shape& q, const Shape& k, const Shape& v,
                              const Attributes& attrs) {
   const size_t r = q.size();
+  const int h_axis = heads_axis(static_cast<int>(r), heads_inside(attrs));
+  const int64_t group = h_axis >= 0 && k[h_axis] > 0 ? q[h_axis] / k[h_axis] : 1;
   if (heads_inside(attrs)) {
-    AttentionDims dims{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2]};
+    AttentionDims dims{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2], group};
     for (size_t i = 0; i + 3 < r; ++i) dims.batch *= q[i];
     return dims;
   }
-  AttentionDims dims{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
+  AttentionDims dims{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1], 1, group};
   for (size_t i = 0; i + 2 < r; ++i) dims.batch *= q[i];
   return dims;
 }
@@ -237,16 +266,28 @@ TensorType infer_attention(const TensorType& q, const TensorType& k, const Tenso
              "q, k, v have shapes {}, {}, {}, expected one rank", to_string(q.shape),
              to_string(k.shape), to_string(v.shape));
   const int r = q.rank();
-  const Shape lead(q.shape.begin(), q.shape.end() - lead_end);
-  KILN_CHECK(Shape(k.shape.begin(), k.shape.end() - lead_end) == lead &&
-                 Shape(v.shape.begin(), v.shape.end() - lead_end) == lead,
+  // Grouped-query attention: k and v may have fewer heads than q (a divisor of q's), each
+  // shared by q's heads h with h / (Hq / Hkv) its index; the heads axis is r - 2 ("bthd") or
+  // the last leading dim ("bhtd"). Every other leading dim must be equal.
+  const int h_axis = heads_axis(r, bthd);
+  auto without_heads = [&](const Shape& s) {
+    Shape lead(s.begin(), s.end() - lead_end);
+    if (!bthd && !lead.empty()) lead.pop_back();  // "bhtd": the heads are the last leading dim
+    return lead;
+  };
+  KILN_CHECK(without_heads(k.shape) == without_heads(q.shape) &&
+                 without_heads(v.shape) == without_heads(q.shape),
              "leading dims differ: q is {}, k is {}, v is {} (they must be equal, no "
-             "broadcasting)",
+             "broadcasting; only k and v may have fewer heads)",
              to_string(q.shape), to_string(k.shape), to_string(v.shape));
-  if (bthd)
-    KILN_CHECK(k.shape[r - 2] == q.shape[r - 2] && v.shape[r - 2] == q.shape[r - 2],
-               "head counts differ: q is {}, k is {}, v is {} (layout bthd: (..., T, H, D))",
-               to_string(q.shape), to_string(k.shape), to_string(v.shape));
+  if (h_axis >= 0) {
+    const int64_t hq = q.shape[h_axis], hk = k.shape[h_axis];
+    KILN_CHECK(v.shape[h_axis] == hk && hk >= 1 && hq % hk == 0,
+               "head counts differ: q is {}, k is {}, v is {} (expected k and v with the same "
+               "number of heads, one that divides q's: grouped-query attention; layout {})",
+               to_string(q.shape), to_string(k.shape), to_string(v.shape),
+               bthd ? "bthd: (..., T, H, D)" : "bhtd: (..., H, T, D)");
+  }
   KILN_CHECK(k.shape[r - 1] == q.shape[r - 1],
              "head dims differ: q is {}, k is {} (expected the same D)", to_string(q.shape),
              to_string(k.shape));
@@ -274,7 +315,7 @@ void attention_scores(const Tensor& q, const Tensor& k, const AttentionDims& d, 
     double s = kNegativeInfinity;
     if (!causal || j <= i) {
       s = 0.0;
-      const int64_t kj = d.row(b, j, d.tk, d.d);
+      const int64_t kj = d.kv_row(b, j, d.d);
       for (int64_t c = 0; c < d.d; ++c) s += q.get(qi + c) * k.get(kj + c);
       s *= scale;
     }
@@ -490,7 +531,7 @@ void attention_reference(const KernelArgs& args) {
       for (int64_t c = 0; c < d.dv; ++c) {
         double acc = 0.0;
         for (int64_t j = 0; j < d.tk; ++j)
-          acc += weights[j] * v.get(d.row(b, j, d.tk, d.dv) + c);
+          acc += weights[j] * v.get(d.kv_row(b, j, d.dv) + c);
         out.set(oi + c, acc);
       }
     }
@@ -504,7 +545,7 @@ void attention_grad_reference(const KernelArgs& args) {
   const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
   const bool causal = args.attrs.b("causal");
   const double scale = attention_scale(args.attrs, d.d);
-  // Accumulated in double: dk and dv sum over the queries.
+  // Accumulated in double: dk and dv sum over the queries (of every query head of their group).
   std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
   std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
   for (int64_t b = 0; b < d.batch; ++b) {
@@ -520,7 +561,7 @@ void attention_grad_reference(const KernelArgs& args) {
         weighted += dout.get(oi + c) * out.get(oi + c);
       for (int64_t j = 0; j < d.tk; ++j) {
         double dp = 0.0;  // dP_ij = dout_i . v_j
-        const int64_t vj = d.row(b, j, d.tk, d.dv);
+        const int64_t vj = d.kv_row(b, j, d.dv);
         for (int64_t c = 0; c < d.dv; ++c) {
           const double g = dout.get(oi + c);
           dp += g * v.get(vj + c);
@@ -531,7 +572,7 @@ void attention_grad_reference(const KernelArgs& args) {
       for (int64_t j = 0; j < d.tk; ++j) {
         // Softmax backward; masked keys have P_ij = 0 and get nothing.
         const double ds = weights[j] * (dweights[j] - weighted) * scale;
-        const int64_t kj = d.row(b, j, d.tk, d.d);
+        const int64_t kj = d.kv_row(b, j, d.d);
         for (int64_t c = 0; c < d.d; ++c) {
           dq_sum[qi + c] += ds * k.get(kj + c);
           dk_sum[kj + c] += ds * q.get(qi + c);
@@ -616,6 +657,59 @@ std::vector<Expr> attention_qkv_gradient(const GradContext& c) {
                                                    unpacked_attrs(c.attrs()));
   for (Expr& g : grads) g = reshape(g, slot);
   return {concat(grads, -3)};
+}
+
+// ---- rotary_embedding ----
+
+// x's rows of D elements: row r is at position (r / heads) % T.
+struct RotaryDims {
+  int64_t rows, t, heads, d;
+};
+
+RotaryDims rotary_dims(const Shape& x, const Attributes& attrs) {
+  const bool bthd = heads_inside(attrs);
+  const size_t r = x.size();
+  RotaryDims dims{1, x[bthd ? r - 3 : r - 2], bthd ? x[r - 2] : 1, x[r - 1]};
+  for (size_t i = 0; i + 1 < r; ++i) dims.rows *= x[i];
+  return dims;
+}
+
+std::vector<TensorType> infer_rotary(std::span<const TensorType> in, const Attributes& attrs) {
+  const TensorType& x = in[0];
+  check_float(x, "x");
+  const bool bthd = heads_inside(attrs);
+  KILN_CHECK(x.rank() >= (bthd ? 3 : 2), "x has shape {}, expected {}", to_string(x.shape),
+             bthd ? "(..., T, H, D) (layout bthd)" : "(..., T, D) (layout bhtd)");
+  KILN_CHECK(x.shape.back() % 2 == 0, "x has shape {}, expected an even last dim D (its halves "
+             "rotate together)", to_string(x.shape));
+  KILN_CHECK(attrs.f("base") > 0, "base is {}, expected > 0", attrs.f("base"));
+  return {x};
+}
+
+void rotary_reference(const KernelArgs& args) {
+  const Tensor& x = args.inputs[0];
+  Tensor& y = args.outputs[0];
+  const RotaryDims dims = rotary_dims(x.shape(), args.attrs);
+  const double base = args.attrs.f("base"), sign = args.attrs.b("inverse") ? -1.0 : 1.0;
+  const int64_t half = dims.d / 2;
+  for (int64_t r = 0; r < dims.rows; ++r) {
+    const double position = static_cast<double>(r / dims.heads % dims.t);
+    const int64_t at = r * dims.d;
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = sign * position *
+                           std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dims.d));
+      const double c = std::cos(angle), s = std::sin(angle);
+      const double x1 = x.get(at + i), x2 = x.get(at + i + half);
+      y.set(at + i, x1 * c - x2 * s);
+      y.set(at + i + half, x2 * c + x1 * s);
+    }
+  }
+}
+
+std::vector<Expr> rotary_gradient(const GradContext& c) {
+  Attributes attrs = c.attrs();
+  attrs.set("inverse", !attrs.b("inverse"));
+  return {c.builder.apply1(Op::kRotaryEmbedding, {c.dy()}, attrs)};
 }
 
 }  // namespace
@@ -772,6 +866,11 @@ void define_nn_ops(OpRegistry& registry) {
         return std::vector<TensorType>{part, attention_lse_type(part)};
       },
       attention_qkv_reference, attention_qkv_gradient});
+
+  registry.define(Op::kRotaryEmbedding, OpDef{
+      {with_default("base", 10000.0), with_default("inverse", false),
+       with_default("layout", std::string("bhtd"))},
+      infer_rotary, rotary_reference, rotary_gradient});
 
   // ---- backward ops (not differentiable themselves) ----
 

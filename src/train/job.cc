@@ -30,7 +30,6 @@ namespace kiln::train {
 namespace {
 
 
-bool is_language_model(const std::string& model) { return model.rfind("gpt2", 0) == 0; }
 bool is_onnx_model(const std::string& model) {
   return model.size() > 5 && model.compare(model.size() - 5, 5, ".onnx") == 0;
 }
@@ -63,6 +62,17 @@ std::vector<int64_t> data_index_bounds(const Graph& forward) {
   for (int64_t& b : bounds)
     if (b == std::numeric_limits<int64_t>::max()) b = 2;
   return bounds;
+}
+
+// The options' model sizes with --seq among them.
+models::ModelSizes sizes_of(models::ModelSizes sizes, int64_t seq) {
+  if (seq > 0) sizes.seq = seq;
+  return sizes;
+}
+
+// The sizes in the ranks' agreement check.
+std::string sizes_text(const models::ModelSizes& s) {
+  return fmt::format("{} {} {} {} {} {} {}", s.layers, s.d_model, s.heads, s.kv_heads, s.hidden, s.vocab, s.seq);
 }
 
 // The runtime of `--device`, or an error saying why there is none.
@@ -172,9 +182,8 @@ Task classification_task(const JobOptions& o, const Place& place) {
 }
 
 Task language_model_task(const JobOptions& o, const Place& place) {
-  models::GptConfig config = models::gpt_config(o.model);
-  config.batch = o.batch;  // the global batch the batchers draw; the model takes this rank's rows
-  if (o.seq > 0) config.seq = o.seq;
+  const models::ModelSizes sizes = sizes_of(o.sizes, o.seq);
+  const models::LanguageModelInfo config = models::language_model_info(o.model, sizes);
   std::string path = o.data.empty() || o.data == "fashion-mnist" ? kDefaultTextPath : o.data;
   KILN_CHECK(o.data != "fashion-mnist", "model {} is a language model: give --data a text or .tok file", o.model);
   std::vector<int32_t> tokens;
@@ -188,13 +197,12 @@ Task language_model_task(const JobOptions& o, const Place& place) {
   KILN_CHECK(split > config.seq + 1 && static_cast<int64_t>(tokens.size()) - split > config.seq + 1,
              "'{}' has {} tokens: too few for sequences of {} (need more than {})", path, tokens.size(),
              config.seq, 10 * (config.seq + 2));
-  auto train_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin(), tokens.begin() + split), config.batch, config.seq);
-  auto eval_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin() + split, tokens.end()), config.batch, config.seq);
+  // The batchers draw the global batch; the model takes this rank's rows.
+  auto train_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin(), tokens.begin() + split), o.batch, config.seq);
+  auto eval_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin() + split, tokens.end()), o.batch, config.seq);
   Task t;
-  models::GptConfig local = config;
-  local.batch = config.batch / place.world;
-  t.forward = models::gpt(local);
-  t.init = models::init_params(t.forward, o.seed, config.layers);
+  t.forward = models::by_name(o.model, o.batch / place.world, sizes);
+  t.init = models::init_language_model(t.forward, o.model, o.seed, sizes);
   uint64_t seed = o.seed;
   t.train_batch = [train_tokens, seed, place](int64_t step) {
     return rows_of_rank(train_tokens->random_batch(seed, step), place);
@@ -213,7 +221,7 @@ Task language_model_task(const JobOptions& o, const Place& place) {
   };
   t.description = fmt::format("{} ({} layers, d={}, T={}, vocab {}) on '{}' ({} tokens)", o.model, config.layers,
                               config.d_model, config.seq, config.vocab, path, tokens.size());
-  t.items_per_step = config.batch * config.seq;
+  t.items_per_step = o.batch * config.seq;
   t.item_name = "tokens";
   return t;
 }
@@ -339,7 +347,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   KILN_CHECK(o.batch % place.world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch,
              place.world);
   validate(o.optimizer);
-  Task task = is_language_model(o.model) ? language_model_task(o, place) : classification_task(o, place);
+  Task task = models::is_language_model(o.model) ? language_model_task(o, place) : classification_task(o, place);
   int64_t param_count = 0;
   for (const Tensor& t : task.init) param_count += t.numel();
   std::string shard_note;
@@ -366,7 +374,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   // Every rank compiled the same step (same model, batch, flags and build), or none goes on.
   if (group)
     group->check_agreement("the compiled step (model, batch, flags, build)",
-                           step_fingerprint(trainer, fmt::format("{} {} {} {}", o.model, o.batch, o.seq, o.seed)));
+                           step_fingerprint(trainer, fmt::format("{} {} {} {} {}", o.model, o.batch, o.seq, sizes_text(o.sizes), o.seed)));
   // Checkpoints: one file alone; in a group one per rank (its shards), named for the group's
   // size, and on request a consolidated one that any group size (or one process) resumes from.
   const std::filesystem::path dir = o.checkpoint_dir;
@@ -589,6 +597,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   KILN_CHECK(o.batch % world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch, world);
   BenchResult r;
   r.world_size = world;
+  const models::ModelSizes sizes = sizes_of(o.sizes, o.seq);
   Graph forward;
   std::vector<Tensor> init;
   std::map<std::string, Tensor> onnx_state;  // an ONNX model's own state (BatchNorm statistics)
@@ -606,10 +615,9 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     index_bounds = data_index_bounds(forward);
     const Value& first = forward.value(forward.inputs.front().value);
     r.tokens_per_step = first.type.rank() > 0 ? first.type.shape[0] : 1;
-  } else if (is_language_model(o.model)) {
-    forward = models::by_name(o.model, o.batch / world, o.seq);  // this rank's rows
-    models::GptConfig config = models::gpt_config(o.model);
-    if (o.seq > 0) config.seq = o.seq;
+  } else if (models::is_language_model(o.model)) {
+    forward = models::by_name(o.model, o.batch / world, sizes);  // this rank's rows
+    const models::LanguageModelInfo config = models::language_model_info(o.model, sizes);
     int_high = config.vocab;
     layers = config.layers;
     seq = config.seq;
@@ -682,7 +690,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   r.compile_s = phase.lap();
   if (group)
     group->check_agreement("the compiled step (model, batch, flags, build)",
-                           step_fingerprint(trainer, fmt::format("{} {} {}", o.model, o.batch, o.seq)));
+                           step_fingerprint(trainer, fmt::format("{} {} {} {}", o.model, o.batch, o.seq, sizes_text(o.sizes))));
   r.build_parts = trainer.build_seconds();
   init.clear();
 
@@ -770,9 +778,9 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     }
   }
   if (o.out) {
-    const std::string unit = is_language_model(o.model) ? "tokens" : "samples";
+    const std::string unit = models::is_language_model(o.model) ? "tokens" : "samples";
     fmt::print(o.out, "kiln bench: {} ({:.1f}M params), batch {}{}, amp {}, device {}{}\n", o.model,
-               static_cast<double>(r.params) / 1e6, o.batch, is_language_model(o.model) ? fmt::format(", seq {}", seq) : "",
+               static_cast<double>(r.params) / 1e6, o.batch, models::is_language_model(o.model) ? fmt::format(", seq {}", seq) : "",
                o.amp, r.device_name, on_cuda ? (o.cuda_graphs ? ", CUDA graphs on" : ", CUDA graphs off") : "");
     fmt::print(o.out, "  ms/step          {:.2f} median of {} steps (each waited for); {:.2f} mean when issued back to back\n",
                r.median_ms, o.steps, r.pipelined_ms);

@@ -12,6 +12,7 @@
 #include "compile/training_graph.h"
 #include "device/device_runtime.h"
 #include "frontend/onnx/onnx_import.h"
+#include "models/models.h"
 #include "passes/pass.h"
 
 namespace kiln::train {
@@ -23,6 +24,7 @@ struct JobOptions {
   int64_t steps = 1000;
   int64_t batch = 64;
   int64_t seq = 0;                    // LM sequence length; 0 = the config's
+  models::ModelSizes sizes;           // LM sizes overriding the config's (--layers, ...; seq above)
   OptimizerConfig optimizer;
   PassOptions passes;                 // the pipeline's: memory budget, logits chunks, disabled passes
   uint64_t seed = 0;
@@ -89,7 +91,8 @@ struct BenchOptions {
   std::string model = "gpt2";     // models::model_names(), or an ONNX model file (.onnx)
   onnx::ImportOptions onnx;       // for an ONNX model: dynamic dims, frozen params, its loss
   int64_t batch = 32;
-  int64_t seq = 0;                // gpt2*: 0 = the config's
+  int64_t seq = 0;                // language models: 0 = the config's
+  models::ModelSizes sizes;       // language models: sizes overriding the config's (seq above)
   std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)
   std::string shard = "auto";     // in a group (kiln launch): as JobOptions::shard; batch is global
   std::string device = "cuda";    // cpu | cuda | auto

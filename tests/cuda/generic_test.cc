@@ -92,6 +92,9 @@ const std::set<std::string_view> kWithoutGenericKernel = {
     // heads have no CUDA kernel.
     "attention_qkv",
     "attention_qkv_grad",
+    // Rotary position embeddings: cuda-nn serves f32 / f16 / bf16 (a grid-stride kernel as
+    // simple as a generic one would be); f64 has no CUDA kernel.
+    "rotary_embedding",
 };
 
 bool has_generic_kernel(Op op) {

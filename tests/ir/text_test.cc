@@ -557,6 +557,8 @@ const std::vector<OpSample>& op_samples() {
       {"rms_norm", "%x: f32[2,3] data, %g: f32[3] param", "%0 = rms_norm(%x, %g) : f32[2,3]", "%0"},
       {"rms_norm_grad", "%x: f32[2,3] data, %g: f32[3] param, %d: f32[2,3] data",
        "%0, %1 = rms_norm_grad(%x, %g, %d) {epsilon=0.001} : f32[2,3], f32[3]", "%0, %1"},
+      {"rotary_embedding", "%x: bf16[2,5,3,4] data",
+       "%0 = rotary_embedding(%x) {inverse=true, layout=\"bthd\"} : bf16[2,5,3,4]", "%0"},
       {"rsqrt", kX, "%0 = rsqrt(%x) : f32[2,3]", "%0"},
       {"scatter_add", "%b: f32[10,4] param, %i: i64[3] data, %u: f32[3,4] data",
        "%0 = scatter_add(%b, %i, %u) : f32[10,4]", "%0"},

@@ -146,6 +146,26 @@ TEST(NnGrad, AttentionCausal) {
                       {{"causal", true}});
 }
 
+TEST(NnGrad, AttentionGroupedQuery) {
+  // k and v with fewer heads than q: dk and dv sum over the query heads of their group.
+  const Attributes bthd{{"causal", true}, {"layout", std::string("bthd")}};
+  expect_op_gradients(Op::kAttention, {rand64({2, 5, 4, 3}, 100), rand64({2, 5, 2, 3}, 101),
+                                       rand64({2, 5, 2, 2}, 102)}, bthd);
+  expect_op_gradients(Op::kAttention, {rand64({4, 3, 2}, 103), rand64({4, 1, 2}, 104),
+                                       rand64({4, 1, 3}, 105)}, bthd);  // one kv head
+  expect_op_gradients(Op::kAttention, {rand64({2, 6, 3, 4}, 106), rand64({2, 2, 5, 4}, 107),
+                                       rand64({2, 2, 5, 3}, 108)});  // "bhtd", 3 per group
+}
+
+TEST(NnGrad, RotaryEmbedding) {
+  // The rule is the inverse rotation; both layouts and directions, an odd D/2.
+  expect_op_gradients(Op::kRotaryEmbedding, {rand64({2, 5, 6}, 110)});
+  expect_op_gradients(Op::kRotaryEmbedding, {rand64({2, 4, 3, 8}, 111)},
+                      {{"layout", std::string("bthd")}, {"base", 100.0}});
+  expect_op_gradients(Op::kRotaryEmbedding, {rand64({3, 2, 4}, 112)},
+                      {{"layout", std::string("bthd")}, {"inverse", true}});
+}
+
 // Gradcheck of a loss sum(attention(q, k, v)[0] * w) that ignores lse: the rule's usual path
 // (one attention_grad fed the forward's out and lse).
 void check_attention_out_only(Shape q, Shape k, Shape v, Attributes attrs, uint64_t seed) {

@@ -274,6 +274,53 @@ TEST(NnRmsNorm, KernelOnWorkedRows) {
                         1e-15, 1e-13));
 }
 
+// ---------------------------------------------------------------- rotary_embedding
+
+TEST(NnRotaryEmbedding, InfersShapesAndErrors) {
+  EXPECT_EQ(infer(Op::kRotaryEmbedding, {f32({2, 3, 4, 8})})[0], f32({2, 3, 4, 8}));
+  EXPECT_EQ(infer(Op::kRotaryEmbedding, {of(DType::kBF16, {5, 2, 6})},
+                  {{"layout", std::string("bthd")}})[0],
+            of(DType::kBF16, {5, 2, 6}));
+  EXPECT_KILN_ERROR(infer(Op::kRotaryEmbedding, {f32({2, 3, 5})}), "rotary_embedding",
+                    "(2, 3, 5)", "even last dim");
+  EXPECT_KILN_ERROR(infer(Op::kRotaryEmbedding, {f32({3, 4})}, {{"layout", std::string("bthd")}}),
+                    "(3, 4)", "(..., T, H, D)");
+  EXPECT_KILN_ERROR(infer(Op::kRotaryEmbedding, {of(DType::kI32, {3, 4})}), "x is i32", "float");
+  EXPECT_KILN_ERROR(infer(Op::kRotaryEmbedding, {f32({3, 4})}, {{"base", -1.0}}), "base is -1");
+}
+
+TEST(NnRotaryEmbedding, KernelOnWorkedRows) {
+  // T = 2, D = 4 ("bhtd"): position 0 is the identity; position 1 rotates pair (x0, x2) by
+  // 1 rad and pair (x1, x3) by base^(-1/2) = 0.01 rad.
+  const Tensor x = make(DType::kF64, {2, 4}, {1, 2, 3, 4, 1, 2, 3, 4});
+  const Tensor y = run_reference(Op::kRotaryEmbedding, {x})[0];
+  const double c0 = std::cos(1.0), s0 = std::sin(1.0), c1 = std::cos(0.01), s1 = std::sin(0.01);
+  EXPECT_TRUE(all_close(y, make(DType::kF64, {2, 4},
+                                {1, 2, 3, 4, 1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0,
+                                 4 * c1 + 2 * s1}),
+                        1e-15, 1e-14));
+}
+
+TEST(NnRotaryEmbedding, InverseUndoesAndLayoutsAgree) {
+  const Tensor x = testing::rand(DType::kF64, {2, 7, 3, 6}, 5);  // (B, T, H, D)
+  const Attributes bthd{{"layout", std::string("bthd")}};
+  Attributes inverse = bthd;
+  inverse.set("inverse", true);
+  const Tensor y = run_reference(Op::kRotaryEmbedding, {x}, bthd)[0];
+  EXPECT_TRUE(all_close(run_reference(Op::kRotaryEmbedding, {y}, inverse)[0], x, 1e-14, 1e-13));
+  // Rotations keep each pair's norm; the "bhtd" kernel on the heads-first transpose agrees.
+  const Attributes swap{{"perm", std::vector<int64_t>{0, 2, 1, 3}}};
+  auto t = [&](const Tensor& a) { return run_reference(Op::kTranspose, {a}, swap)[0]; };
+  EXPECT_TRUE(all_close(t(run_reference(Op::kRotaryEmbedding, {t(x)})[0]), y, 1e-15, 1e-15));
+  for (int64_t r = 0; r < x.numel() / 6; ++r)
+    for (int64_t i = 0; i < 3; ++i) {
+      auto norm = [&](const Tensor& a) {
+        return std::hypot(a.get(r * 6 + i), a.get(r * 6 + i + 3));
+      };
+      EXPECT_NEAR(norm(y), norm(x), 1e-14);
+    }
+}
+
 // ---------------------------------------------------------------- cross_entropy
 
 Attributes reduction(const std::string& r) { return {{"reduction", r}}; }
@@ -382,8 +429,13 @@ TEST(NnAttention, InfersTheLseOutput) {
 }
 
 TEST(NnAttention, Errors) {
-  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 3, 8}), f32({1, 5, 8}), f32({1, 5, 8})}),
-                    "attention", "leading dims differ", "(2, 3, 8)", "(1, 5, 8)");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 4, 3, 8}), f32({1, 4, 5, 8}), f32({1, 4, 5, 8})}),
+                    "attention", "leading dims differ", "(2, 4, 3, 8)", "(1, 4, 5, 8)");
+  // The dim before T ("bhtd"'s heads) may be fewer in k and v only if it divides q's.
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 3, 8}), f32({3, 5, 8}), f32({3, 5, 8})}),
+                    "attention", "head counts differ", "(2, 3, 8)", "(3, 5, 8)");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({4, 3, 8}), f32({2, 5, 8}), f32({1, 5, 8})}),
+                    "head counts differ");
   EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 3, 8}), f32({2, 5, 4}), f32({2, 5, 8})}),
                     "head dims differ", "(2, 3, 8)", "(2, 5, 4)");
   EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 3, 8}), f32({2, 5, 8}), f32({2, 6, 8})}),
@@ -523,6 +575,68 @@ TEST(NnAttention, KernelMatchesMatmulSoftmaxCompositionOnRandomInputs) {
     Tensor scaled = run_reference(Op::kAttention, {q, k, v},
                                   {{"causal", causal}, {"scale", 0.3}})[0];
     EXPECT_TRUE(all_close(scaled, attention_by_composition(q, k, v, causal, 0.3), 1e-13, 1e-12));
+  }
+}
+
+// Grouped-query attention is attention with each key/value head repeated for the query heads
+// of its group (PyTorch's repeat_interleave), and its dk, dv are the repeated ones' summed over
+// the group. Both layouts, causal and not.
+TEST(NnAttention, GroupedQueryIsAttentionOnRepeatedKeyValueHeads) {
+  for (bool bthd : {false, true}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (bthd ? "bthd" : "bhtd") << (causal ? " causal" : ""));
+      const int64_t B = 2, H = 6, Hkv = 2, Tq = 5, Tk = 7, D = 4, Dv = 3, group = H / Hkv;
+      auto shape = [&](int64_t heads, int64_t t, int64_t d) {
+        return bthd ? Shape{B, t, heads, d} : Shape{B, heads, t, d};
+      };
+      const Tensor q = testing::rand(DType::kF64, shape(H, Tq, D), 11);
+      const Tensor k = testing::rand(DType::kF64, shape(Hkv, Tk, D), 12);
+      const Tensor v = testing::rand(DType::kF64, shape(Hkv, Tk, Dv), 13);
+      const Tensor dout = testing::rand(DType::kF64, shape(H, Tq, Dv), 14);
+      // Head h of the repeated tensor is head h / group of x.
+      auto repeat = [&](const Tensor& x, int64_t t, int64_t d) {
+        Tensor r(TensorType{DType::kF64, shape(H, t, d)});
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < t; ++i)
+              for (int64_t c = 0; c < d; ++c) {
+                auto at = [&](int64_t heads, int64_t head) {
+                  return bthd ? ((b * t + i) * heads + head) * d + c : ((b * heads + head) * t + i) * d + c;
+                };
+                r.set(at(H, h), x.get(at(Hkv, h / group)));
+              }
+        return r;
+      };
+      // The group's sum of a repeated gradient.
+      auto fold = [&](const Tensor& x, int64_t t, int64_t d) {
+        Tensor r(TensorType{DType::kF64, shape(Hkv, t, d)});
+        for (int64_t i = 0; i < r.numel(); ++i) r.set(i, 0.0);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < t; ++i)
+              for (int64_t c = 0; c < d; ++c) {
+                auto at = [&](int64_t heads, int64_t head) {
+                  return bthd ? ((b * t + i) * heads + head) * d + c : ((b * heads + head) * t + i) * d + c;
+                };
+                r.set(at(Hkv, h / group), r.get(at(Hkv, h / group)) + x.get(at(H, h)));
+              }
+        return r;
+      };
+      Attributes attrs{{"causal", causal}};
+      if (bthd) attrs.set("layout", std::string("bthd"));
+      const std::vector<Tensor> got = run_reference(Op::kAttention, {q, k, v}, attrs);
+      const std::vector<Tensor> want =
+          run_reference(Op::kAttention, {q, repeat(k, Tk, D), repeat(v, Tk, Dv)}, attrs);
+      EXPECT_TRUE(all_close(got[0], want[0], 1e-13, 1e-13));
+      EXPECT_TRUE(all_close(got[1], want[1], 1e-13, 1e-13));
+      const std::vector<Tensor> dgot =
+          run_reference(Op::kAttentionGrad, {q, k, v, got[0], dout, got[1]}, attrs);
+      const std::vector<Tensor> dwant = run_reference(
+          Op::kAttentionGrad, {q, repeat(k, Tk, D), repeat(v, Tk, Dv), want[0], dout, want[1]}, attrs);
+      EXPECT_TRUE(all_close(dgot[0], dwant[0], 1e-13, 1e-13));
+      EXPECT_TRUE(all_close(dgot[1], fold(dwant[1], Tk, D), 1e-13, 1e-13));
+      EXPECT_TRUE(all_close(dgot[2], fold(dwant[2], Tk, Dv), 1e-13, 1e-13));
+    }
   }
 }
 

@@ -161,6 +161,24 @@ TEST(TrainJob, TinyGptTrainsOnText) {
   std::filesystem::remove(log);
 }
 
+TEST(TrainJob, TinyLlamaTrainsOnTextWithSizesFromOptions) {
+  JobOptions o = quiet_mlp(20);
+  o.model = "llama-tiny";
+  o.data = "";  // the default text
+  o.batch = 2;
+  o.seq = 32;
+  o.sizes.layers = 1;  // as `kiln train --layers 1 --kv-heads 1` gives them
+  o.sizes.kv_heads = 1;
+  o.eval_batches = 2;
+  o.optimizer.lr = 3e-3;
+  JobResult r = run_training_job(o);
+  EXPECT_EQ(r.steps_done, 20);
+  EXPECT_EQ(r.eval_name, "perplexity");
+  EXPECT_LT(r.final_loss, 5.2);  // ln(256) = 5.55 at the start
+  o.sizes.kv_heads = 3;          // 4 heads do not split into groups of 3 kv heads
+  EXPECT_KILN_ERROR(run_training_job(o), "heads 4", "kv_heads 3");
+}
+
 TEST(TrainJob, EvalBatchesTakeTheFirstTestBatchesOfAClassifier) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   JobOptions o = quiet_mlp(20);

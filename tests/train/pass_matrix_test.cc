@@ -62,6 +62,17 @@ TEST(PassMatrix, GptStepsAreIdenticalWithEachPassDisabled) {
   check_matrix(g, models::init_params(g, 2, 1), batches);
 }
 
+TEST(PassMatrix, LlamaStepsAreIdenticalWithEachPassDisabled) {
+  // One block, 4 query heads on 2 key/value heads (rotary embeddings, grouped-query attention,
+  // RMSNorm, SwiGLU).
+  models::LlamaConfig c{2, 8, 16, 1, 4, 2, 16, 24};
+  Graph g = models::llama(c);
+  std::vector<std::vector<Tensor>> batches;
+  for (int s = 0; s < 3; ++s)
+    batches.push_back({testing::rand(DType::kI64, {2, 8}, 50 + s, 0, 16), testing::rand(DType::kI64, {2, 8}, 60 + s, 0, 16)});
+  check_matrix(g, models::init_params(g, 2, 1), batches);
+}
+
 TEST(PassMatrix, UnknownPassNameIsAClearError) {
   Graph g = models::mlp({2, 3, {}, 2});
   PassOptions options;

@@ -16,7 +16,8 @@ void add_bench_command(CLI::App& app) {
   command->add_option("--batch", o->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
       ->default_val(32);
   add_shard_option(command, o->shard);
-  command->add_option("--seq", o->seq, "Sequence length for gpt2* (default: the config's)");
+  command->add_option("--seq", o->seq, "Sequence length for gpt2* and llama* (default: the config's)");
+  add_model_size_options(command, o->sizes);
   add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | auto (bf16 where the device has it)",
                  /*with_auto=*/true);
   add_device_choice_option(command, o->device, "cuda | cpu | auto (cuda when present, else cpu)");

@@ -25,6 +25,7 @@ struct CompileCommand {
   std::string file;  // a forward graph's IR text; empty: --model
   std::string model = "gpt2-tiny";
   int64_t batch = 8, seq = 0;
+  models::ModelSizes sizes;
   bool forward_only = false;
   bool report = false;
   std::string output;
@@ -104,7 +105,9 @@ void report(const std::string& what, const std::string& source, const Graph& for
 void compile(CompileCommand o) {
   const Stopwatch total;
   Stopwatch phase;
-  const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, o.seq) : load_model_file(o.file, o.onnx).graph;
+  models::ModelSizes sizes = o.sizes;
+  if (o.seq > 0) sizes.seq = o.seq;
+  const Graph forward = o.file.empty() ? models::by_name(o.model, o.batch, sizes) : load_model_file(o.file, o.onnx).graph;
   const double build_s = phase.lap();
   o.compile.kind = o.forward_only ? StepKind::kForward : StepKind::kTraining;
   KILN_CHECK(!o.compile.loss_only || o.forward_only, "--loss-only needs --forward-only (a training step returns the "
@@ -136,7 +139,8 @@ void add_compile_command(CLI::App& app) {
   add_onnx_options(command, o->onnx);
   add_model_option(command, o->model, "gpt2-tiny");
   command->add_option("--batch", o->batch, "Batch size of --model")->default_val(8);
-  command->add_option("--seq", o->seq, "Sequence length of --model gpt2* (default: the config's)");
+  command->add_option("--seq", o->seq, "Sequence length of --model gpt2* or llama* (default: the config's)");
+  add_model_size_options(command, o->sizes);
   command->add_flag("--forward-only", o->forward_only,
                     "Compile the graph as given (an evaluation or inference step): no autodiff, no optimizer");
   command->add_flag("--loss-only", o->compile.loss_only,

@@ -32,6 +32,16 @@ void add_model_option(CLI::App* command, std::string& model, const std::string& 
       ->default_val(default_model);
 }
 
+void add_model_size_options(CLI::App* command, models::ModelSizes& sizes) {
+  CLI::Option_group* group = command->add_option_group("Model sizes (language models; 0: the config's)");
+  group->add_option("--layers", sizes.layers, "Decoder blocks");
+  group->add_option("--d-model", sizes.d_model, "Width of the residual stream");
+  group->add_option("--heads", sizes.heads, "Attention (query) heads");
+  group->add_option("--kv-heads", sizes.kv_heads, "Key/value heads, dividing --heads (llama*: grouped-query attention)");
+  group->add_option("--hidden", sizes.hidden, "MLP hidden size (llama*: SwiGLU's)");
+  group->add_option("--vocab", sizes.vocab, "Vocabulary size");
+}
+
 void add_shard_option(CLI::App* command, std::string& shard) {
   command
       ->add_option("--shard", shard,

@@ -10,6 +10,7 @@
 
 #include "frontend/onnx/onnx_import.h"
 #include "ir/graph.h"
+#include "models/models.h"
 #include "passes/pass.h"
 #include "tensor/tensor.h"
 
@@ -35,6 +36,9 @@ struct ExitCode {
 
 // --model NAME: the model zoo's models (models/models.h).
 void add_model_option(CLI::App* command, std::string& model, const std::string& default_model);
+// --layers, --d-model, --heads, --kv-heads, --hidden, --vocab: a language model's sizes
+// overriding its named config's (models::ModelSizes; --seq is each command's own).
+void add_model_size_options(CLI::App* command, models::ModelSizes& sizes);
 // --shard: the data-parallel mode under kiln launch (train/job.h choose_shard_mode).
 void add_shard_option(CLI::App* command, std::string& shard);
 // --device cpu|cuda under `names` (CLI11's "--device,--target" for aliases), with the command's

@@ -9,13 +9,14 @@ void add_train_command(CLI::App& app) {
   auto job = std::make_shared<train::JobOptions>();
   add_model_option(command, job->model, "mlp");
   command->add_option("--data", job->data,
-                      "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*); default: fashion-mnist, or a GPL text "
-                      "for gpt2*");
+                      "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*, llama*); default: fashion-mnist, or a GPL "
+                      "text for gpt2* and llama*");
   command->add_option("--data-dir", job->data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
   command->add_option("--steps", job->steps, "Total training steps")->default_val(3000);
   command->add_option("--batch", job->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
       ->default_val(64);
-  command->add_option("--seq", job->seq, "Sequence length for gpt2* (default: the config's)");
+  command->add_option("--seq", job->seq, "Sequence length for gpt2* and llama* (default: the config's)");
+  add_model_size_options(command, job->sizes);
   command->add_option("--lr", job->optimizer.lr, "Peak learning rate")->default_val(1e-3);
   command->add_option("--optimizer", job->optimizer.name, "adamw | sgd")
       ->check(CLI::IsMember({"adamw", "sgd"}))

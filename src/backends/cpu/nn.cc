@@ -1,9 +1,10 @@
-// Dialect "cpu", row-wise nn ops in f32 over the last axis: softmax, log_softmax, layer_norm and
-// cross_entropy. Each works on (rows, C) with one row at a time in cache: a max pass, an exp
+// Dialect "cpu", row-wise nn ops in f32 over the last axis: softmax, log_softmax, layer_norm,
+// rms_norm (and its gradient), rotary_embedding and cross_entropy. Each works on (rows, C) with one row at a time in cache: a max pass, an exp
 // pass, a scale pass, all vectorized (fast_math.h, row_ops.h); rows are split across threads.
 // Row statistics (sums, means, variances, losses) are accumulated in f64 across blocks, so they
 // stay close to the f64 reference for long rows.
 // softmax/log_softmax over another axis are refused by supports() (the reference serves them).
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -108,6 +109,113 @@ bool layer_norm_supported(const NodeView& node) {
   return node.input_types[1].shape == row && node.input_types[2].shape == row;
 }
 
+// ---- rms_norm, rms_norm_grad ----
+
+double inverse_rms(const float* __restrict__ x, int64_t n, double epsilon) {
+  const double mean_square = blocked_sum(n, [&](int64_t i) { return x[i] * x[i]; }) / static_cast<double>(n);
+  return 1.0 / std::sqrt(mean_square + epsilon);
+}
+
+void rms_norm_kernel(const KernelArgs& args) {
+  const Rows r = rows_of(args.inputs[0].shape());
+  const float* x = args.inputs[0].data<float>();
+  const float* gamma = args.inputs[1].data<float>();
+  float* y = args.outputs[0].data<float>();
+  const double epsilon = args.attrs.f("epsilon");
+  parallel_for(0, r.rows, row_grain(r.cols, kGrainCheap), [&](int64_t lo, int64_t hi) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const float* xr = x + row * r.cols;
+      float* yr = y + row * r.cols;
+      const float inv = static_cast<float>(inverse_rms(xr, r.cols, epsilon));
+      for (int64_t i = 0; i < r.cols; ++i) yr[i] = xr[i] * inv * gamma[i];
+    }
+  });
+}
+
+// dx = inv g - inv^3 x sum(g x) / C with g = dy gamma; dgamma = sum over rows of dy x inv. The
+// column sums go per thread chunk into f64 partials, added in chunk order (deterministic).
+void rms_norm_grad_kernel(const KernelArgs& args) {
+  const Rows r = rows_of(args.inputs[0].shape());
+  const float* x = args.inputs[0].data<float>();
+  const float* gamma = args.inputs[1].data<float>();
+  const float* dy = args.inputs[2].data<float>();
+  float* dx = args.outputs[0].data<float>();
+  float* dgamma = args.outputs[1].data<float>();
+  const double epsilon = args.attrs.f("epsilon");
+  const int64_t grain = row_grain(r.cols, kGrainCheap);
+  const int64_t chunks = (r.rows + grain - 1) / grain;
+  std::vector<double> partial(static_cast<size_t>(std::max<int64_t>(chunks, 1) * r.cols), 0.0);
+  parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+      double* sums = partial.data() + chunk * r.cols;
+      for (int64_t row = chunk * grain; row < std::min(r.rows, (chunk + 1) * grain); ++row) {
+        const float* xr = x + row * r.cols;
+        const float* dyr = dy + row * r.cols;
+        float* dxr = dx + row * r.cols;
+        const double inv = inverse_rms(xr, r.cols, epsilon);
+        const double dot = blocked_sum(r.cols, [&](int64_t i) { return dyr[i] * gamma[i] * xr[i]; });
+        const float inv_f = static_cast<float>(inv);
+        const float correction = static_cast<float>(inv * inv * inv * dot / static_cast<double>(r.cols));
+        for (int64_t i = 0; i < r.cols; ++i) {
+          dxr[i] = inv_f * dyr[i] * gamma[i] - correction * xr[i];
+          sums[i] += static_cast<double>(dyr[i] * xr[i] * inv_f);
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < r.cols; ++i) {
+    double total = 0.0;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) total += partial[chunk * r.cols + i];
+    dgamma[i] = static_cast<float>(total);
+  }
+}
+
+bool rms_norm_supported(const NodeView& node) {
+  if (!all_dtype(node, DType::kF32)) return false;
+  const Shape& x = node.input_types[0].shape;
+  return !x.empty() && x.back() > 0 && node.input_types[1].shape == Shape{x.back()};
+}
+
+// ---- rotary_embedding ----
+
+// Rows of D elements at position (row / heads) % T; one cos/sin table of T x D/2 per call
+// (angles in f64, as the reference), shared by every row.
+void rotary_kernel(const KernelArgs& args) {
+  const Tensor& x_t = args.inputs[0];
+  const Shape& shape = x_t.shape();
+  const bool bthd = args.attrs.s("layout") == "bthd";
+  const size_t rank = shape.size();
+  const int64_t d = shape.back(), half = d / 2, t = shape[bthd ? rank - 3 : rank - 2];
+  const int64_t heads = bthd ? shape[rank - 2] : 1, rows = x_t.numel() / std::max<int64_t>(d, 1);
+  const double base = args.attrs.f("base"), sign = args.attrs.b("inverse") ? -1.0 : 1.0;
+  std::vector<float> cos_table(static_cast<size_t>(t * half)), sin_table(cos_table.size());
+  for (int64_t i = 0; i < half; ++i) {
+    const double frequency = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    for (int64_t p = 0; p < t; ++p) {
+      const double angle = sign * static_cast<double>(p) * frequency;
+      cos_table[p * half + i] = static_cast<float>(std::cos(angle));
+      sin_table[p * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+  const float* x = x_t.data<float>();
+  float* y = args.outputs[0].data<float>();
+  parallel_for(0, rows, row_grain(d, kGrainCheap), [&](int64_t lo, int64_t hi) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const float* c = cos_table.data() + (row / heads % t) * half;
+      const float* s = sin_table.data() + (row / heads % t) * half;
+      const float* x1 = x + row * d;
+      const float* x2 = x1 + half;
+      float* y1 = y + row * d;
+      float* y2 = y1 + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        y1[i] = a * c[i] - b * s[i];
+        y2[i] = b * c[i] + a * s[i];
+      }
+    }
+  });
+}
+
 // ---- cross_entropy ----
 
 // logsumexp(row) - row[label], in f64.
@@ -172,6 +280,10 @@ void register_nn_kernels(KernelRegistry& registry) {
   registry.add(Op::kSoftmax, fast(softmax_supported, softmax_kernel<softmax_row>));
   registry.add(Op::kLogSoftmax, fast(softmax_supported, softmax_kernel<log_softmax_row>));
   registry.add(Op::kLayerNorm, fast(layer_norm_supported, layer_norm_kernel));
+  registry.add(Op::kRmsNorm, fast(rms_norm_supported, rms_norm_kernel));
+  registry.add(Op::kRmsNormGrad, fast(rms_norm_supported, rms_norm_grad_kernel));
+  registry.add(Op::kRotaryEmbedding,
+               fast([](const NodeView& node) { return all_dtype(node, DType::kF32); }, rotary_kernel));
   registry.add(Op::kCrossEntropy, fast(cross_entropy_supported, [](const KernelArgs& args) {
                  if (args.inputs[1].dtype() == DType::kI32)
                    cross_entropy_kernel<int32_t>(args);

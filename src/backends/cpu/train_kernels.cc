@@ -16,7 +16,9 @@
 //                               P = exp(S - lse) from the saved lse (no row max or sum) and
 //                               does dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with
 //                               D = rowsum(dO * O), dQ = scale dS K, dK = scale dS^T Q as
-//                               sgemms.
+//                               sgemms. Grouped-query attention (k, v with fewer heads) reads a
+//                               key/value head's rows for each query head of its group; their
+//                               dk, dv are accumulated by the sgemms (beta 1 after the first).
 //     attention_qkv,            f32, the same kernels with q, k, v read in place from the packed
 //     attention_qkv_grad        (..., T, 3, H, D) (rows 3 H D apart) and dq, dk, dv written in
 //                               place into dqkv.
@@ -408,12 +410,20 @@ struct AttentionShape {
   int64_t tq, tk, d, dv;
   int64_t heads = 1;  // "bthd" and packed: H (problem b is head b % H); "bhtd": 1
   // Elements between consecutive rows of a problem: q and k (and dq, dk), v (and dv), out (and
-  // dout). "bhtd": d, d, dv; "bthd": H d, H d, H dv; packed: 3 H d, 3 H d, H d.
-  int64_t ld_qk, ld_v, ld_o;
+  // dout). "bhtd": d, d, dv; "bthd": H d, Hkv d, Hkv dv; packed: 3 H d, 3 H d, H d.
+  int64_t ld_q = 0, ld_k = 0, ld_v = 0, ld_o = 0;
+  // Grouped-query attention: query heads per key/value head. Problem b reads k and v of
+  // key/value problem b / group (the group's problems are consecutive).
+  int64_t group = 1;
   // Offset of problem b's first row in a tensor of `rows` rows a problem, `cols` elements a
   // head's row, rows `ld` apart (lse: cols 1, ld H).
   int64_t base(int64_t b, int64_t rows, int64_t cols, int64_t ld) const {
     return b / heads * rows * ld + b % heads * cols;
+  }
+  // The same for k and v (dk, dv): the rows of the key/value problem that problem b reads.
+  int64_t kv_base(int64_t b, int64_t cols, int64_t ld) const {
+    const int64_t kv = b / group, kv_heads = heads > 1 ? heads / group : 1;
+    return kv / kv_heads * tk * ld + kv % kv_heads * cols;
   }
 };
 
@@ -421,16 +431,20 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
                                const Attributes& attrs) {
   const size_t r = q.size();
   if (attrs.s("layout") == "bthd") {
-    const int64_t h = q[r - 2];
+    const int64_t h = q[r - 2], hk = k[r - 2];
     AttentionShape s{h, q[r - 3], k[r - 3], q[r - 1], v[r - 1], h};
-    s.ld_qk = h * s.d;
-    s.ld_v = s.ld_o = h * s.dv;
+    s.ld_q = h * s.d;
+    s.ld_k = hk * s.d;
+    s.ld_v = hk * s.dv;
+    s.ld_o = h * s.dv;
+    s.group = hk > 0 ? h / hk : 1;
     for (size_t i = 0; i + 3 < r; ++i) s.slices *= q[i];
     return s;
   }
   AttentionShape s{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1]};
-  s.ld_qk = s.d;
+  s.ld_q = s.ld_k = s.d;
   s.ld_v = s.ld_o = s.dv;
+  if (r >= 3 && k[r - 3] > 0) s.group = q[r - 3] / k[r - 3];
   for (size_t i = 0; i + 2 < r; ++i) s.slices *= q[i];
   return s;
 }
@@ -441,7 +455,7 @@ AttentionShape packed_attention_shape(const Shape& qkv) {
   const size_t r = qkv.size();
   const int64_t t = qkv[r - 4], h = qkv[r - 2], d = qkv[r - 1];
   AttentionShape s{h, t, t, d, d, h};
-  s.ld_qk = s.ld_v = 3 * h * d;
+  s.ld_q = s.ld_k = s.ld_v = 3 * h * d;
   s.ld_o = h * d;
   for (size_t i = 0; i + 4 < r; ++i) s.slices *= qkv[i];
   return s;
@@ -452,23 +466,24 @@ float attention_scale(const Attributes& attrs, int64_t head_dim) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
-// C (m x n, row-major, rows ldc apart) = alpha * op(A) op(B), with op(A) m x k, op(B) k x n and
-// the rows of A and B lda and ldb apart.
+// C (m x n, row-major, rows ldc apart) = alpha * op(A) op(B) + beta * C, with op(A) m x k,
+// op(B) k x n and the rows of A and B lda and ldb apart.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+           const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+           float beta = 0.0f) {
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
               static_cast<blasint>(ldc));
 }
 
 // P (tq x tk) = softmax over each row of S = scale Q K^T, with the causal mask (key j > query i
 // gets exactly 0; key 0 never masked). Written over the scores in place; lse[i * lse_stride] =
-// the row's log-sum-exp of S. q and k rows are ld elements apart.
-void attention_probs(const float* q, const float* k, int64_t ld, const AttentionShape& s,
+// the row's log-sum-exp of S. q and k rows are s.ld_q and s.ld_k elements apart.
+void attention_probs(const float* q, const float* k, const AttentionShape& s,
                      bool causal, float scale, float* p, float* lse, int64_t lse_stride) {
-  sgemm(false, true, s.tq, s.tk, s.d, scale, q, ld, k, ld, p, s.tk);
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, s.ld_q, k, s.ld_k, p, s.tk);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;  // unmasked keys: [0, live)
@@ -484,10 +499,10 @@ void attention_probs(const float* q, const float* k, int64_t ld, const Attention
 
 // P (tq x tk) = exp(S - lse) with S = scale Q K^T and the saved log-sum-exp of each row; masked
 // keys get exactly 0.
-void attention_probs_from_lse(const float* q, const float* k, int64_t ld, const float* lse,
+void attention_probs_from_lse(const float* q, const float* k, const float* lse,
                               int64_t lse_stride, const AttentionShape& s, bool causal,
                               float scale, float* p) {
-  sgemm(false, true, s.tq, s.tk, s.d, scale, q, ld, k, ld, p, s.tk);
+  sgemm(false, true, s.tq, s.tk, s.d, scale, q, s.ld_q, k, s.ld_k, p, s.tk);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;
@@ -502,33 +517,33 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
                        bool causal, float scale, float* out, float* lse) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
   for (int64_t b = 0; b < s.slices; ++b) {
-    attention_probs(q + s.base(b, s.tq, s.d, s.ld_qk), k + s.base(b, s.tk, s.d, s.ld_qk),
-                    s.ld_qk, s, causal, scale, p.data(), lse + s.base(b, s.tq, 1, s.heads),
-                    s.heads);
-    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk,
-          v + s.base(b, s.tk, s.dv, s.ld_v), s.ld_v, out + s.base(b, s.tq, s.dv, s.ld_o),
-          s.ld_o);
+    attention_probs(q + s.base(b, s.tq, s.d, s.ld_q), k + s.kv_base(b, s.d, s.ld_k), s, causal,
+                    scale, p.data(), lse + s.base(b, s.tq, 1, s.heads), s.heads);
+    sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk, v + s.kv_base(b, s.dv, s.ld_v),
+          s.ld_v, out + s.base(b, s.tq, s.dv, s.ld_o), s.ld_o);
   }
 }
 
-// The backward of every problem: dq, dk (rows ld_qk apart) and dv (ld_v) from q, k, v, out,
-// dout and lse. Every element of a problem's dq, dk, dv rows is written (the sgemms overwrite).
+// The backward of every problem: dq (rows ld_q apart), dk (ld_k) and dv (ld_v) from q, k, v,
+// out, dout and lse. Every element of a problem's dq, dk, dv rows is written (the sgemms
+// overwrite; the other query heads of a key/value group add to the first one's dk and dv).
 void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
                         const float* out, const float* dout, const float* lse, bool causal,
                         float scale, float* dq, float* dk, float* dv) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk)), dp(p.size());
   for (int64_t b = 0; b < s.slices; ++b) {
-    const int64_t q0 = s.base(b, s.tq, s.d, s.ld_qk), k0 = s.base(b, s.tk, s.d, s.ld_qk);
-    const int64_t v0 = s.base(b, s.tk, s.dv, s.ld_v), o0 = s.base(b, s.tq, s.dv, s.ld_o);
+    const int64_t q0 = s.base(b, s.tq, s.d, s.ld_q), k0 = s.kv_base(b, s.d, s.ld_k);
+    const int64_t v0 = s.kv_base(b, s.dv, s.ld_v), o0 = s.base(b, s.tq, s.dv, s.ld_o);
+    const float kv_beta = b % s.group == 0 ? 0.0f : 1.0f;
     const float* qb = q + q0;
     const float* kb = k + k0;
     const float* vb = v + v0;
     const float* ob = out + o0;
     const float* dob = dout + o0;
-    attention_probs_from_lse(qb, kb, s.ld_qk, lse + s.base(b, s.tq, 1, s.heads), s.heads, s,
-                             causal, scale, p.data());
-    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, s.ld_o, dv + v0,
-          s.ld_v);  // P^T dO
+    attention_probs_from_lse(qb, kb, lse + s.base(b, s.tq, 1, s.heads), s.heads, s, causal,
+                             scale, p.data());
+    sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, s.ld_o, dv + v0, s.ld_v,
+          kv_beta);  // P^T dO
     sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, s.ld_o, vb, s.ld_v, dp.data(),
           s.tk);  // dO V^T
     // Softmax backward, row by row, into dp: dS = P (dP - D), D_i = dO_i . O_i (which equals
@@ -542,10 +557,10 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
           static_cast<float>(blocked_sum(s.dv, [&](int64_t c) { return dorow[c] * orow[c]; }));
       for (int64_t j = 0; j < s.tk; ++j) dr[j] = pr[j] * (dr[j] - weighted);
     }
-    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), s.tk, kb, s.ld_qk, dq + q0,
-          s.ld_qk);  // dS K
-    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), s.tk, qb, s.ld_qk, dk + k0,
-          s.ld_qk);  // dS^T Q
+    sgemm(false, false, s.tq, s.d, s.tk, scale, dp.data(), s.tk, kb, s.ld_k, dq + q0,
+          s.ld_q);  // dS K
+    sgemm(true, false, s.tk, s.d, s.tq, scale, dp.data(), s.tk, qb, s.ld_q, dk + k0, s.ld_k,
+          kv_beta);  // dS^T Q
   }
 }
 
@@ -595,7 +610,7 @@ void attention_qkv_grad_kernel(const KernelArgs& args) {
 // Every length at least 1 (an empty sum or softmax is left to the reference), and every BLAS
 // dimension (leading dimensions included) and the scores buffer within BLAS's int.
 bool attention_shape_supported(const AttentionShape& s) {
-  for (int64_t n : {s.tq, s.tk, s.d, s.dv, s.heads, s.ld_qk, s.ld_v, s.ld_o})
+  for (int64_t n : {s.tq, s.tk, s.d, s.dv, s.heads, s.ld_q, s.ld_k, s.ld_v, s.ld_o, s.group})
     if (n < 1 || n > INT_MAX) return false;
   return s.tq * s.tk <= INT_MAX;
 }

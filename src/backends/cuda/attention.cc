@@ -3,6 +3,7 @@
 // kAttentionMaxHeadDim; tensor cores for 16-bit types with d == dv in {32, 64, 128}. The packed
 // attention_qkv (qkv (..., T, 3, H, D)) and attention_qkv_grad run the same kernels as "bthd"
 // attention with q, k, v (dq, dk, dv) read (written) in place at offsets of the one tensor.
+// Grouped-query attention (k and v with fewer heads than q) runs the same kernels, both layouts.
 #include <cmath>
 #include <cstddef>
 #include <optional>
@@ -30,6 +31,10 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   for (size_t i = 0; i < t_axis; ++i) s.batch *= q[i];
   s.tq = q[t_axis];
   s.tk = k[t_axis];
+  // Grouped-query attention: k and v with fewer heads (axis r - 2 for "bthd", the last leading
+  // dim for "bhtd"; the op's inference checked that they divide q's).
+  const int h_axis = bthd ? static_cast<int>(r) - 2 : static_cast<int>(r) - 3;
+  if (h_axis >= 0 && k[h_axis] > 0) s.group = q[h_axis] / k[h_axis];
   s.d = q[r - 1];
   s.dv = v[r - 1];
   s.causal = attrs.b("causal");

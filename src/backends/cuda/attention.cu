@@ -19,6 +19,10 @@
 // Both paths take q, k, v (dq, dk, dv) rows at a stride of their own (AttentionShape::
 // qkv_row_stride): attention_qkv reads them in place from its packed (..., T, 3, H, D) and its
 // gradient writes them in place; out, dout and lse keep the plain layouts.
+// Grouped-query attention (AttentionShape::group > 1): a query problem reads the k and v tiles
+// of its key/value problem (b / group); the dk/dv pass runs one CTA per key block of a
+// key/value problem and loops over the query blocks of every query head of the group, so dk
+// and dv are summed in registers and written once (no atomics, no reduction pass).
 #include "backends/cuda/attention.cuh"
 
 #include <cuda_bf16.h>
@@ -242,8 +246,10 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
                                                               T* __restrict__ out,
                                                               float* __restrict__ lse_out,
                                                               int64_t tq, int64_t tk, int heads,
-                                                              int64_t qkv_ld, bool causal,
-                                                              float scale_log2, float scale) {
+                                                              int64_t q_ld, int kv_heads,
+                                                              int group, int64_t kv_ld,
+                                                              bool causal, float scale_log2,
+                                                              float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);
   T* s_do = s_q + Tile<D>::kElems;  // only kDq
@@ -253,12 +259,12 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   const int64_t b = blockIdx.x;
   const int64_t q0 = (int64_t(gridDim.y) - 1 - blockIdx.y) * kBlock;  // heaviest blocks first
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // Between a problem's rows (d == dv here): q, k, v (and dq) qkv_ld, out and dout o_ld.
+  // Between a problem's rows (d == dv here): q (and dq) q_ld, k and v kv_ld, out and dout o_ld.
   const int64_t qrow0 = row_index(b, 0, tq, heads), o_ld = int64_t(heads) * D;
-  const int64_t out_ld = M == kDq ? qkv_ld : o_ld;
-  q += row_offset(b, 0, tq, heads, qkv_ld, D);
-  k += row_offset(b, 0, tk, heads, qkv_ld, D);
-  v += row_offset(b, 0, tk, heads, qkv_ld, D);
+  const int64_t out_ld = M == kDq ? q_ld : o_ld;
+  q += row_offset(b, 0, tq, heads, q_ld, D);
+  k += row_offset(b / group, 0, tk, kv_heads, kv_ld, D);
+  v += row_offset(b / group, 0, tk, kv_heads, kv_ld, D);
   if (M != kForward) dout += qrow0 * D;
   if (M == kDq) stats += qrow0;
   out += row_offset(b, 0, tq, heads, out_ld, D);
@@ -266,12 +272,12 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   int64_t n_kb = (tk + kBlock - 1) / kBlock;
   if (causal) n_kb = min(n_kb, (q0 + kBlock - 1) / kBlock + 1);
 
-  load_tile<T, D>(s_q, q, q0, tq, qkv_ld);
+  load_tile<T, D>(s_q, q, q0, tq, q_ld);
   if (M != kForward) load_tile<T, D>(s_do, dout, q0, tq, o_ld);
   cp_async_commit();
   if (n_kb > 0) {
-    load_tile<T, D>(s_k, k, 0, tk, qkv_ld);
-    load_tile<T, D>(s_v, v, 0, tk, qkv_ld);
+    load_tile<T, D>(s_k, k, 0, tk, kv_ld);
+    load_tile<T, D>(s_v, v, 0, tk, kv_ld);
   }
   cp_async_commit();
   cp_async_wait<1>();
@@ -299,8 +305,8 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   for (int64_t kb = 0; kb < n_kb; ++kb) {
     const int buf = kb & 1;
     if (kb + 1 < n_kb) {
-      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk, qkv_ld);
-      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk, qkv_ld);
+      load_tile<T, D>(s_k + (buf ^ 1) * Tile<D>::kElems, k, (kb + 1) * kBlock, tk, kv_ld);
+      load_tile<T, D>(s_v + (buf ^ 1) * Tile<D>::kElems, v, (kb + 1) * kBlock, tk, kv_ld);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -401,8 +407,9 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   }
 }
 
-// One CTA = 64 keys of one batch entry (16 a warp, no reductions across warps or CTAs); loops
-// over the query blocks that see them: dv = P^T dout, dk = scale * dS^T q.
+// One CTA = 64 keys of one key/value problem (16 a warp, no reductions across warps or CTAs);
+// loops over the query blocks that see them, of every query head of the key/value head's group
+// (one head without grouped-query attention): dv = P^T dout, dk = scale * dS^T q.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restrict__ q,
                                                               const T* __restrict__ k,
@@ -412,8 +419,10 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
                                                               T* __restrict__ dk,
                                                               T* __restrict__ dv, int64_t tq,
                                                               int64_t tk, int heads,
-                                                              int64_t qkv_ld, bool causal,
-                                                              float scale_log2, float scale) {
+                                                              int64_t q_ld, int kv_heads,
+                                                              int group, int64_t kv_ld,
+                                                              bool causal, float scale_log2,
+                                                              float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_k = reinterpret_cast<T*>(smem_raw);
   T* s_v = s_k + Tile<D>::kElems;
@@ -421,36 +430,39 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   T* s_do = s_q + 2 * Tile<D>::kElems;  // 2 buffers
   float2* s_st = reinterpret_cast<float2*>(s_do + 2 * Tile<D>::kElems);  // 2 x kBlock
 
-  const int64_t b = blockIdx.x;
+  const int64_t kvb = blockIdx.x;  // the key/value problem
   const int64_t k0 = int64_t(blockIdx.y) * kBlock;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // Between a problem's rows: q, k, v, dk, dv qkv_ld, dout o_ld.
-  const int64_t qrow0 = row_index(b, 0, tq, heads), o_ld = int64_t(heads) * D;
-  const int64_t koff = row_offset(b, 0, tk, heads, qkv_ld, D);
-  q += row_offset(b, 0, tq, heads, qkv_ld, D);
+  // Between a problem's rows: q q_ld, k, v, dk, dv kv_ld, dout o_ld.
+  const int64_t o_ld = int64_t(heads) * D;
+  const int64_t koff = row_offset(kvb, 0, tk, kv_heads, kv_ld, D);
   k += koff;
   v += koff;
-  dout += qrow0 * D;
-  stats += qrow0;
   dk += koff;
   dv += koff;
 
   const int64_t n_qb = (tq + kBlock - 1) / kBlock;
   const int64_t qb0 = causal ? k0 / kBlock : 0;
+  // Steps: (query head of the group, query block) pairs, head-major.
+  const int64_t per_head = n_qb > qb0 ? n_qb - qb0 : 0, steps = group * per_head;
 
-  auto load_q_block = [&](int64_t qb, int buf) {
-    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q, qb * kBlock, tq, qkv_ld);
-    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout, qb * kBlock, tq, o_ld);
+  auto load_q_block = [&](int64_t step, int buf) {
+    const int64_t b = kvb * group + step / per_head, qb = qb0 + step % per_head;
+    const int64_t qrow0 = row_index(b, 0, tq, heads);
+    load_tile<T, D>(s_q + buf * Tile<D>::kElems, q + row_offset(b, 0, tq, heads, q_ld, D),
+                    qb * kBlock, tq, q_ld);
+    load_tile<T, D>(s_do + buf * Tile<D>::kElems, dout + qrow0 * D, qb * kBlock, tq, o_ld);
     if (threadIdx.x < kBlock) {
       const int64_t r = qb * kBlock + threadIdx.x;
       const bool valid = r < tq;
-      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? stats + r * heads : stats, valid);
+      const float2* st = stats + qrow0;
+      cp_async8(s_st + buf * kBlock + threadIdx.x, valid ? st + r * heads : st, valid);
     }
   };
 
-  load_tile<T, D>(s_k, k, k0, tk, qkv_ld);
-  load_tile<T, D>(s_v, v, k0, tk, qkv_ld);
-  if (qb0 < n_qb) load_q_block(qb0, 0);
+  load_tile<T, D>(s_k, k, k0, tk, kv_ld);
+  load_tile<T, D>(s_v, v, k0, tk, kv_ld);
+  if (steps > 0) load_q_block(0, 0);
   cp_async_commit();
 
   // K and V fragments stay in registers for D <= 64; at D = 128 they are re-read from shared
@@ -462,10 +474,10 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   zero(dk_acc);
   zero(dv_acc);
 
-  for (int64_t qb = qb0; qb < n_qb; ++qb) {
-    const int buf = (qb - qb0) & 1;
-    if (qb + 1 < n_qb) {
-      load_q_block(qb + 1, buf ^ 1);
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < steps) {
+      load_q_block(step + 1, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -473,7 +485,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
     }
     __syncthreads();
     if constexpr (kResident) {
-      if (qb == qb0) {
+      if (step == 0) {
         load_a_frags<T, D>(kf, s_k, warp * 16);
         load_a_frags<T, D>(vf, s_v, warp * 16);
       }
@@ -481,7 +493,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
     const T* tq_tile = s_q + buf * Tile<D>::kElems;
     const T* tdo_tile = s_do + buf * Tile<D>::kElems;
     const float2* st = s_st + buf * kBlock;
-    const int64_t q0 = qb * kBlock;
+    const int64_t q0 = (qb0 + step % per_head) * kBlock;
 
     float s[8][4], dp[8][4];  // transposed: rows = keys, columns = queries
     zero(s);
@@ -520,8 +532,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (key[h] >= tk) continue;
-    T* dst_k = dk + key[h] * qkv_ld;
-    T* dst_v = dv + key[h] * qkv_ld;
+    T* dst_k = dk + key[h] * kv_ld;
+    T* dst_v = dv + key[h] * kv_ld;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       *reinterpret_cast<uint32_t*>(dst_k + n * 8 + 2 * t) =
@@ -607,13 +619,21 @@ size_t dkdv_smem() {
   return sizeof(T) * Tile<D>::kElems * 6 + sizeof(float2) * 2 * kBlock;
 }
 
-// Elements between consecutive positions of q and k (dq, dk): the given stride, or the plain
-// layouts' heads * d; of v (dv): likewise with dv. (d == dv on the tensor-core path.)
-int64_t qk_stride(const AttentionShape& s) {
+// Heads of k and v (dk, dv) in a row: "bthd" heads / group; "bhtd" 1.
+int kv_heads(const AttentionShape& s) {
+  return static_cast<int>(s.heads > 1 ? s.heads / s.group : 1);
+}
+// Elements between consecutive positions of q (dq): the given stride, or the plain layouts'
+// heads * d; of k (dk) and v (dv): likewise with k's heads, and dv for v. (d == dv on the
+// tensor-core path.)
+int64_t q_stride(const AttentionShape& s) {
   return s.qkv_row_stride > 0 ? s.qkv_row_stride : s.heads * s.d;
 }
+int64_t k_stride(const AttentionShape& s) {
+  return s.qkv_row_stride > 0 ? s.qkv_row_stride : kv_heads(s) * s.d;
+}
 int64_t v_stride(const AttentionShape& s) {
-  return s.qkv_row_stride > 0 ? s.qkv_row_stride : s.heads * s.dv;
+  return s.qkv_row_stride > 0 ? s.qkv_row_stride : kv_heads(s) * s.dv;
 }
 
 template <typename T, int D, int M>
@@ -630,7 +650,8 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2
   const dim3 grid(static_cast<unsigned>(s.batch),
                   static_cast<unsigned>((s.tq + kBlock - 1) / kBlock));
   kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk,
-                                           static_cast<int>(s.heads), qk_stride(s), s.causal,
+                                           static_cast<int>(s.heads), q_stride(s), kv_heads(s),
+                                           static_cast<int>(s.group), k_stride(s), s.causal,
                                            scale_log2, static_cast<float>(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
@@ -660,11 +681,12 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
       return true;
     }();
     (void)raised;
-    const dim3 grid(static_cast<unsigned>(s.batch),
+    const dim3 grid(static_cast<unsigned>(s.batch / s.group),  // key/value problems
                     static_cast<unsigned>((s.tk + kBlock - 1) / kBlock));
     kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk,
-                                             static_cast<int>(s.heads), qk_stride(s), s.causal,
-                                             scale_log2, static_cast<float>(s.scale));
+                                             static_cast<int>(s.heads), q_stride(s),
+                                             kv_heads(s), static_cast<int>(s.group), k_stride(s),
+                                             s.causal, scale_log2, static_cast<float>(s.scale));
     KILN_CUDA_CHECK(cudaGetLastError());
   }
   launch_rows<T, D, kDq>(q, k, v, dout, stats, dq, nullptr, s, scale_log2, stream);
@@ -707,18 +729,19 @@ template <typename T, int M>
 __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* out, float* lse_out, int64_t batch,
                                    int64_t tq, int64_t tk, int heads, int d, int dv,
-                                   int64_t qk_ld, int64_t v_ld, bool causal, float scale_log2,
-                                   float scale) {
+                                   int64_t q_ld, int kv_heads, int group, int64_t k_ld,
+                                   int64_t v_ld, bool causal, float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tq) return;
   const int lane = threadIdx.x & 31;
   const int64_t b = w / tq, i = w % tq;
-  // q, k, v (dq) rows qk_ld, qk_ld, v_ld apart; out, dout and lse plain (row qr).
+  // q (dq), k, v rows q_ld, k_ld, v_ld apart (k and v: key/value problem b / group); out,
+  // dout and lse plain (row qr).
   const int64_t qr = row_index(b, i, tq, heads);
-  const T* kb = k + row_offset(b, 0, tk, heads, qk_ld, d);
-  const T* vb = v + row_offset(b, 0, tk, heads, v_ld, dv);
+  const T* kb = k + row_offset(b / group, 0, tk, kv_heads, k_ld, d);
+  const T* vb = v + row_offset(b / group, 0, tk, kv_heads, v_ld, dv);
   float qv[kSimplePerLane], dov[kSimplePerLane], acc[kSimplePerLane];
-  load_row(qv, q + row_offset(b, i, tq, heads, qk_ld, d), d);
+  load_row(qv, q + row_offset(b, i, tq, heads, q_ld, d), d);
   if (M != kForward) load_row(dov, dout + qr * dv, dv);
   for (int u = 0; u < kSimplePerLane; ++u) acc[u] = 0.f;
   float lse = 0.f, dsum = 0.f;
@@ -730,14 +753,14 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
   const int64_t n_keys = causal ? min(tk, i + 1) : tk;
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float s = dot_row(qv, kb + j * qk_ld, d) * scale_log2;
+    const float s = dot_row(qv, kb + j * k_ld, d) * scale_log2;
     if (M == kDq) {
       const float dp = dot_row(dov, vb + j * v_ld, dv);
       const float ds = exp2f(s - lse) * (dp - dsum);
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
-        if (c < d) acc[u] += ds * to_f32(kb[j * qk_ld + c]);
+        if (c < d) acc[u] += ds * to_f32(kb[j * k_ld + c]);
       }
     } else {
       const float m_new = fmaxf(m, s);
@@ -754,7 +777,7 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
   if (M == kForward && lane == 0) lse_out[qr] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
   const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
   const int n = M == kDq ? d : dv;
-  T* dst = out + (M == kDq ? row_offset(b, i, tq, heads, qk_ld, d) : qr * dv);
+  T* dst = out + (M == kDq ? row_offset(b, i, tq, heads, q_ld, d) : qr * dv);
 #pragma unroll
   for (int u = 0; u < kSimplePerLane; ++u) {
     const int c = lane + 32 * u;
@@ -762,35 +785,40 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
   }
 }
 
-// One warp = one key row: dk, dv.
+// One warp = one key row of a key/value problem: dk, dv, summed over the query heads of its
+// group.
 template <typename T>
 __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
-                                   const float2* stats, T* dk, T* dv, int64_t batch, int64_t tq,
-                                   int64_t tk, int heads, int d, int dvn, int64_t qk_ld,
+                                   const float2* stats, T* dk, T* dv, int64_t kv_batch,
+                                   int64_t tq, int64_t tk, int heads, int d, int dvn,
+                                   int64_t q_ld, int kv_heads, int group, int64_t k_ld,
                                    int64_t v_ld, bool causal, float scale_log2, float scale) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (w >= batch * tk) return;
+  if (w >= kv_batch * tk) return;
   const int lane = threadIdx.x & 31;
-  const int64_t b = w / tk, j = w % tk;
-  // q, k (dk) rows qk_ld apart, v (dv) v_ld; dout and the statistics plain.
-  const int64_t qr0 = row_index(b, 0, tq, heads), dold = int64_t(heads) * dvn;
-  const int64_t kr = row_offset(b, j, tk, heads, qk_ld, d);
-  const int64_t vr = row_offset(b, j, tk, heads, v_ld, dvn);
-  const T* qb = q + row_offset(b, 0, tq, heads, qk_ld, d);
-  const T* dob = dout + qr0 * dvn;
+  const int64_t kvb = w / tk, j = w % tk;
+  // q rows q_ld apart, k (dk) k_ld, v (dv) v_ld; dout and the statistics plain.
+  const int64_t dold = int64_t(heads) * dvn;
+  const int64_t kr = row_offset(kvb, j, tk, kv_heads, k_ld, d);
+  const int64_t vr = row_offset(kvb, j, tk, kv_heads, v_ld, dvn);
   float kv[kSimplePerLane], vv[kSimplePerLane], dk_acc[kSimplePerLane], dv_acc[kSimplePerLane];
   load_row(kv, k + kr, d);
   load_row(vv, v + vr, dvn);
   for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
-  for (int64_t i = causal ? j : 0; i < tq; ++i) {
-    const float2 st = stats[qr0 + i * heads];
-    const float p = exp2f(dot_row(kv, qb + i * qk_ld, d) * scale_log2 - st.x);
-    const float ds = p * (dot_row(vv, dob + i * dold, dvn) - st.y);
+  for (int64_t b = kvb * group; b < (kvb + 1) * group; ++b) {
+    const int64_t qr0 = row_index(b, 0, tq, heads);
+    const T* qb = q + row_offset(b, 0, tq, heads, q_ld, d);
+    const T* dob = dout + qr0 * dvn;
+    for (int64_t i = causal ? j : 0; i < tq; ++i) {
+      const float2 st = stats[qr0 + i * heads];
+      const float p = exp2f(dot_row(kv, qb + i * q_ld, d) * scale_log2 - st.x);
+      const float ds = p * (dot_row(vv, dob + i * dold, dvn) - st.y);
 #pragma unroll
-    for (int u = 0; u < kSimplePerLane; ++u) {
-      const int c = lane + 32 * u;
-      if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dold + c]);
-      if (c < d) dk_acc[u] += ds * to_f32(qb[i * qk_ld + c]);
+      for (int u = 0; u < kSimplePerLane; ++u) {
+        const int c = lane + 32 * u;
+        if (c < dvn) dv_acc[u] += p * to_f32(dob[i * dold + c]);
+        if (c < d) dk_acc[u] += ds * to_f32(qb[i * q_ld + c]);
+      }
     }
   }
 #pragma unroll
@@ -813,7 +841,8 @@ void simple_forward(const void* q, const void* k, const void* v, void* out, floa
   simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
       nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.heads), int(s.d), int(s.dv),
-      qk_stride(s), v_stride(s), s.causal, scale_log2, float(s.scale));
+      q_stride(s), kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2,
+      float(s.scale));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -827,14 +856,15 @@ void simple_backward(const void* q_, const void* k_, const void* v_, const void*
   T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
   const int d = int(s.d), dvn = int(s.dv);
   const float scale = float(s.scale);
-  const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(s.batch * s.tk);
+  const int64_t kv_batch = s.batch / s.group;
+  const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(kv_batch * s.tk);
   simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dk, dv, s.batch, s.tq, s.tk, int(s.heads), d, dvn, qk_stride(s),
-      v_stride(s), s.causal, scale_log2, scale);
+      q, k, v, dout, stats, dk, dv, kv_batch, s.tq, s.tk, int(s.heads), d, dvn, q_stride(s),
+      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
   simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
-      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, qk_stride(s),
-      v_stride(s), s.causal, scale_log2, scale);
+      q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, q_stride(s),
+      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale);
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -867,6 +897,11 @@ void check_shape(const AttentionShape& s, const char* op) {
                  s.dv <= kAttentionMaxHeadDim,
              "cuda {}: head dims are {} and {}, expected 1 to {}", op, s.d, s.dv,
              kAttentionMaxHeadDim);
+  KILN_CHECK(s.group >= 1 && s.batch % s.group == 0 && (s.heads == 1 || s.heads % s.group == 0) &&
+                 (s.group == 1 || s.qkv_row_stride == 0),
+             "cuda {}: {} query heads per key/value head do not divide the {} problems and {} "
+             "heads (or come with packed q, k, v)",
+             op, s.group, s.batch, s.heads);
   KILN_CHECK(s.qkv_row_stride == 0 || s.qkv_row_stride >= s.heads * std::max(s.d, s.dv),
              "cuda {}: q, k, v rows are {} elements apart, expected 0 (plain) or at least "
              "heads * head dim = {} * {}",
@@ -876,13 +911,15 @@ void check_shape(const AttentionShape& s, const char* op) {
 // The tensor-core path's 16-byte cp.async loads and 4-byte stores: every q, k, v, dq, dk, dv
 // row starts 16-byte aligned (16-bit elements) when the bases are and the stride is a multiple
 // of 8 elements (always so for the plain layouts at d in {32, 64, 128}).
-bool tc_rows_aligned(const AttentionShape& s) { return qk_stride(s) % 8 == 0; }
+bool tc_rows_aligned(const AttentionShape& s) {
+  return q_stride(s) % 8 == 0 && k_stride(s) % 8 == 0;
+}
 
-// Zeroes a gradient of q, k or v: batch / heads * rows positions of heads * dim elements, `ld`
-// apart (one contiguous block for the plain layouts).
-void zero_rows(void* p, const AttentionShape& s, int64_t rows, int64_t dim, int64_t ld,
+// Zeroes a gradient of q, k or v: `problems` / `heads` leading indices times `rows` positions
+// of heads * dim elements, `ld` apart (one contiguous block for the plain layouts).
+void zero_rows(void* p, int64_t problems, int64_t heads, int64_t rows, int64_t dim, int64_t ld,
                size_t elem, cudaStream_t stream) {
-  const int64_t width = s.heads * dim, height = s.batch / s.heads * rows;
+  const int64_t width = heads * dim, height = problems / heads * rows;
   if (width == 0 || height == 0) return;
   if (ld == width) {
     KILN_CUDA_CHECK(cudaMemsetAsync(p, 0, size_t(width * height) * elem, stream));
@@ -930,12 +967,13 @@ void attention_backward(DType dtype, const void* q, const void* k, const void* v
   if (s.batch == 0) return;
   const size_t elem = dtype_size(dtype);
   if (s.tk == 0) {  // no keys: every gradient is 0 (dk and dv are empty)
-    zero_rows(dq, s, s.tq, s.d, qk_stride(s), elem, stream);
+    zero_rows(dq, s.batch, s.heads, s.tq, s.d, q_stride(s), elem, stream);
     return;
   }
   if (s.tq == 0) {  // no queries: dk and dv are 0
-    zero_rows(dk, s, s.tk, s.d, qk_stride(s), elem, stream);
-    zero_rows(dv, s, s.tk, s.dv, v_stride(s), elem, stream);
+    const int64_t kv_batch = s.batch / s.group;
+    zero_rows(dk, kv_batch, kv_heads(s), s.tk, s.d, k_stride(s), elem, stream);
+    zero_rows(dv, kv_batch, kv_heads(s), s.tk, s.dv, v_stride(s), elem, stream);
     return;
   }
   const float sl2 = log2_scale(s);

@@ -8,7 +8,8 @@
 // (batch / H, T, 3, H, d) is read in place as q, k, v at element offsets 0, H * d, 2 * H * d,
 // consecutive positions 3 * H * d elements apart (its gradient written likewise); out, dout and
 // lse keep the plain layout. Element (problem b, position t, column c) of such a tensor is at
-// (b / H * T + t) * stride + b % H * d + c.
+// (b / H * T + t) * stride + b % H * d + c. With group > 1, k, v, dk and dv have heads / group
+// heads (rows (heads / group) * d apart in "bthd").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +27,11 @@ struct AttentionShape {
   // indices included); 0: the plain layouts' heads * d (heads * dv for v and dv). Packed
   // attention_qkv: 3 * heads * d.
   int64_t qkv_row_stride = 0;
+  // Grouped-query attention: query heads per key/value head. Problem b reads k and v of
+  // key/value problem b / group, numbered like the query problems with heads / group heads
+  // ("bthd"; 1 for "bhtd", whose kv problems are batch / group); dk and dv sum over the group's
+  // query heads. 1: plain attention. The packed layout has group 1.
+  int64_t group = 1;
   bool causal = false;
   double scale = 1.0;
 };

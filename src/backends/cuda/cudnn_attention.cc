@@ -17,7 +17,9 @@
 // an H100: the forward takes the strided Stats, the backward refuses it, so a "bthd" backward
 // transposes lse first: 1.5 MB at GPT-2 size, next to 0.58 ms of attention.) Causal is
 // cuDNN's diagonal band with right bound 0 aligned top-left: key j > query i is masked, our
-// convention (PyTorch's is_causal) also for Tq != Tk.
+// convention (PyTorch's is_causal) also for Tq != Tk. Grouped-query attention (k and v with
+// fewer heads, dividing q's) is cuDNN's own: k, v, dk and dv are described with their head count
+// and cuDNN's backward sums dk, dv over each group's query heads.
 //
 // Graphs are built in KernelImpl::prepare (the executor's construction), never in the kernel
 // call: the call runs under CUDA-graph capture, where building (which may compile kernels and
@@ -67,6 +69,7 @@ struct Problem {
   bool backward = false;
   DType dtype = DType::kBF16;
   int64_t b = 1, h = 1, tq = 0, tk = 0, d = 0;
+  int64_t hk = 1;  // heads of k and v (grouped-query attention: fewer than h, dividing it)
   bool bthd = false;
   bool packed = false;  // attention_qkv: q, k, v (dq, dk, dv) parts of one (..., T, 3, H, D)
   bool causal = false;
@@ -75,9 +78,9 @@ struct Problem {
 };
 
 std::string describe(const Problem& p) {
-  return fmt::format("{}{} ({}, B {}, H {}, Tq {}, Tk {}, D {}, {}{}, scale {})",
+  return fmt::format("{}{} ({}, B {}, H {}, Hkv {}, Tq {}, Tk {}, D {}, {}{}, scale {})",
                      p.packed ? "attention_qkv" : "attention", p.backward ? "_grad" : "",
-                     dtype_name(p.dtype), p.b, p.h, p.tq, p.tk, p.d,
+                     dtype_name(p.dtype), p.b, p.h, p.hk, p.tq, p.tk, p.d,
                      p.packed ? "packed" : p.bthd ? "bthd" : "bhtd", p.causal ? ", causal" : "",
                      p.scale);
 }
@@ -94,7 +97,7 @@ Problem packed_problem_of(const Shape& qkv, DType dtype, const Attributes& attrs
   p.dtype = dtype;
   p.bthd = p.packed = true;
   const size_t r = qkv.size();
-  p.h = qkv[r - 2];
+  p.h = p.hk = qkv[r - 2];
   p.d = qkv[r - 1];
   p.tq = p.tk = qkv[r - 4];
   for (size_t i = 0; i + 4 < r; ++i) p.b *= qkv[i];
@@ -116,6 +119,7 @@ Problem problem_of(const Shape& q, const Shape& k, DType dtype, const Attributes
   // (any leading dims fold into B either way).
   const size_t lead_end = p.bthd ? t_axis : (t_axis >= 1 ? t_axis - 1 : 0);
   p.h = p.bthd ? q[r - 2] : (t_axis >= 1 ? q[t_axis - 1] : 1);
+  p.hk = p.bthd ? k[r - 2] : (t_axis >= 1 ? k[t_axis - 1] : 1);
   for (size_t i = 0; i < lead_end; ++i) p.b *= q[i];
   p.tq = q[t_axis];
   p.tk = k[t_axis];
@@ -125,12 +129,13 @@ Problem problem_of(const Shape& q, const Shape& k, DType dtype, const Attributes
   return p;
 }
 
-// Strides of a (B, H, T, D) tensor in the problem's layout; `part`: one of the packed q, k, v
-// (dq, dk, dv) of attention_qkv, three heads' rows to a token.
-std::vector<int64_t> strides(const Problem& p, int64_t t, bool part = false) {
+// Strides of a (B, heads, T, D) tensor in the problem's layout (heads: p.h for q, out and their
+// gradients, p.hk for k, v and theirs); `part`: one of the packed q, k, v (dq, dk, dv) of
+// attention_qkv, three heads' rows to a token.
+std::vector<int64_t> strides(const Problem& p, int64_t t, int64_t heads, bool part = false) {
   if (p.packed && part) return {t * 3 * p.h * p.d, p.d, 3 * p.h * p.d, 1};
-  if (p.bthd) return {t * p.h * p.d, p.d, p.h * p.d, 1};
-  return {p.h * t * p.d, t * p.d, p.d, 1};
+  if (p.bthd) return {t * heads * p.d, p.d, heads * p.d, 1};
+  return {heads * t * p.d, t * p.d, p.d, 1};
 }
 
 // Strides of Stats (B, H, Tq, 1): our lse's, or packed.
@@ -144,6 +149,7 @@ AttentionShape attention_shape(const Problem& p) {
   AttentionShape s;
   s.batch = p.b * p.h;
   s.heads = p.bthd ? p.h : 1;
+  s.group = p.h / p.hk;
   if (p.packed) s.qkv_row_stride = 3 * p.h * p.d;
   s.tq = p.tq;
   s.tk = p.tk;
@@ -187,12 +193,12 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
   // part: q, k, v (dq, dk, dv), which attention_qkv packs.
-  auto attrs = [&](const char* name, Uid uid, int64_t t, bool part) {
+  auto attrs = [&](const char* name, Uid uid, int64_t t, int64_t heads, bool part) {
     return fe::graph::Tensor_attributes()
         .set_name(name)
         .set_uid(uid)
-        .set_dim({p.b, p.h, t, p.d})
-        .set_stride(strides(p, t, part));
+        .set_dim({p.b, heads, t, p.d})
+        .set_stride(strides(p, t, heads, part));
   };
   auto stats_attrs = [&](fe::graph::Tensor_attributes& t) -> fe::graph::Tensor_attributes& {
     return t.set_uid(kStats)
@@ -200,9 +206,9 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
         .set_dim({p.b, p.h, p.tq, 1})
         .set_stride(stats_strides(p, packed_stats));
   };
-  auto q = g->tensor(attrs("q", kQ, p.tq, true));
-  auto k = g->tensor(attrs("k", kK, p.tk, true));
-  auto v = g->tensor(attrs("v", kV, p.tk, true));
+  auto q = g->tensor(attrs("q", kQ, p.tq, p.h, true));
+  auto k = g->tensor(attrs("k", kK, p.tk, p.hk, true));
+  auto v = g->tensor(attrs("v", kV, p.tk, p.hk, true));
   const float scale = static_cast<float>(p.scale);
   // Measurement knobs (bench/log/sessions-1-12.md): KILN_CUDNN_SDPA_IMPL=unified|composite picks the
   // forward's implementation (default: cuDNN's choice); KILN_CUDNN_PLAN_FORWARD=i and
@@ -222,12 +228,13 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
       options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
           .set_diagonal_band_right_bound(0);
     auto [o, stats] = g->sdpa(q, k, v, options);
-    o->set_output(true).set_uid(kO).set_dim({p.b, p.h, p.tq, p.d}).set_stride(strides(p, p.tq));
+    o->set_output(true).set_uid(kO).set_dim({p.b, p.h, p.tq, p.d})
+        .set_stride(strides(p, p.tq, p.h));
     stats->set_output(true);
     stats_attrs(*stats).set_name("stats");
   } else {
-    auto o = g->tensor(attrs("out", kO, p.tq, false));
-    auto dout = g->tensor(attrs("dout", kDO, p.tq, false));
+    auto o = g->tensor(attrs("out", kO, p.tq, p.h, false));
+    auto dout = g->tensor(attrs("dout", kDO, p.tq, p.h, false));
     fe::graph::Tensor_attributes stats_desc;
     stats_desc.set_name("stats");
     auto stats = g->tensor(stats_attrs(stats_desc));
@@ -237,9 +244,10 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
       options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
           .set_diagonal_band_right_bound(0);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
-    for (auto [t, uid, len] : {std::tuple{dq, kDQ, p.tq}, {dk, kDK, p.tk}, {dv, kDV, p.tk}})
-      t->set_output(true).set_uid(uid).set_dim({p.b, p.h, len, p.d})
-          .set_stride(strides(p, len, true));
+    for (auto [t, uid, len, heads] :
+         {std::tuple{dq, kDQ, p.tq, p.h}, {dk, kDK, p.tk, p.hk}, {dv, kDV, p.tk, p.hk}})
+      t->set_output(true).set_uid(uid).set_dim({p.b, heads, len, p.d})
+          .set_stride(strides(p, len, heads, true));
   }
   auto step = [](const char* what, fe::error_t status) {
     return status.is_good() ? std::string() : fmt::format("{}: {}", what, status.get_message());

@@ -428,10 +428,13 @@ void register_nn(KernelRegistry& registry) {
   });
 
   // Scores of one query live in shared memory: at most attention_max_keys() keys. Layout
-  // "bhtd" only ("bthd" is cuda-attention's).
+  // "bhtd" only ("bthd" is cuda-attention's), one key/value head per query head (grouped-query
+  // attention is cuda-attention's too).
   Supports attention_fits = [](const NodeView& node) {
     if (node.node.attrs.s("layout") != "bhtd") return false;
-    const TensorType& k = node.input_types[1];
+    const TensorType &q = node.input_types[0], &k = node.input_types[1];
+    if (Shape(q.shape.begin(), q.shape.end() - 2) != Shape(k.shape.begin(), k.shape.end() - 2))
+      return false;
     return k.shape[k.rank() - 2] <= generic::attention_max_keys();
   };
   add(registry, Op::kAttention, [](const KernelArgs& a) {

@@ -4,6 +4,7 @@
 //   softmax, log_softmax (+ grads)  f32/bf16/f16, last axis only
 //   cross_entropy (+ grad)          f32/bf16/f16 logits, i32/i64 labels, every reduction
 //   gelu, gelu_grad                 f32/bf16/f16, both approximations
+//   rotary_embedding                f32/bf16/f16, both layouts, either direction
 //   adamw_update, sgd_update        the type combinations nn::update_types_supported accepts
 //   gather                          any dtype, any axis, i32/i64 indices
 //   scatter_add                     f32/bf16/f16, any axis, i32/i64 indices (deterministic)
@@ -167,6 +168,17 @@ void register_nn_kernels(KernelRegistry& registry) {
                }));
 
   auto elementwise_supported = [](const NodeView& n) { return all_storage_float(n); };
+  registry.add(Op::kRotaryEmbedding, impl(elementwise_supported, [](const KernelArgs& args) {
+                 const Tensor& x = args.inputs[0];
+                 const Shape& shape = x.shape();
+                 const size_t r = shape.size();
+                 const bool bthd = args.attrs.s("layout") == "bthd";
+                 const auto [rows, d] = rows_cols(shape);
+                 nn::rotary_embedding(x.dtype(), x.raw(), args.outputs[0].raw(), rows,
+                                      shape[bthd ? r - 3 : r - 2], bthd ? shape[r - 2] : 1, d,
+                                      args.attrs.f("base"), args.attrs.b("inverse"),
+                                      stream_of(args));
+               }));
   registry.add(Op::kGelu, impl(elementwise_supported, [](const KernelArgs& args) {
                  const Tensor& x = args.inputs[0];
                  nn::gelu(x.dtype(), x.raw(), args.outputs[0].raw(), x.numel(),

@@ -768,6 +768,51 @@ dim3 elementwise_grid(int64_t items, int threads) {
       static_cast<unsigned>(std::min<int64_t>(wanted, static_cast<int64_t>(sm_count()) * 16)));
 }
 
+// ---- rotary_embedding -----------------------------------------------------------------------
+
+// Items are N-element chunks of a row's first half (columns i .. i+N-1 < D/2) together with the
+// matching chunk of its second half (i + D/2 ...): the pairs that rotate together. Row r is at
+// position (r / heads) % t; the angle of column i is position * base^(-2i/D) (f32, as PyTorch's
+// tables), negated for the inverse rotation. Memory-bound: one read and one write of x.
+template <typename T, int N>
+__global__ void rotary_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
+                              int64_t t, int64_t heads, int64_t half, float log2_base,
+                              float sign) {
+  const int64_t chunks = half / N, items = rows * chunks;
+  const float inv_d = 1.0f / static_cast<float>(2 * half);
+  for (int64_t it = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; it < items;
+       it += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = it / chunks, i0 = (it % chunks) * N;
+    const float position = sign * static_cast<float>(row / heads % t);
+    const T* x1 = x + row * 2 * half + i0;
+    T* y1 = y + row * 2 * half + i0;
+    float a[N], b[N];
+    if constexpr (N > 1) {
+      load<N>(x1, a);
+      load<N>(x1 + half, b);
+    } else {
+      a[0] = to_f(x1[0]);
+      b[0] = to_f(x1[half]);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float frequency = exp2f(-2.0f * static_cast<float>(i0 + k) * inv_d * log2_base);
+      float s, c;
+      sincosf(position * frequency, &s, &c);
+      const float x1k = a[k], x2k = b[k];
+      a[k] = x1k * c - x2k * s;
+      b[k] = x2k * c + x1k * s;
+    }
+    if constexpr (N > 1) {
+      store<N>(y1, a);
+      store<N>(y1 + half, b);
+    } else {
+      y1[0] = from_f<T>(a[0]);
+      y1[half] = from_f<T>(b[0]);
+    }
+  }
+}
+
 // ---- optimizer updates ----------------------------------------------------------------------
 
 constexpr int kUpdateChunk = 4;
@@ -1117,6 +1162,29 @@ void gelu_grad(DType t, const void* x, const void* dy, void* dx, int64_t n, bool
     } else {
       gelu_grad_kernel<T, 1><<<elementwise_grid(n, threads), threads, 0, stream>>>(
           static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, tanh_form);
+    }
+    KILN_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void rotary_embedding(DType t, const void* x, void* y, int64_t rows, int64_t positions,
+                      int64_t heads, int64_t d, double base, bool inverse, cudaStream_t stream) {
+  const int64_t half = d / 2;
+  if (rows == 0 || half == 0) return;
+  const float log2_base = static_cast<float>(std::log2(base)), sign = inverse ? -1.0f : 1.0f;
+  visit_float(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int N = 16 / sizeof(T);
+    const int threads = 256;
+    // 16-byte chunks when both halves of every row start 16-byte aligned.
+    if (half % N == 0 && aligned16(x) && aligned16(y)) {
+      rotary_kernel<T, N><<<elementwise_grid(rows * (half / N), threads), threads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), rows, positions, heads, half, log2_base,
+          sign);
+    } else {
+      rotary_kernel<T, 1><<<elementwise_grid(rows * half, threads), threads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), rows, positions, heads, half, log2_base,
+          sign);
     }
     KILN_CUDA_CHECK(cudaGetLastError());
   });

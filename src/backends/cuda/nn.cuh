@@ -67,6 +67,11 @@ void gelu(DType t, const void* x, void* y, int64_t n, bool tanh_form, cudaStream
 void gelu_grad(DType t, const void* x, const void* dy, void* dx, int64_t n, bool tanh_form,
                cudaStream_t stream);
 
+// rotary_embedding: x (rows, d) whose row r is at position (r / heads) % positions; rotate-half
+// pairs (i, i + d/2) by position * base^(-2i/d) (negated when inverse). d even.
+void rotary_embedding(DType t, const void* x, void* y, int64_t rows, int64_t positions,
+                      int64_t heads, int64_t d, double base, bool inverse, cudaStream_t stream);
+
 // ---- optimizer updates --------------------------------------------------------------------------
 
 // The (param, grad, state) type combinations the updates support: all three equal (f32, bf16,
