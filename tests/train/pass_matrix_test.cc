@@ -1,8 +1,11 @@
 // The pass matrix: training steps of the MLP and a small GPT give the same results with every
 // pass of the default pipeline on, with each pass disabled in turn, and with none — so no pass
 // changes what a step computes, and no later pass depends on an earlier one for correctness.
-// Bit for bit, except where training-rewrites is switched off: its decompositions reassociate
-// (softmax - one_hot instead of the fused grad op), equal only up to rounding.
+// Bit for bit, except where training-rewrites or classifier is switched off: the first's
+// decompositions reassociate (softmax - one_hot instead of the fused grad op), and the second
+// replaces the loss and its gradient by one fused node whose row reductions run in another
+// order; both are equal only up to rounding (1 ulp of a param after an update was seen in -O1
+// builds, where the unfused path's sums are not contracted the same way).
 #include <set>
 
 #include "models/models.h"
@@ -38,7 +41,7 @@ void check_matrix(const Graph& forward, const std::vector<Tensor>& init,
     options.disabled = disabled;
     std::vector<Tensor> got = run_steps(forward, init, batches, options);
     ASSERT_EQ(got.size(), all_on.size());
-    const bool exact = !disabled.count("training-rewrites");
+    const bool exact = !disabled.count("training-rewrites") && !disabled.count("classifier");
     const double atol = exact ? 0 : 1e-6, rtol = exact ? 0 : 1e-4;
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_TRUE(testing::all_close(got[i], all_on[i], atol, rtol))
