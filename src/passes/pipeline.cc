@@ -8,6 +8,7 @@
 #include "passes/mixed_precision.h"
 #include "passes/multi_tensor.h"
 #include "passes/ones_column.h"
+#include "passes/recompute.h"
 #include "passes/remat.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
@@ -33,6 +34,7 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   passes.push_back(std::make_unique<ConstantFolding>());
   passes.push_back(std::make_unique<CommonSubexpressionElimination>());
   passes.push_back(std::make_unique<DeadCodeElimination>());
+  passes.push_back(std::make_unique<RecomputePass>());
   passes.push_back(std::make_unique<FusionPass>());
   passes.push_back(std::make_unique<OnesColumnPass>());
   passes.push_back(std::make_unique<MultiTensorPass>());
@@ -91,6 +93,9 @@ PassManager default_pipeline(PassOptions options) {
   pm.add(std::make_unique<CommonSubexpressionElimination>());
   // Last of the simplify passes: drop everything the passes above (and autodiff) left unused.
   pm.add(std::make_unique<DeadCodeElimination>());
+  // Elementwise activations the backward can recompute from values it keeps anyway (after CSE,
+  // which would merge the clones back; before fusion, which puts them in the backward's kernels).
+  pm.add(std::make_unique<RecomputePass>());
   // On the final node set: outline groups of nodes that run as one kernel over row tiles into
   // fused nodes (before remat and schedule, which then see the fused graph's true footprint).
   pm.add(std::make_unique<FusionPass>());

@@ -3,7 +3,9 @@
 // cuda` shows what a GPU run would compile on any machine); write its IR, its fused kernels'
 // CUDA sources, or a report of the passes, the fusion groups and the memory plan.
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
+#include <map>
 
 #include "compile/compile_step.h"
 #include "ir/text.h"
@@ -65,6 +67,60 @@ std::string format_size(double bytes) {
                                  : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
 }
 
+// What is live at the plan's busiest node, grouped by producer and type, largest first: where a
+// step's memory goes (saved activations, gradients, weight copies) and what remat could drop.
+void print_peak_contents(const Graph& graph, const MemoryPlan& plan) {
+  // Each arena buffer (a view root) lives from its definition to the last read of it or of a view.
+  // Update values are left out: the executor writes them straight over their params and state.
+  const size_t count = graph.values.size();
+  std::vector<char> update(count, 0);
+  for (const Update& u : graph.updates) update[static_cast<size_t>(u.value)] = 1;
+  std::vector<int> first(count, -1), last(count, -1);
+  for (size_t v = 0; v < count; ++v) {
+    const ValueId id = static_cast<ValueId>(v);
+    if (!plan.in_arena(id) || plan.liveness.def[v] < 0 || update[v]) continue;
+    const size_t root = static_cast<size_t>(view_root(plan.views, id));
+    if (first[root] < 0) first[root] = plan.liveness.def[root];
+    last[root] = std::max(last[root], plan.liveness.last[v]);
+  }
+  std::vector<int64_t> live(graph.nodes.size() + 1, 0);
+  for (size_t v = 0; v < count; ++v)
+    if (first[v] >= 0 && !plan.is_view(static_cast<ValueId>(v)))
+      for (int n = first[v]; n <= std::min<int>(last[v], static_cast<int>(graph.nodes.size()) - 1); ++n)
+        live[static_cast<size_t>(n)] += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
+  const int peak = static_cast<int>(std::max_element(live.begin(), live.end()) - live.begin());
+  std::map<std::string, std::pair<int64_t, int>> groups;  // producer and type -> bytes, count
+  for (size_t v = 0; v < count; ++v) {
+    if (first[v] < 0 || plan.is_view(static_cast<ValueId>(v)) || first[v] > peak || last[v] < peak) continue;
+    const Node& producer = graph.nodes[static_cast<size_t>(first[v])];
+    std::string what = producer.op == Op::kFused ? fmt::format("fused:{}", fused_kind_name(fused_kind(producer)))
+                                                 : std::string(op_name(producer.op));
+    if (producer.op == Op::kFused && producer.body) {
+      // Ops in body order, a run of one op once with its count (a multi-tensor node's 96 casts).
+      std::vector<std::string> ops;
+      const auto& inner = producer.body->nodes;
+      for (size_t i = 0; i < inner.size();) {
+        size_t j = i;
+        while (j < inner.size() && inner[j].op == inner[i].op) ++j;
+        ops.push_back(j - i > 1 ? fmt::format("{} x{}", op_name(inner[i].op), j - i) : std::string(op_name(inner[i].op)));
+        i = j;
+      }
+      what += "(" + fmt::format("{}", fmt::join(ops, " ")) + ")";
+    }
+    auto& [bytes, n] = groups[fmt::format("{} -> {}", what, to_string(graph.type(static_cast<ValueId>(v))))];
+    bytes += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
+    ++n;
+  }
+  std::vector<std::pair<int64_t, std::string>> sorted;
+  for (const auto& [name, entry] : groups)
+    sorted.emplace_back(entry.first, fmt::format("{:>4} x {}", entry.second, name));
+  std::sort(sorted.rbegin(), sorted.rend());
+  fmt::print("  memory peak at node {} ({} live in the arena besides the updates), largest groups:\n", peak,
+             format_size(double(live[peak])));
+  for (size_t i = 0; i < std::min<size_t>(sorted.size(), 12); ++i)
+    fmt::print("    {:>12}  {}\n", format_size(double(sorted[i].first)), sorted[i].second);
+}
+
 // `source`: where the forward graph came from ("build forward", "parse FILE"), in `build_s`.
 void report(const std::string& what, const std::string& source, const Graph& forward, double build_s,
             const CompiledStep& step, double total_s) {
@@ -99,6 +155,7 @@ void report(const std::string& what, const std::string& source, const Graph& for
              " (lower bound {}, one buffer each {})\n",
              format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
              format_size(plan.naive_bytes));
+  print_peak_contents(graph, plan);
   fmt::print("  total {:.3f} s\n", total_s);
 }
 

@@ -40,9 +40,15 @@ std::vector<Collective> find_collectives(const Graph& graph, const Uses& uses, c
       if (op != Op::kCast && !has_flag(op, kShape)) {
         c.ready = std::max(c.ready, p + 1);
         const Node& producer = graph.nodes[static_cast<size_t>(p)];
+        // A producer reading a wait's output stays: the wait itself may move later (overlap.cc
+        // places waits at their first reader), and the producer must not pass it.
+        const bool reads_a_wait = std::any_of(producer.inputs.begin(), producer.inputs.end(), [&](ValueId in) {
+          const int q = uses.producer[static_cast<size_t>(in)];
+          return q >= 0 && graph.nodes[static_cast<size_t>(q)].op == Op::kCollectiveWait;
+        });
         const bool movable = !has_flag(producer.op, kCollective) && producer.op != Op::kCollectiveWait &&
-                             !has_flag(producer.op, kRandom);
-        int inputs_ready = movable ? 0 : p;
+                             !has_flag(producer.op, kRandom) && !reads_a_wait;
+        int inputs_ready = movable ? 0 : p + 1;  // an unmovable producer: after it
         if (movable)
           for (ValueId in : producer.inputs)
             inputs_ready = std::max(inputs_ready, uses.producer[static_cast<size_t>(in)] + 1);
