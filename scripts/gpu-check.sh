@@ -16,8 +16,19 @@
 # --llama adds the LLaMA targets of issue 24 next to GPT-2's: kiln's llama-160m (16 x 2048) and
 # llama-1b (4 x 2048) and ../shared/bench/torch_llama.py's torch.compile runs of both (copy it to
 # .carry/torch_llama.py), all in the same table; --torch-llama replaces those torch runs.
+#
+# The ONNX front end needs Debian's libonnx and libprotobuf, which the GPU machine lacks: run
+# `bash scripts/gpu-check.sh --fetch-onnx` here once (it downloads the packages and ONNX's node
+# tests into .carry/onnx-debs); on the GPU machine they are unpacked into /tmp/onnx-root and the
+# build finds them there (and the GPU suite runs the node tests on CUDA).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fetch-onnx" ]; then
+  mkdir -p .carry/onnx-debs && cd .carry/onnx-debs &&
+    apt-get download libonnx-dev libonnx1 libonnxifi libprotobuf-dev libprotobuf32 libprotobuf-lite32 libonnx-testdata &&
+    ls && exit 0
+  exit 1
+fi
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 tests=1; torch=1; test_filter='*'; base=""; rounds=1
 benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
@@ -48,6 +59,13 @@ start=$(date +%s)
 # copy in .carry/cudnn_frontend_include (pip nvidia-cudnn-frontend's include/ folder).
 frontend=()
 [ -d .carry/cudnn_frontend_include ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
+if ls .carry/onnx-debs/*.deb >/dev/null 2>&1; then
+  root=/tmp/onnx-root lib=/tmp/onnx-root/usr/lib/x86_64-linux-gnu
+  for f in .carry/onnx-debs/*.deb; do dpkg -x "$f" "$root"; done
+  frontend+=(-DProtobuf_INCLUDE_DIR=$root/usr/include -DProtobuf_LIBRARY=$lib/libprotobuf.so -DONNX_DIR=$lib/cmake/ONNX)
+  export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export KILN_ONNX_NODE_TESTS=$root/usr/share/libonnx-testdata/data/node
+fi
 build_tree() {  # SOURCE BUILD_DIR LOG TARGET...
   local source="$1" dir="$2" log="$3"; shift 3
   cmake -S "$source" -B "$dir" -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" >"$log" 2>&1 &&

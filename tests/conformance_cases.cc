@@ -161,6 +161,10 @@ void add_every_op(std::vector<Case>& c) {
                {{"axis", 1}}, 4});
   c.push_back({"one_hot", Op::kOneHot, kAll, {fixed(DType::kI64, {3, 5}, -2, 8)},
                {{"depth", 6}}, 1, true});
+  // offload and reload: exact copies (the conformance runner's tensors are all on the device
+  // under test; a host side is the executor's and the trainer's, tests/passes/offload_test.cc).
+  c.push_back({"offload", Op::kOffload, kAll, {uniform({3, 7, 5})}});
+  c.push_back({"reload", Op::kReload, kAll, {uniform({3, 7, 5})}});
   // Reductions: small lines (a warp per output) and long ones (a block per output).
   for (auto [name, op, types] : {std::tuple{"sum", Op::kSum, kArith},
                                  {"mean", Op::kMean, kFloats}, {"max", Op::kMax, kArith}}) {

@@ -29,6 +29,7 @@ const OpRegistry& registry() {
     define_conv_ops(r);
     define_optimizer_ops(r);
     define_collective_ops(r);
+    define_transfer_ops(r);
     define_fused_ops(r);
     return r;
   }();

@@ -34,12 +34,21 @@ class Pass {
 // passes/classifier_chunks.h.
 inline constexpr size_t kDefaultLogitsChunkBytes = size_t{2} << 30;
 
+// Optimizer state in host memory (passes/offload.h): never, when the step does not fit the
+// device otherwise, or all of it (tests).
+enum class OffloadMode { kOff, kAuto, kAll };
+
 struct PassOptions {
   std::set<std::string> disabled;   // pass names to skip, or "all"
   std::set<std::string> print_after;  // pass names, or "all"
   std::function<void(const std::string& pass, const Graph& graph)> printer;  // default: stdout
   // Planned arena bytes a step may use: adds rematerialization (passes/remat.h) to the pipeline.
+  // With offload kAuto, also the device bytes (params, state, data and arena) the step may use.
   std::optional<size_t> memory_budget;
+  // Optimizer state moved to pinned host memory (passes/offload.h). kAuto moves it only while
+  // the step does not fit memory_budget, or without one 90% of device_memory.
+  OffloadMode offload = OffloadMode::kOff;
+  std::optional<size_t> device_memory;  // the device's memory, bytes (set by whoever knows it)
   // A language-model head's logits are computed in chunks of at most this many bytes
   // (passes/classifier_chunks.h; 0: never chunked).
   size_t logits_chunk_bytes = kDefaultLogitsChunkBytes;

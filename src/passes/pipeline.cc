@@ -7,6 +7,7 @@
 #include "passes/fusion/fusion.h"
 #include "passes/mixed_precision.h"
 #include "passes/multi_tensor.h"
+#include "passes/offload.h"
 #include "passes/ones_column.h"
 #include "passes/recompute.h"
 #include "passes/remat.h"
@@ -20,6 +21,13 @@
 
 namespace kiln {
 namespace {
+
+// The device bytes offload's kAuto fits the step into: --memory-budget, else 90% of the device.
+std::optional<size_t> offload_budget(const PassOptions& options) {
+  if (options.memory_budget) return options.memory_budget;
+  if (options.device_memory) return static_cast<size_t>(0.9 * static_cast<double>(*options.device_memory));
+  return std::nullopt;
+}
 
 // One of every pass, made as make_pass says. Cheap: passes do their work in run().
 std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
@@ -37,6 +45,7 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   passes.push_back(std::make_unique<RecomputePass>());
   passes.push_back(std::make_unique<FusionPass>());
   passes.push_back(std::make_unique<OnesColumnPass>());
+  passes.push_back(std::make_unique<OffloadPass>(options.offload, offload_budget(options)));
   passes.push_back(std::make_unique<MultiTensorPass>());
   passes.push_back(std::make_unique<Rematerialize>(options.memory_budget, !options.disabled.count("schedule")));
   passes.push_back(std::make_unique<SchedulePass>());
@@ -71,6 +80,8 @@ PassManager default_pipeline(PassOptions options) {
   const Device target = options.target;
   const size_t logits_chunk_bytes = options.logits_chunk_bytes;
   const CostModel costs = options.costs.value_or(CostModel::defaults(target));
+  const OffloadMode offload = options.offload;
+  const std::optional<size_t> budget_for_offload = offload_budget(options);
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -102,6 +113,9 @@ PassManager default_pipeline(PassOptions options) {
   // CUDA only: bias gradients as one more row of the weight-gradient GEMMs (on the fused nodes,
   // which it pads and slices; the CPU's fused kernels would copy the slices).
   if (target == Device::kCuda) pm.add(std::make_unique<OnesColumnPass>());
+  // Optimizer state to host memory where the step does not fit otherwise (before multi-tensor,
+  // which then groups the updates in chunks so that little of it is on the device at once).
+  pm.add(std::make_unique<OffloadPass>(offload, budget_for_offload));
   // After fusion (the updates are opaque to it): all optimizer updates as multi-tensor nodes.
   pm.add(std::make_unique<MultiTensorPass>());
   // With a memory budget: recompute activations to fit it (after CSE, which would merge the

@@ -194,6 +194,18 @@ void Executor::setup() {
   stream_handle_ = stream_->handle();
   mark_node_ = runtime_->node_marker();
   waited_collective_.assign(graph_.nodes.size(), -1);
+  // Host-resident inputs: every reader a reload.
+  std::vector<int> readers(graph_.values.size(), 0), reloads(graph_.values.size(), 0);
+  for (const Node& node : graph_.nodes)
+    for (ValueId in : node.inputs) {
+      ++readers[static_cast<size_t>(in)];
+      reloads[static_cast<size_t>(in)] += node.op == Op::kReload;
+    }
+  host_input_.clear();
+  for (const GraphInput& in : graph_.inputs) {
+    const size_t v = static_cast<size_t>(in.value);
+    host_input_.push_back(readers[v] > 0 && readers[v] == reloads[v]);
+  }
   comm_ready_.resize(graph_.nodes.size());
   comm_done_.resize(graph_.nodes.size());
   std::vector<int> producer(graph_.values.size(), -1);
@@ -322,10 +334,12 @@ std::vector<Tensor> Executor::run(std::span<const Tensor> inputs) const {
     const Value& v = graph_.value(graph_.inputs[i].value);
     KILN_CHECK(inputs[i].defined() && inputs[i].type() == v.type, "input '{}' must be {}, got {}", v.name,
                to_string(v.type), inputs[i].defined() ? to_string(inputs[i].type()) : "no tensor");
-    KILN_CHECK(inputs[i].device() == options_.device,
-               "input '{}' ({}) is a {} tensor, but graph '{}' runs on {}: move it there first "
-               "(DeviceRuntime::to_device)",
-               v.name, to_string(v.type), device_name(inputs[i].device()), graph_.name, device_name(options_.device));
+    const Device expected = host_input_[i] ? Device::kCpu : options_.device;
+    KILN_CHECK(inputs[i].device() == expected,
+               "input '{}' ({}) is a {} tensor, but graph '{}' {}: move it there first", v.name, to_string(v.type),
+               device_name(inputs[i].device()), graph_.name,
+               host_input_[i] ? "keeps it in host memory (it is offloaded)"
+                              : fmt::format("runs on {} (DeviceRuntime::to_device)", device_name(options_.device)));
     pointers.push_back(inputs[i].raw());
   }
   std::vector<Tensor> fresh;

@@ -25,7 +25,9 @@
 //   and throws "needs X GiB ..., Y GiB free on <device>". With plan_memory off, every arena
 //   value gets its own bytes in that allocation (no reuse, no views, every update copied at the
 //   end): the oracle the plan is tested against.
-// - Inputs must be tensors of options.device (DeviceRuntime::to_device uploads host tensors).
+// - Inputs must be tensors of options.device (DeviceRuntime::to_device uploads host tensors),
+//   except host-resident ones (input_on_host: offloaded optimizer state, read only through
+//   `reload` nodes), which are host tensors.
 //   run() only enqueues work on the executor's stream (every kernel gets it as
 //   KernelArgs::stream) and returns without waiting for the device: the caller synchronizes
 //   (synchronize(), or DeviceRuntime::to_host, which waits) before reading. On the CPU the work
@@ -133,6 +135,9 @@ class Executor {
   int64_t graph_captures() const { return graph_captures_; }
   // Updates written in place by their node (the rest are copied at the end of a run).
   size_t direct_update_count() const { return direct_update_count_; }
+  // Whether graph input `i` is host-resident: read only by `reload` nodes (offloaded state,
+  // passes/offload.h). run() takes it as a host tensor (pinned, for asynchronous copies on CUDA).
+  bool input_on_host(size_t i) const { return host_input_.at(i); }
   // With options.profile: waits for the last run, then returns one timing per node, in node
   // order. Throws kiln::Error without options.profile or before the first run.
   std::vector<NodeTiming> profile() const;
@@ -194,6 +199,7 @@ class Executor {
   std::vector<int> direct_update_input_; // per value: the graph input it is written into, or -1
   std::vector<bool> copied_update_;      // per update: copied at the end of the run
   size_t direct_update_count_ = 0;
+  std::vector<bool> host_input_;         // per graph input: host-resident (see input_on_host)
   std::unique_ptr<DeviceGraph> captured_;  // nullptr: runs are not captured
   mutable std::vector<const std::byte*> captured_pointers_;
   mutable bool warmed_up_ = false;

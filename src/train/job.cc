@@ -320,6 +320,8 @@ namespace {
 // collective times (distributed/comm_profile.h), the same on every rank.
 PassOptions passes_for(PassOptions passes, ProcessGroup* group, const DeviceRuntime& runtime) {
   if (group && !passes.costs) passes.costs = comm_cost_model(*group, runtime);
+  // --offload auto fits the step into the device (the CPU's memory is the host's: nothing moves).
+  if (runtime.device() != Device::kCpu && !passes.device_memory) passes.device_memory = runtime.memory_info().total_bytes;
   return passes;
 }
 

@@ -93,15 +93,27 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
     for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);
   }
   Stopwatch phase;
-  for (size_t i = 0; i < inputs_.size(); ++i) {
-    if (inputs_[i].defined()) inputs_[i] = runtime_->to_device(inputs_[i]);  // params and state
-    else inputs_[i] = runtime_->device_tensor(g.type(g.inputs[i].value));    // zero state, data and lr buffers
-  }
+  for (size_t i = 0; i < inputs_.size(); ++i) inputs_[i] = placed(i, inputs_[i]);
   build_seconds_.emplace_back("upload", phase.lap());
   uploader_ = runtime_->create_uploader(2);
   loss_type_ = g.type(g.outputs.at(0));
   KILN_CHECK(loss_type_.bytes() <= 8, "the loss must be a scalar, got {}", to_string(loss_type_));
   loss_slots_ = runtime_->pinned_tensor(TensorType{DType::kU8, {8 * kLossSlots}});
+}
+
+Tensor Trainer::placed(size_t i, const Tensor& host) const {
+  const TensorType& type = step_.program.graph.type(step_.program.graph.inputs[i].value);
+  if (step_.executor->input_on_host(i)) {
+    // Offloaded optimizer state (passes/offload.h): pinned, so that its copies are asynchronous.
+    Tensor pinned = runtime_->pinned_tensor(type);  // zero-filled
+    if (host.defined()) std::memcpy(pinned.raw(), host.raw(), pinned.bytes());
+    return pinned;
+  }
+  return host.defined() ? runtime_->to_device(host) : runtime_->device_tensor(type);
+}
+
+Tensor Trainer::host_copy(const Tensor& t) const {
+  return t.device() == Device::kCpu ? t.clone() : runtime_->to_host(t);
 }
 
 Tensor Trainer::loss_slot(int64_t k) const { return loss_slots_.viewed(loss_type_, static_cast<size_t>(8 * k)); }
@@ -260,7 +272,7 @@ void Trainer::set_initial_value(const std::string& name, const Tensor& value) {
       if (v.name != name) continue;
       KILN_CHECK(value.type() == v.type, "set_initial_value('{}'): got {}, the step has {}", name,
                  to_string(value.type()), to_string(v.type));
-      inputs_[i] = runtime_->to_device(value.clone());
+      inputs_[i] = placed(static_cast<size_t>(i), value);
       return;
     }
   fail("set_initial_value('{}'): the step has no param or state of that name", name);
@@ -268,13 +280,15 @@ void Trainer::set_initial_value(const std::string& name, const Tensor& value) {
 
 std::map<std::string, Tensor> Trainer::host_tensors() const {
   std::map<std::string, Tensor> out = named_tensors();
-  for (auto& [name, t] : out) t = runtime_->to_host(t);
+  for (auto& [name, t] : out) t = host_copy(t);
   return out;
 }
 
 size_t Trainer::param_and_state_bytes() const {
   size_t total = 0;
-  for (const auto& [name, t] : named_tensors()) total += t.bytes();
+  // On the device: offloaded state is in host memory (on the CPU everything is).
+  for (const auto& [name, t] : named_tensors())
+    if (t.device() == runtime_->device()) total += t.bytes();
   return total;
 }
 
@@ -322,12 +336,14 @@ void Trainer::save_consolidated(const std::string& path, std::map<std::string, s
   for (const auto& [name, tensor] : named_tensors()) {
     auto sharded = sharded_.find(name);
     if (sharded == sharded_.end()) {
-      if (rank() == 0) full[name] = runtime_->to_host(tensor);
+      if (rank() == 0) full[name] = host_copy(tensor);
       continue;
     }
     const TensorType& type = sharded->second;
     Tensor gathered = runtime_->device_tensor(TensorType{tensor.dtype(), {tensor.numel() * world_size()}}, false);
-    executor_options_.communicator->all_gather(tensor, gathered, stream_->handle());
+    // An offloaded shard is in host memory: the collective takes device tensors.
+    const Tensor shard = tensor.device() == runtime_->device() ? tensor : runtime_->to_device(tensor);
+    executor_options_.communicator->all_gather(shard, gathered, stream_->handle());
     Tensor host = runtime_->to_host(gathered);  // waits for the stream
     Tensor whole(type);
     std::memcpy(whole.raw(), host.raw(), whole.bytes());

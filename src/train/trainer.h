@@ -128,6 +128,11 @@ class Trainer {
   const ShardingOptions& sharding() const { return sharding_; }
 
  private:
+  // Graph input `i` (a param, state, data or lr buffer) where the step wants it, holding `host`'s
+  // values (zeros when undefined): on the device, or pinned host memory for offloaded state.
+  Tensor placed(size_t i, const Tensor& host) const;
+  // A host copy of a param or state tensor, wherever it lives.
+  Tensor host_copy(const Tensor& t) const;
   // The forward step's inputs for host `data`: the step's params and state, and its data
   // buffers, into which `data` is uploaded (on the stream, after the steps that read them).
   std::vector<Tensor> eval_inputs(const std::vector<Tensor>& data) const;

@@ -83,6 +83,34 @@ TEST(CudaTrainer, Gpt2TinyStepsMatchCpu) {
   EXPECT_LE(max_scaled_error(eb[1], ea[1], 5e-3, 5e-3), 1.0);
 }
 
+// Offloaded AdamW moments (passes/offload.h) on the GPU: they live in pinned host memory (the
+// trainer's device bytes drop by them), are copied in and out inside the captured step, and the
+// steps equal those with the moments on the device.
+TEST(CudaTrainer, OffloadedAdamwStateTrainsAsOnTheDevice) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 5, c.layers);
+  PassOptions offload;
+  offload.offload = OffloadMode::kAll;
+  Trainer plain(forward, {}, init, cuda_options()), moved(forward, {}, init, cuda_options(), offload);
+  size_t param_bytes = 0;
+  for (const Tensor& t : init) param_bytes += t.bytes();
+  EXPECT_EQ(plain.param_and_state_bytes() - moved.param_and_state_bytes(), 2 * param_bytes);
+  for (int s = 0; s < 5; ++s) {
+    plain.step(batch(c, 20 * s));
+    moved.step(batch(c, 20 * s));
+  }
+  EXPECT_GE(moved.step_executor().graph_replays(), 1);
+  std::vector<double> a = plain.take_losses(), b = moved.take_losses();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t s = 0; s < a.size(); ++s) EXPECT_NEAR(b[s], a[s], 1e-4 * std::abs(a[s])) << "step " << s;
+  auto want = plain.host_tensors(), got = moved.host_tensors();
+  for (const auto& [name, t] : moved.named_tensors())
+    if (name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0) EXPECT_EQ(t.device(), Device::kCpu) << name;
+  for (const auto& [name, t] : want) EXPECT_LE(max_scaled_error(got.at(name), t, 1e-4, 1e-3), 1.0) << name;
+}
+
 // Evaluation on the GPU under bf16 is the forward step compiled like the bf16 training step
 // (fused, planned, captured): against the forward graph run as given by the CPU's reference
 // kernels on the same (GPU-trained) params, within bf16's rounding; a second evaluation of the

@@ -93,8 +93,18 @@ void add_pass_options(CLI::App* command, PassOptions& passes) {
   group->add_option_function<std::string>(
       "--memory-budget",
       [&passes](const std::string& text) { passes.memory_budget = parse_size_flag("--memory-budget", text); },
-      "Recompute activations so that the step's planned arena fits, e.g. 512MiB, 2GiB, bytes")
+      "Recompute activations so that the step's planned arena fits, e.g. 512MiB, 2GiB, bytes (with --offload "
+      "auto: also the device memory the whole step may use)")
       ->type_name("SIZE");
+  group->add_option_function<std::string>(
+          "--offload",
+          [&passes](const std::string& mode) {
+            passes.offload = mode == "auto" ? OffloadMode::kAuto : mode == "all" ? OffloadMode::kAll : OffloadMode::kOff;
+          },
+          "Optimizer state in pinned host memory: off | auto (only while the step does not fit the device: "
+          "--memory-budget, else 90% of its memory) | all")
+      ->check(CLI::IsMember({"off", "auto", "all"}))
+      ->type_name("MODE");
   group->add_option_function<std::string>(
       "--logits-chunk",
       [&passes](const std::string& text) {

@@ -492,6 +492,15 @@ void register_collectives(KernelRegistry& registry) {
   add(registry, Op::kCollectiveWait,
       [](const KernelArgs& a) { copy_bytes(a.inputs[0], a.outputs[0], stream_of(a)); }, nullptr,
       /*in_place_ok=*/true);
+  // offload and reload (ops/transfer.cc): one side is pinned host memory (a host-resident state
+  // input, or an offload written straight into one); cudaMemcpyDefault lets the pointers say
+  // which, and a copy to or from pinned memory is asynchronous and captured into the graph.
+  for (Op op : {Op::kOffload, Op::kReload})
+    add(registry, op, [](const KernelArgs& a) {
+      if (a.inputs[0].raw() == a.outputs[0].raw() || a.outputs[0].bytes() == 0) return;
+      KILN_CUDA_CHECK(cudaMemcpyAsync(a.outputs[0].raw(), a.inputs[0].raw(), a.outputs[0].bytes(),
+                                      cudaMemcpyDefault, stream_of(a)));
+    });
   add(registry, Op::kLocalShard, [](const KernelArgs& a) {
     KILN_CHECK(a.communicator != nullptr, "local_shard needs a process group");
     const Tensor& x = a.inputs[0];
