@@ -6,12 +6,11 @@
 #include <fstream>
 
 #include "compile/compile_step.h"
+#include "compile/report.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "ops/fused/kind.h"
 #include "options.h"
-#include "passes/fusion/fusion.h"
-#include "analysis/memory_plan.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #ifdef KILN_HAVE_CUDA
@@ -59,49 +58,6 @@ void dump_kernels(const Graph& graph, const std::string& dir) {
 #endif
 }
 
-// MiB below a GiB, so that small models show their numbers.
-std::string format_size(double bytes) {
-  return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
-                                 : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
-}
-
-// `source`: where the forward graph came from ("build forward", "parse FILE"), in `build_s`.
-void report(const std::string& what, const std::string& source, const Graph& forward, double build_s,
-            const CompiledStep& step, double total_s) {
-  const Graph& graph = step.program.graph;
-  int64_t param_count = 0;
-  for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
-  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
-  fmt::print("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward.nodes.size(), param_count,
-             program_phase, step.nodes_before_passes);
-  fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
-  fmt::print("  {:<22} {:>9.2f} {:>8}\n", source, 1e3 * build_s, forward.nodes.size());
-  fmt::print("  {:<22} {:>9.2f} {:>8}\n", program_phase, 1e3 * program_s, step.nodes_before_passes);
-  for (const PassRecord& r : step.pass_records)
-    fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
-               r.nodes_after, r.changed ? "yes" : "no");
-  for (const PassRecord& r : step.pass_records)
-    for (const std::string& note : r.notes) fmt::print("  {}: {}\n", r.name, note);
-  // The fusion groups: one line per fused node, then the total.
-  std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
-  int64_t kept_bytes = 0;
-  fmt::print("  fusion: {} fused node{}\n", fused.size(), fused.size() == 1 ? "" : "s");
-  for (const fusion::FusedNodeReport& f : fused) {
-    kept_bytes += f.bytes_kept;
-    fmt::print("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind, f.bytes_kept / double(1 << 20),
-               fmt::join(f.ops, " "));
-  }
-  fmt::print("  fusion total: {:.3f} MiB kept out of memory\n", kept_bytes / double(1 << 20));
-  MemoryPlan plan = plan_memory(graph);
-  int64_t input_bytes = 0;
-  for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
-  fmt::print("  memory: inputs (params, state, batch) {}; intermediates planned {}"
-             " (lower bound {}, one buffer each {})\n",
-             format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
-             format_size(plan.naive_bytes));
-  fmt::print("  total {:.3f} s\n", total_s);
-}
-
 void compile(CompileCommand o) {
   const Stopwatch total;
   Stopwatch phase;
@@ -124,8 +80,10 @@ void compile(CompileCommand o) {
     KILN_CHECK(out.good(), "cannot write '{}'", o.output);
   }
   if (o.report)
-    report(o.file.empty() ? fmt::format("model {}", o.model) : fmt::format("graph @{} ({})", forward.name, o.file),
-           o.file.empty() ? "build forward" : is_onnx_file(o.file) ? "import" : "parse", forward, build_s, step, total.seconds());
+    fmt::print("{}", compile_report(o.file.empty() ? fmt::format("model {}", o.model)
+                                                   : fmt::format("graph @{} ({})", forward.name, o.file),
+                                    o.file.empty() ? "build forward" : is_onnx_file(o.file) ? "import" : "parse",
+                                    forward, build_s, step, total.seconds()));
 }
 
 }  // namespace
