@@ -13,6 +13,8 @@ packages=(
   # The ONNX front end (optional in CMake), its conformance data, and the PyTorch reference of
   # tests/frontend/torch_step_test.py.
   libonnx-dev libprotobuf-dev libonnx-testdata python3-onnx python3-torch
+  # The Python package (python/, docs/python.md): its tests and its progress bar.
+  python3-dev python3-venv python3-pytest python3-tqdm
 )
 
 missing=()
@@ -51,6 +53,14 @@ if ((${#need_pip[@]})); then
   python3 -m pip install -q "${need_pip[@]}" 2>/dev/null ||
     python3 -m pip install -q --break-system-packages "${need_pip[@]}" ||
     echo "install-deps: warning: could not pip install ${need_pip[*]}; the interop tests will skip"
+fi
+# The Python package's build (nanobind, and scikit-build-core for `pip install .`), for Debian's
+# python3: the interpreter python3-torch serves, which need not be the python3 first on PATH.
+if [[ -x /usr/bin/python3 ]] && ! /usr/bin/python3 -c "import nanobind, scikit_build_core" 2>/dev/null; then
+  echo "install-deps: pip installing nanobind scikit-build-core for /usr/bin/python3"
+  /usr/bin/python3 -m pip install -q nanobind scikit-build-core 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --break-system-packages nanobind scikit-build-core ||
+    echo "install-deps: warning: could not pip install nanobind; the Python package is not built"
 fi
 # The cuDNN frontend (header-only C++ graph API over cuDNN) for the "cudnn" attention dialect:
 # its pip package installs the headers under <site-packages>/include; CMake asks python3 where.

@@ -153,25 +153,50 @@ const Executor& Trainer::eval_executor(bool loss_only) const {
   return *eval->executor;
 }
 
+void Trainer::check_data(const Tensor& data, size_t index, const char* what) const {
+  const Graph& g = step_.program.graph;
+  const Value& v = g.value(g.inputs[step_.program.data_inputs[index]].value);
+  KILN_CHECK(data.defined() && data.type() == v.type, "{}data input '{}' must be {}, got {}", what, v.name,
+             to_string(v.type), data.defined() ? to_string(data.type()) : "no tensor");
+  KILN_CHECK(data.device() == Device::kCpu || data.device() == device(),
+             "{}data input '{}' is a {} tensor, the trainer runs on {}", what, v.name, device_name(data.device()),
+             device_name(device()));
+}
+
+void Trainer::copy_in(const std::vector<Tensor>& data, const std::vector<Tensor>& buffers) const {
+  std::vector<Tensor> hosts, devices;
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (data[i].device() == Device::kCpu) {
+      hosts.push_back(data[i]);
+      devices.push_back(buffers[i]);
+    } else {
+      runtime_->copy_async(buffers[i], data[i], *stream_);
+    }
+  }
+  if (!hosts.empty()) uploader_->upload(hosts, devices, *stream_);
+}
+
 std::vector<Tensor> Trainer::step(const std::vector<Tensor>& data) {
   KILN_CHECK(data.size() == step_.program.data_inputs.size(), "a step takes {} data tensors, {} given",
              step_.program.data_inputs.size(), data.size());
-  const Graph& g = step_.program.graph;
-  for (size_t i = 0; i < data.size(); ++i) {
-    const Value& v = g.value(g.inputs[step_.program.data_inputs[i]].value);
-    KILN_CHECK(data[i].defined() && data[i].type() == v.type, "data input '{}' must be {}, got {}", v.name,
-               to_string(v.type), data[i].defined() ? to_string(data[i].type()) : "no tensor");
-    KILN_CHECK(data[i].device() == Device::kCpu, "data input '{}' must be a host tensor, got a {} tensor", v.name,
-               device_name(data[i].device()));
-  }
+  for (size_t i = 0; i < data.size(); ++i) check_data(data[i], i, "");
   Tensor lr(TensorType{DType::kF32, {}});
   lr.set(0, current_lr());
-  std::vector<Tensor> hosts = data, devices;
-  hosts.push_back(lr);
-  for (int i : step_.program.data_inputs) devices.push_back(inputs_[i]);
-  devices.push_back(inputs_[step_.program.lr_input]);
-  uploader_->upload(hosts, devices, *stream_);
-  std::vector<Tensor> outputs = step_.executor->run(inputs_);
+  std::vector<Tensor> outputs;
+  if (device() == Device::kCpu) {
+    // The CPU reads the batch where it is (the run is over when run() returns).
+    std::vector<Tensor> inputs = inputs_;
+    for (size_t i = 0; i < data.size(); ++i) inputs[step_.program.data_inputs[i]] = data[i];
+    inputs[step_.program.lr_input] = lr;
+    outputs = step_.executor->run(inputs);
+  } else {
+    std::vector<Tensor> values = data, buffers;
+    values.push_back(lr);
+    for (int i : step_.program.data_inputs) buffers.push_back(inputs_[i]);
+    buffers.push_back(inputs_[step_.program.lr_input]);
+    copy_in(values, buffers);
+    outputs = step_.executor->run(inputs_);
+  }
   if (pending_losses_ == kLossSlots) {
     // Nobody read for kLossSlots steps: one wait to free the slots.
     std::vector<double> taken = take_losses();
@@ -192,27 +217,20 @@ std::vector<double> Trainer::take_losses() {
 }
 
 std::vector<Tensor> Trainer::eval_inputs(const std::vector<Tensor>& data) const {
-  std::vector<Tensor> inputs;
-  size_t d = 0;
-  for (size_t i = 0; i < forward_.inputs.size(); ++i) {
-    if (forward_.inputs[i].role != Role::kData) {
-      inputs.push_back(inputs_[i]);  // forward inputs come first in the training graph
-      continue;
-    }
-    KILN_CHECK(d < data.size(), "evaluate takes {} data tensors, {} given", step_.program.data_inputs.size(),
-               data.size());
-    // The step's data buffers have the same types and stay put, so a replayed graph reads them;
-    // the copy is ordered after the steps that read them, on the one stream.
-    const Tensor& device = inputs_[step_.program.data_inputs[d]];
-    KILN_CHECK(data[d].defined() && data[d].type() == device.type(), "evaluate: data input {} must be {}, got {}", d,
-               to_string(device.type()), data[d].defined() ? to_string(data[d].type()) : "no tensor");
-    KILN_CHECK(data[d].device() == Device::kCpu, "evaluate: data input {} must be a host tensor, got a {} tensor", d,
-               device_name(data[d].device()));
-    uploader_->upload(std::span<const Tensor>(&data[d], 1), std::span<const Tensor>(&device, 1), *stream_);
-    inputs.push_back(device);
-    ++d;
+  KILN_CHECK(data.size() == step_.program.data_inputs.size(), "evaluate takes {} data tensors, {} given",
+             step_.program.data_inputs.size(), data.size());
+  for (size_t i = 0; i < data.size(); ++i) check_data(data[i], i, "evaluate: ");
+  // Forward inputs come first in the training graph, in the forward's order. The step's data
+  // buffers have the same types and stay put, so a replayed graph reads them; the copy is
+  // ordered after the steps that read them, on the one stream. The CPU reads `data` in place.
+  std::vector<Tensor> inputs(inputs_.begin(), inputs_.begin() + static_cast<std::ptrdiff_t>(forward_.inputs.size()));
+  std::vector<Tensor> buffers;
+  for (size_t d = 0; d < data.size(); ++d) {
+    Tensor& input = inputs[step_.program.data_inputs[d]];
+    if (device() == Device::kCpu) input = data[d];
+    else buffers.push_back(input);
   }
-  KILN_CHECK(d == data.size(), "evaluate takes {} data tensors, {} given", d, data.size());
+  if (device() != Device::kCpu) copy_in(data, buffers);
   return inputs;
 }
 
@@ -276,6 +294,25 @@ void Trainer::set_initial_value(const std::string& name, const Tensor& value) {
       return;
     }
   fail("set_initial_value('{}'): the step has no param or state of that name", name);
+}
+
+void Trainer::adopt(const std::string& name, const Tensor& storage) {
+  KILN_CHECK(steps_done_ == 0, "adopt('{}') after {} steps: only before the first", name, steps_done_);
+  KILN_CHECK(!sharded_.count(name), "adopt('{}'): this rank holds a shard of it", name);
+  KILN_CHECK(storage.device() == device(), "adopt('{}'): the tensor is on {}, the trainer on {}", name,
+             device_name(storage.device()), device_name(device()));
+  const Graph& g = step_.program.graph;
+  for (const std::vector<int>* indices : {&step_.program.param_inputs, &step_.program.state_inputs})
+    for (int i : *indices) {
+      const Value& v = g.value(g.inputs[i].value);
+      if (v.name != name) continue;
+      KILN_CHECK(storage.type() == v.type, "adopt('{}'): got {}, the step has {}", name, to_string(storage.type()),
+                 to_string(v.type));
+      stream_->synchronize();  // nothing in flight still reads the old tensor
+      inputs_[i] = storage;
+      return;
+    }
+  fail("adopt('{}'): the step has no param or state of that name", name);
 }
 
 std::map<std::string, Tensor> Trainer::host_tensors() const {

@@ -49,7 +49,9 @@ class Trainer {
           ShardingOptions sharding = {});
   ~Trainer();
 
-  // One training step on the forward's data inputs (host tensors, in order); returns the
+  // One training step on the forward's data inputs (in order; host tensors, or tensors of the
+  // trainer's device: on the CPU the step reads them where they are, on a GPU they are copied
+  // on the device into the step's own input buffers, which its CUDA graph replays); returns the
   // loss (all the forward's outputs, loss first, with OptimizerConfig::keep_forward_outputs),
   // computed before the update. Advances steps_done(). On a GPU the outputs are device tensors
   // that the next step overwrites, and may not be computed yet (read the loss with
@@ -58,7 +60,7 @@ class Trainer {
   // The losses (outputs[0]) of the steps since the last call, oldest first; waits for the
   // device.
   std::vector<double> take_losses();
-  // The forward graph with the current params (no update), on host data; returns every output
+  // The forward graph with the current params (no update), on data as step() takes it; returns every output
   // of the forward, as host tensors on every device. Under amp the forward runs in the step's
   // precision (the f32 master params are cast in the graph, as the step casts them).
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
@@ -82,6 +84,8 @@ class Trainer {
   const DeviceRuntime& runtime() const { return *runtime_; }
   // The step's executor (its memory plan, device bytes, CUDA graph counters).
   const Executor& step_executor() const { return *step_.executor; }
+  // The compiled training step (its program, pass records and phases: compile/report.h).
+  const CompiledStep& compiled_step() const { return step_; }
 
   int64_t steps_done() const { return steps_done_; }
   double current_lr() const { return learning_rate(config_, steps_done_); }
@@ -103,6 +107,11 @@ class Trainer {
   // BatchNorm's running statistics. Throws kiln::Error on an unknown name, another type, a
   // sharded tensor or a trainer that has stepped.
   void set_initial_value(const std::string& name, const Tensor& value);
+  // Before the first step: param or state `name` lives in `storage` from now on (same type, on
+  // the trainer's device), without a copy, and the steps update it there: for a caller that owns
+  // the memory (the Python package trains a torch module's own tensors). Its current value
+  // becomes the starting one. Throws as set_initial_value does.
+  void adopt(const std::string& name, const Tensor& storage);
   // Bytes of params and state (what the trainer keeps on its device besides the executors').
   size_t param_and_state_bytes() const;
 
@@ -133,9 +142,15 @@ class Trainer {
   Tensor placed(size_t i, const Tensor& host) const;
   // A host copy of a param or state tensor, wherever it lives.
   Tensor host_copy(const Tensor& t) const;
-  // The forward step's inputs for host `data`: the step's params and state, and its data
-  // buffers, into which `data` is uploaded (on the stream, after the steps that read them).
+  // The forward step's inputs for `data` (host or device tensors): the step's params and
+  // state, and its data buffers, into which `data` is copied (on the stream, after the steps
+  // that read them); on the CPU `data` itself.
   std::vector<Tensor> eval_inputs(const std::vector<Tensor>& data) const;
+  // Copies `data` into the step's input buffers `buffers` on the stream: host tensors through
+  // the uploader, tensors of the device on the device.
+  void copy_in(const std::vector<Tensor>& data, const std::vector<Tensor>& buffers) const;
+  // Checks data tensor `index` of a step's or evaluation's `data` (`what`) against the step.
+  void check_data(const Tensor& data, size_t index, const char* what) const;
 
   // A param or state tensor's full type where this rank holds a shard of it (zero1/2's optimizer
   // state, zero3's params too), by name; absent: held whole.

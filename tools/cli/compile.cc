@@ -3,17 +3,14 @@
 // cuda` shows what a GPU run would compile on any machine); write its IR, its fused kernels'
 // CUDA sources, or a report of the passes, the fusion groups and the memory plan.
 #include <filesystem>
-#include <algorithm>
 #include <fstream>
-#include <map>
 
 #include "compile/compile_step.h"
+#include "compile/report.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "ops/fused/kind.h"
 #include "options.h"
-#include "passes/fusion/fusion.h"
-#include "analysis/memory_plan.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #ifdef KILN_HAVE_CUDA
@@ -61,104 +58,6 @@ void dump_kernels(const Graph& graph, const std::string& dir) {
 #endif
 }
 
-// MiB below a GiB, so that small models show their numbers.
-std::string format_size(double bytes) {
-  return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
-                                 : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
-}
-
-// What is live at the plan's busiest node, grouped by producer and type, largest first: where a
-// step's memory goes (saved activations, gradients, weight copies) and what remat could drop.
-void print_peak_contents(const Graph& graph, const MemoryPlan& plan) {
-  // Each arena buffer (a view root) lives from its definition to the last read of it or of a view.
-  // Update values are left out: the executor writes them straight over their params and state.
-  const size_t count = graph.values.size();
-  std::vector<char> update(count, 0);
-  for (const Update& u : graph.updates) update[static_cast<size_t>(u.value)] = 1;
-  std::vector<int> first(count, -1), last(count, -1);
-  for (size_t v = 0; v < count; ++v) {
-    const ValueId id = static_cast<ValueId>(v);
-    if (!plan.in_arena(id) || plan.liveness.def[v] < 0 || update[v]) continue;
-    const size_t root = static_cast<size_t>(view_root(plan.views, id));
-    if (first[root] < 0) first[root] = plan.liveness.def[root];
-    last[root] = std::max(last[root], plan.liveness.last[v]);
-  }
-  std::vector<int64_t> live(graph.nodes.size() + 1, 0);
-  for (size_t v = 0; v < count; ++v)
-    if (first[v] >= 0 && !plan.is_view(static_cast<ValueId>(v)))
-      for (int n = first[v]; n <= std::min<int>(last[v], static_cast<int>(graph.nodes.size()) - 1); ++n)
-        live[static_cast<size_t>(n)] += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
-  const int peak = static_cast<int>(std::max_element(live.begin(), live.end()) - live.begin());
-  std::map<std::string, std::pair<int64_t, int>> groups;  // producer and type -> bytes, count
-  for (size_t v = 0; v < count; ++v) {
-    if (first[v] < 0 || plan.is_view(static_cast<ValueId>(v)) || first[v] > peak || last[v] < peak) continue;
-    const Node& producer = graph.nodes[static_cast<size_t>(first[v])];
-    std::string what = producer.op == Op::kFused ? fmt::format("fused:{}", fused_kind_name(fused_kind(producer)))
-                                                 : std::string(op_name(producer.op));
-    if (producer.op == Op::kFused && producer.body) {
-      // Ops in body order, a run of one op once with its count (a multi-tensor node's 96 casts).
-      std::vector<std::string> ops;
-      const auto& inner = producer.body->nodes;
-      for (size_t i = 0; i < inner.size();) {
-        size_t j = i;
-        while (j < inner.size() && inner[j].op == inner[i].op) ++j;
-        ops.push_back(j - i > 1 ? fmt::format("{} x{}", op_name(inner[i].op), j - i) : std::string(op_name(inner[i].op)));
-        i = j;
-      }
-      what += "(" + fmt::format("{}", fmt::join(ops, " ")) + ")";
-    }
-    auto& [bytes, n] = groups[fmt::format("{} -> {}", what, to_string(graph.type(static_cast<ValueId>(v))))];
-    bytes += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
-    ++n;
-  }
-  std::vector<std::pair<int64_t, std::string>> sorted;
-  for (const auto& [name, entry] : groups)
-    sorted.emplace_back(entry.first, fmt::format("{:>4} x {}", entry.second, name));
-  std::sort(sorted.rbegin(), sorted.rend());
-  fmt::print("  memory peak at node {} ({} live in the arena besides the updates), largest groups:\n", peak,
-             format_size(double(live[peak])));
-  for (size_t i = 0; i < std::min<size_t>(sorted.size(), 12); ++i)
-    fmt::print("    {:>12}  {}\n", format_size(double(sorted[i].first)), sorted[i].second);
-}
-
-// `source`: where the forward graph came from ("build forward", "parse FILE"), in `build_s`.
-void report(const std::string& what, const std::string& source, const Graph& forward, double build_s,
-            const CompiledStep& step, double total_s) {
-  const Graph& graph = step.program.graph;
-  int64_t param_count = 0;
-  for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
-  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
-  fmt::print("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward.nodes.size(), param_count,
-             program_phase, step.nodes_before_passes);
-  fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
-  fmt::print("  {:<22} {:>9.2f} {:>8}\n", source, 1e3 * build_s, forward.nodes.size());
-  fmt::print("  {:<22} {:>9.2f} {:>8}\n", program_phase, 1e3 * program_s, step.nodes_before_passes);
-  for (const PassRecord& r : step.pass_records)
-    fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
-               r.nodes_after, r.changed ? "yes" : "no");
-  for (const PassRecord& r : step.pass_records)
-    for (const std::string& note : r.notes) fmt::print("  {}: {}\n", r.name, note);
-  // The fusion groups: one line per fused node, then the total.
-  std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
-  int64_t kept_bytes = 0;
-  fmt::print("  fusion: {} fused node{}\n", fused.size(), fused.size() == 1 ? "" : "s");
-  for (const fusion::FusedNodeReport& f : fused) {
-    kept_bytes += f.bytes_kept;
-    fmt::print("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind, f.bytes_kept / double(1 << 20),
-               fmt::join(f.ops, " "));
-  }
-  fmt::print("  fusion total: {:.3f} MiB kept out of memory\n", kept_bytes / double(1 << 20));
-  MemoryPlan plan = plan_memory(graph);
-  int64_t input_bytes = 0;
-  for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
-  fmt::print("  memory: inputs (params, state, batch) {}; intermediates planned {}"
-             " (lower bound {}, one buffer each {})\n",
-             format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
-             format_size(plan.naive_bytes));
-  print_peak_contents(graph, plan);
-  fmt::print("  total {:.3f} s\n", total_s);
-}
-
 void compile(CompileCommand o) {
   const Stopwatch total;
   Stopwatch phase;
@@ -181,8 +80,10 @@ void compile(CompileCommand o) {
     KILN_CHECK(out.good(), "cannot write '{}'", o.output);
   }
   if (o.report)
-    report(o.file.empty() ? fmt::format("model {}", o.model) : fmt::format("graph @{} ({})", forward.name, o.file),
-           o.file.empty() ? "build forward" : is_onnx_file(o.file) ? "import" : "parse", forward, build_s, step, total.seconds());
+    fmt::print("{}", compile_report(o.file.empty() ? fmt::format("model {}", o.model)
+                                                   : fmt::format("graph @{} ({})", forward.name, o.file),
+                                    o.file.empty() ? "build forward" : is_onnx_file(o.file) ? "import" : "parse",
+                                    forward, build_s, step, total.seconds()));
 }
 
 }  // namespace

@@ -1,0 +1,335 @@
+// The extension module kiln._kiln: a thin layer over kiln's C++ API for the Python package
+// (python/kiln/, docs/python.md). What lives here:
+// - Program: a forward graph with the initial values of its params and state, from an ONNX
+//   model's bytes (the ONNX front end) or from IR text (a checkpoint written by step.save).
+// - Session: a train::Trainer over a Program (compile, step, evaluate, tensors by name,
+//   checkpoints, the compile report), its tensors crossing as DLPack without copies
+//   (tensors.h).
+// - kiln::Error becomes the Python exception kiln.Error with kiln's message.
+// Everything a user chooses (names, defaults, torch, streams, progress) is Python's
+// (python/kiln/); long C++ calls release the GIL.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "compile/report.h"
+#include "device/device_runtime.h"
+#include "frontend/onnx/onnx_import.h"
+#include "ir/text.h"
+#include "ir/verifier.h"
+#include "support/stopwatch.h"
+#include "tensors.h"
+#include "train/trainer.h"
+#ifdef KILN_HAVE_CUDA
+#include "backends/cuda/device.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kiln::python {
+namespace {
+
+std::string_view role_text(Role role) {
+  switch (role) {
+    case Role::kParam: return "param";
+    case Role::kState: return "state";
+    case Role::kData: return "data";
+  }
+  return "?";
+}
+
+// A forward graph and where it came from.
+struct Program {
+  Graph graph;
+  std::map<std::string, Tensor> initial_values;  // params and state, by graph-input name
+  std::map<std::string, std::string> onnx_names;  // kiln name -> ONNX name, where they differ
+  std::string source;                             // "import" or "parse"
+  double source_seconds = 0;
+
+  // (name, role, dtype, shape) of each graph input, in order.
+  std::vector<std::tuple<std::string, std::string, std::string, std::vector<int64_t>>> inputs() const {
+    std::vector<std::tuple<std::string, std::string, std::string, std::vector<int64_t>>> out;
+    for (const GraphInput& in : graph.inputs) {
+      const Value& v = graph.value(in.value);
+      out.emplace_back(v.name, std::string(role_text(in.role)), std::string(dtype_name(v.type.dtype)), v.type.shape);
+    }
+    return out;
+  }
+};
+
+Program import_program(const nb::bytes& data, const std::string& source, const std::vector<std::string>& freeze,
+                       const std::string& loss, const std::string& labels) {
+  onnx::ImportOptions options;
+  options.freeze = freeze;
+  options.loss = loss;
+  options.labels = labels;
+  std::string bytes(data.c_str(), data.size());
+  nb::gil_scoped_release release;
+  const Stopwatch clock;
+  onnx::ImportedModel model = onnx::import_onnx_bytes(bytes, ".", options, source);
+  return Program{std::move(model.graph), std::move(model.initial_values), std::move(model.onnx_names), "import",
+                 clock.seconds()};
+}
+
+Program parse_program(const std::string& text) {
+  const Stopwatch clock;
+  Graph graph = parse(text);
+  verify(graph);
+  return Program{std::move(graph), {}, {}, "parse", clock.seconds()};
+}
+
+struct SessionOptions {
+  std::string device = "cpu";  // "cpu" or "cuda"
+  int device_index = 0;        // which CUDA device
+  std::optional<size_t> memory_budget;
+  std::vector<std::string> disabled_passes;
+  std::vector<std::string> dialects;
+};
+
+// A compiled training step over a Program, and its tensors.
+class Session {
+ public:
+  Session(Program program, OptimizerConfig config, SessionOptions options)
+      : program_(std::move(program)), options_(std::move(options)) {
+    const Stopwatch clock;
+    validate(config);
+    ExecutorOptions executor;
+    KILN_CHECK(options_.device == "cpu" || options_.device == "cuda", "device '{}': expected 'cpu' or 'cuda'",
+               options_.device);
+    executor.device = options_.device == "cuda" ? Device::kCuda : Device::kCpu;
+    executor.dialects = options_.dialects;
+#ifdef KILN_HAVE_CUDA
+    if (executor.device == Device::kCuda) cuda::set_current_device(options_.device_index);
+#endif
+    PassOptions passes;
+    passes.memory_budget = options_.memory_budget;
+    passes.disabled.insert(options_.disabled_passes.begin(), options_.disabled_passes.end());
+    const Graph& g = program_.graph;
+    std::vector<Tensor> params;
+    for (const GraphInput& in : g.inputs) {
+      if (in.role != Role::kParam) continue;
+      const Value& v = g.value(in.value);
+      auto it = program_.initial_values.find(v.name);
+      // A program parsed from a checkpoint gets its values from the checkpoint next.
+      params.push_back(it != program_.initial_values.end() ? it->second : Tensor(v.type));
+    }
+    trainer_ = std::make_unique<train::Trainer>(g, config, std::move(params), executor, passes);
+    for (const GraphInput& in : g.inputs) {
+      const std::string& name = g.value(in.value).name;
+      auto it = program_.initial_values.find(name);
+      if (in.role == Role::kState && it != program_.initial_values.end()) trainer_->set_initial_value(name, it->second);
+    }
+    compile_seconds_ = clock.seconds();
+  }
+
+  ~Session() {
+    nb::gil_scoped_release release;  // the trainer waits for its stream
+    trainer_.reset();
+  }
+
+  const Program& program() const { return program_; }
+  const train::Trainer& trainer() const { return *trainer_; }
+
+  // One training step; the loss into `loss_out` (a device tensor the caller made) when given,
+  // else returned (the CPU's output buffer, fresh each step).
+  nb::object step(const std::vector<Array>& data, const std::optional<Array>& loss_out) {
+    std::vector<Tensor> tensors = data_tensors(data);
+    std::optional<Tensor> out;
+    if (loss_out) out = from_array(*loss_out, "the loss buffer");
+    std::vector<Tensor> outputs;
+    {
+      nb::gil_scoped_release release;
+      outputs = trainer_->step(tensors);
+      if (out) trainer_->runtime().copy_async(*out, outputs[0], trainer_->step_executor().stream());
+    }
+    if (out) return nb::none();
+    KILN_CHECK(trainer_->device() == Device::kCpu, "a step on {} needs a loss buffer", device_name(trainer_->device()));
+    return to_array(outputs[0]);
+  }
+
+  // The forward's outputs on `data`, as host tensors.
+  std::vector<nb::object> evaluate(const std::vector<Array>& data) const {
+    std::vector<Tensor> tensors = data_tensors(data);
+    std::vector<Tensor> outputs;
+    {
+      nb::gil_scoped_release release;
+      outputs = trainer_->evaluate(tensors);
+    }
+    std::vector<nb::object> out;
+    for (const Tensor& t : outputs) out.push_back(to_array(t));
+    return out;
+  }
+
+  std::vector<double> take_losses() {
+    nb::gil_scoped_release release;
+    return trainer_->take_losses();
+  }
+
+  void synchronize() const {
+    nb::gil_scoped_release release;
+    trainer_->synchronize();
+  }
+
+  // Params and state by graph-input name, over kiln's own storage (no copies): the forward's
+  // (model = true), or also the optimizer's and the step's.
+  std::map<std::string, nb::object> tensors(bool model_only) const {
+    std::map<std::string, nb::object> out;
+    std::map<std::string, Tensor> named = trainer_->named_tensors();
+    for (const auto& [name, tensor] : named)
+      if (!model_only || is_forward_input(name))
+        out[name] = to_array(tensor, options_.device_index);
+    return out;
+  }
+
+  // Copies `value` into param or state `name` (on the stream; synchronize() waits).
+  void copy_into(const std::string& name, const Array& value) {
+    std::map<std::string, Tensor> named = trainer_->named_tensors();
+    auto it = named.find(name);
+    KILN_CHECK(it != named.end(), "the step has no param or state '{}'", name);
+    const Tensor source = from_array(value, fmt::format("the value of '{}'", name));
+    KILN_CHECK(source.type() == it->second.type(), "'{}' is {}, the value given is {}", name,
+               to_string(it->second.type()), to_string(source.type()));
+    nb::gil_scoped_release release;
+    trainer_->runtime().copy_async(it->second, source, trainer_->step_executor().stream());
+    trainer_->synchronize();  // the source may go when we return
+  }
+
+  // Param or state `name` lives in `value`'s bytes from now on (Trainer::adopt); `value` is
+  // kept alive with the session.
+  void adopt(const std::string& name, const Array& value, nb::object owner) {
+    Tensor tensor = from_array(value, fmt::format("'{}'", name));
+    {
+      nb::gil_scoped_release release;
+      trainer_->adopt(name, tensor);
+    }
+    adopted_.push_back(std::move(owner));
+  }
+
+  void save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
+    nb::gil_scoped_release release;
+    trainer_->save(path, metadata);
+  }
+
+  std::map<std::string, std::string> load(const std::string& path) {
+    nb::gil_scoped_release release;
+    return trainer_->load(path);
+  }
+
+  std::string report(const std::string& what) const {
+    return compile_report(what, program_.source, program_.graph, program_.source_seconds, trainer_->compiled_step(),
+                          program_.source_seconds + compile_seconds_);
+  }
+
+  uintptr_t stream() const { return reinterpret_cast<uintptr_t>(trainer_->step_executor().stream().handle()); }
+  std::string loss_dtype() const {
+    const Graph& g = trainer_->program().graph;
+    return std::string(dtype_name(g.type(g.outputs.at(0)).dtype));
+  }
+  double compile_seconds() const { return compile_seconds_; }
+
+ private:
+  bool is_forward_input(const std::string& name) const {
+    for (const GraphInput& in : program_.graph.inputs)
+      if (in.role != Role::kData && program_.graph.value(in.value).name == name) return true;
+    return false;
+  }
+
+  std::vector<Tensor> data_tensors(const std::vector<Array>& data) const {
+    std::vector<std::string> names;
+    for (const GraphInput& in : program_.graph.inputs)
+      if (in.role == Role::kData) names.push_back(program_.graph.value(in.value).name);
+    KILN_CHECK(data.size() == names.size(), "the step takes {} inputs ({}), {} given", names.size(),
+               fmt::join(names, ", "), data.size());
+    std::vector<Tensor> out;
+    for (size_t i = 0; i < data.size(); ++i) out.push_back(from_array(data[i], fmt::format("input '{}'", names[i])));
+    return out;
+  }
+
+  Program program_;
+  SessionOptions options_;
+  std::unique_ptr<train::Trainer> trainer_;
+  std::vector<nb::object> adopted_;  // the Python owners of adopted tensors
+  double compile_seconds_ = 0;
+};
+
+}  // namespace
+}  // namespace kiln::python
+
+NB_MODULE(_kiln, m) {
+  using namespace kiln;
+  using namespace kiln::python;
+  m.doc() = "kiln's C++ core (the package `kiln` wraps it: docs/python.md)";
+  m.attr("version") = KILN_VERSION;
+  nb::exception<Error>(m, "Error");
+
+  m.def("onnx_available", &onnx::onnx_available);
+  m.def("cuda_device_count", [] { return device_availability(Device::kCuda).count; });
+  // The zero-copy bridge both ways: an array -> a kiln Tensor -> an array, over the same bytes.
+  m.def("dlpack_view", [](const Array& array) { return to_array(from_array(array, "the array")); }, "array"_a.noconvert());
+
+  nb::class_<OptimizerConfig>(m, "OptimizerConfig")
+      .def(nb::init<>())
+      .def_rw("name", &OptimizerConfig::name)
+      .def_rw("lr", &OptimizerConfig::lr)
+      .def_rw("weight_decay", &OptimizerConfig::weight_decay)
+      .def_rw("momentum", &OptimizerConfig::momentum)
+      .def_rw("nesterov", &OptimizerConfig::nesterov)
+      .def_rw("beta1", &OptimizerConfig::beta1)
+      .def_rw("beta2", &OptimizerConfig::beta2)
+      .def_rw("epsilon", &OptimizerConfig::epsilon)
+      .def_rw("grad_clip", &OptimizerConfig::grad_clip)
+      .def_rw("warmup_steps", &OptimizerConfig::warmup_steps)
+      .def_rw("decay_steps", &OptimizerConfig::decay_steps)
+      .def_rw("min_lr_ratio", &OptimizerConfig::min_lr_ratio)
+      .def_rw("amp", &OptimizerConfig::amp);
+
+  nb::class_<Program>(m, "Program")
+      .def_prop_ro("inputs", &Program::inputs)
+      .def_prop_ro("onnx_names", [](const Program& p) { return p.onnx_names; })
+      .def_prop_ro("ir", [](const Program& p) { return print(p.graph); })
+      .def_prop_ro("name", [](const Program& p) { return p.graph.name; });
+  m.def("import_onnx", &import_program, "data"_a, "source"_a, "freeze"_a, "loss"_a, "labels"_a);
+  m.def("parse_program", &parse_program, "text"_a);
+
+  nb::class_<SessionOptions>(m, "SessionOptions")
+      .def(nb::init<>())
+      .def_rw("device", &SessionOptions::device)
+      .def_rw("device_index", &SessionOptions::device_index)
+      .def_rw("memory_budget", &SessionOptions::memory_budget)
+      .def_rw("disabled_passes", &SessionOptions::disabled_passes)
+      .def_rw("dialects", &SessionOptions::dialects);
+
+  nb::class_<Session>(m, "Session")
+      .def("__init__",
+           [](Session* self, const Program& program, const OptimizerConfig& config, const SessionOptions& options) {
+             nb::gil_scoped_release release;
+             new (self) Session(program, config, options);
+           })
+      .def("step", &Session::step, "data"_a.noconvert(), "loss_out"_a.noconvert() = nb::none())
+      .def("evaluate", &Session::evaluate, "data"_a.noconvert())
+      .def("take_losses", &Session::take_losses)
+      .def("synchronize", &Session::synchronize)
+      .def("tensors", &Session::tensors, "model_only"_a)
+      .def("copy_into", &Session::copy_into, "name"_a, "value"_a.noconvert())
+      .def("adopt", &Session::adopt, "name"_a, "value"_a.noconvert(), "owner"_a)
+      .def("save", &Session::save, "path"_a, "metadata"_a)
+      .def("load", &Session::load, "path"_a)
+      .def("report", &Session::report, "what"_a)
+      .def_prop_ro("program", &Session::program, nb::rv_policy::reference_internal)
+      .def_prop_ro("stream", &Session::stream)
+      .def_prop_ro("loss_dtype", &Session::loss_dtype)
+      .def_prop_ro("steps_done", [](const Session& s) { return s.trainer().steps_done(); })
+      .def_prop_ro("lr", [](const Session& s) { return s.trainer().current_lr(); })
+      .def_prop_ro("compile_seconds", &Session::compile_seconds);
+}

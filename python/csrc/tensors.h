@@ -1,0 +1,32 @@
+// Tensors across the Python boundary through DLPack, without copies (docs/python.md): a torch
+// tensor or numpy array becomes a kiln Tensor over the same bytes, and a kiln Tensor becomes a
+// DLPack-capable object over its bytes (kiln/_tensors.py turns it into a torch tensor or a
+// numpy array).
+//
+// Only what kiln can read in place crosses: a row-major contiguous tensor of a kiln dtype, on
+// the CPU or a CUDA device. Anything else is a kiln::Error naming it; nothing is ever copied
+// to make it fit, since a copy would silently lose what kiln writes (a param's in-place update).
+#pragma once
+
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include "tensor/tensor.h"
+
+namespace kiln::python {
+
+// Any DLPack producer or buffer (torch, numpy, nanobind's own); no conversion is ever allowed.
+using Array = nanobind::ndarray<>;
+
+// A kiln Tensor over `array`'s bytes. It does not own them: the caller keeps the Python object
+// alive while kiln may use the tensor (for a call, or as long as the Session that adopted it).
+// `what` names the tensor in errors ("input 'x'", "param 'fc.weight'").
+Tensor from_array(const Array& array, const std::string& what);
+
+// A DLPack-capable Python object over `tensor`'s bytes, which it keeps alive; a CUDA tensor is
+// on device `device_id`.
+nanobind::object to_array(const Tensor& tensor, int device_id = 0);
+
+}  // namespace kiln::python

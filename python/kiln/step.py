@@ -1,0 +1,379 @@
+"""kiln.compile: a torch module or an ONNX file to a compiled training step (kiln.Step), and
+kiln.load: a step back from a checkpoint that Step.save wrote.
+
+A torch module reaches kiln as an ONNX export made in-process (docs/onnx.md: training mode, no
+constant folding, so BatchNorm keeps batch statistics and every weight stays an initializer under
+its state_dict name). kiln then trains the module's own tensors in place: its parameters and
+BatchNorm's running statistics are the step's memory, so after `step(x, y)` the module holds the
+updated weights, with no copy either way.
+"""
+import inspect
+import io
+import json
+import os
+import struct
+import warnings
+
+from . import _kiln
+from ._tensors import framework_of, from_kiln, is_torch, to_kiln, torch_module
+from .optim import AdamW, _from_config
+
+_FORMAT = 1  # of the "kiln.python" checkpoint metadata
+
+
+def _device(device):
+    """("cpu" | "cuda", CUDA device index) from "cpu", "cuda", "cuda:N" or a torch.device."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise _kiln.Error(f"device '{text}': expected 'cpu', 'cuda' or 'cuda:N'")
+    if kind == "cuda" and _kiln.cuda_device_count() == 0:
+        raise _kiln.Error(f"device '{text}': kiln sees no CUDA device (a build without CUDA, or no GPU here)")
+    if kind == "cuda" and not index:
+        torch = torch_module()
+        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+    return kind, int(index or 0)
+
+
+def _memory_budget(budget):
+    """Bytes from an int or a string like "512MiB", "2GiB", "1.5GB"."""
+    if budget is None or isinstance(budget, int):
+        return budget
+    text = str(budget).strip()
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    for unit, scale in units.items():
+        if text.lower().endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    raise _kiln.Error(f"memory_budget '{budget}': expected bytes (an int) or a size such as '2GiB'")
+
+
+class _WithLoss:
+    """A module whose forward is loss(model(*inputs[:-1]), inputs[-1]), its params under "model."."""
+
+    @staticmethod
+    def make(model, loss):
+        torch = torch_module()
+
+        class WithLoss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, *inputs):
+                return loss(self.model(*inputs[:-1]), inputs[-1])
+
+        return WithLoss()
+
+
+def _input_names(module, count, with_target):
+    """The forward's parameter names where they are plain positional ones, else input0, input1..."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params][: count - int(with_target)]
+    if with_target:
+        names.append("target")
+    if len(names) != count or len(set(names)) != count:
+        names = [f"input{i}" for i in range(count)]
+    return names
+
+
+def _export(model, inputs, loss):
+    """ONNX bytes of `model` (with `loss` on its output), its input names, its tensors by the
+    names the export gives them, and the names to keep fixed (buffers that are no BatchNorm
+    statistics, parameters that need no gradient)."""
+    torch = torch_module()
+    if isinstance(loss, str):
+        if loss != "cross_entropy":
+            raise _kiln.Error(f"loss '{loss}': expected 'cross_entropy' or a callable (output, target) -> loss")
+        loss = torch.nn.functional.cross_entropy
+    module = _WithLoss.make(model, loss) if loss is not None else model
+    prefix = "model." if loss is not None else ""
+    names = _input_names(model, len(inputs), loss is not None)
+    batch_norms = (torch.nn.modules.batchnorm._BatchNorm,)
+    statistics = set()
+    for name, sub in module.named_modules():
+        if isinstance(sub, batch_norms):
+            statistics |= {f"{name}.running_mean" if name else "running_mean", f"{name}.running_var" if name else "running_var"}
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    frozen += [n for n, b in module.named_buffers() if n not in statistics]
+    # The export traces the forward once: BatchNorm updates its statistics and dropout draws
+    # random numbers. Both are put back, so that the first step starts where the module was.
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    rng = torch.random.get_rng_state()
+    data = io.BytesIO()
+    try:
+        with warnings.catch_warnings():  # the tracer's notes on Python-level control flow, not the user's concern
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, tuple(inputs), data, input_names=names, output_names=["loss"], opset_version=17,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    except Exception as e:  # torch's own errors: kiln.Error with what torch said
+        raise _kiln.Error(f"exporting {type(model).__name__} to ONNX failed: {type(e).__name__}: {e}") from e
+    finally:
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                b.copy_(saved[n])
+        torch.random.set_rng_state(rng)
+    return data.getvalue(), names, tensors, frozen, prefix
+
+
+def _import(data, source, frozen, loss, labels, tensors):
+    """The Program of ONNX `data`; with the module's `tensors`, initializers that are none of
+    them (constants the export made) are fixed, and every module parameter must be a param."""
+    program = _kiln.import_onnx(data, source, list(frozen), loss, labels)
+    if tensors is None:
+        return program
+    onnx_name = lambda n: program.onnx_names.get(n, n)  # noqa: E731
+    trained = [(n, role) for n, role, _, _ in program.inputs if role in ("param", "state")]
+    strangers = [onnx_name(n) for n, role in trained if onnx_name(n) not in tensors]
+    if strangers:
+        program = _kiln.import_onnx(data, source, list(frozen) + strangers, loss, labels)
+        trained = [(n, role) for n, role, _, _ in program.inputs if role in ("param", "state")]
+    kept = {onnx_name(n) for n, _ in trained}
+    missing = [n for n, t in tensors.items() if n not in kept and n not in frozen and t.requires_grad]
+    if missing and strangers:
+        raise _kiln.Error(f"the ONNX export renamed parameters: {', '.join(missing)} of the module are not among "
+                          f"its initializers, which have {', '.join(strangers)} instead")
+    return program
+
+
+class Step:
+    """A compiled training step (kiln.compile, kiln.load): `loss = step(*inputs)`."""
+
+    def __init__(self, session, names, module_tensors, framework, device, index, record):
+        self._session = session
+        self._names = names                  # kiln name -> the user's name (torch's or ONNX's)
+        self._module_tensors = module_tensors  # kiln name -> the module's tensor kiln trains in place
+        self._framework = framework          # "torch" or "numpy": what comes back
+        self._device, self._index = device, index
+        self._record = record                # what save() writes to rebuild the step
+        self._stream = None
+        if device == "cuda":
+            torch = torch_module()
+            self._stream = torch.cuda.ExternalStream(session.stream, device=f"cuda:{index}")
+        inputs = [(n, dtype, shape) for n, role, dtype, shape in session.program.inputs if role == "data"]
+        self.input_names = [n for n, _, _ in inputs]
+        self.input_types = [f"{dtype}{list(shape)}" for _, dtype, shape in inputs]
+
+    # ---- running ----
+    def __call__(self, *inputs):
+        """One training step (forward, backward, optimizer update) on `inputs`; returns the loss
+        (computed before the update) as a 0-dim tensor, without waiting for the device."""
+        data = self._data(inputs)
+        if self._device == "cpu":
+            return from_kiln(self._session.step(data), framework_of(inputs, self._framework))
+        torch = torch_module()
+        loss = torch.empty((), dtype=getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(
+            self._session.loss_dtype, "float32")), device=f"cuda:{self._index}")
+        self._enter(data + [loss])
+        self._session.step(data, loss)
+        self._leave()
+        return loss
+
+    def evaluate(self, *inputs):
+        """The forward's outputs (the loss first) on `inputs` with the current parameters, no
+        update; on the host. One output is returned as it is, several as a tuple."""
+        data = self._data(inputs)
+        self._enter(data)
+        outputs = [from_kiln(a, framework_of(inputs, self._framework)) for a in self._session.evaluate(data)]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def losses(self):
+        """The losses of the steps since the last call, as floats (waits for the device once)."""
+        return self._session.take_losses()
+
+    def synchronize(self):
+        """Waits until every step issued so far is done."""
+        self._session.synchronize()
+
+    @property
+    def steps_done(self):
+        return self._session.steps_done
+
+    @property
+    def lr(self):
+        """The learning rate of the next step (kiln's schedule)."""
+        return self._session.lr
+
+    # ---- tensors ----
+    def state_dict(self):
+        """The model's parameters and state (BatchNorm's running statistics) by their names, over
+        the step's own memory (no copies): they change with every step."""
+        self._leave()
+        arrays = self._session.tensors(True)
+        out = {}
+        for kiln_name, user_name in self._names.items():
+            tensor = self._module_tensors.get(kiln_name)
+            out[user_name] = tensor.detach() if tensor is not None else from_kiln(arrays[kiln_name], self._framework)
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copies the values of `state_dict` (names as state_dict() has them) into the step."""
+        by_user = {u: k for k, u in self._names.items()}
+        unknown = [n for n in state_dict if n not in by_user]
+        missing = [n for n in by_user if n not in state_dict]
+        if strict and (unknown or missing):
+            raise _kiln.Error("load_state_dict: " + "; ".join(
+                part for part in (f"unexpected {', '.join(unknown)}" if unknown else "",
+                                  f"missing {', '.join(missing)}" if missing else "") if part))
+        values = {by_user[n]: to_kiln(v, f"'{n}'") for n, v in state_dict.items() if n in by_user}
+        self._enter(list(values.values()))
+        for kiln_name, value in values.items():
+            self._session.copy_into(kiln_name, value)
+
+    # ---- checkpoints and reports ----
+    def save(self, path):
+        """A checkpoint (safetensors: params, optimizer state, step count, and what kiln.load
+        needs to rebuild the step), written atomically."""
+        self._session.save(os.fspath(path), {"kiln.python": json.dumps(self._record)})
+
+    def load(self, path):
+        """Continues from checkpoint `path` (of this model): params, optimizer state, step count."""
+        self._session.load(os.fspath(path))
+
+    def report(self):
+        """The compile report: each pass's time and node counts, fusion groups, planned memory."""
+        return self._session.report(self._record["what"])
+
+    def __repr__(self):
+        inputs = ", ".join(f"{n}: {t}" for n, t in zip(self.input_names, self.input_types))
+        return f"<kiln.Step {self._record['what']} ({inputs}) on {self._device}, {self.steps_done} steps done>"
+
+    # ---- helpers ----
+    def _data(self, inputs):
+        if len(inputs) != len(self.input_names):
+            raise _kiln.Error(f"the step takes {len(self.input_names)} inputs "
+                              f"({', '.join(f'{n}: {t}' for n, t in zip(self.input_names, self.input_types))}), "
+                              f"{len(inputs)} given")
+        return [to_kiln(x, f"input '{n}'") for x, n in zip(inputs, self.input_names)]
+
+    def _enter(self, tensors):
+        """CUDA: kiln's stream waits for torch's current one, and torch's allocator keeps
+        the tensors kiln reads until kiln's stream is past them."""
+        if self._stream is None:
+            return
+        torch = torch_module()
+        self._stream.wait_stream(torch.cuda.current_stream(self._index))
+        for t in tensors:
+            if is_torch(t) and t.is_cuda:
+                t.record_stream(self._stream)
+
+    def _leave(self):
+        """CUDA: torch's current stream waits for kiln's (no host wait)."""
+        if self._stream is not None:
+            torch_module().cuda.current_stream(self._index).wait_stream(self._stream)
+
+
+def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp="off", shard=None,
+            memory_budget=None, *, labels="labels", disable_passes=(), dialects=()):
+    """Compiles the training step of `model`: a torch.nn.Module (exported in-process to ONNX in
+    training mode; kiln trains its own tensors in place) or the path of an ONNX file.
+
+    example_inputs: the step's inputs (a tuple of tensors; their shapes and dtypes are the step's).
+    loss: None (the model returns its loss first), "cross_entropy", or a callable
+        (output, target) -> loss for a torch module; the target is then the last input.
+        For an ONNX file, "cross_entropy" trains the logits it returns against input `labels`.
+    optimizer: kiln.AdamW(...) (default) or kiln.SGD(...).
+    device: "cpu", "cuda" or "cuda:N". amp: "off", "bf16" or "f16" (mixed precision, f32 master
+    weights). memory_budget: bytes (or "2GiB") the step's activations may take (rematerialization).
+    """
+    optimizer = optimizer if optimizer is not None else AdamW()
+    if not hasattr(optimizer, "_config"):
+        raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...) or kiln.SGD(...)")
+    if shard not in (None, "none"):
+        raise _kiln.Error(f"shard='{shard}': the Python package trains in one process for now; sharded training "
+                          "runs as kiln train under kiln launch (docs/distributed.md)")
+    if amp not in ("off", "bf16", "f16"):
+        raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16' or 'f16'")
+    kind, index = _device(device)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    torch = torch_module()
+    module_tensors = {}
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if loss not in (None, "cross_entropy"):
+            raise _kiln.Error(f"loss {loss!r} for an ONNX file: expected None or 'cross_entropy'")
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise _kiln.Error(f"cannot read ONNX model '{path}': {e.strerror}") from None
+        program = _import(data, path, [], loss or "", labels, None)
+        names = {n: program.onnx_names.get(n, n) for n, role, _, _ in program.inputs if role != "data"}
+        what, framework = f"ONNX model {path}", framework_of(inputs, "numpy")
+    elif torch is not None and isinstance(model, torch.nn.Module):
+        data, input_names, tensors, frozen, prefix = _export(model, inputs, loss)
+        program = _import(data, type(model).__name__, frozen, "", labels, tensors)
+        names, module_tensors = {}, {}
+        for n, role, _, _ in program.inputs:
+            if role == "data":
+                continue
+            onnx_name = program.onnx_names.get(n, n)
+            names[n] = onnx_name[len(prefix):] if onnx_name.startswith(prefix) else onnx_name
+            module_tensors[n] = tensors[onnx_name]
+        what, framework = f"module {type(model).__name__}", "torch"
+    else:
+        raise _kiln.Error(f"model is a {type(model).__name__}: expected a torch.nn.Module or an ONNX file's path")
+    if module_tensors:
+        wrong = sorted({str(t.device) for t in module_tensors.values()} - {kind if kind == "cpu" else f"cuda:{index}"})
+        if wrong:
+            raise _kiln.Error(f"the module's tensors are on {', '.join(wrong)} and the step on {kind}"
+                              f"{f':{index}' if kind == 'cuda' else ''}: kiln trains the module's own tensors in "
+                              f"place, so move the module first (model.to('{device}'))")
+    record = {"format": _FORMAT, "what": what, "ir": program.ir, "names": names,
+              "optimizer": {"name": optimizer._config().name, **{k: v for k, v in vars(optimizer).items()}},
+              "amp": amp, "memory_budget": _memory_budget(memory_budget), "disable_passes": list(disable_passes),
+              "dialects": list(dialects)}
+    session = _session(program, optimizer, amp, kind, index, record)
+    for n, tensor in module_tensors.items():
+        session.adopt(n, tensor.detach(), tensor)
+    step = Step(session, names, module_tensors, framework, kind, index, record)
+    return step
+
+
+def _session(program, optimizer, amp, kind, index, record):
+    config = optimizer._config()
+    config.amp = amp
+    options = _kiln.SessionOptions()
+    options.device, options.device_index = kind, index
+    options.memory_budget = record["memory_budget"]
+    options.disabled_passes = record["disable_passes"]
+    options.dialects = record["dialects"]
+    return _kiln.Session(program, config, options)
+
+
+def _metadata(path):
+    """The __metadata__ of safetensors file `path`."""
+    try:
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as e:
+        raise _kiln.Error(f"'{path}' is not a readable safetensors checkpoint: {e}") from None
+    return header.get("__metadata__", {})
+
+
+def load(path, device=None):
+    """The step that Step.save wrote to `path`, ready to continue (params, optimizer state, step
+    count); on `device` (default: as saved... on the CPU unless given)."""
+    path = os.fspath(path)
+    meta = _metadata(path)
+    if "kiln.python" not in meta:
+        raise _kiln.Error(f"'{path}' has no kiln.python metadata: not a checkpoint of Step.save")
+    record = json.loads(meta["kiln.python"])
+    if record.get("format") != _FORMAT:
+        raise _kiln.Error(f"'{path}': checkpoint format {record.get('format')}, this kiln reads {_FORMAT}")
+    kind, index = _device(device or "cpu")
+    program = _kiln.parse_program(record["ir"])
+    optimizer = _from_config(record["optimizer"])
+    session = _session(program, optimizer, record["amp"], kind, index, record)
+    session.load(path)
+    framework = "torch" if torch_module() is not None else "numpy"
+    return Step(session, record["names"], {}, framework, kind, index, record)

@@ -1,0 +1,128 @@
+#include "compile/report.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+
+#include "analysis/memory_plan.h"
+#include "ops/fused/kind.h"
+#include "passes/fusion/fusion.h"
+
+namespace kiln {
+namespace {
+
+// MiB below a GiB, so that small models show their numbers.
+std::string format_size(double bytes) {
+  return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
+                                 : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
+}
+
+
+// What is live at the plan's busiest node, grouped by producer and type, largest first: where a
+// step's memory goes (saved activations, gradients, weight copies) and what remat could drop.
+std::string peak_contents(const Graph& graph, const MemoryPlan& plan) {
+  // Each arena buffer (a view root) lives from its definition to the last read of it or of a view.
+  // Update values are left out: the executor writes them straight over their params and state.
+  const size_t count = graph.values.size();
+  std::vector<char> update(count, 0);
+  for (const Update& u : graph.updates) update[static_cast<size_t>(u.value)] = 1;
+  std::vector<int> first(count, -1), last(count, -1);
+  for (size_t v = 0; v < count; ++v) {
+    const ValueId id = static_cast<ValueId>(v);
+    if (!plan.in_arena(id) || plan.liveness.def[v] < 0 || update[v]) continue;
+    const size_t root = static_cast<size_t>(view_root(plan.views, id));
+    if (first[root] < 0) first[root] = plan.liveness.def[root];
+    last[root] = std::max(last[root], plan.liveness.last[v]);
+  }
+  std::vector<int64_t> live(graph.nodes.size() + 1, 0);
+  for (size_t v = 0; v < count; ++v)
+    if (first[v] >= 0 && !plan.is_view(static_cast<ValueId>(v)))
+      for (int n = first[v]; n <= std::min<int>(last[v], static_cast<int>(graph.nodes.size()) - 1); ++n)
+        live[static_cast<size_t>(n)] += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
+  const int peak = static_cast<int>(std::max_element(live.begin(), live.end()) - live.begin());
+  std::map<std::string, std::pair<int64_t, int>> groups;  // producer and type -> bytes, count
+  for (size_t v = 0; v < count; ++v) {
+    if (first[v] < 0 || plan.is_view(static_cast<ValueId>(v)) || first[v] > peak || last[v] < peak) continue;
+    const Node& producer = graph.nodes[static_cast<size_t>(first[v])];
+    std::string what = producer.op == Op::kFused ? fmt::format("fused:{}", fused_kind_name(fused_kind(producer)))
+                                                 : std::string(op_name(producer.op));
+    if (producer.op == Op::kFused && producer.body) {
+      // Ops in body order, a run of one op once with its count (a multi-tensor node's 96 casts).
+      std::vector<std::string> ops;
+      const auto& inner = producer.body->nodes;
+      for (size_t i = 0; i < inner.size();) {
+        size_t j = i;
+        while (j < inner.size() && inner[j].op == inner[i].op) ++j;
+        ops.push_back(j - i > 1 ? fmt::format("{} x{}", op_name(inner[i].op), j - i) : std::string(op_name(inner[i].op)));
+        i = j;
+      }
+      what += "(" + fmt::format("{}", fmt::join(ops, " ")) + ")";
+    }
+    auto& [bytes, n] = groups[fmt::format("{} -> {}", what, to_string(graph.type(static_cast<ValueId>(v))))];
+    bytes += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
+    ++n;
+  }
+  std::vector<std::pair<int64_t, std::string>> sorted;
+  for (const auto& [name, entry] : groups)
+    sorted.emplace_back(entry.first, fmt::format("{:>4} x {}", entry.second, name));
+  std::sort(sorted.rbegin(), sorted.rend());
+  std::string out = fmt::format("  memory peak at node {} ({} live in the arena besides the updates), largest groups:\n",
+                                peak, format_size(double(live[peak])));
+  for (size_t i = 0; i < std::min<size_t>(sorted.size(), 12); ++i)
+    out += fmt::format("    {:>12}  {}\n", format_size(double(sorted[i].first)), sorted[i].second);
+  return out;
+}
+
+}  // namespace
+
+std::string compile_report(const std::string& what, const std::string& source, const Graph& forward, double source_s,
+                           const CompiledStep& step, double total_s) {
+  std::string out;
+  auto line = [&out](fmt::string_view format, auto&&... args) {
+    out += fmt::vformat(format, fmt::make_format_args(args...));
+  };
+  const Graph& graph = step.program.graph;
+  int64_t param_count = 0;
+  for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
+  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
+  const size_t forward_nodes = forward.nodes.size(), nodes_before = step.nodes_before_passes;
+  line("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward_nodes, param_count, program_phase,
+       nodes_before);
+  line("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
+  const double source_ms = 1e3 * source_s, program_ms = 1e3 * program_s;
+  line("  {:<22} {:>9.2f} {:>8}\n", source, source_ms, forward_nodes);
+  line("  {:<22} {:>9.2f} {:>8}\n", program_phase, program_ms, nodes_before);
+  for (const PassRecord& r : step.pass_records) {
+    const std::string ms = r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled";
+    const std::string_view changed = r.changed ? "yes" : "no";
+    line("  {:<22} {:>9} {:>8} {:>8}\n", r.name, ms, r.nodes_after, changed);
+  }
+  for (const PassRecord& r : step.pass_records)
+    for (const std::string& note : r.notes) line("  {}: {}\n", r.name, note);
+  // The fusion groups: one line per fused node, then the total.
+  std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
+  int64_t kept_bytes = 0;
+  const std::string_view plural = fused.size() == 1 ? "" : "s";
+  line("  fusion: {} fused node{}\n", fused.size(), plural);
+  for (const fusion::FusedNodeReport& f : fused) {
+    kept_bytes += f.bytes_kept;
+    const double kept_mib = f.bytes_kept / double(1 << 20);
+    const std::string ops = fmt::format("{}", fmt::join(f.ops, " "));
+    line("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind, kept_mib, ops);
+  }
+  const double kept_mib = kept_bytes / double(1 << 20);
+  line("  fusion total: {:.3f} MiB kept out of memory\n", kept_mib);
+  MemoryPlan plan = plan_memory(graph);
+  int64_t input_bytes = 0;
+  for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
+  line("  memory: inputs (params, state, batch) {}; intermediates planned {} (lower bound {}, one buffer each {})\n",
+       format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
+       format_size(plan.naive_bytes));
+  out += peak_contents(graph, plan);
+  line("  total {:.3f} s\n", total_s);
+  return out;
+}
+
+}  // namespace kiln
