@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu-check.sh [--no-tests | --tests GTEST_FILTER] [--no-torch]
 #                             [--bench "[NAME=value ...] ARGS"] ... [--base DIR] [--rounds N]
-#                             [--llama] [--torch-llama "CFG:MODE:B:T ..."]
+#                             [--llama] [--torch-llama "CFG:MODE:B:T ..."] [--python]
 #
 # --base DIR: a second source tree (e.g. `git archive <commit>` unpacked under .carry/) built the
 # same way and benchmarked on the same lines, alternating with this tree's runs (--rounds times,
@@ -16,6 +16,8 @@
 # --llama adds the LLaMA targets of issue 24 next to GPT-2's: kiln's llama-160m (16 x 2048) and
 # llama-1b (4 x 2048) and ../shared/bench/torch_llama.py's torch.compile runs of both (copy it to
 # .carry/torch_llama.py), all in the same table; --torch-llama replaces those torch runs.
+# --python builds the Python package's module too (python3 there has nanobind) and runs its
+# tests (tests/python, pytest) against the GPU build.
 #
 # The ONNX front end needs Debian's libonnx and libprotobuf, which the GPU machine lacks: run
 # `bash scripts/gpu-check.sh --fetch-onnx` here once (it downloads the packages and ONNX's node
@@ -30,7 +32,7 @@ if [ "${1:-}" = "--fetch-onnx" ]; then
   exit 1
 fi
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-tests=1; torch=1; test_filter='*'; base=""; rounds=1
+tests=1; torch=1; test_filter='*'; base=""; rounds=1; python=0
 benches=("--model gpt2 --batch 32 --seq 1024 --amp bf16")
 torch_runs="gpt2:eager:32 gpt2:compile:32"
 llama_torch_runs=""
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
     --no-tests) tests=0 ;;
     --tests) shift; test_filter="$1" ;;
     --no-torch) torch=0 ;;
+    --python) python=1 ;;
     --bench) shift; benches+=("$1") ;;
     --only-bench) shift; benches=("$1") ;;
     --torch) shift; torch_runs="$1" ;;
@@ -73,6 +76,7 @@ build_tree() {  # SOURCE BUILD_DIR LOG TARGET...
 }
 targets=(kiln-cli)
 [ $tests = 1 ] && targets+=(kiln_gpu_tests)
+[ $python = 1 ] && targets+=(_kiln)
 build_tree . build-gpu "$out/build.log" "${targets[@]}"
 build_rc=$?
 echo "build: rc=$build_rc in $(( $(date +%s) - start )) s"
@@ -88,6 +92,13 @@ if [ $tests = 1 ]; then
   ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 --gtest_filter="$test_filter" >"$out/gpu_tests.log" 2>&1
   test_summary=$(grep -E "^\[  (PASSED|FAILED)|tests? ran" "$out/gpu_tests.log" | tr '\n' ' ')
   grep -E "^\[  FAILED|Failure|error" "$out/gpu_tests.log" | head -30
+fi
+
+python_summary="not run"
+if [ $python = 1 ]; then
+  PYTHONPATH="$PWD/build-gpu/python" python3 -m pytest tests/python -q -p no:cacheprovider >"$out/python_tests.log" 2>&1
+  python_summary=$(tail -1 "$out/python_tests.log")
+  grep -E "^(FAILED|ERROR)" "$out/python_tests.log" | head -20
 fi
 
 : >"$out/bench.jsonl"
@@ -125,6 +136,7 @@ fi
 
 echo; echo "== $(cat "$out/gpu.txt")"
 echo "GPU tests: $test_summary"
+echo "Python tests: $python_summary"
 python3 - "$out/bench.jsonl" "$out/torch.jsonl" <<'PY'
 import json, sys, os
 rows = []

@@ -112,8 +112,11 @@ def _export(model, inputs, loss):
     try:
         with warnings.catch_warnings():  # the tracer's notes on Python-level control flow, not the user's concern
             warnings.simplefilter("ignore")
+            # The TorchScript exporter: training mode is its alone (PyTorch 2.9 made the dynamo
+            # exporter the default; 1.13, Debian's, has no choice to make).
+            legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
             torch.onnx.export(module, tuple(inputs), data, input_names=names, output_names=["loss"], opset_version=17,
-                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, **legacy)
     except Exception as e:  # torch's own errors: kiln.Error with what torch said
         raise _kiln.Error(f"exporting {type(model).__name__} to ONNX failed: {type(e).__name__}: {e}") from e
     finally:

@@ -548,6 +548,8 @@ const std::vector<OpSample>& op_samples() {
       {"mul", kXY, "%0 = mul(%x, %y) : f32[2,3]", "%0"},
       {"ne", kXY, "%0 = ne(%x, %y) : bool[2,3]", "%0"},
       {"neg", kX, "%0 = neg(%x) : f32[2,3]", "%0"},
+      {"offload", kX, "%0 = offload(%x) : f32[2,3]", "%0"},
+      {"reload", kX, "%0 = reload(%x) : f32[2,3]", "%0"},
       {"one_hot", "%i: i64[2,3] data", "%0 = one_hot(%i) {depth=5, dtype=bf16} : bf16[2,3,5]",
        "%0"},
       {"pow", kXY, "%0 = pow(%x, %y) : f32[2,3]", "%0"},
