@@ -96,7 +96,7 @@ fi
 
 python_summary="not run"
 if [ $python = 1 ]; then
-  PYTHONPATH="$PWD/build-gpu/python" python3 -m pytest tests/python -q -p no:cacheprovider >"$out/python_tests.log" 2>&1
+  PYTHONPATH="$PWD/build-gpu/python" python3 -m pytest tests/python -v -p no:cacheprovider >"$out/python_tests.log" 2>&1
   python_summary=$(tail -1 "$out/python_tests.log")
   grep -E "^(FAILED|ERROR)" "$out/python_tests.log" | head -20
 fi
