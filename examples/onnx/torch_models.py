@@ -17,13 +17,15 @@ import torch.nn.functional as F
 
 
 class Mlp(nn.Module):
+    """Two linear layers with GPT-2's tanh GELU between them."""
+
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.fc2 = nn.Linear(32, 10)
 
     def forward(self, x, labels):
-        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), labels)
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x), approximate="tanh")), labels)
 
     @staticmethod
     def example(g):
@@ -118,20 +120,27 @@ def rotate(x, cos, sin):  # rotary embeddings, the half-split form
     return x * cos + torch.cat((-b, a), dim=-1) * sin
 
 
-class Llama(nn.Module):
-    """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal attention, SwiGLU."""
+def repeat_kv(x, n):  # (B, Hkv, T, D) -> (B, Hkv * n, T, D), each head n times in a row
+    B, H, T, D = x.shape
+    return x[:, :, None, :, :].expand(B, H, n, T, D).reshape(B, H * n, T, D)
 
-    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=8):
+
+class Llama(nn.Module):
+    """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal grouped-query attention (two
+    query heads per key/value head), SwiGLU."""
+
+    def __init__(self, vocab=64, d=32, heads=4, kv_heads=2, layers=2, seq=8, hidden=64):
         super().__init__()
-        self.heads = heads
+        self.heads, self.kv_heads = heads, kv_heads
+        kv = d // heads * kv_heads
         self.tok = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
             self.blocks.append(nn.ModuleDict({
-                "norm1": RmsNorm(d), "q": nn.Linear(d, d, bias=False), "k": nn.Linear(d, d, bias=False),
-                "v": nn.Linear(d, d, bias=False), "o": nn.Linear(d, d, bias=False), "norm2": RmsNorm(d),
-                "gate": nn.Linear(d, 64, bias=False), "up": nn.Linear(d, 64, bias=False),
-                "down": nn.Linear(64, d, bias=False)}))
+                "norm1": RmsNorm(d), "q": nn.Linear(d, d, bias=False), "k": nn.Linear(d, kv, bias=False),
+                "v": nn.Linear(d, kv, bias=False), "o": nn.Linear(d, d, bias=False), "norm2": RmsNorm(d),
+                "gate": nn.Linear(d, hidden, bias=False), "up": nn.Linear(d, hidden, bias=False),
+                "down": nn.Linear(hidden, d, bias=False)}))
         self.norm = RmsNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -145,8 +154,10 @@ class Llama(nn.Module):
         h = self.tok(ids)
         for b in self.blocks:
             x = b["norm1"](h)
-            q, k, v = (b[n](x).reshape(B, T, self.heads, D).transpose(1, 2) for n in ("q", "k", "v"))
+            q = b["q"](x).reshape(B, T, self.heads, D).transpose(1, 2)
+            k, v = (b[n](x).reshape(B, T, self.kv_heads, D).transpose(1, 2) for n in ("k", "v"))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
             s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(causal, float("-inf"))
             h = h + b["o"]((F.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, -1))
             x = b["norm2"](h)
@@ -159,18 +170,21 @@ class Llama(nn.Module):
         return (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
 
 
-MODELS = {"mlp": (Mlp, ["x", "labels"]), "cnn": (Cnn, ["x", "labels"]),
-          "bert": (Bert, ["ids", "mask", "labels"]), "llama": (Llama, ["ids", "labels"])}
+# name: (class, input names, opset). bert-opset14 is bert exported where ONNX has no
+# LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add.
+MODELS = {"mlp": (Mlp, ["x", "labels"], 17), "cnn": (Cnn, ["x", "labels"], 17),
+          "bert": (Bert, ["ids", "mask", "labels"], 17), "bert-opset14": (Bert, ["ids", "mask", "labels"], 14),
+          "llama": (Llama, ["ids", "labels"], 17)}
 
 
 def export(name, path, seed=0):
     """Exports model `name` (fresh, seeded) to `path`; returns (model, example inputs, input names)."""
-    cls, names = MODELS[name]
+    cls, names, opset = MODELS[name]
     torch.manual_seed(seed)
     model = cls()
     inputs = cls.example(torch.Generator().manual_seed(seed + 1))
     model.train()
-    torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=17,
+    torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=opset,
                       training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     return model, inputs, names
 

@@ -1,8 +1,9 @@
 """`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
-BatchNorm, tiny BERT-style encoder, tiny LLaMA-style decoder) is exported to ONNX, and one
-training step of kiln (AdamW) is compared with torch's own: the loss (relative 1e-4), every
-parameter's gradient (1e-3 of the tensor's largest magnitude), the parameters after the update
-and BatchNorm's running statistics.
+BatchNorm, tiny BERT-style encoder at opsets 17 and 14, tiny LLaMA-style decoder with
+grouped-query attention) is exported to ONNX, and one training step of kiln (AdamW) is compared
+with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of the tensor's
+largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
+must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
 
     torch_step_test.py --kiln PATH/TO/kiln [--keep DIR]
 
@@ -87,6 +88,32 @@ def torch_step(model, inputs, lr, betas, eps, weight_decay):
     return float(loss), grads, params, buffers
 
 
+# The composite ops each model's CPU training step runs (kiln compile --report's "composite ops",
+# fused nodes' bodies included): the simplifier's recognize pass found the decomposed forms the
+# export wrote. bert's attention has a padding mask, which kiln's attention does not take; the
+# CPU pipeline decomposes layer_norm_grad for fusion (training-rewrites), so it is not counted.
+COMPOSITE_OPS = {
+    "mlp": {"gelu": 1, "gelu_grad": 1},
+    "cnn": {},
+    "bert": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "bert-opset14": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "llama": {"attention": 2, "attention_grad": 2, "rms_norm": 5, "rms_norm_grad": 5, "rotary_embedding": 8,
+              "silu": 2},
+}
+
+
+def composite_ops(kiln, path):
+    """The step's composite ops by name, from `kiln compile PATH --report`."""
+    run = subprocess.run([kiln, "compile", path, "--report"], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"kiln compile failed: {run.stderr.strip()}")
+    for line in run.stdout.splitlines():
+        if "composite ops:" in line:
+            text = line.split("composite ops:")[1].strip()
+            return {} if text == "none" else {k: int(v) for k, v in (p.strip().split(" ") for p in text.split(","))}
+    raise RuntimeError("no 'composite ops' line in kiln compile --report")
+
+
 def check_model(name, kiln, work):
     path = os.path.join(work, name + ".onnx")
     model, inputs, names = torch_models.export(name, path)
@@ -104,6 +131,9 @@ def check_model(name, kiln, work):
         return [f"{name}: kiln step failed: {run.stderr.strip() or run.stdout.strip()}"]
     out = load_safetensors(out_path)
     problems = []
+    ops = composite_ops(kiln, path)
+    if ops != COMPOSITE_OPS[name]:
+        problems.append(f"{name}: the step's composite ops are {ops}, expected {COMPOSITE_OPS[name]}")
     if abs(float(out["loss"]) - loss) > 1e-4 * abs(loss):
         problems.append(f"{name}: loss {float(out['loss'])} vs torch {loss}")
     # kiln's params are the ONNX initializers, named as torch names them.
@@ -133,7 +163,7 @@ def check_model(name, kiln, work):
         if float(diff.max()) > limit:
             problems.append(f"{name}: {key} differs from torch by {float(diff.max()):.3g} (limit {limit:.3g})")
     print(f"{name}: loss {float(out['loss']):.6f} (torch {loss:.6f}), {compared} tensors compared"
-          f"{'' if problems else ', all within tolerance'}")
+          f"{'' if problems else ', all within tolerance'}; composite ops {ops}")
     return problems
 
 

@@ -4,6 +4,8 @@
 // CUDA sources, or a report of the passes, the fusion groups and the memory plan.
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 
 #include "compile/compile_step.h"
 #include "ir/text.h"
@@ -71,17 +73,45 @@ void report(const std::string& what, const std::string& source, const Graph& for
   const Graph& graph = step.program.graph;
   int64_t param_count = 0;
   for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
-  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
+  const auto& [program_phase, program_s] = step.phase_seconds.at(1);  // after "forward passes"
   fmt::print("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward.nodes.size(), param_count,
              program_phase, step.nodes_before_passes);
   fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
   fmt::print("  {:<22} {:>9.2f} {:>8}\n", source, 1e3 * build_s, forward.nodes.size());
-  fmt::print("  {:<22} {:>9.2f} {:>8}\n", program_phase, 1e3 * program_s, step.nodes_before_passes);
-  for (const PassRecord& r : step.pass_records)
+  auto print_record = [](const PassRecord& r) {
     fmt::print("  {:<22} {:>9} {:>8} {:>8}\n", r.name, r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled",
                r.nodes_after, r.changed ? "yes" : "no");
-  for (const PassRecord& r : step.pass_records)
-    for (const std::string& note : r.notes) fmt::print("  {}: {}\n", r.name, note);
+  };
+  for (const PassRecord& r : step.forward_pass_records) print_record(r);
+  fmt::print("  {:<22} {:>9.2f} {:>8}\n", program_phase, 1e3 * program_s, step.nodes_before_passes);
+  for (const PassRecord& r : step.pass_records) print_record(r);
+  for (const std::vector<PassRecord>* records : {&step.forward_pass_records, &step.pass_records})
+    for (const PassRecord& r : *records)
+      for (const std::string& note : r.notes) fmt::print("  {}: {}\n", r.name, note);
+  // The step's kernels, and the composite ops among them (also those inside fused nodes): what
+  // an imported model runs of kiln's own kernels.
+  std::map<std::string, int> composite;
+  int64_t fused_nodes = 0;
+  std::function<void(const Graph&)> count = [&](const Graph& g) {
+    for (const Node& node : g.nodes) {
+      if (node.op == Op::kFused) ++fused_nodes;
+      if (node.body) count(*node.body);
+      switch (node.op) {
+        case Op::kAttention: case Op::kAttentionGrad: case Op::kAttentionQkv: case Op::kAttentionQkvGrad:
+        case Op::kLayerNorm: case Op::kLayerNormGrad: case Op::kRmsNorm: case Op::kRmsNormGrad:
+        case Op::kGelu: case Op::kGeluGrad: case Op::kSilu: case Op::kRotaryEmbedding:
+          ++composite[std::string(op_name(node.op))];
+          break;
+        default:
+          break;
+      }
+    }
+  };
+  count(graph);
+  std::string ops;
+  for (const auto& [name, n] : composite) ops += fmt::format("{}{} {}", ops.empty() ? "" : ", ", name, n);
+  fmt::print("  kernels: {} nodes in the step, {} of them fused; composite ops: {}\n", graph.nodes.size(), fused_nodes,
+             ops.empty() ? "none" : ops);
   // The fusion groups: one line per fused node, then the total.
   std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
   int64_t kept_bytes = 0;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ir/graph.h"
+#include "tensor/tensor.h"
 
 namespace kiln {
 
@@ -65,5 +66,21 @@ struct IntRange {
   double low, high;  // inclusive; integers stored exactly in doubles (|x| <= 2^53)
 };
 std::optional<IntRange> integer_range(const Rewriter& rewriter, ValueId id);
+
+// The value of `id` when it depends on no graph input: its producers back to sources (constant,
+// full, iota) evaluated with the ops' reference kernels. nullopt when it reads an input, when a
+// value on the way holds more than `max_elements`, or when a kernel throws. A mask or a table
+// an importer left as a chain of constant ops is known this way.
+std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id,
+                                  int64_t max_elements = int64_t{1} << 24);
+
+// ---- shapes of rearranging ops ----
+
+// A transpose node's permutation, the default (empty: reverse the axes) spelled out and
+// negative axes normalized.
+std::vector<int64_t> transpose_perm(const Node& node, int rank);
+// The permutation that swaps axes rank-3 and rank-2: (..., H, T, D) <-> (..., T, H, D), the
+// transpose between attention's layouts "bthd" and "bhtd".
+std::vector<int64_t> heads_swap_perm(int rank);
 
 }  // namespace kiln
