@@ -33,15 +33,16 @@ class Mlp(nn.Module):
 
 
 class Cnn(nn.Module):
-    """Conv + BatchNorm + ReLU + MaxPool, a grouped and dilated conv, a linear head."""
+    """Conv + BatchNorm + ReLU + MaxPool, a grouped and dilated conv, a linear head; on 28x28 grey
+    images in 10 classes (Fashion-MNIST's shapes: `kiln train cnn.onnx` trains it on that)."""
 
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
         self.bn2 = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8 * 4 * 4, 10)
+        self.fc = nn.Linear(8 * 7 * 7, 10)
 
     def forward(self, x, labels):
         h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
@@ -50,7 +51,7 @@ class Cnn(nn.Module):
 
     @staticmethod
     def example(g):
-        return (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
+        return (torch.randn(4, 1, 28, 28, generator=g), torch.randint(0, 10, (4,), generator=g))
 
 
 class Attention(nn.Module):
@@ -127,9 +128,10 @@ def repeat_kv(x, n):  # (B, Hkv, T, D) -> (B, Hkv * n, T, D), each head n times 
 
 class Llama(nn.Module):
     """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal grouped-query attention (two
-    query heads per key/value head), SwiGLU."""
+    query heads per key/value head), SwiGLU. Its vocabulary is bytes (`kiln train llama.onnx`
+    trains it on a text, byte-tokenized)."""
 
-    def __init__(self, vocab=64, d=32, heads=4, kv_heads=2, layers=2, seq=8, hidden=64):
+    def __init__(self, vocab=256, d=32, heads=4, kv_heads=2, layers=2, seq=8, hidden=64):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
         kv = d // heads * kv_heads
@@ -167,7 +169,7 @@ class Llama(nn.Module):
 
     @staticmethod
     def example(g):
-        return (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+        return (torch.randint(0, 256, (2, 8), generator=g), torch.randint(0, 256, (2, 8), generator=g))
 
 
 # name: (class, input names, opset). bert-opset14 is bert exported where ONNX has no

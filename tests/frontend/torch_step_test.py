@@ -167,6 +167,38 @@ def check_model(name, kiln, work):
     return problems
 
 
+def check_commands(kiln, work):
+    """`kiln train|bench|check|compile MODEL.onnx` on the exported models: each model's inputs bind
+    to the dataset they fit (the CNN's images to Fashion-MNIST, the LLaMA's token ids to the default
+    text), any model to --data random, and inputs that fit no dataset are one error naming them."""
+    problems = []
+
+    def kiln_run(args, want_ok, want_text):
+        run = subprocess.run([kiln] + args, capture_output=True, text=True)
+        out = run.stdout + run.stderr
+        if (run.returncode == 0) != want_ok or want_text not in out:
+            problems.append(f"kiln {' '.join(args)}: exit {run.returncode}, expected "
+                            f"{'success' if want_ok else 'an error'} saying {want_text!r}; got:\n{out.strip()[-600:]}")
+
+    path = lambda name: os.path.join(work, name + ".onnx")  # noqa: E731
+    if os.path.exists("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"):
+        kiln_run(["train", path("cnn"), "--steps", "3", "--eval-batches", "2"], True, "on Fashion-MNIST")
+    kiln_run(["train", path("llama"), "--steps", "3", "--eval-batches", "2"], True, "eval ppl")
+    kiln_run(["train", path("bert"), "--steps", "3", "--data", "random"], True, "on random inputs")
+    kiln_run(["train", path("bert"), "--steps", "3"], False, "no built-in dataset fits the model's inputs 'ids' "
+             "(i64[4,8]), 'mask' (f32[4,8]), 'labels' (i64[4])")
+    kiln_run(["train", path("llama"), "--steps", "3", "--data", "fashion-mnist"], False,
+             "--data fashion-mnist: cannot bind 'ids' (i64[2,8]), 'labels' (i64[2,8])")
+    kiln_run(["train", path("cnn"), "--steps", "3", "--batch", "16"], False, "takes batches of 4")
+    kiln_run(["bench", path("llama"), "--device", "cpu", "--steps", "2", "--warmup", "1"], True, "ms/step")
+    kiln_run(["check", path("cnn")], True, "conv2d(")
+    kiln_run(["compile", path("llama"), "--report"], True, "recognize: attention 2")
+    for p in problems:
+        print("FAIL", p)
+    print(f"commands: {'all as expected' if not problems else str(len(problems)) + ' problems'}")
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kiln", required=True)
@@ -179,6 +211,8 @@ def main():
     problems = []
     for name in args.models:
         problems += check_model(name, args.kiln, work)
+    if set(args.models) >= {"cnn", "bert", "llama"}:
+        problems += check_commands(args.kiln, work)
     for p in problems:
         print("FAIL", p)
     sys.exit(1 if problems else 0)
