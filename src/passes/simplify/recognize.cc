@@ -276,6 +276,7 @@ Replacement layer_norm(Rewriter& rw, const Node& n) {
   const Node* variance = rw.producer(e.stat);
   if (!is_row_mean(rw, variance)) return {};
   const ValueId d2 = square_root_of(rw, variance->inputs[0]);
+  if (d2 < 0) return {};
   if (d2 != parts->y) {
     std::optional<Centered> again = centered(rw, d2);
     if (!again || again->x != x) return {};

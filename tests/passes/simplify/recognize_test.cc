@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -62,6 +64,87 @@ TEST(Recognize, KirGraphsComputeTheSameAfterThePass) {
     for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(testing::all_close(got[i], want[i], 2e-6, 2e-5)) << i;
   }
   EXPECT_GE(changed, 8);
+}
+
+// One random change to `g` that keeps every value's type: a float splat or a constant's element
+// set to a value the rules look for (or near one), the operands of a binary op swapped or the op
+// replaced by another arithmetic one, a unary op replaced, softmax's axis moved, where's branches
+// or concat's parts swapped. The caller verifies the result (some changes are illegal: skipped).
+void mutate(Graph& g, std::mt19937& rng) {
+  static const double kValues[] = {0.0, 0.5, 1.0, 2.0, 3.0, -0.5, -1.0, 1e-5, -1e-3, 1.4142135381698608,
+                                   1.5, 0.7071067690849304, 0.044714998453855515, 0.7978845834732056,
+                                   -std::numeric_limits<double>::infinity(), -1e30, -1e4, 0.25, 10000.0};
+  auto value = [&] { return kValues[rng() % std::size(kValues)]; };
+  Node& n = g.nodes[rng() % g.nodes.size()];
+  const Op arithmetic[] = {Op::kAdd, Op::kSub, Op::kMul, Op::kDiv};
+  const Op unary[] = {Op::kSqrt, Op::kRsqrt, Op::kReciprocal, Op::kErf, Op::kTanh, Op::kSigmoid, Op::kExp,
+                      Op::kNeg, Op::kSquare};
+  switch (n.op) {
+    case Op::kFull:
+      if (is_float(n.attrs.dtype("dtype"))) n.attrs.set("value", value());
+      break;
+    case Op::kConstant: {
+      std::vector<double> values = n.attrs.floats("values");
+      if (values.empty()) break;
+      double& v = values[rng() % values.size()];
+      v = n.attrs.dtype("dtype") == DType::kBool ? 1.0 - v : rng() % 2 ? value() : v * (1 + 1e-3);
+      n.attrs.set("values", values);
+      break;
+    }
+    case Op::kAdd: case Op::kSub: case Op::kMul: case Op::kDiv:
+      if (rng() % 2) std::swap(n.inputs[0], n.inputs[1]);
+      else n.op = arithmetic[rng() % 4];
+      break;
+    case Op::kSqrt: case Op::kRsqrt: case Op::kReciprocal: case Op::kErf: case Op::kTanh: case Op::kSigmoid:
+    case Op::kExp: case Op::kNeg: case Op::kSquare:
+      n.op = unary[rng() % std::size(unary)];
+      break;
+    case Op::kSoftmax:
+      n.attrs.set("axis", static_cast<int64_t>(rng() % static_cast<uint64_t>(g.type(n.inputs[0]).rank())));
+      break;
+    case Op::kWhere:
+      std::swap(n.inputs[1], n.inputs[2]);
+      break;
+    case Op::kConcat:
+      std::reverse(n.inputs.begin(), n.inputs.end());
+      break;
+    default:
+      break;
+  }
+}
+
+// The rules' exactness, fuzzed: random legal mutants of every pattern of the .kir tests compute
+// the same after the pass as before (a rule that fired where the pattern no longer holds would
+// change the numbers).
+TEST(Recognize, MutatedPatternsComputeTheSameAfterThePass) {
+  std::mt19937 rng(11);
+  int tried = 0, changed = 0;
+  for (const std::filesystem::path& file : recognize_kir_files()) {
+    const Graph base = parse(read_file(file));
+    for (int trial = 0; trial < 80; ++trial) {
+      Graph g = base;
+      for (int k = 1 + static_cast<int>(rng() % 2); k > 0; --k) mutate(g, rng);
+      try {
+        verify(g);
+      } catch (const Error&) {
+        continue;
+      }
+      ++tried;
+      Graph after = g;
+      RecognizeOps pass;
+      changed += pass.run(after);
+      verify(after);
+      const std::vector<Tensor> inputs = testing::random_inputs(g, 100 + tried, 0, 3);
+      const std::vector<Tensor> want = testing::run_step(g, inputs);
+      const std::vector<Tensor> got = testing::run_step(after, inputs);
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_TRUE(testing::all_close(got[i], want[i], 1e-5, 1e-4))
+            << file.filename().string() << " trial " << trial << " output " << i << ":\n" << print(g) << "after:\n"
+            << print(after);
+    }
+  }
+  EXPECT_GT(tried, 500);
+  EXPECT_GT(changed, 100);  // the patterns that survive a mutation still fire
 }
 
 std::string recognize(const std::string& params, const std::string& body, bool expect_change = true) {
