@@ -199,6 +199,39 @@ def check_commands(kiln, work):
     return problems
 
 
+def fuzz_models(kiln, work, per_model=40, seed=5):
+    """Mutated copies of the exported models (1 to 4 random bytes changed): `kiln compile` imports,
+    recognizes and compiles each, or fails with one `kiln: error:` line; never a crash or a hang."""
+    import random
+    rng = random.Random(seed)
+    problems, outcomes = [], {"compiled": 0, "error": 0}
+    for name in ("cnn", "bert", "llama"):
+        data = open(os.path.join(work, name + ".onnx"), "rb").read()
+        for trial in range(per_model):
+            mutated = bytearray(data)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            path = os.path.join(work, f"fuzz_{name}.onnx")
+            with open(path, "wb") as f:
+                f.write(mutated)
+            try:
+                run = subprocess.run([kiln, "compile", path, "--report"], capture_output=True, text=True, errors="replace",
+                                     timeout=120)
+            except subprocess.TimeoutExpired:
+                problems.append(f"fuzz {name} trial {trial}: kiln compile did not finish in 120 s")
+                continue
+            lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+            if run.returncode == 0:
+                outcomes["compiled"] += 1
+            elif run.returncode == 1 and len(lines) == 1 and lines[0].startswith("kiln: error:"):
+                outcomes["error"] += 1
+            else:
+                problems.append(f"fuzz {name} trial {trial}: exit {run.returncode}, stderr {run.stderr.strip()[-300:]!r}")
+    print(f"fuzz: {outcomes['compiled']} mutants compiled, {outcomes['error']} refused with one error line, "
+          f"{len(problems)} problems")
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kiln", required=True)
@@ -213,6 +246,7 @@ def main():
         problems += check_model(name, args.kiln, work)
     if set(args.models) >= {"cnn", "bert", "llama"}:
         problems += check_commands(args.kiln, work)
+        problems += fuzz_models(args.kiln, work)
     for p in problems:
         print("FAIL", p)
     sys.exit(1 if problems else 0)
