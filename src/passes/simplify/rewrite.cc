@@ -259,7 +259,13 @@ std::optional<Tensor> known_at(const Rewriter& rewriter, ValueId id, int64_t max
 }  // namespace
 
 std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id, int64_t max_elements) {
-  return known_at(rewriter, id, max_elements, 0);
+  // Cached under the default limit only, so a result never depends on another call's limit.
+  const bool cacheable = max_elements == kKnownValueMaxElements && id >= 0 &&
+                         static_cast<size_t>(id) < rewriter.values_before_;
+  if (!cacheable) return known_at(rewriter, id, max_elements, 0);
+  auto [at, inserted] = rewriter.known_.try_emplace(id);
+  if (inserted) at->second = known_at(rewriter, id, max_elements, 0);
+  return at->second;
 }
 
 std::vector<int64_t> transpose_perm(const Node& node, int rank) {

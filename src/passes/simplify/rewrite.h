@@ -24,9 +24,13 @@ namespace kiln {
 // One value per output of the rewritten node; empty: the rule does not apply.
 using Replacement = std::vector<ValueId>;
 
+class Rewriter;
+std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id, int64_t max_elements);
+
 class Rewriter {
  public:
-  Rewriter(Graph& graph, std::vector<int>& producer) : graph_(graph), producer_(producer) {}
+  Rewriter(Graph& graph, std::vector<int>& producer)
+      : graph_(graph), producer_(producer), values_before_(graph.values.size()) {}
   Graph& graph() { return graph_; }
   const TensorType& type(ValueId id) const { return graph_.type(id); }
   // The node defining `id`, or nullptr for a graph input. The pointer is invalidated by emit().
@@ -41,6 +45,12 @@ class Rewriter {
  private:
   Graph& graph_;
   std::vector<int>& producer_;  // per value: index into graph.nodes, -1 for inputs
+  // known_value's results for the values the sweep started with (whose ids stay theirs through
+  // the sweep, unlike those of nodes a rule emits and then discards): one evaluation of a mask
+  // or a table that every layer's pattern reads.
+  friend std::optional<Tensor> known_value(const Rewriter&, ValueId, int64_t);
+  size_t values_before_;
+  mutable std::map<ValueId, std::optional<Tensor>> known_;
 };
 
 struct RewriteRule {
@@ -71,8 +81,9 @@ std::optional<IntRange> integer_range(const Rewriter& rewriter, ValueId id);
 // full, iota) evaluated with the ops' reference kernels. nullopt when it reads an input, when a
 // value on the way holds more than `max_elements`, or when a kernel throws. A mask or a table
 // an importer left as a chain of constant ops is known this way.
+inline constexpr int64_t kKnownValueMaxElements = int64_t{1} << 24;
 std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id,
-                                  int64_t max_elements = int64_t{1} << 24);
+                                  int64_t max_elements = kKnownValueMaxElements);
 
 // ---- shapes of rearranging ops ----
 
