@@ -2,8 +2,9 @@
 benchmark sizes (BENCH), the PyTorch export imported into kiln next to the kiln model of the same
 sizes where kiln has one, and the import without the simplifier's recognize pass (the decomposed
 forms as exported); per step: the kernels (nodes of the compiled training step, how many of
-them fused), the composite ops among them (kiln compile --report) and the median ms/step of
-`kiln bench`. Prints a Markdown table (docs/onnx.md holds one).
+them fused), the composite ops among them (kiln compile --report), the median ms/step of
+`kiln bench`, and the kernels of the CUDA bf16 step (compiled without a GPU). Prints a Markdown
+table (docs/onnx.md holds one).
 
     bench/onnx_vs_native.py --kiln build/kiln [--device cpu|cuda] [--steps 20] [--repeats 3] [--work DIR]
 
@@ -44,9 +45,10 @@ def run(cmd):
     return out.stdout
 
 
-def kernels(kiln, model_args, device):
-    """(nodes, fused nodes, composite ops text) of the training step, from kiln compile --report."""
-    for line in run([kiln, "compile"] + model_args + ["--report", "--device", device]).splitlines():
+def kernels(kiln, model_args, device, amp="off"):
+    """(nodes, fused nodes, composite ops text) of the training step, from kiln compile --report
+    (which needs no GPU for --device cuda)."""
+    for line in run([kiln, "compile"] + model_args + ["--report", "--device", device, "--amp", amp]).splitlines():
         if "kernels:" in line:
             # "  kernels: N nodes in the step, F of them fused; composite ops: a 1, b 2"
             head, ops = line.split("; composite ops: ")
@@ -76,8 +78,9 @@ def main():
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kiln_onnx_bench_")
     os.makedirs(work, exist_ok=True)
-    print(f"| family | model | kernels (fused) | composite ops | ms/step ({args.device}) |")
-    print("|---|---|---|---|---|")
+    print(f"| family | model | {args.device} kernels (fused) | composite ops | ms/step ({args.device}) | "
+          "cuda bf16 kernels (fused) |")
+    print("|---|---|---|---|---|---|")
     for name in torch_models.BENCH:
         path = os.path.join(work, name + ".onnx")
         torch_models.export(name, path, bench=True)
@@ -86,9 +89,10 @@ def main():
         if NATIVE[name]:
             rows.append(("kiln " + " ".join(NATIVE[name][1:]), NATIVE[name]))  # "kiln mlp --batch 64"
         for label, model_args in rows:
-            nodes, fused, ops = kernels(args.kiln, model_args, args.device)
+            nodes, fused, ops = kernels(args.kiln, model_args, args.device, "off" if args.device == "cpu" else "bf16")
             ms = ms_per_step(args.kiln, model_args, args.device, args.steps, args.repeats)
-            print(f"| {name} | {label} | {nodes} ({fused}) | {ops} | {ms:.2f} |", flush=True)
+            cuda_nodes, cuda_fused, _ = kernels(args.kiln, model_args, "cuda", "bf16")
+            print(f"| {name} | {label} | {nodes} ({fused}) | {ops} | {ms:.2f} | {cuda_nodes} ({cuda_fused}) |", flush=True)
 
 
 if __name__ == "__main__":
