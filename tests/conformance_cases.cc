@@ -357,9 +357,9 @@ void add_fast_path_geometry(std::vector<Case>& c) {
                      .inputs = {gen_b, uniform(a)}, .taken_by_tolerance = Tolerance{1e-7, 1e-6}, .taken_by = {"cpu"}});
     }
 
-  // Reductions over suffix axes (rows) and prefix axes (columns: bias gradients); positive
-  // inputs keep sums away from cancellation, so rtol means something; negative ones check the
-  // max of negatives.
+  // Reductions over suffix axes (rows), prefix axes (columns: bias gradients) and both around
+  // kept middle axes (BatchNorm's per-channel statistics); positive inputs keep sums away from
+  // cancellation, so rtol means something; negative ones check the max of negatives.
   const std::vector<std::pair<Shape, Ints>> reductions = {
       {{7}, {}},           {{7}, {0}},           {{129}, {-1}},      {{3, 129}, {1}},
       {{3, 129}, {-1}},    {{3, 129}, {}},       {{3, 129}, {0, 1}}, {{2, 3, 7}, {1, 2}},
@@ -368,6 +368,8 @@ void add_fast_path_geometry(std::vector<Case>& c) {
       {{2, 70001}, {-1}},
       {{3, 129}, {0}},     {{2, 3, 7}, {0, 1}},  {{2, 3, 7}, {-3}},  {{4096, 33}, {0}},
       {{70001, 2}, {0}},
+      {{4, 5, 6, 7}, {0, 2, 3}}, {{2, 3, 7}, {0, -1}}, {{3, 2, 4, 5}, {0, 3}},  // middle kept
+      {{2, 1, 3}, {0, 2}},       {{8, 16, 30, 30}, {0, 2, 3}},                // one channel; many
   };
   for (Op op : {Op::kSum, Op::kMean, Op::kMax})
     for (const auto& [shape, axes] : reductions)

@@ -1,11 +1,13 @@
 """Small PyTorch models of the families kiln's ONNX front end trains, and how to export them.
 
-    python3 examples/onnx/torch_models.py OUT_DIR     # writes OUT_DIR/<name>.onnx for each model
+    python3 examples/onnx/torch_models.py OUT_DIR           # OUT_DIR/<name>.onnx for each model
+    python3 examples/onnx/torch_models.py OUT_DIR --bench   # the same families at benchmark sizes
 
 The export that works for training (docs/onnx.md): training=TrainingMode.TRAINING keeps
 BatchNorm in training mode and the weights' names; do_constant_folding=False keeps the weights
 as initializers instead of folding them into other constants. Each model returns its loss.
-tests/frontend/torch_step_test.py exports these and checks `kiln step` against torch's own step.
+tests/frontend/torch_step_test.py exports these and checks `kiln step` against torch's own step;
+bench/onnx_vs_native.py times the --bench sizes against kiln's own models of the same sizes.
 """
 import math
 import os
@@ -17,38 +19,66 @@ import torch.nn.functional as F
 
 
 class Mlp(nn.Module):
-    def __init__(self):
+    """Two linear layers with GPT-2's tanh GELU between them (kiln's mlp at 784, 256, 10)."""
+
+    def __init__(self, inputs=16, hidden=32, classes=10, batch=8):
         super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 10)
+        self.batch, self.inputs, self.classes = batch, inputs, classes
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x, labels):
-        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), labels)
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x), approximate="tanh")), labels)
 
-    @staticmethod
-    def example(g):
-        return (torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+    def example(self, g):
+        return (torch.randn(self.batch, self.inputs, generator=g),
+                torch.randint(0, self.classes, (self.batch,), generator=g))
 
 
 class Cnn(nn.Module):
-    """Conv + BatchNorm + ReLU + MaxPool, a grouped and dilated conv, a linear head."""
+    """Conv + BatchNorm + ReLU + MaxPool, a grouped and dilated conv, a linear head; on 28x28 grey
+    images in 10 classes (Fashion-MNIST's shapes: `kiln train cnn.onnx` trains it on that)."""
 
-    def __init__(self):
+    def __init__(self, batch=4):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.batch = batch
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
         self.bn2 = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8 * 4 * 4, 10)
+        self.fc = nn.Linear(8 * 7 * 7, 10)
 
     def forward(self, x, labels):
         h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
         h = F.avg_pool2d(F.relu(self.bn2(self.conv2(h))), 2)
         return F.cross_entropy(self.fc(torch.flatten(h, 1)), labels)
 
-    @staticmethod
-    def example(g):
-        return (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
+    def example(self, g):
+        return (torch.randn(self.batch, 1, 28, 28, generator=g), torch.randint(0, 10, (self.batch,), generator=g))
+
+
+class PlainCnn(nn.Module):
+    """kiln's cnn: per stage a 3x3 conv (padding 1) with bias, ReLU, 2x2 max pool; a linear head.
+    With batchnorm, a BatchNorm after each conv (what kiln's cnn has not)."""
+
+    def __init__(self, channels=(16, 32), batchnorm=False, batch=32):
+        super().__init__()
+        self.batch = batch
+        self.convs = nn.ModuleList()
+        self.norms = nn.ModuleList()
+        c, size = 1, 28
+        for out in channels:
+            self.convs.append(nn.Conv2d(c, out, 3, padding=1))
+            self.norms.append(nn.BatchNorm2d(out) if batchnorm else nn.Identity())
+            c, size = out, size // 2
+        self.fc = nn.Linear(c * size * size, 10)
+
+    def forward(self, x, labels):
+        for conv, norm in zip(self.convs, self.norms):
+            x = F.max_pool2d(F.relu(norm(conv(x))), 2)
+        return F.cross_entropy(self.fc(torch.flatten(x, 1)), labels)
+
+    example = Cnn.example
 
 
 class Attention(nn.Module):
@@ -74,8 +104,9 @@ class Attention(nn.Module):
 class Bert(nn.Module):
     """A tiny BERT-style encoder: embeddings, post-LayerNorm blocks with a padding mask, GELU."""
 
-    def __init__(self, vocab=50, d=32, heads=4, layers=2, seq=8):
+    def __init__(self, vocab=50, d=32, heads=4, layers=2, seq=8, batch=4):
         super().__init__()
+        self.vocab, self.seq, self.batch = vocab, seq, batch
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
         self.ln0 = nn.LayerNorm(d)
@@ -94,13 +125,13 @@ class Bert(nn.Module):
             h = b["ln2"](h + b["fc2"](F.gelu(b["fc1"](h))))
         return F.cross_entropy(self.head(h[:, 0]), labels)
 
-    @staticmethod
-    def example(g):
-        ids = torch.randint(0, 50, (4, 8), generator=g)
-        mask = torch.ones(4, 8)
-        mask[1, 6:] = 0
-        mask[3, 3:] = 0
-        return (ids, mask, torch.randint(0, 3, (4,), generator=g))
+    def example(self, g):
+        B, T = self.batch, self.seq
+        ids = torch.randint(0, self.vocab, (B, T), generator=g)
+        mask = torch.ones(B, T)
+        mask[1 % B, T - 2:] = 0  # padding at the end of two rows
+        mask[3 % B, T // 2:] = 0
+        return (ids, mask, torch.randint(0, 3, (B,), generator=g))
 
 
 class RmsNorm(nn.Module):
@@ -118,20 +149,29 @@ def rotate(x, cos, sin):  # rotary embeddings, the half-split form
     return x * cos + torch.cat((-b, a), dim=-1) * sin
 
 
-class Llama(nn.Module):
-    """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal attention, SwiGLU."""
+def repeat_kv(x, n):  # (B, Hkv, T, D) -> (B, Hkv * n, T, D), each head n times in a row
+    B, H, T, D = x.shape
+    return x[:, :, None, :, :].expand(B, H, n, T, D).reshape(B, H * n, T, D)
 
-    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=8):
+
+class Llama(nn.Module):
+    """A tiny LLaMA-style decoder: RMSNorm, rotary embeddings, causal grouped-query attention (two
+    query heads per key/value head), SwiGLU. Its vocabulary is bytes (`kiln train llama.onnx`
+    trains it on a text, byte-tokenized)."""
+
+    def __init__(self, vocab=256, d=32, heads=4, kv_heads=2, layers=2, seq=8, hidden=64, batch=2):
         super().__init__()
-        self.heads = heads
+        self.vocab, self.seq, self.batch = vocab, seq, batch
+        self.heads, self.kv_heads = heads, kv_heads
+        kv = d // heads * kv_heads
         self.tok = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
             self.blocks.append(nn.ModuleDict({
-                "norm1": RmsNorm(d), "q": nn.Linear(d, d, bias=False), "k": nn.Linear(d, d, bias=False),
-                "v": nn.Linear(d, d, bias=False), "o": nn.Linear(d, d, bias=False), "norm2": RmsNorm(d),
-                "gate": nn.Linear(d, 64, bias=False), "up": nn.Linear(d, 64, bias=False),
-                "down": nn.Linear(64, d, bias=False)}))
+                "norm1": RmsNorm(d), "q": nn.Linear(d, d, bias=False), "k": nn.Linear(d, kv, bias=False),
+                "v": nn.Linear(d, kv, bias=False), "o": nn.Linear(d, d, bias=False), "norm2": RmsNorm(d),
+                "gate": nn.Linear(d, hidden, bias=False), "up": nn.Linear(d, hidden, bias=False),
+                "down": nn.Linear(hidden, d, bias=False)}))
         self.norm = RmsNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -145,8 +185,10 @@ class Llama(nn.Module):
         h = self.tok(ids)
         for b in self.blocks:
             x = b["norm1"](h)
-            q, k, v = (b[n](x).reshape(B, T, self.heads, D).transpose(1, 2) for n in ("q", "k", "v"))
+            q = b["q"](x).reshape(B, T, self.heads, D).transpose(1, 2)
+            k, v = (b[n](x).reshape(B, T, self.kv_heads, D).transpose(1, 2) for n in ("k", "v"))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
             s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(causal, float("-inf"))
             h = h + b["o"]((F.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, -1))
             x = b["norm2"](h)
@@ -154,30 +196,50 @@ class Llama(nn.Module):
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.reshape(B * T, -1), labels.reshape(B * T))
 
-    @staticmethod
-    def example(g):
-        return (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+    def example(self, g):
+        shape = (self.batch, self.seq)
+        return (torch.randint(0, self.vocab, shape, generator=g), torch.randint(0, self.vocab, shape, generator=g))
 
 
-MODELS = {"mlp": (Mlp, ["x", "labels"]), "cnn": (Cnn, ["x", "labels"]),
-          "bert": (Bert, ["ids", "mask", "labels"]), "llama": (Llama, ["ids", "labels"])}
+# name: (class, input names, opset). bert-opset14 is bert exported where ONNX has no
+# LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add.
+MODELS = {"mlp": (Mlp, ["x", "labels"], 17), "cnn": (Cnn, ["x", "labels"], 17),
+          "bert": (Bert, ["ids", "mask", "labels"], 17), "bert-opset14": (Bert, ["ids", "mask", "labels"], 14),
+          "llama": (Llama, ["ids", "labels"], 17)}
+
+# The families at benchmark sizes: name: (class, input names, sizes), and the kiln model of the same
+# sizes where kiln has one (bench/onnx_vs_native.py runs both).
+BENCH = {
+    "mlp": (Mlp, ["x", "labels"], dict(inputs=784, hidden=256, classes=10, batch=64)),
+    "cnn": (PlainCnn, ["x", "labels"], dict(channels=(16, 32), batch=32)),
+    "cnn-batchnorm": (PlainCnn, ["x", "labels"], dict(channels=(16, 32), batchnorm=True, batch=32)),
+    "bert": (Bert, ["ids", "mask", "labels"], dict(vocab=512, d=128, heads=4, layers=2, seq=64, batch=8)),
+    "llama": (Llama, ["ids", "labels"],
+              dict(vocab=256, d=128, heads=4, kv_heads=2, layers=2, seq=64, hidden=256, batch=8)),
+}
 
 
-def export(name, path, seed=0):
-    """Exports model `name` (fresh, seeded) to `path`; returns (model, example inputs, input names)."""
-    cls, names = MODELS[name]
+def export(name, path, seed=0, bench=False):
+    """Exports model `name` (fresh, seeded; `bench`: at its benchmark sizes) to `path`; returns
+    (model, example inputs, input names)."""
+    if bench:
+        cls, names, sizes = BENCH[name]
+        opset = 17
+    else:
+        (cls, names, opset), sizes = MODELS[name], {}
     torch.manual_seed(seed)
-    model = cls()
-    inputs = cls.example(torch.Generator().manual_seed(seed + 1))
+    model = cls(**sizes)
+    inputs = model.example(torch.Generator().manual_seed(seed + 1))
     model.train()
-    torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=17,
+    torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=opset,
                       training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     return model, inputs, names
 
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "."
+    bench = "--bench" in sys.argv[2:]
     os.makedirs(out, exist_ok=True)
-    for name in MODELS:
-        export(name, os.path.join(out, name + ".onnx"))
+    for name in (BENCH if bench else MODELS):
+        export(name, os.path.join(out, name + ".onnx"), bench=bench)
         print("wrote", os.path.join(out, name + ".onnx"))

@@ -35,13 +35,16 @@ CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
   CompiledStep step;
   Stopwatch phase;
   const bool training = options.kind == StepKind::kTraining;
-  step.program = training ? build_training_graph(forward, options.optimizer, options.sharding)
-                          : forward_program(forward, options.optimizer, options.loss_only, options.sharding);
-  step.phase_seconds.emplace_back(training ? "training graph" : "forward graph", phase.lap());
-
-  // Passes keep graph inputs in place, so the program's input indices stay valid.
   PassOptions passes = options.passes;
   passes.target = options.executor.device;
+  // Passes keep graph inputs in place, so the forward's input indices stay valid in the program.
+  Graph recognized = forward;
+  step.forward_pass_records = forward_pipeline(passes).run(recognized);
+  step.phase_seconds.emplace_back("forward passes", phase.lap());
+  step.program = training ? build_training_graph(recognized, options.optimizer, options.sharding)
+                          : forward_program(recognized, options.optimizer, options.loss_only, options.sharding);
+  step.phase_seconds.emplace_back(training ? "training graph" : "forward graph", phase.lap());
+
   step.nodes_before_passes = step.program.graph.nodes.size();
   step.pass_records = default_pipeline(std::move(passes)).run(step.program.graph);
   step.phase_seconds.emplace_back("passes", phase.lap());

@@ -4,6 +4,8 @@
 // wires passes to an executor.
 //
 //   forward graph
+//     -> the forward passes   composite ops recognized in decomposed forms (passes/pipeline.h
+//                             forward_pipeline), before autodiff sees the graph
 //     -> the step's program   training: mixed precision, loss scaling, autodiff, clipping and
 //                             the optimizer update as one graph (compile/training_graph.h);
 //                             forward: the graph as given, under mixed precision
@@ -64,9 +66,12 @@ struct CompiledStep {
   // The graph after the pipeline and the roles of its inputs and outputs.
   StepProgram program;
   size_t nodes_before_passes = 0;  // of the program as built, before the pipeline
-  std::vector<PassRecord> pass_records;  // one per pipeline pass, in order (--report)
+  // One per pass of the forward pipeline (on the forward graph, before the program is built),
+  // then one per pipeline pass, in order (--report).
+  std::vector<PassRecord> forward_pass_records;
+  std::vector<PassRecord> pass_records;
   std::unique_ptr<Executor> executor;    // null without bind_kernels
-  // Where compilation's time went, in order (seconds): "training graph" or "forward graph",
+  // Where compilation's time went, in order (seconds): "forward passes", "training graph" or "forward graph",
   // "passes", then the executor's "kernel choice", "kernels prepared" and, on CUDA, "memory plan".
   std::vector<std::pair<std::string, double>> phase_seconds;
 };

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 
 #include "analysis/memory_plan.h"
@@ -86,21 +87,49 @@ std::string compile_report(const std::string& what, const std::string& source, c
   const Graph& graph = step.program.graph;
   int64_t param_count = 0;
   for (int i : step.program.param_inputs) param_count += graph.type(graph.inputs[i].value).numel();
-  const auto& [program_phase, program_s] = step.phase_seconds.at(0);
+  const auto& [program_phase, program_s] = step.phase_seconds.at(1);  // after "forward passes"
   const size_t forward_nodes = forward.nodes.size(), nodes_before = step.nodes_before_passes;
   line("{}: {} forward nodes, {} parameters; {} {} nodes\n", what, forward_nodes, param_count, program_phase,
        nodes_before);
   line("  {:<22} {:>9} {:>8} {:>8}\n", "step", "ms", "nodes", "changed");
   const double source_ms = 1e3 * source_s, program_ms = 1e3 * program_s;
   line("  {:<22} {:>9.2f} {:>8}\n", source, source_ms, forward_nodes);
-  line("  {:<22} {:>9.2f} {:>8}\n", program_phase, program_ms, nodes_before);
-  for (const PassRecord& r : step.pass_records) {
+  auto record = [&](const PassRecord& r) {
     const std::string ms = r.ran ? fmt::format("{:.2f}", 1e3 * r.seconds) : "disabled";
     const std::string_view changed = r.changed ? "yes" : "no";
     line("  {:<22} {:>9} {:>8} {:>8}\n", r.name, ms, r.nodes_after, changed);
-  }
-  for (const PassRecord& r : step.pass_records)
-    for (const std::string& note : r.notes) line("  {}: {}\n", r.name, note);
+  };
+  for (const PassRecord& r : step.forward_pass_records) record(r);
+  line("  {:<22} {:>9.2f} {:>8}\n", program_phase, program_ms, nodes_before);
+  for (const PassRecord& r : step.pass_records) record(r);
+  for (const std::vector<PassRecord>* records : {&step.forward_pass_records, &step.pass_records})
+    for (const PassRecord& r : *records)
+      for (const std::string& note : r.notes) line("  {}: {}\n", r.name, note);
+  // The step's kernels, and the composite ops among them (also those inside fused nodes): what
+  // an imported model runs of kiln's own kernels.
+  std::map<std::string, int> composite;
+  int64_t fused_nodes = 0;
+  std::function<void(const Graph&)> count = [&](const Graph& g) {
+    for (const Node& node : g.nodes) {
+      if (node.op == Op::kFused) ++fused_nodes;
+      if (node.body) count(*node.body);
+      switch (node.op) {
+        case Op::kAttention: case Op::kAttentionGrad: case Op::kAttentionQkv: case Op::kAttentionQkvGrad:
+        case Op::kLayerNorm: case Op::kLayerNormGrad: case Op::kRmsNorm: case Op::kRmsNormGrad:
+        case Op::kGelu: case Op::kGeluGrad: case Op::kSilu: case Op::kRotaryEmbedding:
+          ++composite[std::string(op_name(node.op))];
+          break;
+        default:
+          break;
+      }
+    }
+  };
+  count(graph);
+  std::string ops;
+  for (const auto& [name, n] : composite) ops += fmt::format("{}{} {}", ops.empty() ? "" : ", ", name, n);
+  const size_t step_nodes = graph.nodes.size();
+  line("  kernels: {} nodes in the step, {} of them fused; composite ops: {}\n", step_nodes, fused_nodes,
+       ops.empty() ? "none" : ops);
   // The fusion groups: one line per fused node, then the total.
   std::vector<fusion::FusedNodeReport> fused = fusion::report(graph);
   int64_t kept_bytes = 0;

@@ -16,6 +16,7 @@
 #include "passes/simplify/constant_fold.h"
 #include "passes/simplify/cse.h"
 #include "passes/simplify/dead_code.h"
+#include "passes/simplify/recognize.h"
 #include "passes/simplify/training_rewrites.h"
 #include "support/error.h"
 
@@ -34,6 +35,7 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   MixedPrecisionOptions mixed_precision;
   mixed_precision.low = options.low_precision;
   std::vector<std::unique_ptr<Pass>> passes;
+  passes.push_back(std::make_unique<RecognizeOps>());
   passes.push_back(std::make_unique<MixedPrecisionPass>(mixed_precision));
   passes.push_back(std::make_unique<ClassifierPass>());
   passes.push_back(std::make_unique<ClassifierChunksPass>(options.logits_chunk_bytes));
@@ -69,7 +71,36 @@ std::vector<std::string> pass_names() {
   return names;
 }
 
+namespace {
+
+// The names of the forward pipeline's passes: --disable-pass and --print-after name passes of
+// both pipelines, and each manager checks the names it is given.
+bool is_forward_pass(const std::string& name) { return name == "recognize"; }
+
+// `names` without (forward = false) or with only (forward = true) the forward passes; "all"
+// stays in both.
+std::set<std::string> names_of(const std::set<std::string>& names, bool forward) {
+  std::set<std::string> out;
+  for (const std::string& n : names)
+    if (n == "all" || is_forward_pass(n) == forward) out.insert(n);
+  return out;
+}
+
+}  // namespace
+
+PassManager forward_pipeline(PassOptions options) {
+  options.disabled = names_of(options.disabled, true);
+  options.print_after = names_of(options.print_after, true);
+  PassManager pm(std::move(options));
+  // The decomposed norms, activations, rotary embeddings and attention an export writes, as
+  // kiln's composite ops: before autodiff, so the backward uses their gradient rules.
+  pm.add(std::make_unique<RecognizeOps>());
+  return pm;
+}
+
 PassManager default_pipeline(PassOptions options) {
+  options.disabled = names_of(options.disabled, false);
+  options.print_after = names_of(options.print_after, false);
   // On CUDA the decomposed LayerNorm gradient of training-rewrites costs more than it saves:
   // GPT-2 B=32 bf16 on an H100 ran 99.9 ms/step with it and 92.9 ms without (bench/log/sessions-1-12.md;
   // cuda-nn's layer_norm_grad kernel already does the whole row in one pass, and the decomposed

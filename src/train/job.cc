@@ -110,8 +110,10 @@ Batch rows_of_rank(Batch global, const Place& place) {
 // The task: how to make batch `step`, how to evaluate, what the model is.
 struct Task {
   Graph forward;
-  std::vector<Tensor> init;
-  std::function<Batch(int64_t step)> train_batch;
+  std::vector<Tensor> init;                    // the params, in graph order
+  std::map<std::string, Tensor> initial_state;  // state starting elsewhere than 0 (BatchNorm's)
+  // The data inputs of step `step`, in graph order.
+  std::function<std::vector<Tensor>(int64_t step)> train_batch;
   // The metric's name and value, and how many batches it ran.
   struct Evaluation {
     std::string name;
@@ -122,6 +124,7 @@ struct Task {
   std::string description;
   int64_t items_per_step = 0;  // samples or tokens
   std::string item_name;
+  int64_t batch = 0;  // the global batch
 };
 
 Task classification_task(const JobOptions& o, const Place& place) {
@@ -136,7 +139,10 @@ Task classification_task(const JobOptions& o, const Place& place) {
     fm.test = fm.test.with_sample_shape(kFashionMnistImageShape);
   }
   auto batcher = std::make_shared<Batcher>(Batcher::training(fm.train, o.batch, o.seed));
-  t.train_batch = [batcher, place](int64_t step) { return rows_of_rank(batcher->batch_at_step(step), place); };
+  t.train_batch = [batcher, place](int64_t step) {
+    Batch b = rows_of_rank(batcher->batch_at_step(step), place);
+    return std::vector<Tensor>{b.inputs, b.targets};
+  };
   auto test = std::make_shared<ClassificationDataset>(fm.test);
   const int64_t B = o.batch, limit = o.eval_batches;
   t.evaluate = [test, B, limit, place](const Trainer& trainer) {
@@ -178,51 +184,196 @@ Task classification_task(const JobOptions& o, const Place& place) {
                               fm.train.size(), fm.test.size());
   t.items_per_step = o.batch;
   t.item_name = "samples";
+  t.batch = o.batch;
   return t;
+}
+
+// A text (byte-tokenized) or .tok file's tokens, each checked against `vocab`, as batchers of
+// B windows of T: the first 90% to train on, the last 10% held out.
+struct TextData {
+  std::string path;
+  size_t tokens = 0;
+  std::shared_ptr<TokenBatcher> train, eval;
+};
+TextData load_text(const std::string& path, int64_t vocab, int64_t batch, int64_t seq) {
+  std::vector<int32_t> tokens;
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".tok") tokens = read_token_file(path);
+  else tokens = ByteTokenizer().encode(read_text_file(path));
+  for (int32_t tok : tokens)
+    KILN_CHECK(tok >= 0 && tok < vocab, "token {} in '{}' is outside the model's vocabulary of {}", tok, path, vocab);
+  // Hold out the last 10% for evaluation.
+  int64_t split = static_cast<int64_t>(tokens.size()) * 9 / 10;
+  KILN_CHECK(split > seq + 1 && static_cast<int64_t>(tokens.size()) - split > seq + 1,
+             "'{}' has {} tokens: too few for sequences of {} (need more than {})", path, tokens.size(), seq,
+             10 * (seq + 2));
+  TextData d{path, tokens.size(), nullptr, nullptr};
+  d.train = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin(), tokens.begin() + split), batch, seq);
+  d.eval = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin() + split, tokens.end()), batch, seq);
+  return d;
+}
+
+// A step's data inputs from a batch of a dataset.
+using Bind = std::function<std::vector<Tensor>(const Batch&)>;
+std::vector<Tensor> inputs_and_targets(const Batch& b) { return {b.inputs, b.targets}; }
+
+// The perplexity of `count` held-out windows: the same windows at every evaluation, enqueued back
+// to back; the losses are read once, at the end. In a group each rank runs its rows, and the
+// step's loss is their mean.
+Task::Evaluation held_out_perplexity(const Trainer& trainer, const TokenBatcher& eval, int64_t count, uint64_t seed,
+                                     const Place& place, const Bind& bind) {
+  std::vector<Tensor> losses = trainer.evaluate_batches(
+      count, [&](int64_t i) { return bind(rows_of_rank(eval.random_batch(seed + 1, i), place)); });
+  double total = 0;
+  for (const Tensor& loss : losses) total += loss.get(0);
+  return Task::Evaluation{"perplexity", std::exp(total / static_cast<double>(count)), count};
 }
 
 Task language_model_task(const JobOptions& o, const Place& place) {
   const models::ModelSizes sizes = sizes_of(o.sizes, o.seq);
   const models::LanguageModelInfo config = models::language_model_info(o.model, sizes);
-  std::string path = o.data.empty() || o.data == "fashion-mnist" ? kDefaultTextPath : o.data;
-  KILN_CHECK(o.data != "fashion-mnist", "model {} is a language model: give --data a text or .tok file", o.model);
-  std::vector<int32_t> tokens;
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".tok") tokens = read_token_file(path);
-  else tokens = ByteTokenizer().encode(read_text_file(path));
-  for (int32_t tok : tokens)
-    KILN_CHECK(tok >= 0 && tok < config.vocab, "token {} in '{}' is outside the model's vocabulary of {}", tok,
-               path, config.vocab);
-  // Hold out the last 10% for evaluation.
-  int64_t split = static_cast<int64_t>(tokens.size()) * 9 / 10;
-  KILN_CHECK(split > config.seq + 1 && static_cast<int64_t>(tokens.size()) - split > config.seq + 1,
-             "'{}' has {} tokens: too few for sequences of {} (need more than {})", path, tokens.size(),
-             config.seq, 10 * (config.seq + 2));
+  KILN_CHECK(o.data != "fashion-mnist" && o.data != "random", "model {} is a language model: give --data a text or "
+             ".tok file", o.model);
   // The batchers draw the global batch; the model takes this rank's rows.
-  auto train_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin(), tokens.begin() + split), o.batch, config.seq);
-  auto eval_tokens = std::make_shared<TokenBatcher>(std::vector<int32_t>(tokens.begin() + split, tokens.end()), o.batch, config.seq);
+  const TextData text = load_text(o.data.empty() ? kDefaultTextPath : o.data, config.vocab, o.batch, config.seq);
   Task t;
   t.forward = models::by_name(o.model, o.batch / place.world, sizes);
   t.init = models::init_language_model(t.forward, o.model, o.seed, sizes);
   uint64_t seed = o.seed;
+  auto train_tokens = text.train;
   t.train_batch = [train_tokens, seed, place](int64_t step) {
-    return rows_of_rank(train_tokens->random_batch(seed, step), place);
+    return inputs_and_targets(rows_of_rank(train_tokens->random_batch(seed, step), place));
   };
   int64_t eval_batches = o.eval_batches > 0 ? o.eval_batches : 10;
+  auto eval_tokens = text.eval;
   t.evaluate = [eval_tokens, eval_batches, seed, place](const Trainer& trainer) {
-    // The same held-out windows at every evaluation, enqueued back to back; the losses are read
-    // once, at the end. In a group each rank runs its rows, and the step's loss is their mean.
-    std::vector<Tensor> losses = trainer.evaluate_batches(eval_batches, [&](int64_t i) {
-      Batch b = rows_of_rank(eval_tokens->random_batch(seed + 1, i), place);
-      return std::vector<Tensor>{b.inputs, b.targets};
-    });
-    double total = 0;
-    for (const Tensor& loss : losses) total += loss.get(0);
-    return Task::Evaluation{"perplexity", std::exp(total / static_cast<double>(eval_batches)), eval_batches};
+    return held_out_perplexity(trainer, *eval_tokens, eval_batches, seed, place, inputs_and_targets);
   };
   t.description = fmt::format("{} ({} layers, d={}, T={}, vocab {}) on '{}' ({} tokens)", o.model, config.layers,
-                              config.d_model, config.seq, config.vocab, path, tokens.size());
+                              config.d_model, config.seq, config.vocab, text.path, text.tokens);
   t.items_per_step = o.batch * config.seq;
   t.item_name = "tokens";
+  t.batch = o.batch;
+  return t;
+}
+
+// An ONNX model's forward graph, its params' initial values (in graph order) and its state's.
+struct ImportedForward {
+  Graph forward;
+  std::vector<Tensor> params;
+  std::map<std::string, Tensor> state;
+};
+ImportedForward import_forward(const std::string& path, const onnx::ImportOptions& options) {
+  onnx::ImportedModel model = onnx::import_onnx(path, options);
+  ImportedForward out{std::move(model.graph), {}, {}};
+  for (const GraphInput& in : out.forward.inputs) {
+    const std::string& name = out.forward.value(in.value).name;
+    if (in.role == Role::kParam) out.params.push_back(model.initial_values.at(name));
+    if (in.role == Role::kState) out.state[name] = model.initial_values.at(name);
+  }
+  return out;
+}
+
+// Random values for the data inputs of `forward`: floats uniform in [-1, 1), integers in
+// [0, bounds[i]) (data_index_bounds: valid indices), from `seed`.
+std::vector<Tensor> random_data(const Graph& forward, const std::vector<int64_t>& bounds, uint64_t seed) {
+  std::vector<Tensor> data;
+  for (const GraphInput& in : forward.inputs) {
+    if (in.role != Role::kData) continue;
+    const TensorType& type = forward.type(in.value);
+    const bool integer = !is_float(type.dtype);
+    const double high = integer ? static_cast<double>(bounds[data.size()]) : 1.0;
+    data.push_back(random_tensor(type, seed * 7919 + 31 * data.size() + 1, integer ? 0.0 : -1.0, high));
+  }
+  return data;
+}
+
+// The mean of output 0 (the loss) over `count` batches.
+Task::Evaluation mean_loss(const Trainer& trainer, int64_t count, const std::function<std::vector<Tensor>(int64_t)>& batch) {
+  std::vector<Tensor> losses = trainer.evaluate_batches(count, batch);
+  double total = 0;
+  for (const Tensor& loss : losses) total += loss.get(0);
+  return Task::Evaluation{"loss", total / static_cast<double>(count), count};
+}
+
+// An ONNX model trained on the dataset its data inputs bind to (bind_data_inputs).
+Task onnx_task(const JobOptions& o, const Place& place) {
+  KILN_CHECK(place.world == 1, "an ONNX model trains in one process (its batch is the file's): drop kiln launch");
+  KILN_CHECK(o.seq == 0 && o.sizes.layers == 0 && o.sizes.d_model == 0 && o.sizes.heads == 0 &&
+                 o.sizes.kv_heads == 0 && o.sizes.hidden == 0 && o.sizes.vocab == 0 && o.sizes.seq == 0,
+             "an ONNX model's sizes are the file's: drop --seq, --layers, --d-model, --heads, --kv-heads, --hidden "
+             "and --vocab");
+  ImportedForward m = import_forward(o.model, o.onnx);
+  Task t;
+  t.forward = std::move(m.forward);
+  t.init = std::move(m.params);
+  t.initial_state = std::move(m.state);
+  const Graph& g = t.forward;
+  const DataBinding binding = bind_data_inputs(g, o.data);
+  std::vector<TensorType> types;
+  for (const GraphInput& in : g.inputs)
+    if (in.role == Role::kData) types.push_back(g.type(in.value));
+  const int64_t batch = types.empty() || types[0].rank() == 0 ? 1 : types[0].shape[0];
+  KILN_CHECK(o.batch == 0 || o.batch == batch,
+             "--batch {}: model '{}' takes batches of {} (its inputs' first dim; export it with a dynamic batch dim "
+             "and give --shape NAME=N for another)", o.batch, o.model, batch);
+  // The step's inputs from a dataset's batch, each shaped as its input.
+  const std::vector<InputRole> roles = binding.roles;
+  const Bind bind = [roles, types](const Batch& b) {
+    std::vector<Tensor> data;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      const bool from_inputs = roles[i] == InputRole::kImages || roles[i] == InputRole::kTokens;
+      data.push_back((from_inputs ? b.inputs : b.targets).reshaped(types[i].shape));
+    }
+    return data;
+  };
+  const uint64_t seed = o.seed;
+  std::string what;
+  if (binding.data == "random") {
+    const std::vector<int64_t> bounds = data_index_bounds(g);
+    auto forward = std::make_shared<Graph>(t.forward);  // the lambdas outlive this Task's moves
+    t.train_batch = [forward, bounds, seed](int64_t step) { return random_data(*forward, bounds, seed * 1000003 + step); };
+    const int64_t count = o.eval_batches > 0 ? o.eval_batches : 10;
+    t.evaluate = [forward, bounds, seed, count](const Trainer& trainer) {
+      return mean_loss(trainer, count, [&](int64_t i) { return random_data(*forward, bounds, ~seed - i); });
+    };
+    what = "random inputs";
+    t.items_per_step = batch;
+    t.item_name = "samples";
+  } else if (binding.data == "fashion-mnist") {
+    FashionMnist fm = load_fashion_mnist(o.data_dir.empty() ? kFashionMnistDir : o.data_dir);
+    auto batcher = std::make_shared<Batcher>(Batcher::training(fm.train, batch, seed));
+    t.train_batch = [batcher, bind](int64_t step) { return bind(batcher->batch_at_step(step)); };
+    // The test set's full batches in order (a partial one would count padding in the loss).
+    auto test = std::make_shared<Batcher>(Batcher::evaluation(fm.test, batch));
+    const int64_t full = fm.test.size() / batch;
+    const int64_t count = o.eval_batches > 0 ? std::min(o.eval_batches, full) : full;
+    t.evaluate = [test, bind, count](const Trainer& trainer) {
+      return mean_loss(trainer, count, [&](int64_t i) { return bind(test->batch(0, i)); });
+    };
+    what = fmt::format("Fashion-MNIST ({} train / {} test images)", fm.train.size(), fm.test.size());
+    t.items_per_step = batch;
+    t.item_name = "samples";
+  } else {
+    // Text: the tokens' (and next tokens') index bounds are the model's vocabulary.
+    const std::vector<int64_t> bounds = data_index_bounds(g);
+    int64_t vocab = std::numeric_limits<int64_t>::max(), seq = 0;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      vocab = std::min(vocab, bounds[i]);
+      seq = types[i].shape[1];
+    }
+    const TextData text = load_text(binding.data, vocab, batch, seq);
+    auto train_tokens = text.train, eval_tokens = text.eval;
+    t.train_batch = [train_tokens, seed, bind](int64_t step) { return bind(train_tokens->random_batch(seed, step)); };
+    const int64_t count = o.eval_batches > 0 ? o.eval_batches : 10;
+    t.evaluate = [eval_tokens, count, seed, place, bind](const Trainer& trainer) {
+      return held_out_perplexity(trainer, *eval_tokens, count, seed, place, bind);
+    };
+    what = fmt::format("'{}' ({} tokens, T={}, vocab {})", text.path, text.tokens, seq, vocab);
+    t.items_per_step = batch * seq;
+    t.item_name = "tokens";
+  }
+  t.description = fmt::format("{} (ONNX) on {}", o.model, what);
+  t.batch = batch;
   return t;
 }
 
@@ -341,15 +492,18 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   std::fflush(o.out);
   const std::unique_ptr<DeviceRuntime> runtime = runtime_of(o.device);
   const bool on_cuda = runtime->device() == Device::kCuda;
+  const bool from_onnx = is_onnx_model(o.model);
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
-  KILN_CHECK(o.batch > 0, "--batch must be > 0, got {}", o.batch);
+  KILN_CHECK(o.batch > 0 || (from_onnx && o.batch == 0), "--batch must be > 0, got {}", o.batch);
   KILN_CHECK(o.eval_batches >= 0, "--eval-batches must be >= 0 (0: the default), got {}", o.eval_batches);
-  KILN_CHECK(std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
-             "unknown model '{}' (expected {})", o.model, models::model_names_text());
+  KILN_CHECK(from_onnx || std::find(models::model_names().begin(), models::model_names().end(), o.model) != models::model_names().end(),
+             "unknown model '{}' (expected {}, or an ONNX file MODEL.onnx)", o.model, models::model_names_text());
   KILN_CHECK(o.batch % place.world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch,
              place.world);
   validate(o.optimizer);
-  Task task = models::is_language_model(o.model) ? language_model_task(o, place) : classification_task(o, place);
+  Task task = from_onnx                              ? onnx_task(o, place)
+              : models::is_language_model(o.model) ? language_model_task(o, place)
+                                                   : classification_task(o, place);
   int64_t param_count = 0;
   for (const Tensor& t : task.init) param_count += t.numel();
   std::string shard_note;
@@ -373,6 +527,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   Trainer trainer(task.forward, o.optimizer, task.init, executor_options, passes_for(o.passes, group, *runtime),
                   sharding);
   task.init.clear();  // the trainer has its own copy on its device
+  for (const auto& [name, value] : task.initial_state) trainer.set_initial_value(name, value);
   // Every rank compiled the same step (same model, batch, flags and build), or none goes on.
   if (group)
     group->check_agreement("the compiled step (model, batch, flags, build)",
@@ -414,7 +569,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
     result.checkpoint_seconds += saving.seconds();
   };
 
-  fmt::print(o.out, "  {}\n  {} steps of batch {}, {} lr {}, seed {}{}\n", task.description, o.steps, o.batch,
+  fmt::print(o.out, "  {}\n  {} steps of batch {}, {} lr {}, seed {}{}\n", task.description, o.steps, task.batch,
              o.optimizer.name, o.optimizer.lr, o.seed,
              trainer.steps_done() > 0 ? fmt::format(", resumed at step {}", trainer.steps_done()) : "");
   if (on_cuda)
@@ -424,7 +579,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
 
   const int64_t first = trainer.steps_done();
   KILN_CHECK(first < o.steps, "the checkpoint is already at step {}; ask for more --steps than that", first);
-  BatchPrefetcher prefetcher([&](int64_t i) { return task.train_batch(first + i); }, o.steps - first);
+  Prefetcher<std::vector<Tensor>> prefetcher([&](int64_t i) { return task.train_batch(first + i); }, o.steps - first);
   const Stopwatch loop_time;
   double ema_loss = NAN;
   std::string eval_note;
@@ -433,10 +588,10 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   std::vector<double> unread_lrs;
   const int64_t interval = std::max<int64_t>(o.log_every, 1);
   for (int64_t step = first; step < o.steps; ++step) {
-    std::optional<Batch> batch = prefetcher.next();
+    std::optional<std::vector<Tensor>> batch = prefetcher.next();
     KILN_CHECK(batch.has_value(), "the data loader ended early at step {}", step);
     unread_lrs.push_back(trainer.current_lr());
-    trainer.step({batch->inputs, batch->targets});
+    trainer.step(*batch);
     const int64_t done = step + 1;
     bool eval_now = done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0);
     if (on_cuda && !eval_now && done != first + 1 && done % interval != 0) continue;
@@ -475,8 +630,9 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
       result.eval_metric = e.value;
       result.eval_batches = e.batches;
       records.back()["eval_" + e.name] = e.value;
-      eval_note = e.name == "accuracy" ? fmt::format("  test acc {:.2f}%", 100 * e.value)
-                                       : fmt::format("  eval ppl {:.2f}", e.value);
+      eval_note = e.name == "accuracy"     ? fmt::format("  test acc {:.2f}%", 100 * e.value)
+                  : e.name == "perplexity" ? fmt::format("  eval ppl {:.2f}", e.value)
+                                           : fmt::format("  eval {} {:.4f}", e.name, e.value);
       save();
     }
     if (metrics.is_open())
@@ -510,6 +666,84 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
 }
 
 }  // namespace
+
+namespace {
+
+constexpr const char* kFashionMnistBinds =
+    "Fashion-MNIST binds images f32 (B, 1, 28, 28), (B, 28, 28) or (B, 784) and labels i64 (B,)";
+constexpr const char* kTextBinds = "a text binds token ids i64 (B, T) and, to a second such input, their next tokens";
+
+// `name` (type) of each of `inputs`, for an error: "'mask' (f32[4,8]), 'labels' (i64[4])".
+std::string describe(const Graph& g, const std::vector<ValueId>& inputs) {
+  std::string out;
+  for (ValueId v : inputs) out += fmt::format("{}'{}' ({})", out.empty() ? "" : ", ", g.value(v).name, to_string(g.type(v)));
+  return out;
+}
+
+// The roles of `data` (the graph's data inputs) for Fashion-MNIST, or why none.
+std::optional<std::vector<InputRole>> fashion_mnist_roles(const Graph& g, const std::vector<ValueId>& data,
+                                                          std::string* why) {
+  std::vector<InputRole> roles;
+  std::vector<ValueId> unbound;
+  int images = 0, labels = 0;
+  const int64_t b = data.empty() || g.type(data[0]).rank() == 0 ? -1 : g.type(data[0]).shape[0];
+  for (ValueId v : data) {
+    const TensorType& t = g.type(v);
+    const Shape& s = t.shape;
+    const bool one_batch = t.rank() > 0 && s[0] == b;
+    const bool image = t.dtype == DType::kF32 && one_batch &&
+                       (s == Shape{b, 1, 28, 28} || s == Shape{b, 28, 28} || s == Shape{b, kFashionMnistPixels});
+    if (image && images == 0) {
+      ++images;
+      roles.push_back(InputRole::kImages);
+    } else if (t.dtype == DType::kI64 && t.rank() == 1 && one_batch && labels == 0) {
+      ++labels;
+      roles.push_back(InputRole::kLabels);
+    } else {
+      unbound.push_back(v);
+    }
+  }
+  if (!unbound.empty()) *why = fmt::format("cannot bind {} ({})", describe(g, unbound), kFashionMnistBinds);
+  else if (images == 0) *why = fmt::format("no input takes the images ({})", kFashionMnistBinds);
+  else return roles;
+  return std::nullopt;
+}
+
+// The roles of `data` for a text, or why none.
+std::optional<std::vector<InputRole>> text_roles(const Graph& g, const std::vector<ValueId>& data, std::string* why) {
+  std::vector<InputRole> roles;
+  std::vector<ValueId> unbound;
+  const Shape first = data.empty() ? Shape{} : g.type(data[0]).shape;
+  for (ValueId v : data) {
+    const TensorType& t = g.type(v);
+    if (t.dtype == DType::kI64 && t.rank() == 2 && t.shape == first && roles.size() < 2)
+      roles.push_back(roles.empty() ? InputRole::kTokens : InputRole::kNextTokens);
+    else
+      unbound.push_back(v);
+  }
+  if (!unbound.empty()) *why = fmt::format("cannot bind {} ({})", describe(g, unbound), kTextBinds);
+  else if (roles.empty()) *why = fmt::format("no input takes the tokens ({})", kTextBinds);
+  else return roles;
+  return std::nullopt;
+}
+
+}  // namespace
+
+DataBinding bind_data_inputs(const Graph& forward, const std::string& data) {
+  std::vector<ValueId> inputs;
+  for (const GraphInput& in : forward.inputs)
+    if (in.role == Role::kData) inputs.push_back(in.value);
+  if (data == "random") return DataBinding{data, std::vector<InputRole>(inputs.size(), InputRole::kRandom)};
+  std::string fashion_why, text_why;
+  if (data == "fashion-mnist" || data.empty())
+    if (auto roles = fashion_mnist_roles(forward, inputs, &fashion_why)) return DataBinding{"fashion-mnist", *roles};
+  if (data != "fashion-mnist")
+    if (auto roles = text_roles(forward, inputs, &text_why)) return DataBinding{data.empty() ? kDefaultTextPath : data, *roles};
+  if (data == "fashion-mnist") fail("--data fashion-mnist: {}; --data random binds any inputs", fashion_why);
+  if (!data.empty()) fail("--data '{}' (a text): {}; --data random binds any inputs", data, text_why);
+  fail("no built-in dataset fits the model's inputs {}: {}; {}; give --data random (random inputs of their shapes)",
+       describe(forward, inputs), kFashionMnistBinds, kTextBinds);
+}
 
 JobResult run_training_job(const JobOptions& options) {
   const Stopwatch run_time;
@@ -607,13 +841,10 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   std::vector<int64_t> index_bounds;  // per data input: integers are drawn from [0, bound)
   if (from_onnx) {
     KILN_CHECK(world == 1, "an ONNX model benchmarks in one process (its batch is the file's)");
-    onnx::ImportedModel model = onnx::import_onnx(o.model, o.onnx);
-    forward = std::move(model.graph);
-    for (const GraphInput& in : forward.inputs) {
-      const std::string& name = forward.value(in.value).name;
-      if (in.role == Role::kParam) init.push_back(model.initial_values.at(name));
-      if (in.role == Role::kState) onnx_state[name] = model.initial_values.at(name);
-    }
+    ImportedForward model = import_forward(o.model, o.onnx);
+    forward = std::move(model.forward);
+    init = std::move(model.params);
+    onnx_state = std::move(model.state);
     index_bounds = data_index_bounds(forward);
     const Value& first = forward.value(forward.inputs.front().value);
     r.tokens_per_step = first.type.rank() > 0 ? first.type.shape[0] : 1;

@@ -18,11 +18,15 @@
 namespace kiln::train {
 
 struct JobOptions {
-  std::string model = "mlp";          // models::model_names()
-  std::string data = "";             // fashion-mnist (classifiers) | a text or .tok file (LMs); "" = the model's default
+  std::string model = "mlp";          // models::model_names(), or an ONNX model file (.onnx)
+  onnx::ImportOptions onnx;           // for an ONNX model: dynamic dims, frozen params, its loss
+  // fashion-mnist (classifiers) | a text or .tok file (LMs) | random (an ONNX model: random
+  // inputs of its shapes); "" = the model's default (an ONNX model: the dataset its inputs fit,
+  // bind_data_inputs)
+  std::string data = "";
   std::string data_dir = "";          // Fashion-MNIST directory; "" = the Debian package's
   int64_t steps = 1000;
-  int64_t batch = 64;
+  int64_t batch = 64;                 // an ONNX model: 0 = the file's (any other must equal it)
   int64_t seq = 0;                    // LM sequence length; 0 = the config's
   models::ModelSizes sizes;           // LM sizes overriding the config's (--layers, ...; seq above)
   OptimizerConfig optimizer;
@@ -85,6 +89,25 @@ std::string choose_shard_mode(const std::string& shard, int world_size, int64_t 
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
 JobResult run_training_job(const JobOptions& options);
+
+// What each data input of an imported model takes from a batch of the dataset it is bound to.
+enum class InputRole {
+  kImages,      // Fashion-MNIST's images: f32 (B, 1, 28, 28), (B, 28, 28) or (B, 784)
+  kLabels,      // Fashion-MNIST's labels: i64 (B,)
+  kTokens,      // a text's token ids: i64 (B, T)
+  kNextTokens,  // the token after each of them (the language-model targets): i64 (B, T)
+  kRandom,      // random values of the input's type (integers below the index bound they reach)
+};
+struct DataBinding {
+  std::string data;             // "fashion-mnist", "random", or the text or .tok file's path
+  std::vector<InputRole> roles;  // per data input of the graph, in order
+};
+// How a forward graph's data inputs bind to `data`: "fashion-mnist" (one images input, at most
+// one labels input, one batch size), a text or .tok file path (one or two integer (B, T) inputs:
+// the tokens, then their next tokens), "random" (any inputs), or "" (Fashion-MNIST when the
+// inputs fit it, else the default text when they fit that, else an error). Throws kiln::Error
+// naming every input that cannot be bound, its type and what the dataset binds.
+DataBinding bind_data_inputs(const Graph& forward, const std::string& data);
 
 // `kiln bench`: training steps of a model on random data (no data loading), timed.
 struct BenchOptions {

@@ -147,7 +147,11 @@ const Executor& Trainer::eval_executor(bool loss_only) const {
     options.passes = pass_options_;
     options.passes.print_after.clear();  // the step's IR was printed; the forward's is not asked for
     options.executor = executor_options_;
-    eval = std::make_unique<CompiledStep>(compile_step(forward_, options));
+    // Evaluation writes nothing back: a training-mode BatchNorm's running statistics (an
+    // imported model's updates) move in training steps only.
+    Graph forward = forward_;
+    forward.updates.clear();
+    eval = std::make_unique<CompiledStep>(compile_step(forward, options));
     eval_compile_s_ += compile.seconds();
   }
   return *eval->executor;

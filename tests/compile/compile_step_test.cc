@@ -46,7 +46,13 @@ TEST(CompileStep, TrainingStepIsTheTrainingGraphThroughThePipeline) {
   ASSERT_NE(step.executor, nullptr);
   EXPECT_EQ(print(step.executor->graph()), print(step.program.graph));
   EXPECT_EQ(phase_names(step),
-            (std::vector<std::string>{"training graph", "passes", "kernel choice", "kernels prepared", "memory plan"}));
+            (std::vector<std::string>{"forward passes", "training graph", "passes", "kernel choice",
+                                      "kernels prepared", "memory plan"}));
+  // The forward pipeline ran on the forward graph first (an MLP of kiln's own: nothing to change).
+  ASSERT_EQ(step.forward_pass_records.size(), 1u);
+  EXPECT_EQ(step.forward_pass_records[0].name, "recognize");
+  EXPECT_TRUE(step.forward_pass_records[0].ran);
+  EXPECT_FALSE(step.forward_pass_records[0].changed);
 }
 
 TEST(CompileStep, ForwardStepComputesWhatTheRawGraphComputes) {
@@ -61,7 +67,7 @@ TEST(CompileStep, ForwardStepComputesWhatTheRawGraphComputes) {
     const CompiledStep step = compile_step(forward, options);
     EXPECT_LT(step.program.graph.nodes.size(), forward.nodes.size());  // the pipeline did run
     EXPECT_EQ(step.program.lr_input, -1);
-    EXPECT_EQ(phase_names(step).front(), "forward graph");
+    EXPECT_EQ(phase_names(step).at(1), "forward graph");
     const std::vector<Tensor> inputs = testing::random_inputs(forward, 7, 0, 10);
     const std::vector<Tensor> compiled = step.executor->run(inputs);
     EXPECT_EQ(compiled.size(), forward.outputs.size());
@@ -112,7 +118,7 @@ TEST(CompileStep, WithoutBindingThereIsNoExecutorAndNoGpuIsNeeded) {
   options.executor.device = Device::kCuda;  // the pipeline for a GPU, on any machine
   const CompiledStep step = compile_step(models::by_name("gpt2-tiny", 2, 8), options);
   EXPECT_EQ(step.executor, nullptr);
-  EXPECT_EQ(phase_names(step), (std::vector<std::string>{"training graph", "passes"}));
+  EXPECT_EQ(phase_names(step), (std::vector<std::string>{"forward passes", "training graph", "passes"}));
   // The CUDA pipeline: training-rewrites off, ones-column on.
   bool training_rewrites_ran = true, ones_column = false;
   for (const PassRecord& r : step.pass_records) {
@@ -131,13 +137,14 @@ TEST(CompileStep, PassOptionsReachThePipeline) {
   const CompiledStep untouched = compile_step(forward, options);
   EXPECT_EQ(print(untouched.program.graph), print(build_training_graph(forward, options.optimizer).graph));
   for (const PassRecord& r : untouched.pass_records) EXPECT_FALSE(r.ran) << r.name;
+  for (const PassRecord& r : untouched.forward_pass_records) EXPECT_FALSE(r.ran) << r.name;
 
   options.passes.disabled.clear();
   std::vector<std::string> printed;
-  options.passes.print_after = {"fusion"};
+  options.passes.print_after = {"fusion", "recognize"};  // one of each pipeline
   options.passes.printer = [&](const std::string& pass, const Graph&) { printed.push_back(pass); };
   compile_step(forward, options);
-  EXPECT_EQ(printed, std::vector<std::string>{"fusion"});
+  EXPECT_EQ(printed, (std::vector<std::string>{"recognize", "fusion"}));
 }
 
 TEST(CompileStep, ErrorsNameTheProblem) {

@@ -1,8 +1,9 @@
 """`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
-BatchNorm, tiny BERT-style encoder, tiny LLaMA-style decoder) is exported to ONNX, and one
-training step of kiln (AdamW) is compared with torch's own: the loss (relative 1e-4), every
-parameter's gradient (1e-3 of the tensor's largest magnitude), the parameters after the update
-and BatchNorm's running statistics.
+BatchNorm, tiny BERT-style encoder at opsets 17 and 14, tiny LLaMA-style decoder with
+grouped-query attention) is exported to ONNX, and one training step of kiln (AdamW) is compared
+with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of the tensor's
+largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
+must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
 
     torch_step_test.py --kiln PATH/TO/kiln [--keep DIR]
 
@@ -87,6 +88,32 @@ def torch_step(model, inputs, lr, betas, eps, weight_decay):
     return float(loss), grads, params, buffers
 
 
+# The composite ops each model's CPU training step runs (kiln compile --report's "composite ops",
+# fused nodes' bodies included): the simplifier's recognize pass found the decomposed forms the
+# export wrote. bert's attention has a padding mask, which kiln's attention does not take; the
+# CPU pipeline decomposes layer_norm_grad for fusion (training-rewrites), so it is not counted.
+COMPOSITE_OPS = {
+    "mlp": {"gelu": 1, "gelu_grad": 1},
+    "cnn": {},
+    "bert": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "bert-opset14": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "llama": {"attention": 2, "attention_grad": 2, "rms_norm": 5, "rms_norm_grad": 5, "rotary_embedding": 8,
+              "silu": 2},
+}
+
+
+def composite_ops(kiln, path):
+    """The step's composite ops by name, from `kiln compile PATH --report`."""
+    run = subprocess.run([kiln, "compile", path, "--report"], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"kiln compile failed: {run.stderr.strip()}")
+    for line in run.stdout.splitlines():
+        if "composite ops:" in line:
+            text = line.split("composite ops:")[1].strip()
+            return {} if text == "none" else {k: int(v) for k, v in (p.strip().split(" ") for p in text.split(","))}
+    raise RuntimeError("no 'composite ops' line in kiln compile --report")
+
+
 def check_model(name, kiln, work):
     path = os.path.join(work, name + ".onnx")
     model, inputs, names = torch_models.export(name, path)
@@ -104,6 +131,9 @@ def check_model(name, kiln, work):
         return [f"{name}: kiln step failed: {run.stderr.strip() or run.stdout.strip()}"]
     out = load_safetensors(out_path)
     problems = []
+    ops = composite_ops(kiln, path)
+    if ops != COMPOSITE_OPS[name]:
+        problems.append(f"{name}: the step's composite ops are {ops}, expected {COMPOSITE_OPS[name]}")
     if abs(float(out["loss"]) - loss) > 1e-4 * abs(loss):
         problems.append(f"{name}: loss {float(out['loss'])} vs torch {loss}")
     # kiln's params are the ONNX initializers, named as torch names them.
@@ -133,7 +163,72 @@ def check_model(name, kiln, work):
         if float(diff.max()) > limit:
             problems.append(f"{name}: {key} differs from torch by {float(diff.max()):.3g} (limit {limit:.3g})")
     print(f"{name}: loss {float(out['loss']):.6f} (torch {loss:.6f}), {compared} tensors compared"
-          f"{'' if problems else ', all within tolerance'}")
+          f"{'' if problems else ', all within tolerance'}; composite ops {ops}")
+    return problems
+
+
+def check_commands(kiln, work):
+    """`kiln train|bench|check|compile MODEL.onnx` on the exported models: each model's inputs bind
+    to the dataset they fit (the CNN's images to Fashion-MNIST, the LLaMA's token ids to the default
+    text), any model to --data random, and inputs that fit no dataset are one error naming them."""
+    problems = []
+
+    def kiln_run(args, want_ok, want_text):
+        run = subprocess.run([kiln] + args, capture_output=True, text=True)
+        out = run.stdout + run.stderr
+        if (run.returncode == 0) != want_ok or want_text not in out:
+            problems.append(f"kiln {' '.join(args)}: exit {run.returncode}, expected "
+                            f"{'success' if want_ok else 'an error'} saying {want_text!r}; got:\n{out.strip()[-600:]}")
+
+    path = lambda name: os.path.join(work, name + ".onnx")  # noqa: E731
+    if os.path.exists("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"):
+        kiln_run(["train", path("cnn"), "--steps", "3", "--eval-batches", "2"], True, "on Fashion-MNIST")
+    kiln_run(["train", path("llama"), "--steps", "3", "--eval-batches", "2"], True, "eval ppl")
+    kiln_run(["train", path("bert"), "--steps", "3", "--data", "random"], True, "on random inputs")
+    kiln_run(["train", path("bert"), "--steps", "3"], False, "no built-in dataset fits the model's inputs 'ids' "
+             "(i64[4,8]), 'mask' (f32[4,8]), 'labels' (i64[4])")
+    kiln_run(["train", path("llama"), "--steps", "3", "--data", "fashion-mnist"], False,
+             "--data fashion-mnist: cannot bind 'ids' (i64[2,8]), 'labels' (i64[2,8])")
+    kiln_run(["train", path("cnn"), "--steps", "3", "--batch", "16"], False, "takes batches of 4")
+    kiln_run(["bench", path("llama"), "--device", "cpu", "--steps", "2", "--warmup", "1"], True, "ms/step")
+    kiln_run(["check", path("cnn")], True, "conv2d(")
+    kiln_run(["compile", path("llama"), "--report"], True, "recognize: attention 2")
+    for p in problems:
+        print("FAIL", p)
+    print(f"commands: {'all as expected' if not problems else str(len(problems)) + ' problems'}")
+    return problems
+
+
+def fuzz_models(kiln, work, per_model=40, seed=5):
+    """Mutated copies of the exported models (1 to 4 random bytes changed): `kiln compile` imports,
+    recognizes and compiles each, or fails with one `kiln: error:` line; never a crash or a hang."""
+    import random
+    rng = random.Random(seed)
+    problems, outcomes = [], {"compiled": 0, "error": 0}
+    for name in ("cnn", "bert", "llama"):
+        data = open(os.path.join(work, name + ".onnx"), "rb").read()
+        for trial in range(per_model):
+            mutated = bytearray(data)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            path = os.path.join(work, f"fuzz_{name}.onnx")
+            with open(path, "wb") as f:
+                f.write(mutated)
+            try:
+                run = subprocess.run([kiln, "compile", path, "--report"], capture_output=True, text=True, errors="replace",
+                                     timeout=120)
+            except subprocess.TimeoutExpired:
+                problems.append(f"fuzz {name} trial {trial}: kiln compile did not finish in 120 s")
+                continue
+            lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+            if run.returncode == 0:
+                outcomes["compiled"] += 1
+            elif run.returncode == 1 and len(lines) == 1 and lines[0].startswith("kiln: error:"):
+                outcomes["error"] += 1
+            else:
+                problems.append(f"fuzz {name} trial {trial}: exit {run.returncode}, stderr {run.stderr.strip()[-300:]!r}")
+    print(f"fuzz: {outcomes['compiled']} mutants compiled, {outcomes['error']} refused with one error line, "
+          f"{len(problems)} problems")
     return problems
 
 
@@ -149,6 +244,9 @@ def main():
     problems = []
     for name in args.models:
         problems += check_model(name, args.kiln, work)
+    if set(args.models) >= {"cnn", "bert", "llama"}:
+        problems += check_commands(args.kiln, work)
+        problems += fuzz_models(args.kiln, work)
     for p in problems:
         print("FAIL", p)
     sys.exit(1 if problems else 0)

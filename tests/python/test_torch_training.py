@@ -36,7 +36,8 @@ class Cnn(torch.nn.Module):
         h = F.avg_pool2d(F.relu(self.bn2(self.conv2(h))), 2)
         return F.cross_entropy(self.fc(torch.flatten(h, 1)), labels)
 
-    example = torch_models.Cnn.example
+    def example(self, g):
+        return (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
 
 
 MODELS = {"mlp": torch_models.Mlp, "cnn": Cnn, "bert": torch_models.Bert}
@@ -45,7 +46,8 @@ LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-6, 0.01
 
 def batches(cls, count, seed):
     g = torch.Generator().manual_seed(seed)
-    return [cls.example(g) for _ in range(count)]
+    example = cls().example  # the examples' default sizes
+    return [example(g) for _ in range(count)]
 
 
 def train_both(model, data, loss=None):
@@ -75,7 +77,17 @@ def assert_same_training(model, reference, kiln_losses, torch_losses):
         want = ref[name].detach()
         scale = float(want.abs().max())
         assert reference.largest_grad[name] > 1e-5, name  # a real gradient, not rounding noise
-        assert torch.allclose(p.detach(), want, rtol=1e-3, atol=1e-4 * scale + 1e-5), name
+        got = p.detach()
+        if name.endswith("attn.qkv.bias"):
+            # The key bias adds q.b to every logit of a query's row, which softmax ignores: its
+            # gradient is rounding noise that AdamW turns into +-lr moves (in torch as in kiln, in
+            # another order wherever the attention is fused), so only the query and value thirds
+            # are compared.
+            d = want.numel() // 3
+            keep = torch.cat([torch.arange(0, d), torch.arange(2 * d, 3 * d)])
+            got, want = got[keep], want[keep]
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * scale + 1e-5), \
+            f"{name}: max difference {(got - want).abs().max().item():.3g} at scale {scale:.3g}"
     ref_buffers = dict(reference.named_buffers())
     for name, b in model.named_buffers():
         if b.dtype.is_floating_point:

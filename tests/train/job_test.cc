@@ -1,14 +1,22 @@
 // Training jobs as `kiln train` runs them: a short real Fashion-MNIST run, resume, a NaN stop
-// that keeps the last good checkpoint, and bad options.
+// that keeps the last good checkpoint, and bad options; ONNX models whose inputs bind to each
+// dataset by their shapes, and each way they cannot.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 
+#ifdef KILN_HAVE_ONNX
+#include <onnx/onnx_pb.h>
+#endif
+
+#include "ir/text.h"
 #include "test_util.h"
 #include "train/data/fashion_mnist.h"
+#include "train/data/text.h"
 #include "train/job.h"
+#include "train/trainer.h"
 
 namespace kiln::train {
 namespace {
@@ -245,6 +253,257 @@ TEST(TrainJob, AutoDeviceRunsWhereTheMachineSays) {
   EXPECT_EQ(r.amp, expected.amp);
   EXPECT_EQ(r.steps_done, 3);
 }
+
+// ---- ONNX models: their data inputs bound by shape (bind_data_inputs) ----
+
+// The error message of bind_data_inputs(IR text's graph, data).
+std::string binding_error(const std::string& text, const std::string& data) {
+  try {
+    bind_data_inputs(parse(text), data);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+constexpr const char* kImagesModel =
+    "graph @g(%x: f32[4,1,28,28] data, %labels: i64[4] data, %w: f32[784,10] param) {\n"
+    "  %f = reshape(%x) {shape=[4, 784]} : f32[4,784]\n"
+    "  %l = matmul(%f, %w) : f32[4,10]\n"
+    "  %loss = cross_entropy(%l, %labels) : f32[]\n"
+    "  return %loss\n}\n";
+constexpr const char* kTokensModel =
+    "graph @g(%ids: i64[2,8] data, %next: i64[2,8] data, %e: f32[256,16] param, %w: f32[16,256] param) {\n"
+    "  %h = gather(%e, %ids) : f32[2,8,16]\n"
+    "  %l = matmul(%h, %w) : f32[2,8,256]\n"
+    "  %loss = cross_entropy(%l, %next) : f32[]\n"
+    "  return %loss\n}\n";
+
+TEST(TrainOnnxBinding, ImagesAndLabelsBindToFashionMnist) {
+  for (const char* shape : {"f32[4,1,28,28]", "f32[4,28,28]", "f32[4,784]"}) {
+    std::string text = kImagesModel;
+    text.replace(text.find("f32[4,1,28,28]"), 14, shape);
+    const DataBinding b = bind_data_inputs(parse(text), "");
+    EXPECT_EQ(b.data, "fashion-mnist") << shape;
+    EXPECT_EQ(b.roles, (std::vector<InputRole>{InputRole::kImages, InputRole::kLabels})) << shape;
+    EXPECT_EQ(bind_data_inputs(parse(text), "fashion-mnist").roles, b.roles);
+  }
+}
+
+TEST(TrainOnnxBinding, TokenIdsBindToText) {
+  const DataBinding b = bind_data_inputs(parse(kTokensModel), "");
+  EXPECT_EQ(b.data, kDefaultTextPath);
+  EXPECT_EQ(b.roles, (std::vector<InputRole>{InputRole::kTokens, InputRole::kNextTokens}));
+  EXPECT_EQ(bind_data_inputs(parse(kTokensModel), "/some/text.txt").data, "/some/text.txt");
+}
+
+TEST(TrainOnnxBinding, RandomBindsAnyInputs) {
+  const DataBinding b = bind_data_inputs(parse(kImagesModel), "random");
+  EXPECT_EQ(b.roles, (std::vector<InputRole>{InputRole::kRandom, InputRole::kRandom}));
+}
+
+TEST(TrainOnnxBinding, InputsThatCannotBeBoundAreNamedInOneError) {
+  // Tokens to Fashion-MNIST, images to a text, and a third input neither takes.
+  std::string e = binding_error(kTokensModel, "fashion-mnist");
+  EXPECT_NE(e.find("--data fashion-mnist: cannot bind 'ids' (i64[2,8]), 'next' (i64[2,8])"), std::string::npos) << e;
+  EXPECT_NE(e.find("--data random"), std::string::npos) << e;
+  e = binding_error(kImagesModel, "story.txt");
+  EXPECT_NE(e.find("--data 'story.txt' (a text): cannot bind 'x' (f32[4,1,28,28]), 'labels' (i64[4])"),
+            std::string::npos) << e;
+  const std::string with_mask = std::string(kTokensModel).replace(std::string(kTokensModel).find("%e:"), 0,
+                                                                   "%mask: f32[2,8] data, ");
+  e = binding_error(with_mask, "");
+  EXPECT_NE(e.find("no built-in dataset fits the model's inputs 'ids' (i64[2,8]), 'next' (i64[2,8]), 'mask' "
+                   "(f32[2,8])"), std::string::npos) << e;
+  EXPECT_NE(e.find("give --data random"), std::string::npos) << e;
+  // Colour images.
+  e = binding_error("graph @g(%x: f32[4,3,28,28] data, %labels: i64[4] data, %w: f32[28] param) {\n"
+                    "  %y = mul(%x, %w) : f32[4,3,28,28]\n  %s = mean(%y) : f32[]\n  return %s\n}\n",
+                    "fashion-mnist");
+  EXPECT_NE(e.find("cannot bind 'x' (f32[4,3,28,28])"), std::string::npos) << e;
+  // Labels alone: no input takes the images.
+  e = binding_error("graph @g(%labels: i64[4] data, %w: f32[4] param) {\n  %s = sum(%w) : f32[]\n  return %s\n}\n",
+                    "fashion-mnist");
+  EXPECT_NE(e.find("no input takes the images"), std::string::npos) << e;
+}
+
+TEST(TrainOnnxBinding, EvaluationLeavesTheRunningStatisticsAlone) {
+  // A graph with an update of its state (what an imported BatchNorm has): evaluation runs the
+  // forward without writing the state back; a training step writes it.
+  Graph g = parse(
+      "graph @g(%x: f32[4,3] data, %w: f32[3] param, %running: f32[3] state) {\n"
+      "  %m = mean(%x) {axes=[0]} : f32[3]\n"
+      "  %y = mul(%x, %w) : f32[4,3]\n"
+      "  %loss = mean(%y) : f32[]\n"
+      "  %half = full() {dtype=f32, shape=[], value=0.5} : f32[]\n"
+      "  %r = mul(%running, %half) : f32[3]\n"
+      "  %new = add(%r, %m) : f32[3]\n"
+      "  update %running = %new\n"
+      "  return %loss\n}\n");
+  Trainer trainer(g, OptimizerConfig{}, {testing::rand(DType::kF32, {3}, 1)});
+  auto running = [&] { return trainer.named_tensors().at("running").clone(); };
+  const Tensor before = running();
+  trainer.evaluate({testing::rand(DType::kF32, {4, 3}, 2)});
+  EXPECT_TRUE(testing::all_close(running(), before, 0, 0));
+  trainer.step({testing::rand(DType::kF32, {4, 3}, 3)});
+  EXPECT_FALSE(testing::all_close(running(), before, 0, 0));
+}
+
+#ifdef KILN_HAVE_ONNX
+// A small ONNX model file written here (the ONNX library's protobuf classes), so that jobs on
+// imported models run without PyTorch.
+class OnnxFile {
+ public:
+  OnnxFile() {
+    model_.set_ir_version(8);
+    model_.set_producer_name("kiln-test");
+    auto* opset = model_.add_opset_import();
+    opset->set_domain("");
+    opset->set_version(17);
+  }
+  void input(const std::string& name, int elem_type, const std::vector<int64_t>& dims) {
+    auto* in = model_.mutable_graph()->add_input();
+    in->set_name(name);
+    auto* t = in->mutable_type()->mutable_tensor_type();
+    t->set_elem_type(elem_type);
+    for (int64_t d : dims) t->mutable_shape()->add_dim()->set_dim_value(d);
+  }
+  void weights(const std::string& name, const std::vector<int64_t>& dims, uint64_t seed) {
+    auto* t = model_.mutable_graph()->add_initializer();
+    t->set_name(name);
+    t->set_data_type(::onnx::TensorProto::FLOAT);
+    int64_t n = 1;
+    for (int64_t d : dims) {
+      t->add_dims(d);
+      n *= d;
+    }
+    const Tensor values = testing::rand(DType::kF32, {n}, seed, -0.1, 0.1);
+    for (int64_t i = 0; i < n; ++i) t->add_float_data(static_cast<float>(values.get(i)));
+  }
+  void shape(const std::string& name, const std::vector<int64_t>& dims) {
+    auto* t = model_.mutable_graph()->add_initializer();
+    t->set_name(name);
+    t->set_data_type(::onnx::TensorProto::INT64);
+    t->add_dims(static_cast<int64_t>(dims.size()));
+    for (int64_t d : dims) t->add_int64_data(d);
+  }
+  void node(const std::string& op, const std::vector<std::string>& inputs, const std::string& output) {
+    auto* n = model_.mutable_graph()->add_node();
+    n->set_op_type(op);
+    n->set_name(output);
+    for (const std::string& in : inputs) n->add_input(in);
+    n->add_output(output);
+  }
+  std::string save(const std::string& name) {
+    model_.mutable_graph()->set_name("test");
+    auto* out = model_.mutable_graph()->add_output();
+    out->set_name("loss");
+    out->mutable_type()->mutable_tensor_type()->set_elem_type(::onnx::TensorProto::FLOAT);
+    const std::string path = temp_dir(name) + ".onnx";
+    std::ofstream file(path, std::ios::binary);
+    model_.SerializeToOstream(&file);
+    return path;
+  }
+
+ private:
+  ::onnx::ModelProto model_;
+};
+
+// Images (4, 1, 28, 28) and labels (4,): a linear classifier.
+std::string images_onnx() {
+  OnnxFile f;
+  f.input("x", ::onnx::TensorProto::FLOAT, {4, 1, 28, 28});
+  f.input("labels", ::onnx::TensorProto::INT64, {4});
+  f.weights("w", {784, 10}, 5);
+  f.shape("flat", {4, 784});
+  f.node("Reshape", {"x", "flat"}, "f");
+  f.node("MatMul", {"f", "w"}, "logits");
+  f.node("SoftmaxCrossEntropyLoss", {"logits", "labels"}, "loss");
+  return f.save("images");
+}
+
+// Token ids and their next tokens (2, 8) over bytes: an embedding and a head.
+std::string tokens_onnx() {
+  OnnxFile f;
+  f.input("ids", ::onnx::TensorProto::INT64, {2, 8});
+  f.input("labels", ::onnx::TensorProto::INT64, {2, 8});
+  f.weights("emb", {256, 16}, 6);
+  f.weights("head", {16, 256}, 7);
+  f.shape("rows", {16, 256});
+  f.shape("flat", {16});
+  f.node("Gather", {"emb", "ids"}, "h");
+  f.node("MatMul", {"h", "head"}, "l3");
+  f.node("Reshape", {"l3", "rows"}, "logits");
+  f.node("Reshape", {"labels", "flat"}, "targets");
+  f.node("SoftmaxCrossEntropyLoss", {"logits", "targets"}, "loss");
+  return f.save("tokens");
+}
+
+JobOptions quiet_onnx(const std::string& path, const std::string& data, int64_t steps) {
+  JobOptions o;
+  o.model = path;
+  o.data = data;
+  o.batch = 0;
+  o.steps = steps;
+  o.eval_every = steps;
+  o.eval_batches = 3;
+  o.out = std::fopen("/dev/null", "w");
+  return o;
+}
+
+TEST(TrainOnnx, ImagesTrainOnFashionMnist) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  JobResult r = run_training_job(quiet_onnx(images_onnx(), "", 40));
+  EXPECT_EQ(r.steps_done, 40);
+  EXPECT_EQ(r.eval_name, "loss");
+  EXPECT_EQ(r.eval_batches, 3);
+  EXPECT_TRUE(std::isfinite(r.eval_metric));
+  EXPECT_LT(r.eval_metric, std::log(10.0));  // better than chance after 40 steps
+}
+
+TEST(TrainOnnx, TokensTrainOnATextFile) {
+  const std::string text = temp_dir("tokens_text") + ".txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 200; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  JobResult r = run_training_job(quiet_onnx(tokens_onnx(), text, 30));
+  EXPECT_EQ(r.eval_name, "perplexity");
+  EXPECT_LT(r.eval_metric, 256.0);  // better than uniform over bytes
+  EXPECT_GT(r.final_loss, 0.0);
+}
+
+TEST(TrainOnnx, RandomInputsTrainAnyModel) {
+  JobResult r = run_training_job(quiet_onnx(images_onnx(), "random", 3));
+  EXPECT_EQ(r.steps_done, 3);
+  EXPECT_EQ(r.eval_name, "loss");
+  EXPECT_TRUE(std::isfinite(r.final_loss));
+}
+
+TEST(TrainOnnx, ClearErrors) {
+  auto error_of = [](JobOptions o) {
+    try {
+      run_training_job(o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string e = error_of(quiet_onnx(tokens_onnx(), "fashion-mnist", 1));
+  EXPECT_NE(e.find("cannot bind 'ids' (i64[2,8]), 'labels' (i64[2,8])"), std::string::npos) << e;
+  JobOptions o = quiet_onnx(images_onnx(), "random", 1);
+  o.batch = 8;
+  e = error_of(o);
+  EXPECT_NE(e.find("--batch 8: model"), std::string::npos) << e;
+  EXPECT_NE(e.find("takes batches of 4"), std::string::npos) << e;
+  o = quiet_onnx(images_onnx(), "random", 1);
+  o.sizes.layers = 4;
+  EXPECT_NE(error_of(o).find("an ONNX model's sizes are the file's"), std::string::npos);
+  o = quiet_onnx(tokens_onnx(), "", 1);  // GPL-3's bytes fit a vocabulary of 256: fine; a bad path is not
+  o.data = "/nonexistent/text.txt";
+  EXPECT_NE(error_of(o).find("/nonexistent/text.txt"), std::string::npos);
+}
+#endif
 
 }  // namespace
 }  // namespace kiln::train

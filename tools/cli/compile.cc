@@ -120,8 +120,9 @@ void add_compile_command(CLI::App& app) {
   command->add_option("-o,--output", o->output, "Write the compiled step's IR text to FILE ('-': standard output)")
       ->type_name("FILE");
   command->add_flag("--report", o->report,
-                    "Print each pass's time and node counts, the fusion groups (per fused node: kind, ops, bytes kept "
-                    "out of memory; and the total) and the memory plan");
+                    "Print each pass's time and node counts (recognize's on the forward graph first, with the "
+                    "composite ops it found), the step's kernels and the composite ops among them, the fusion groups "
+                    "(per fused node: kind, ops, bytes kept out of memory; and the total) and the memory plan");
   command->add_option("--dump-kernels", o->dump_kernels_dir,
                       "Write each fused node's generated CUDA source to DIR (one .cu file per node)")
       ->type_name("DIR");

@@ -7,14 +7,22 @@ namespace kiln::cli {
 void add_train_command(CLI::App& app) {
   CLI::App* command = app.add_subcommand("train", "Train a model on a CUDA GPU when there is one, else the CPU, printing progress");
   auto job = std::make_shared<train::JobOptions>();
+  auto file = std::make_shared<std::string>();
+  command->add_option("MODEL", *file,
+                      "An ONNX model (.onnx) to train instead of --model: its inputs bind to --data by their shapes");
   add_model_option(command, job->model, "mlp");
+  add_onnx_options(command, job->onnx);
   command->add_option("--data", job->data,
                       "fashion-mnist (mlp, cnn) or a text / .tok file (gpt2*, llama*); default: fashion-mnist, or a GPL "
-                      "text for gpt2* and llama*");
+                      "text for gpt2* and llama*. An ONNX model: fashion-mnist (images f32 (B, 1, 28, 28), (B, 28, 28) "
+                      "or (B, 784) and labels i64 (B,)), a text (token ids i64 (B, T), then their next tokens), or "
+                      "random (random inputs of any shapes); default: the dataset its inputs fit");
   command->add_option("--data-dir", job->data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
   command->add_option("--steps", job->steps, "Total training steps")->default_val(3000);
-  command->add_option("--batch", job->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
-      ->default_val(64);
+  CLI::Option* batch =
+      command->add_option("--batch", job->batch, "Batch size (under kiln launch: the global batch, split over the ranks; "
+                                                 "an ONNX model: the file's)")
+          ->default_val(64);
   command->add_option("--seq", job->seq, "Sequence length for gpt2* and llama* (default: the config's)");
   add_model_size_options(command, job->sizes);
   command->add_option("--lr", job->optimizer.lr, "Peak learning rate")->default_val(1e-3);
@@ -59,7 +67,11 @@ void add_train_command(CLI::App& app) {
   command->add_option("--log-every", job->log_every, "Log line interval when not on a terminal")->default_val(100);
   command->add_option("--metrics", job->metrics_path, "Append metrics as JSON lines to FILE");
   add_pass_options(command, job->passes);
-  command->callback([job] {
+  command->callback([job, file, batch] {
+    if (!file->empty()) {
+      job->model = *file;
+      if (batch->count() == 0) job->batch = 0;  // the file's
+    }
     if (job->optimizer.decay_steps < 0) job->optimizer.decay_steps = job->steps;
     train::run_training_job(*job);
   });

@@ -2,8 +2,11 @@
 // a suffix of the dims (the last axis, the last few, or all of them: axes=[] means all). The
 // input is then `outer` contiguous rows of `inner` elements and the output is one value per
 // row, whatever keepdims says. Also when the reduced axes are a prefix (column reductions: the
-// bias and LayerNorm-parameter gradients, a sum over batch and time): one value per column.
-// Reductions over scattered axes are refused by supports() and served by the reference kernel.
+// bias and LayerNorm-parameter gradients, a sum over batch and time): one value per column. And
+// when they are a prefix and a suffix around kept axes (BatchNorm's per-channel statistics of
+// (N, C, H, W) over N, H and W): one value per kept index, each a sum of contiguous rows.
+// Reductions over other scattered axes are refused by supports() and served by the reference
+// kernel.
 //
 // Many rows: rows are split across threads. Few long rows (e.g. a sum over everything): each
 // row is split across threads and the per-chunk partial results are combined in chunk order.
@@ -62,6 +65,30 @@ std::optional<RowShape> prefix_rows(const Shape& shape, const std::vector<int64_
   return rows;
 }
 
+// A reduction over a non-empty prefix and a non-empty suffix of the axes around a kept block:
+// outer (the prefix's elements) x mid (the block's) x inner (the suffix's).
+struct BlockShape {
+  int64_t outer = 1, mid = 1, inner = 1;
+};
+std::optional<BlockShape> middle_kept(const Shape& shape, const std::vector<int64_t>& axes) {
+  const int rank = static_cast<int>(shape.size());
+  if (axes.empty()) return std::nullopt;
+  std::vector<bool> reduced(rank, false);
+  for (int64_t axis : axes) {
+    if (axis < -rank || axis >= rank) return std::nullopt;
+    reduced[axis < 0 ? axis + rank : axis] = true;
+  }
+  int first = 0, last = rank;  // the kept block is [first, last)
+  while (first < rank && reduced[first]) ++first;
+  while (last > first && reduced[last - 1]) --last;
+  if (first == 0 || last == rank || first == last) return std::nullopt;
+  for (int d = first; d < last; ++d)
+    if (reduced[d]) return std::nullopt;
+  BlockShape b;
+  for (int d = 0; d < rank; ++d) (d < first ? b.outer : d < last ? b.mid : b.inner) *= shape[d];
+  return b;
+}
+
 enum class Reduce { kSum, kMean, kMax };
 
 // Column reduction: each thread folds a contiguous chunk of rows into per-column f64 partials
@@ -103,12 +130,36 @@ double reduce_part(Reduce kind, const float* x, int64_t n) {
   return kind == Reduce::kMax ? static_cast<double>(max_row(x, n)) : sum_row(x, n);
 }
 
+// Middle-kept reduction: per kept index m, its `outer` contiguous rows of `inner` elements, each
+// reduced as a row and combined in row order (threads split the kept indices, so the result
+// does not depend on scheduling).
+void middle_reduce_kernel(Reduce kind, const BlockShape& b, const float* x, float* out) {
+  const double scale = kind == Reduce::kMean ? 1.0 / static_cast<double>(b.outer * b.inner) : 1.0;
+  parallel_for(0, b.mid, std::max<int64_t>(1, kGrainCheap / std::max<int64_t>(1, b.outer * b.inner)),
+               [&](int64_t lo, int64_t hi) {
+                 for (int64_t m = lo; m < hi; ++m) {
+                   double result = kind == Reduce::kMax ? -std::numeric_limits<double>::infinity() : 0.0;
+                   for (int64_t o = 0; o < b.outer; ++o) {
+                     const double p = reduce_part(kind, x + (o * b.mid + m) * b.inner, b.inner);
+                     // std::max would drop a NaN; the reference propagates it.
+                     result = kind != Reduce::kMax ? result + p : (p > result || std::isnan(p)) ? p : result;
+                   }
+                   out[m] = static_cast<float>(result * scale);
+                 }
+               });
+}
+
 void reduce_kernel(Reduce kind, const KernelArgs& args) {
   const Tensor& in = args.inputs[0];
   const float* x = in.data<float>();
   float* out = args.outputs[0].data<float>();
-  const std::optional<RowShape> suffix = suffix_rows(in.shape(), args.attrs.ints("axes"));
-  if (!suffix) return column_reduce_kernel(kind, *prefix_rows(in.shape(), args.attrs.ints("axes")), x, out);
+  const std::vector<int64_t>& axes = args.attrs.ints("axes");
+  const std::optional<RowShape> suffix = suffix_rows(in.shape(), axes);
+  if (!suffix) {
+    if (const std::optional<BlockShape> block = middle_kept(in.shape(), axes))
+      return middle_reduce_kernel(kind, *block, x, out);
+    return column_reduce_kernel(kind, *prefix_rows(in.shape(), axes), x, out);
+  }
   const RowShape rows = *suffix;
   const double scale = kind == Reduce::kMean ? 1.0 / static_cast<double>(rows.inner) : 1.0;
   const int64_t threads = max_threads();
@@ -140,8 +191,8 @@ bool reduce_supported(const NodeView& node) {
   const Shape& shape = node.input_types[0].shape;
   // Empty inputs (mean of nothing, max of nothing) are the reference's to define.
   const std::vector<int64_t>& axes = node.node.attrs.ints("axes");
-  return numel(shape) > 0 &&
-         (suffix_rows(shape, axes).has_value() || prefix_rows(shape, axes).has_value());
+  return numel(shape) > 0 && (suffix_rows(shape, axes).has_value() || prefix_rows(shape, axes).has_value() ||
+                              middle_kept(shape, axes).has_value());
 }
 
 void add_reduction(KernelRegistry& registry, Op op, Reduce kind) {

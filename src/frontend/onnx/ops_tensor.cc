@@ -13,8 +13,6 @@ namespace {
 
 using Ints = std::vector<int64_t>;
 
-int rank_of(const Expr& x) { return x.rank(); }
-
 int64_t axis_in(NodeContext& c, int64_t axis, int rank) {
   if (axis < -rank || axis >= std::max(rank, 1)) c.fail("axis {} is out of range for rank {}", axis, rank);
   return axis < 0 ? axis + rank : axis;

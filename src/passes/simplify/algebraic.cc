@@ -33,17 +33,6 @@ bool is_zero(const Rewriter& rw, ValueId id, bool negative) {
   return !is_float(rw.type(id).dtype) || std::signbit(*v) == negative;
 }
 
-// transpose's perm, with the default (empty = reverse the axes) spelled out.
-Ints perm_of(const Node& node, int rank) {
-  Ints perm = node.attrs.ints("perm");
-  if (perm.empty()) {
-    perm.resize(rank);
-    std::iota(perm.rbegin(), perm.rend(), 0);
-  }
-  for (int64_t& p : perm) p = normalize_axis(p, rank);
-  return perm;
-}
-
 bool is_identity(const Ints& perm) {
   for (size_t i = 0; i < perm.size(); ++i)
     if (perm[i] != static_cast<int64_t>(i)) return false;
@@ -96,7 +85,7 @@ Replacement neg_neg(Rewriter& rw, const Node& n) {
 }
 
 Replacement transpose_identity(Rewriter& rw, const Node& n) {
-  if (n.op != Op::kTranspose || !is_identity(perm_of(n, rw.type(n.inputs[0]).rank()))) return {};
+  if (n.op != Op::kTranspose || !is_identity(transpose_perm(n, rw.type(n.inputs[0]).rank()))) return {};
   return {n.inputs[0]};
 }
 
@@ -106,7 +95,7 @@ Replacement transpose_transpose(Rewriter& rw, const Node& n) {
   if (inner == nullptr) return {};
   const ValueId x = inner->inputs[0];
   const int rank = rw.type(x).rank();
-  const Ints outer_perm = perm_of(n, rank), inner_perm = perm_of(*inner, rank);
+  const Ints outer_perm = transpose_perm(n, rank), inner_perm = transpose_perm(*inner, rank);
   // Output axis i is the inner output's axis outer_perm[i], which is x's axis
   // inner_perm[outer_perm[i]].
   Ints combined(rank);
@@ -201,20 +190,12 @@ Replacement cast_transpose(Rewriter& rw, const Node& n) {
   return {rw.emit(Op::kTranspose, {cast}, perm)};
 }
 
-// The permutation that swaps axes rank-3 and rank-2: (..., H, T, D) <-> (..., T, H, D).
-Ints heads_swap(int rank) {
-  Ints perm(rank);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::swap(perm[rank - 3], perm[rank - 2]);
-  return perm;
-}
-
-// x when `id` is heads_swap(id's rank) applied to x, else -1.
+// x when `id` is heads_swap_perm(id's rank) applied to x, else -1.
 ValueId unswapped(Rewriter& rw, ValueId id) {
   const int rank = rw.type(id).rank();
   if (rank < 3) return -1;
   const Node* t = producer_of(rw, id, Op::kTranspose);
-  if (t == nullptr || perm_of(*t, rank) != heads_swap(rank)) return -1;
+  if (t == nullptr || transpose_perm(*t, rank) != heads_swap_perm(rank)) return -1;
   return t->inputs[0];
 }
 
@@ -239,7 +220,7 @@ Replacement attention_heads_inside(Rewriter& rw, const Node& n) {
   Attributes attrs = n.attrs;
   attrs.set("layout", std::string("bthd"));
   const int rank = rw.type(n.inputs[0]).rank();
-  auto swap = [&](ValueId x) { return rw.emit(Op::kTranspose, {x}, {{"perm", heads_swap(rank)}}); };
+  auto swap = [&](ValueId x) { return rw.emit(Op::kTranspose, {x}, {{"perm", heads_swap_perm(rank)}}); };
   if (n.op == Op::kAttention) {
     std::vector<ValueId> out = rw.emit_node(Op::kAttention, {qkv[0], qkv[1], qkv[2]}, attrs);
     return {swap(out[0]), swap_last_two(rw, out[1])};

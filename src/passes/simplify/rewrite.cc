@@ -227,6 +227,64 @@ IntRange range_at(const Rewriter& rewriter, ValueId id, int depth) {
 
 }  // namespace
 
+namespace {
+
+std::optional<Tensor> known_at(const Rewriter& rewriter, ValueId id, int64_t max_elements,
+                               int depth) {
+  const Node* node = rewriter.producer(id);
+  if (node == nullptr || depth > 4 * kMaxFactDepth || node->op == Op::kFused ||
+      has_flag(node->op, kRandom) || needs_process_group(node->op))
+    return std::nullopt;
+  std::vector<Tensor> inputs;
+  for (ValueId in : node->inputs) {
+    std::optional<Tensor> t = known_at(rewriter, in, max_elements, depth + 1);
+    if (!t) return std::nullopt;
+    inputs.push_back(std::move(*t));
+  }
+  std::vector<Tensor> outputs;
+  for (ValueId out : node->outputs) {
+    if (rewriter.type(out).numel() > max_elements) return std::nullopt;
+    outputs.emplace_back(rewriter.type(out));
+  }
+  try {
+    op_def(node->op).reference(KernelArgs{node->attrs, inputs, outputs, nullptr, node->body.get()});
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < node->outputs.size(); ++i)
+    if (node->outputs[i] == id) return outputs[i];
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id, int64_t max_elements) {
+  // Cached under the default limit only, so a result never depends on another call's limit.
+  const bool cacheable = max_elements == kKnownValueMaxElements && id >= 0 &&
+                         static_cast<size_t>(id) < rewriter.values_before_;
+  if (!cacheable) return known_at(rewriter, id, max_elements, 0);
+  auto [at, inserted] = rewriter.known_.try_emplace(id);
+  if (inserted) at->second = known_at(rewriter, id, max_elements, 0);
+  return at->second;
+}
+
+std::vector<int64_t> transpose_perm(const Node& node, int rank) {
+  std::vector<int64_t> perm = node.attrs.ints("perm");
+  if (perm.empty()) {
+    perm.resize(rank);
+    std::iota(perm.rbegin(), perm.rend(), 0);
+  }
+  for (int64_t& p : perm) p = normalize_axis(p, rank);
+  return perm;
+}
+
+std::vector<int64_t> heads_swap_perm(int rank) {
+  std::vector<int64_t> perm(rank);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::swap(perm[rank - 3], perm[rank - 2]);
+  return perm;
+}
+
 std::optional<double> splat_value(const Rewriter& rewriter, ValueId id) {
   return splat_at(rewriter, id, 0);
 }

@@ -17,15 +17,20 @@
 #include <vector>
 
 #include "ir/graph.h"
+#include "tensor/tensor.h"
 
 namespace kiln {
 
 // One value per output of the rewritten node; empty: the rule does not apply.
 using Replacement = std::vector<ValueId>;
 
+class Rewriter;
+std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id, int64_t max_elements);
+
 class Rewriter {
  public:
-  Rewriter(Graph& graph, std::vector<int>& producer) : graph_(graph), producer_(producer) {}
+  Rewriter(Graph& graph, std::vector<int>& producer)
+      : graph_(graph), producer_(producer), values_before_(graph.values.size()) {}
   Graph& graph() { return graph_; }
   const TensorType& type(ValueId id) const { return graph_.type(id); }
   // The node defining `id`, or nullptr for a graph input. The pointer is invalidated by emit().
@@ -40,6 +45,12 @@ class Rewriter {
  private:
   Graph& graph_;
   std::vector<int>& producer_;  // per value: index into graph.nodes, -1 for inputs
+  // known_value's results for the values the sweep started with (whose ids stay theirs through
+  // the sweep, unlike those of nodes a rule emits and then discards): one evaluation of a mask
+  // or a table that every layer's pattern reads.
+  friend std::optional<Tensor> known_value(const Rewriter&, ValueId, int64_t);
+  size_t values_before_;
+  mutable std::map<ValueId, std::optional<Tensor>> known_;
 };
 
 struct RewriteRule {
@@ -65,5 +76,22 @@ struct IntRange {
   double low, high;  // inclusive; integers stored exactly in doubles (|x| <= 2^53)
 };
 std::optional<IntRange> integer_range(const Rewriter& rewriter, ValueId id);
+
+// The value of `id` when it depends on no graph input: its producers back to sources (constant,
+// full, iota) evaluated with the ops' reference kernels. nullopt when it reads an input, when a
+// value on the way holds more than `max_elements`, or when a kernel throws. A mask or a table
+// an importer left as a chain of constant ops is known this way.
+inline constexpr int64_t kKnownValueMaxElements = int64_t{1} << 24;
+std::optional<Tensor> known_value(const Rewriter& rewriter, ValueId id,
+                                  int64_t max_elements = kKnownValueMaxElements);
+
+// ---- shapes of rearranging ops ----
+
+// A transpose node's permutation, the default (empty: reverse the axes) spelled out and
+// negative axes normalized.
+std::vector<int64_t> transpose_perm(const Node& node, int rank);
+// The permutation that swaps axes rank-3 and rank-2: (..., H, T, D) <-> (..., T, H, D), the
+// transpose between attention's layouts "bthd" and "bhtd".
+std::vector<int64_t> heads_swap_perm(int rank);
 
 }  // namespace kiln
