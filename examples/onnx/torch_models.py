@@ -9,6 +9,7 @@ as initializers instead of folding them into other constants. Each model returns
 tests/frontend/torch_step_test.py exports these and checks `kiln step` against torch's own step;
 bench/onnx_vs_native.py times the --bench sizes against kiln's own models of the same sizes.
 """
+import inspect
 import math
 import os
 import sys
@@ -231,8 +232,11 @@ def export(name, path, seed=0, bench=False):
     model = cls(**sizes)
     inputs = model.example(torch.Generator().manual_seed(seed + 1))
     model.train()
+    # The TorchScript exporter (PyTorch 2.9 made the dynamo one the default; training mode is the
+    # TorchScript exporter's alone; Debian's 1.13 has no choice to make).
+    legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=opset,
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, **legacy)
     return model, inputs, names
 
 
