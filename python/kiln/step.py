@@ -258,15 +258,14 @@ class Step:
         return [to_kiln(x, f"input '{n}'") for x, n in zip(inputs, self.input_names)]
 
     def _enter(self, tensors):
-        """CUDA: kiln's stream waits for torch's current one, and torch's allocator keeps
-        the tensors kiln reads until kiln's stream is past them."""
+        """CUDA: kiln's stream waits for torch's current one. The tensors kiln reads need no
+        record_stream: _leave makes torch's stream wait for kiln's, so torch reuses their memory
+        only after kiln is past them (and a record on kiln's stream would outlive it: torch's
+        allocator then aborts the process when it frees them at exit)."""
         if self._stream is None:
             return
         torch = torch_module()
         self._stream.wait_stream(torch.cuda.current_stream(self._index))
-        for t in tensors:
-            if is_torch(t) and t.is_cuda:
-                t.record_stream(self._stream)
 
     def _leave(self):
         """CUDA: torch's current stream waits for kiln's (no host wait)."""
