@@ -120,7 +120,7 @@ class Bert(nn.Module):
 
     def forward(self, ids, mask, labels):
         T = ids.shape[1]
-        h = self.ln0(self.tok(ids) + self.pos(torch.arange(T)))
+        h = self.ln0(self.tok(ids) + self.pos(torch.arange(T, device=ids.device)))
         for b in self.blocks:
             h = b["ln1"](h + b["attn"](h, mask))
             h = b["ln2"](h + b["fc2"](F.gelu(b["fc1"](h))))
@@ -179,10 +179,10 @@ class Llama(nn.Module):
     def forward(self, ids, labels):
         B, T = ids.shape
         D = self.tok.embedding_dim // self.heads
-        freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-        angles = torch.arange(T).float()[:, None] * freq[None, :]
+        freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=ids.device).float() / D))
+        angles = torch.arange(T, device=ids.device).float()[:, None] * freq[None, :]
         cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).triu(1)
         h = self.tok(ids)
         for b in self.blocks:
             x = b["norm1"](h)
