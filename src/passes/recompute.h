@@ -35,8 +35,9 @@ namespace kiln {
 
 class RecomputePass : public Pass {
  public:
-  // Values of at most this many bytes may be kept alive longer by a clone that reads them.
-  static constexpr size_t kSmallBytes = 64 * 1024;
+  // Values of at most this many bytes (scalars, small tables) may be kept alive longer by a
+  // clone that reads them; activations never are (a small model's would pass a larger bound).
+  static constexpr size_t kSmallBytes = 4096;
 
   std::string name() const override { return "recompute"; }
   bool run(Graph& graph) override;
