@@ -45,9 +45,8 @@ std::optional<RowShape> suffix_rows(const Shape& shape, const std::vector<int64_
   return rows;
 }
 
-// Rows for a reduction over a proper prefix of the axes (a column reduction): `outer` rows of
-// `inner` columns, one result per column. nullopt otherwise (suffix reductions go above).
-std::optional<RowShape> prefix_rows(const Shape& shape, const std::vector<int64_t>& axes) {
+// Per axis of `shape`, whether `axes` reduces it; nullopt for no axes or one out of range.
+std::optional<std::vector<bool>> reduced_axes(const Shape& shape, const std::vector<int64_t>& axes) {
   const int rank = static_cast<int>(shape.size());
   if (axes.empty()) return std::nullopt;
   std::vector<bool> reduced(rank, false);
@@ -55,6 +54,16 @@ std::optional<RowShape> prefix_rows(const Shape& shape, const std::vector<int64_
     if (axis < -rank || axis >= rank) return std::nullopt;
     reduced[axis < 0 ? axis + rank : axis] = true;
   }
+  return reduced;
+}
+
+// Rows for a reduction over a proper prefix of the axes (a column reduction): `outer` rows of
+// `inner` columns, one result per column. nullopt otherwise (suffix reductions go above).
+std::optional<RowShape> prefix_rows(const Shape& shape, const std::vector<int64_t>& axes) {
+  const int rank = static_cast<int>(shape.size());
+  const std::optional<std::vector<bool>> mask = reduced_axes(shape, axes);
+  if (!mask) return std::nullopt;
+  const std::vector<bool>& reduced = *mask;
   int last = 0;
   while (last < rank && reduced[last]) ++last;
   if (last == 0 || last == rank) return std::nullopt;
@@ -72,12 +81,9 @@ struct BlockShape {
 };
 std::optional<BlockShape> middle_kept(const Shape& shape, const std::vector<int64_t>& axes) {
   const int rank = static_cast<int>(shape.size());
-  if (axes.empty()) return std::nullopt;
-  std::vector<bool> reduced(rank, false);
-  for (int64_t axis : axes) {
-    if (axis < -rank || axis >= rank) return std::nullopt;
-    reduced[axis < 0 ? axis + rank : axis] = true;
-  }
+  const std::optional<std::vector<bool>> mask = reduced_axes(shape, axes);
+  if (!mask) return std::nullopt;
+  const std::vector<bool>& reduced = *mask;
   int first = 0, last = rank;  // the kept block is [first, last)
   while (first < rank && reduced[first]) ++first;
   while (last > first && reduced[last - 1]) --last;
