@@ -6,10 +6,6 @@
 
 namespace kiln {
 
-std::string format_bytes(size_t bytes) {
-  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
-}
-
 std::unique_ptr<DeviceRuntime> device_runtime(Device device) {
   if (device == Device::kCpu) return make_cpu_runtime();
   KILN_CHECK(cuda::built_with_cuda(), "this build has no CUDA backend (configure with -DKILN_CUDA=ON)");

@@ -10,14 +10,21 @@
 #include "analysis/memory_plan.h"
 #include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
+#include "support/bytes.h"
 
 namespace kiln {
 namespace {
 
-// MiB below a GiB, so that small models show their numbers.
-std::string format_size(double bytes) {
-  return bytes < double(1 << 30) ? fmt::format("{:.2f} MiB", bytes / double(1 << 20))
-                                 : fmt::format("{:.3f} GiB", bytes / double(1 << 30));
+// Ops in order, a run of one op once with its count: "cast x96" (a multi-tensor node's casts).
+std::string op_runs(const std::vector<std::string>& ops) {
+  std::vector<std::string> runs;
+  for (size_t i = 0; i < ops.size();) {
+    size_t j = i;
+    while (j < ops.size() && ops[j] == ops[i]) ++j;
+    runs.push_back(j - i > 1 ? fmt::format("{} x{}", ops[i], j - i) : ops[i]);
+    i = j;
+  }
+  return fmt::format("{}", fmt::join(runs, " "));
 }
 
 
@@ -50,16 +57,9 @@ std::string peak_contents(const Graph& graph, const MemoryPlan& plan) {
     std::string what = producer.op == Op::kFused ? fmt::format("fused:{}", fused_kind_name(fused_kind(producer)))
                                                  : std::string(op_name(producer.op));
     if (producer.op == Op::kFused && producer.body) {
-      // Ops in body order, a run of one op once with its count (a multi-tensor node's 96 casts).
       std::vector<std::string> ops;
-      const auto& inner = producer.body->nodes;
-      for (size_t i = 0; i < inner.size();) {
-        size_t j = i;
-        while (j < inner.size() && inner[j].op == inner[i].op) ++j;
-        ops.push_back(j - i > 1 ? fmt::format("{} x{}", op_name(inner[i].op), j - i) : std::string(op_name(inner[i].op)));
-        i = j;
-      }
-      what += "(" + fmt::format("{}", fmt::join(ops, " ")) + ")";
+      for (const Node& inner : producer.body->nodes) ops.emplace_back(op_name(inner.op));
+      what += "(" + op_runs(ops) + ")";
     }
     auto& [bytes, n] = groups[fmt::format("{} -> {}", what, to_string(graph.type(static_cast<ValueId>(v))))];
     bytes += static_cast<int64_t>(aligned_bytes(graph.type(static_cast<ValueId>(v)).bytes()));
@@ -70,9 +70,9 @@ std::string peak_contents(const Graph& graph, const MemoryPlan& plan) {
     sorted.emplace_back(entry.first, fmt::format("{:>4} x {}", entry.second, name));
   std::sort(sorted.rbegin(), sorted.rend());
   std::string out = fmt::format("  memory peak at node {} ({} live in the arena besides the updates), largest groups:\n",
-                                peak, format_size(double(live[peak])));
+                                peak, format_bytes(double(live[peak])));
   for (size_t i = 0; i < std::min<size_t>(sorted.size(), 12); ++i)
-    out += fmt::format("    {:>12}  {}\n", format_size(double(sorted[i].first)), sorted[i].second);
+    out += fmt::format("    {:>12}  {}\n", format_bytes(double(sorted[i].first)), sorted[i].second);
   return out;
 }
 
@@ -138,7 +138,7 @@ std::string compile_report(const std::string& what, const std::string& source, c
   for (const fusion::FusedNodeReport& f : fused) {
     kept_bytes += f.bytes_kept;
     const double kept_mib = f.bytes_kept / double(1 << 20);
-    const std::string ops = fmt::format("{}", fmt::join(f.ops, " "));
+    const std::string ops = op_runs(f.ops);
     line("    node {:<5} {:<14} {:>10.3f} MiB kept  {}\n", f.node, f.kind, kept_mib, ops);
   }
   const double kept_mib = kept_bytes / double(1 << 20);
@@ -147,8 +147,8 @@ std::string compile_report(const std::string& what, const std::string& source, c
   int64_t input_bytes = 0;
   for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
   line("  memory: inputs (params, state, batch) {}; intermediates planned {} (lower bound {}, one buffer each {})\n",
-       format_size(input_bytes), format_size(plan.arena_bytes), format_size(plan.live_peak_bytes),
-       format_size(plan.naive_bytes));
+       format_bytes(input_bytes), format_bytes(plan.arena_bytes), format_bytes(plan.live_peak_bytes),
+       format_bytes(plan.naive_bytes));
   out += peak_contents(graph, plan);
   line("  total {:.3f} s\n", total_s);
   return out;

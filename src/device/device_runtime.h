@@ -25,13 +25,13 @@
 #include <vector>
 
 #include "tensor/tensor.h"
+#include "support/bytes.h"
 
 namespace kiln {
 
 struct TraceEvent;  // runtime/profile.h
 
 // "1.50 GiB" (for messages about memory).
-std::string format_bytes(size_t bytes);
 
 class DeviceEvent;
 

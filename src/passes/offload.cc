@@ -4,11 +4,11 @@
 
 #include "analysis/memory_plan.h"
 #include "support/error.h"
+#include "support/bytes.h"
 
 namespace kiln {
 namespace {
 
-std::string gib(size_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / double(1 << 30)); }
 
 }  // namespace
 
@@ -60,8 +60,8 @@ bool OffloadPass::run(Graph& graph) {
   }
   if (chosen.empty()) {
     if (mode_ == OffloadMode::kAuto)
-      notes_.push_back(fmt::format("nothing moved: the step needs {} of the device, within its budget {}", gib(need),
-                                   gib(*budget_)));
+      notes_.push_back(fmt::format("nothing moved: the step needs {} of the device, within its budget {}", format_bytes(need),
+                                   format_bytes(*budget_)));
     return false;
   }
 
@@ -96,10 +96,10 @@ bool OffloadPass::run(Graph& graph) {
   graph.nodes = std::move(nodes);
   notes_.push_back(
       mode_ == OffloadMode::kAll
-          ? fmt::format("moved {} optimizer state tensors ({}) to host memory", chosen.size(), gib(moved))
+          ? fmt::format("moved {} optimizer state tensors ({}) to host memory", chosen.size(), format_bytes(moved))
           : fmt::format("moved {} optimizer state tensors ({}) to host memory: the step's device need {} -> {} "
                         "(budget {})",
-                        chosen.size(), gib(moved), gib(need), gib(need - moved), gib(*budget_)));
+                        chosen.size(), format_bytes(moved), format_bytes(need), format_bytes(need - moved), format_bytes(*budget_)));
   return true;
 }
 

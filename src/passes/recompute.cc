@@ -5,6 +5,7 @@
 
 #include "ir/op.h"
 #include "support/error.h"
+#include "support/bytes.h"
 
 namespace kiln {
 namespace {
@@ -134,8 +135,7 @@ bool RecomputePass::run(Graph& graph) {
 
   std::vector<std::string> parts;
   for (const auto& [op, count] : counts) parts.push_back(fmt::format("{} {}", count, op));
-  const std::string size = bytes < (size_t{1} << 20) ? fmt::format("{} B", bytes)
-                                                     : fmt::format("{:.1f} MiB", double(bytes) / double(1 << 20));
+  const std::string size = format_bytes(static_cast<double>(bytes));
   notes_.push_back(fmt::format("recomputed {} elementwise values in the backward ({}), {} no longer kept from the "
                                "forward",
                                made_by.size(), fmt::join(parts, ", "), size));

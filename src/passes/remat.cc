@@ -257,8 +257,8 @@ bool Rematerialize::run(Graph& graph) {
   KILN_CHECK(current.plan.arena_bytes <= budget,
              "memory budget {} is too small for this step: the smallest plan found needs {} "
              "({} bytes) (without remat: {})",
-             format_mib(budget), format_mib(current.plan.arena_bytes), current.plan.arena_bytes,
-             format_mib(stats_.peak_before));
+             format_bytes(budget), format_bytes(current.plan.arena_bytes), current.plan.arena_bytes,
+             format_bytes(stats_.peak_before));
   graph = std::move(result);
   return true;
 }
@@ -306,8 +306,5 @@ size_t parse_byte_size(std::string_view text) {
   return static_cast<size_t>(bytes);
 }
 
-std::string format_mib(size_t bytes) {
-  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-}
 
 }  // namespace kiln

@@ -46,6 +46,8 @@
 // and updates, bit-identical results; the planned arena after the schedule pass is <= budget.
 #pragma once
 
+#include "support/bytes.h"
+
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -90,7 +92,5 @@ bool is_heavy_op(Op op);
 // "512MiB", "2GiB", "1.5GB", "100KiB", "4096" (bytes): binary (KiB MiB GiB TiB) and decimal (kB MB
 // GB TB) units, optional space, case-insensitive; throws kiln::Error on anything else.
 size_t parse_byte_size(std::string_view text);
-// "123.4 MiB".
-std::string format_mib(size_t bytes);
 
 }  // namespace kiln

@@ -57,71 +57,89 @@ Expr unpadded(const Expr& flat, const TensorType& full) {
 
 }  // namespace
 
-void move_nodes_before(Graph& graph, size_t first_new, size_t position) {
-  KILN_CHECK(first_new <= graph.nodes.size() && position <= first_new, "internal: bad node move");
-  std::rotate(graph.nodes.begin() + static_cast<std::ptrdiff_t>(position),
-              graph.nodes.begin() + static_cast<std::ptrdiff_t>(first_new), graph.nodes.end());
+void place_appended(Graph& graph, size_t original, const std::vector<AppendedRange>& ranges) {
+  // Bucket the ranges by position, keeping their order (a stable pass over them).
+  std::vector<std::vector<const AppendedRange*>> before(original + 1);
+  size_t appended = 0;
+  for (const AppendedRange& r : ranges) {
+    KILN_CHECK(r.position <= original && original <= r.first && r.first <= r.end && r.end <= graph.nodes.size(),
+               "internal: bad node placement");
+    before[r.position].push_back(&r);
+    appended += r.end - r.first;
+  }
+  KILN_CHECK(appended == graph.nodes.size() - original, "internal: appended nodes left unplaced");
+  std::vector<Node> nodes;
+  nodes.reserve(graph.nodes.size());
+  for (size_t n = 0; n <= original; ++n) {
+    for (const AppendedRange* r : before[n])
+      for (size_t i = r->first; i < r->end; ++i) nodes.push_back(std::move(graph.nodes[i]));
+    if (n < original) nodes.push_back(std::move(graph.nodes[n]));
+  }
+  graph.nodes = std::move(nodes);
 }
 
 std::vector<std::vector<ValueId>> gather_sharded_params(Graph& forward, int world_size) {
-  std::vector<int> param_inputs;
-  for (size_t i = 0; i < forward.inputs.size(); ++i)
-    if (forward.inputs[i].role == Role::kParam) param_inputs.push_back(static_cast<int>(i));
-  // A node is named by its first output (indices move as chains are inserted).
-  auto index_of = [&](ValueId first_output) {
-    for (size_t n = 0; n < forward.nodes.size(); ++n)
-      if (forward.nodes[n].outputs[0] == first_output) return n;
-    fail("internal: zero3 lost a node");
-  };
-  std::vector<std::vector<ValueId>> gathered(param_inputs.size());
-  for (size_t p = 0; p < param_inputs.size(); ++p) {
-    const ValueId param = forward.inputs[static_cast<size_t>(param_inputs[p])].value;
+  // One pass: the readers are found once, every chain is appended, every reader rewired by a
+  // table, and the chains placed before their first readers in one reordering (per param
+  // lookups and moves made this quadratic: seconds at a hundred layers).
+  const Uses uses(forward);
+  const size_t original = forward.nodes.size();
+  std::vector<AppendedRange> ranges;
+  std::vector<char> dead_cast(original, 0);
+  std::map<ValueId, ValueId> cast_replaced;              // a 16-bit cast of a param -> its gathered value
+  std::map<std::pair<int, ValueId>, ValueId> direct;     // (reader node, param) -> the gathered f32 value
+  std::vector<std::vector<ValueId>> gathered;
+  for (size_t i = 0; i < forward.inputs.size(); ++i) {
+    if (forward.inputs[i].role != Role::kParam) continue;
+    const ValueId param = forward.inputs[i].value;
+    gathered.emplace_back();
     const TensorType full = forward.type(param);
     KILN_CHECK(full.dtype == DType::kF32, "zero3 shards f32 params; '{}' is {}", forward.value(param).name,
                to_string(full));
     const ParamShard where = param_shard(full, world_size);
-    // Readers by what they want: a 16-bit cast of the param (mixed precision), or the f32 value.
-    const Uses uses(forward);
     KILN_CHECK(!uses.escapes[static_cast<size_t>(param)],
                "zero3: param '{}' is a graph output or update value of the forward graph", forward.value(param).name);
-    std::map<DType, std::vector<ValueId>> readers;  // kF32: readers of the param itself
+    // Readers by what they want: a 16-bit cast of the param (mixed precision), or the f32 value.
+    std::map<DType, std::vector<int>> readers;  // kF32: readers of the param itself
     for (int n : uses.readers[static_cast<size_t>(param)]) {
       const Node& node = forward.nodes[static_cast<size_t>(n)];
       const DType to = node.op == Op::kCast ? forward.type(node.outputs[0]).dtype : DType::kF32;
       const bool low_cast = node.op == Op::kCast && is_float(to) && to != DType::kF32 && !uses.escapes[node.outputs[0]];
-      std::vector<ValueId>& group = readers[low_cast ? to : DType::kF32];
-      if (std::find(group.begin(), group.end(), node.outputs[0]) == group.end()) group.push_back(node.outputs[0]);
+      std::vector<int>& group = readers[low_cast ? to : DType::kF32];
+      if (std::find(group.begin(), group.end(), n) == group.end()) group.push_back(n);
     }
-    // The input becomes the shard; its readers are rewired below (value ids stay).
+    // The input becomes the shard (value ids stay).
     forward.values[static_cast<size_t>(param)].type = TensorType{DType::kF32, {where.shard_numel}};
     for (const auto& [dtype, group] : readers) {
-      size_t position = forward.nodes.size();
-      for (ValueId r : group) position = std::min(position, index_of(r));
       const size_t first_new = forward.nodes.size();
       Builder b(std::move(forward));
       Expr shard = b.wrap(param);
       if (dtype != DType::kF32) shard = cast(shard, dtype);
       const ValueId full_value = unpadded(all_gather(shard, world_size), TensorType{dtype, full.shape}).id();
       forward = b.take();
-      move_nodes_before(forward, first_new, position);
+      ranges.push_back({first_new, forward.nodes.size(), static_cast<size_t>(*std::min_element(group.begin(), group.end()))});
+      gathered.back().push_back(full_value);
       // A direct reader now reads the gathered f32; a cast reader's readers read the gathered
-      // 16-bit value (the cast is left dead for dead-code elimination).
-      for (Node& node : forward.nodes) {
-        if (node.outputs[0] == full_value) continue;
-        const bool direct_reader = dtype == DType::kF32 && std::find(group.begin(), group.end(), node.outputs[0]) != group.end();
-        for (ValueId& in : node.inputs)
-          if ((dtype == DType::kF32 && direct_reader && in == param) ||
-              (dtype != DType::kF32 && std::find(group.begin(), group.end(), in) != group.end()))
-            in = full_value;
+      // 16-bit value (the cast, which no longer type-checks against the shard, is dropped).
+      for (int n : group) {
+        if (dtype == DType::kF32) {
+          direct[{n, param}] = full_value;
+        } else {
+          cast_replaced[forward.nodes[static_cast<size_t>(n)].outputs[0]] = full_value;
+          dead_cast[static_cast<size_t>(n)] = 1;
+        }
       }
-      gathered[p].push_back(full_value);
-      // The casts of the whole param are dead now, and no longer type-check against the shard.
-      if (dtype != DType::kF32)
-        std::erase_if(forward.nodes, [&](const Node& node) {
-          return std::find(group.begin(), group.end(), node.outputs[0]) != group.end();
-        });
     }
   }
+  for (size_t n = 0; n < original; ++n)
+    for (ValueId& in : forward.nodes[n].inputs) {
+      if (auto it = direct.find({static_cast<int>(n), in}); it != direct.end()) in = it->second;
+      else if (auto c = cast_replaced.find(in); c != cast_replaced.end()) in = c->second;
+    }
+  place_appended(forward, original, ranges);
+  std::erase_if(forward.nodes, [&](const Node& node) {
+    return node.outputs.size() == 1 && cast_replaced.count(node.outputs[0]) != 0;
+  });
   return gathered;
 }
 
@@ -162,15 +180,15 @@ void regather_for_backward(Graph& graph, size_t forward_nodes) {
     f.value = graph.nodes[static_cast<size_t>(at)].outputs[0];
     chains.push_back(std::move(f));
   }
+  // Each chain again, its first input the same shard (or its cast's input), appended; its
+  // backward readers rewired; then all placed before their first backward readers at once.
+  const size_t original = graph.nodes.size();
+  std::vector<AppendedRange> ranges;
   for (const Found& f : chains) {
     std::vector<int> backward_readers;
-    const Uses now(graph);
-    for (int r : now.readers[static_cast<size_t>(f.value)])
+    for (int r : uses.readers[static_cast<size_t>(f.value)])
       if (static_cast<size_t>(r) >= forward_nodes) backward_readers.push_back(r);
     if (backward_readers.empty()) continue;
-    std::sort(backward_readers.begin(), backward_readers.end());
-    backward_readers.erase(std::unique(backward_readers.begin(), backward_readers.end()), backward_readers.end());
-    // The chain again, its first input the same shard (or its cast's input), appended then moved.
     const size_t first_new = graph.nodes.size();
     std::map<ValueId, ValueId> renamed;
     for (int c : f.chain) {
@@ -181,15 +199,13 @@ void regather_for_backward(Graph& graph, size_t forward_nodes) {
       for (size_t i = 0; i < outs.size(); ++i) renamed[copy.outputs[i]] = outs[i];
     }
     const ValueId again = renamed.at(f.value);
-    const size_t position = static_cast<size_t>(backward_readers.front());
-    move_nodes_before(graph, first_new, position);
-    const size_t moved = graph.nodes.size() - first_new;
     for (int r : backward_readers)
-      for (ValueId& in : graph.nodes[static_cast<size_t>(r) + moved].inputs)
+      for (ValueId& in : graph.nodes[static_cast<size_t>(r)].inputs)
         if (in == f.value) in = again;
-    // Later chains' node indices past `position` moved too; forward nodes (before it) did not,
-    // and the readers are found afresh per chain.
+    ranges.push_back({first_new, graph.nodes.size(),
+                      static_cast<size_t>(*std::min_element(backward_readers.begin(), backward_readers.end()))});
   }
+  place_appended(graph, original, ranges);
 }
 
 Expr reduce_gradient(const Expr& full_grad, const ShardingOptions& options) {

@@ -86,9 +86,14 @@ Expr unshard(const Expr& shard, const ParamShard& where);
 // The sum over ranks of a per-rank partial sum (a scalar): the global gradient norm's square.
 Expr sum_over_ranks(const Expr& partial, int world_size);
 
-// Places the nodes from `first_new` to the end (appended by a builder) right before node
-// `position`, in their order. They must read only graph inputs, values of nodes before
-// `position` and each other.
-void move_nodes_before(Graph& graph, size_t first_new, size_t position);
+// Nodes appended to a graph (by a builder) at [first, end), to go right before the graph's
+// original node `position` (position == the original count: at the end).
+struct AppendedRange {
+  size_t first, end, position;
+};
+// Places every range (nodes [original, end) must all be in one) before its node, in one
+// reordering; ranges for one position keep their order. Each range must read only graph
+// inputs, values of nodes before its position and its own earlier nodes (or earlier ranges').
+void place_appended(Graph& graph, size_t original, const std::vector<AppendedRange>& ranges);
 
 }  // namespace kiln

@@ -69,10 +69,5 @@ TEST(DeviceRuntimeFactory, SaysWhatEachDeviceHas) {
   }
 }
 
-TEST(DeviceRuntime, FormatsBytesInGiB) {
-  EXPECT_EQ(format_bytes(size_t{3} << 29), "1.50 GiB");
-  EXPECT_EQ(format_bytes(0), "0.00 GiB");
-}
-
 }  // namespace
 }  // namespace kiln

@@ -14,6 +14,7 @@
 // to every score of a row, so AdamW moves it by normalised rounding noise; measured up to 2.4%
 // of lr in the Release build.) AdamW is blind to
 // the gradients' scale (a sum over ranks instead of a mean would pass), SGD is not: both run.
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -213,6 +214,39 @@ TEST(DistributionPasses, ChangeNoResultOfAnyMode) {
     ASSERT_EQ(on.tensors.size(), without.tensors.size());
     for (const auto& [name, tensor] : without.tensors) {
       const Tensor& other = on.tensors.at(name);
+      ASSERT_EQ(other.type(), tensor.type()) << name;
+      EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
+    }
+  }
+}
+
+// Offloading (passes/offload.h) moves each rank's optimizer state, whole (dp) or its shards
+// (zero1/2/3), to host memory: the copies change no number, so every mode trains bit for bit as
+// on the device, and the consolidated checkpoint (which gathers offloaded shards) is the same.
+TEST(DistributionPasses, OffloadedStateTrainsAsOnTheDeviceInEveryMode) {
+  if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
+  PassOptions offload;
+  offload.offload = OffloadMode::kAll;
+  for (ShardMode mode : {ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3}) {
+    SCOPED_TRACE(std::string(shard_mode_name(mode)));
+    // Every rank takes its moments (and nothing else) as host tensors.
+    std::atomic<int> moments_on_host = 0, others_on_host = 0;
+    auto count_host_inputs = [&](Trainer& trainer) {
+      const Executor& executor = trainer.step_executor();
+      for (size_t i = 0; i < executor.graph().inputs.size(); ++i) {
+        if (!executor.input_on_host(i)) continue;
+        const std::string& name = executor.graph().value(executor.graph().inputs[i].value).name;
+        ++(name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0 ? moments_on_host : others_on_host);
+      }
+    };
+    const RunResult device = group(kGpt, mode, 2, 3);
+    const RunResult host = group(kGpt, mode, 2, 3, 0, count_host_inputs, nullptr, adamw(), offload);
+    EXPECT_GT(moments_on_host, 0);
+    EXPECT_EQ(others_on_host, 0);
+    EXPECT_EQ(device.losses, host.losses);
+    ASSERT_EQ(device.tensors.size(), host.tensors.size());
+    for (const auto& [name, tensor] : device.tensors) {
+      const Tensor& other = host.tensors.at(name);
       ASSERT_EQ(other.type(), tensor.type()) << name;
       EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
     }

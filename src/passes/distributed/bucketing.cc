@@ -8,6 +8,7 @@
 #include "passes/distributed/collectives.h"
 #include "passes/uses.h"
 #include "support/error.h"
+#include "support/bytes.h"
 
 namespace kiln {
 namespace {
@@ -127,11 +128,20 @@ class Rewriter {
     for (Node& node : graph_.nodes)
       for (ValueId& in : node.inputs)
         if (auto it = replaced_.find(in); it != replaced_.end()) in = it->second;
-    std::sort(dead_.begin(), dead_.end());
-    for (auto it = dead_.rbegin(); it != dead_.rend(); ++it) {
-      graph_.nodes.erase(graph_.nodes.begin() + *it);
-      keys_.erase(keys_.begin() + *it);
+    // The merged collectives' nodes go in one sweep (one erase each was quadratic).
+    std::vector<char> dead(graph_.nodes.size(), 0);
+    for (int n : dead_) dead[static_cast<size_t>(n)] = 1;
+    size_t kept = 0;
+    for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+      if (dead[n]) continue;
+      if (kept != n) {
+        graph_.nodes[kept] = std::move(graph_.nodes[n]);
+        keys_[kept] = keys_[n];
+      }
+      ++kept;
     }
+    graph_.nodes.resize(kept);
+    keys_.resize(kept);
     distributed::reorder_by_keys(graph_, keys_);
   }
 
@@ -141,10 +151,6 @@ class Rewriter {
   std::map<ValueId, ValueId> replaced_;
   std::vector<int> dead_;
 };
-
-std::string format_bytes(double bytes) {
-  return bytes < double(1 << 20) ? fmt::format("{:.1f} KiB", bytes / 1024) : fmt::format("{:.1f} MiB", bytes / double(1 << 20));
-}
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include "passes/distributed/collectives.h"
 #include "passes/uses.h"
 #include "support/error.h"
+#include "support/bytes.h"
 
 namespace kiln {
 namespace {
@@ -121,7 +122,6 @@ class Planner {
   std::vector<double> t_;
 };
 
-std::string gib(size_t bytes) { return fmt::format("{:.3f} GiB", static_cast<double>(bytes) / double(1 << 30)); }
 
 }  // namespace
 
@@ -164,13 +164,13 @@ bool OverlapCollectives::run(Graph& graph) {
         "{} collectives placed at {:.3g} of the overlap they need: predicted step {:.3f} -> {:.3f} ms, "
         "communication exposed {:.3f} -> {:.3f} ms ({}); planned arena {} -> {} (limit {})",
         planner.collectives(), scale, 1e3 * before.step_s, 1e3 * p.predicted.step_s, 1e3 * before.exposed_s(),
-        1e3 * p.predicted.exposed_s(), costs_.source, gib(base_arena), gib(p.arena), gib(limit)));
+        1e3 * p.predicted.exposed_s(), costs_.source, format_bytes(base_arena), format_bytes(p.arena), format_bytes(limit)));
     graph = std::move(p.graph);
     return true;
   }
   notes_.push_back(fmt::format("{} collectives left in place: no placement beat the order as it came within the "
                                "memory limit {} (predicted step {:.3f} ms, {:.3f} ms exposed)",
-                               planner.collectives(), gib(limit), 1e3 * before.step_s, 1e3 * before.exposed_s()));
+                               planner.collectives(), format_bytes(limit), 1e3 * before.step_s, 1e3 * before.exposed_s()));
   return false;
 }
 
