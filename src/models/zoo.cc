@@ -21,11 +21,9 @@ void apply(int64_t& field, int64_t value, const char* flag) {
   if (value > 0) field = value;
 }
 
-GptConfig gpt_sized(const std::string& name, const ModelSizes& s) {
-  KILN_CHECK(s.kv_heads == 0 && s.hidden == 0,
-             "{} has no kv_heads or hidden size (GPT-2: one key/value head per head, MLP 4 x "
-             "d_model)", name);
-  GptConfig c = gpt_config(name);
+// The sizes every language model config has (GptConfig, LlamaConfig).
+template <class Config>
+Config with_common_sizes(Config c, const ModelSizes& s) {
   apply(c.layers, s.layers, "layers");
   apply(c.d_model, s.d_model, "d_model");
   apply(c.heads, s.heads, "heads");
@@ -34,15 +32,17 @@ GptConfig gpt_sized(const std::string& name, const ModelSizes& s) {
   return c;
 }
 
+GptConfig gpt_sized(const std::string& name, const ModelSizes& s) {
+  KILN_CHECK(s.kv_heads == 0 && s.hidden == 0,
+             "{} has no kv_heads or hidden size (GPT-2: one key/value head per head, MLP 4 x "
+             "d_model)", name);
+  return with_common_sizes(gpt_config(name), s);
+}
+
 LlamaConfig llama_sized(const std::string& name, const ModelSizes& s) {
-  LlamaConfig c = llama_config(name);
-  apply(c.layers, s.layers, "layers");
-  apply(c.d_model, s.d_model, "d_model");
-  apply(c.heads, s.heads, "heads");
+  LlamaConfig c = with_common_sizes(llama_config(name), s);
   apply(c.kv_heads, s.kv_heads, "kv_heads");
   apply(c.hidden, s.hidden, "hidden");
-  apply(c.vocab, s.vocab, "vocab");
-  apply(c.seq, s.seq, "seq");
   return c;
 }
 

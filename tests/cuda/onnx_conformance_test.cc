@@ -30,13 +30,6 @@ TEST(CudaOnnxConformance, CpuPassingNodeTestsPassOnTheGpu) {
   std::map<std::string, int> no_kernel;  // op -> cases that stop at it (CUDA has no kernel for it)
   for (const auto& dir : cases) {
     const std::string name = dir.filename().string();
-    // Selu with these constants hung on an H100 (session 16: no output, then killed; test_selu
-    // itself passes), on the CPU they pass; not yet understood, so left out here rather than
-    // taking the suite down, and said in the output.
-    if (name == "test_selu_example" || name == "test_selu_default") {
-      std::printf("ONNX node test %s: left out on CUDA (it hung there)\n", name.c_str());
-      continue;
-    }
     const NodeTestResult cpu = run_onnx_node_test(dir, Device::kCpu);
     if (cpu.outcome != NodeTestOutcome::kPass) continue;
     ++cpu_passed;
