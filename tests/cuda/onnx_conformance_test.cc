@@ -30,10 +30,12 @@ TEST(CudaOnnxConformance, CpuPassingNodeTestsPassOnTheGpu) {
   std::map<std::string, int> no_kernel;  // op -> cases that stop at it (CUDA has no kernel for it)
   for (const auto& dir : cases) {
     const std::string name = dir.filename().string();
+    // Which case ran last (and where), should one bring the process down or hang.
+    std::fprintf(stderr, "onnx node test on the CPU: %s\n", name.c_str());
+    std::fflush(stderr);
     const NodeTestResult cpu = run_onnx_node_test(dir, Device::kCpu);
     if (cpu.outcome != NodeTestOutcome::kPass) continue;
     ++cpu_passed;
-    // Which case ran last, should one bring the process down.
     std::fprintf(stderr, "onnx node test on CUDA: %s\n", name.c_str());
     std::fflush(stderr);
     const NodeTestResult gpu = run_onnx_node_test(dir, Device::kCuda);
