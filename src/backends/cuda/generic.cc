@@ -8,9 +8,12 @@
 // Kernel-time data errors are recorded on the device: see device_errors.h, check_device_errors().
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/generic.cuh"
+#include "backends/cuda/memory.h"
 #include "backends/cuda/registration.h"
 #include "device/communicator.h"
 #include "ops/elementwise.h"
@@ -43,6 +46,23 @@ void add(KernelRegistry& registry, Op op, KernelFn kernel, Supports supports = n
   };
   registry.add(op, KernelImpl{"cuda", Device::kCuda, kGenericPriority,
                               std::move(checked), std::move(kernel), in_place_ok});
+}
+
+// The values of a constant of `type`, in page-locked memory that lives as long as the process
+// (one copy per distinct constant, looked up by its type and values).
+const Tensor& constant_values(const TensorType& type, const std::vector<double>& values) {
+  static std::mutex mutex;
+  static auto* cache = new std::map<std::pair<std::string, std::vector<double>>, Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_pair(to_string(type), values);
+  auto it = cache->find(key);
+  if (it == cache->end()) {
+    const Tensor converted = Tensor::from_f64(type, values);
+    Tensor pinned = pinned_tensor(type);
+    std::memcpy(pinned.raw(), converted.raw(), converted.bytes());
+    it = cache->emplace(std::move(key), std::move(pinned)).first;
+  }
+  return it->second;
 }
 
 void fill_strides(int64_t (&dst)[kMaxRank], const std::vector<int64_t>& src) {
@@ -175,15 +195,24 @@ void register_shape(KernelRegistry& registry) {
     });
     generic::launch_fill(elem_size(out), bits, out.raw(), out.numel(), stream_of(a));
   });
-  // The values are converted on the host and copied from pageable memory, which CUDA stages
-  // before returning (so the host buffer may go) but which may wait for the stream first.
-  add(registry, Op::kConstant, [](const KernelArgs& a) {
-    Tensor& out = a.outputs[0];
-    Tensor host = Tensor::from_f64(out.type(), a.attrs.floats("values"));
-    if (out.bytes() > 0)
-      KILN_CUDA_CHECK(cudaMemcpyAsync(out.raw(), host.raw(), out.bytes(), cudaMemcpyHostToDevice,
-                                      stream_of(a)));
-  });
+  // A constant is copied from its values converted once, at prepare, into page-locked memory
+  // kept for the process: a step's captured CUDA graph copies from that same host address at
+  // every replay (a temporary buffer, freed once the copy is enqueued, was read back as
+  // garbage from the third step on: an imported BERT's position ids).
+  registry.add(Op::kConstant,
+               KernelImpl{"cuda", Device::kCuda, kGenericPriority, ranks_fit,
+                          [](const KernelArgs& a) {
+                            Tensor& out = a.outputs[0];
+                            if (out.bytes() == 0) return;
+                            const Tensor& host = constant_values(out.type(), a.attrs.floats("values"));
+                            KILN_CUDA_CHECK(cudaMemcpyAsync(out.raw(), host.raw(), out.bytes(),
+                                                            cudaMemcpyHostToDevice, stream_of(a)));
+                          },
+                          false,
+                          [](const NodeView& node) {
+                            if (node.output_types[0].bytes() > 0)
+                              constant_values(node.output_types[0], node.node.attrs.floats("values"));
+                          }});
   add(registry, Op::kIota, [](const KernelArgs& a) {
     Tensor& out = a.outputs[0];
     const int axis = normalize_axis(a.attrs.i("axis"), out.rank());
