@@ -9,6 +9,7 @@
 
 #include "analysis/memory_plan.h"
 #include "ops/fused/kind.h"
+#include "ops/transfer.h"
 #include "passes/fusion/fusion.h"
 #include "support/bytes.h"
 
@@ -144,11 +145,13 @@ std::string compile_report(const std::string& what, const std::string& source, c
   const double kept_mib = kept_bytes / double(1 << 20);
   line("  fusion total: {:.3f} MiB kept out of memory\n", kept_mib);
   MemoryPlan plan = plan_memory(graph);
-  int64_t input_bytes = 0;
-  for (const GraphInput& in : graph.inputs) input_bytes += static_cast<int64_t>(graph.type(in.value).bytes());
-  line("  memory: inputs (params, state, batch) {}; intermediates planned {} (lower bound {}, one buffer each {})\n",
-       format_bytes(input_bytes), format_bytes(plan.arena_bytes), format_bytes(plan.live_peak_bytes),
-       format_bytes(plan.naive_bytes));
+  int64_t input_bytes = 0, host_bytes = 0;
+  const std::vector<bool> on_host = host_resident_inputs(graph);
+  for (size_t i = 0; i < graph.inputs.size(); ++i)
+    (on_host[i] ? host_bytes : input_bytes) += static_cast<int64_t>(graph.type(graph.inputs[i].value).bytes());
+  line("  memory: inputs (params, state, batch) {}{}; intermediates planned {} (lower bound {}, one buffer each {})\n",
+       format_bytes(input_bytes), host_bytes > 0 ? fmt::format(" (and {} in host memory)", format_bytes(host_bytes)) : "",
+       format_bytes(plan.arena_bytes), format_bytes(plan.live_peak_bytes), format_bytes(plan.naive_bytes));
   out += peak_contents(graph, plan);
   line("  total {:.3f} s\n", total_s);
   return out;

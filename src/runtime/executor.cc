@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "ir/verifier.h"
+#include "ops/transfer.h"
 #include "support/stopwatch.h"
 #include "support/error.h"
 
@@ -194,18 +195,7 @@ void Executor::setup() {
   stream_handle_ = stream_->handle();
   mark_node_ = runtime_->node_marker();
   waited_collective_.assign(graph_.nodes.size(), -1);
-  // Host-resident inputs: every reader a reload.
-  std::vector<int> readers(graph_.values.size(), 0), reloads(graph_.values.size(), 0);
-  for (const Node& node : graph_.nodes)
-    for (ValueId in : node.inputs) {
-      ++readers[static_cast<size_t>(in)];
-      reloads[static_cast<size_t>(in)] += node.op == Op::kReload;
-    }
-  host_input_.clear();
-  for (const GraphInput& in : graph_.inputs) {
-    const size_t v = static_cast<size_t>(in.value);
-    host_input_.push_back(readers[v] > 0 && readers[v] == reloads[v]);
-  }
+  host_input_ = host_resident_inputs(graph_);
   comm_ready_.resize(graph_.nodes.size());
   comm_done_.resize(graph_.nodes.size());
   std::vector<int> producer(graph_.values.size(), -1);
