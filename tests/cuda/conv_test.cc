@@ -1,5 +1,5 @@
 // The "cuda-conv" dialect (backends/cuda/conv.{cu,cc}) against the CPU reference kernels
-// (ops/conv.cc), and CNN training on the GPU against the CPU:
+// (ops/conv.cc); whole CNN steps are cnn_test.cc's:
 //   - every op of the family (conv2d, its input and weight gradients, max/avg pooling and their
 //     gradients) at every float dtype, over a sweep of geometries: strides below, at and above
 //     the kernel (inputs no window covers), paddings up to and past the kernel's reach, unequal
@@ -8,10 +8,7 @@
 //   - batches larger than the scratch bound (conv::kScratchBytes): chunks of several images,
 //     dy regrouped per channel, the weight gradient accumulated over chunks (in f32 for bf16);
 //   - max pooling's ties (the first maximum takes the gradient), NaNs and windows of -inf (the
-//     ONNX importer's ceil-mode padding);
-//   - kiln's cnn: one training step prepared for CUDA against the CPU reference kernels (f32 and
-//     bf16), and the Trainer over several steps (captured and replayed CUDA graph) against the
-//     CPU trainer.
+//     ONNX importer's ceil-mode padding).
 // Tolerances (max_scaled_error <= 1 with atol scaled by the output's largest element, as the
 // sums' rounding is): f32 1e-5 / 1e-4 (TF32 off, cublaslt.h), f64 1e-12, f16 2e-3, bf16 1e-2
 // (one rounding of an f32 sum, against the reference's one rounding of an f64 sum). Outputs are
@@ -22,8 +19,6 @@
 #include "backends/cuda/conv.cuh"
 #include "conformance.h"
 #include "gpu_test_util.h"
-#include "train/trainer.h"
-#include "training_step_util.h"
 
 namespace kiln {
 namespace {
@@ -228,68 +223,6 @@ TEST(CudaPool, NanWinsAndWindowsOfMinusInfinityPassTheirGradient) {
     EXPECT_TRUE(std::isnan(y.get(0)));
     EXPECT_EQ(y.get(9 + 2), -std::numeric_limits<double>::infinity());
   }
-}
-
-// ---- kiln's cnn on the GPU -------------------------------------------------------------------
-
-models::CnnConfig small_cnn() {
-  models::CnnConfig config;
-  config.batch = 8;
-  return config;
-}
-
-// One SGD step of the cnn prepared for CUDA (every dialect), against the same graph through the
-// CPU reference kernels: the loss, every gradient (SGD without momentum hands each out as its
-// new buffer) and every updated param, scaled by each one's largest element. f32 (TF32 off) to
-// 2e-3; bf16 (conv, matmul and their gradients in bf16, as --amp bf16 runs them) to 5e-2.
-TEST(CudaCnn, TrainingStepMatchesTheCpuReference) {
-  KILN_REQUIRE_GPU();
-  const Graph forward = models::cnn(small_cnn());
-  for (auto [amp, rtol] : {std::pair{"off", 2e-3}, std::pair{"bf16", 5e-2}}) {
-    SCOPED_TRACE(std::string("amp ") + amp);
-    const StepProgram program = testing::sgd_program(forward, amp);
-    const Graph g = testing::prepared_for_cuda(program.graph, {});
-    int convs = 0;
-    for (const Node& node : g.nodes)
-      convs += node.op == Op::kConv2d || node.op == Op::kConv2dGradInput ||
-               node.op == Op::kConv2dGradWeight;
-    ASSERT_EQ(convs, 5);  // two forward, two weight gradients, one input gradient
-    const std::vector<Tensor> inputs =
-        testing::step_inputs(program, models::init_params_fan_in(forward, 3), 10);
-    testing::expect_step_close(testing::run_step_on(g, inputs, Device::kCuda),
-                               testing::run_step_on(g, inputs, Device::kCpu), rtol);
-  }
-}
-
-// The Trainer on the GPU (a captured CUDA graph from the third step, the column matrices'
-// scratch allocated inside it) tracks the CPU trainer over 5 SGD steps on the same batches.
-TEST(CudaCnn, TrainerStepsMatchTheCpuTrainer) {
-  KILN_REQUIRE_GPU();
-  const models::CnnConfig config = small_cnn();
-  const Graph forward = models::cnn(config);
-  const std::vector<Tensor> init = models::init_params_fan_in(forward, 5);
-  OptimizerConfig sgd;
-  sgd.name = "sgd";
-  sgd.lr = 0.05;
-  ExecutorOptions on_gpu;
-  on_gpu.device = Device::kCuda;
-  train::Trainer cpu(forward, sgd, init), gpu(forward, sgd, init, on_gpu);
-  for (int s = 0; s < 5; ++s) {
-    const std::vector<Tensor> batch = {
-        random_tensor({DType::kF32, {config.batch, 1, 28, 28}}, 40 + s, 0.0, 1.0),
-        random_tensor({DType::kI64, {config.batch}}, 50 + s, 0, 10)};
-    cpu.step(batch);
-    gpu.step(batch);
-  }
-  const std::vector<double> want = cpu.take_losses(), got = gpu.take_losses();
-  ASSERT_EQ(got.size(), 5u);
-  ASSERT_EQ(want.size(), 5u);
-  for (size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-3 * std::abs(want[s])) << "step " << s;
-  EXPECT_EQ(gpu.step_executor().graph_captures(), 1);
-  EXPECT_GE(gpu.step_executor().graph_replays(), 1);
-  const auto host = gpu.host_tensors();
-  for (const auto& [name, t] : cpu.named_tensors())
-    EXPECT_LE(max_scaled_error(host.at(name), t, 1e-4, 1e-3), 1.0) << name;
 }
 
 }  // namespace
