@@ -3,9 +3,9 @@
 //
 // One thread per output element, at flat index `item` (64-bit; a 1-D grid of 256-thread blocks
 // covers every item), except im2col (a 2-D grid, below). Inside a plane, indices are 32-bit
-// ints: the launchers check that every size fits. The gradients gather (each input position sums the outputs whose windows cover
-// it, found by covering() below) instead of scattering with atomics: deterministic, and dx
-// needs no zeroing first.
+// ints: the launchers check that every size fits. The gradients gather (each input position
+// sums the outputs whose windows cover it, found by covering() below) instead of scattering
+// with atomics: deterministic, and dx needs no zeroing first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
