@@ -10,8 +10,10 @@
 //   - max pooling's ties (the first maximum takes the gradient), NaNs and windows of -inf (the
 //     ONNX importer's ceil-mode padding).
 // Tolerances (max_scaled_error <= 1 with atol scaled by the output's largest element, as the
-// sums' rounding is): f32 1e-5 / 1e-4 (TF32 off, cublaslt.h), f64 1e-12, f16 2e-3, bf16 1e-2
-// (one rounding of an f32 sum, against the reference's one rounding of an f64 sum). Outputs are
+// sums' rounding is): f32 1e-4 (TF32 off, cublaslt.h; the chunked weight gradient sums 120000
+// products in f32), f64 1e-12, f16 2e-3, bf16 1e-2 (one rounding of an f32 sum, against the
+// reference's one rounding of an f64 sum). A wrong tap or image is off by the order of the
+// values themselves. Outputs are
 // poisoned first (conformance::run_kernel), so an element the kernels forget shows as NaN.
 #include <cmath>
 #include <limits>
@@ -42,7 +44,7 @@ testing::Tolerance tolerance(DType t) {
     case DType::kF64: return {1e-12, 1e-12};
     case DType::kF16: return {2e-3, 2e-3};
     case DType::kBF16: return {1e-2, 1e-2};
-    default: return {1e-5, 1e-4};
+    default: return {1e-4, 1e-4};
   }
 }
 
