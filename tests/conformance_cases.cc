@@ -737,25 +737,37 @@ void add_conv_and_pool(std::vector<Case>& c) {
       {{1, 3, 11, 13}, {7, 3, 5, 5}, {3, 2}, {2, 2}},   // one image: the GEMM writes y directly
       {{2, 1, 4, 4}, {2, 1, 3, 3}, {1, 1}, {3, 3}},     // padding wider than the kernel's reach
       {{5, 1, 28, 28}, {16, 1, 3, 3}, {1, 1}, {1, 1}},  // the CNN's first layer
+      {{2, 3, 7, 6}, {4, 3, 1, 1}, {2, 2}, {0, 0}},     // 1x1 with a stride: not x itself
+      {{2, 2, 4, 5}, {3, 2, 1, 1}, {1, 1}, {1, 1}},     // 1x1 with padding: not x itself
   };
+  // f32 as the openblas kernels always held it; the other float dtypes (the CUDA kernels take
+  // them all) at their own tolerance.
+  const std::vector<DType> other_floats = {DType::kF64, DType::kF16, DType::kBF16};
   for (const Conv& v : convs) {
     const Attributes attrs{{"stride", v.stride}, {"padding", v.padding}};
     const Shape y = output_shape(Op::kConv2d, {{DType::kF32, v.x}, {DType::kF32, v.w}}, attrs);
     const std::string name = fmt::format("conv2d_{}_{}_s{}_p{}", tag(v.x), tag(v.w),
                                          fmt::join(v.stride, ""), fmt::join(v.padding, ""));
-    c.push_back({.name = name, .op = Op::kConv2d, .dtypes = kF32,
-                 .inputs = {uniform(v.x, -1, 1), uniform(v.w, -1, 1)}, .attrs = attrs,
-                 .taken_by_tolerance = conv_tol, .taken_by = {"openblas"}});
     Attributes input_attrs = attrs;
     input_attrs.set("input_shape", v.x);
-    c.push_back({.name = name + "_grad_input", .op = Op::kConv2dGradInput, .dtypes = kF32,
-                 .inputs = {uniform(y, -1, 1), uniform(v.w, -1, 1)}, .attrs = input_attrs,
-                 .taken_by_tolerance = conv_tol, .taken_by = {"openblas"}});
     Attributes weight_attrs = attrs;
     weight_attrs.set("weight_shape", v.w);
-    c.push_back({.name = name + "_grad_weight", .op = Op::kConv2dGradWeight, .dtypes = kF32,
-                 .inputs = {uniform(v.x, -1, 1), uniform(y, -1, 1)}, .attrs = weight_attrs,
-                 .taken_by_tolerance = conv_tol, .taken_by = {"openblas"}});
+    for (bool f32 : {true, false}) {
+      const std::string suffix = f32 ? "" : "_dtypes";
+      const std::vector<DType> dtypes = f32 ? kF32 : other_floats;
+      const std::optional<Tolerance> own = f32 ? std::optional(conv_tol) : std::nullopt;
+      const std::vector<std::string> taken_by = f32 ? std::vector<std::string>{"openblas"}
+                                                    : std::vector<std::string>{};
+      c.push_back({.name = name + suffix, .op = Op::kConv2d, .dtypes = dtypes,
+                   .inputs = {uniform(v.x, -1, 1), uniform(v.w, -1, 1)}, .attrs = attrs,
+                   .taken_by_tolerance = own, .taken_by = taken_by});
+      c.push_back({.name = name + "_grad_input" + suffix, .op = Op::kConv2dGradInput,
+                   .dtypes = dtypes, .inputs = {uniform(y, -1, 1), uniform(v.w, -1, 1)},
+                   .attrs = input_attrs, .taken_by_tolerance = own, .taken_by = taken_by});
+      c.push_back({.name = name + "_grad_weight" + suffix, .op = Op::kConv2dGradWeight,
+                   .dtypes = dtypes, .inputs = {uniform(v.x, -1, 1), uniform(y, -1, 1)},
+                   .attrs = weight_attrs, .taken_by_tolerance = own, .taken_by = taken_by});
+    }
   }
   struct Pool {
     Shape x;
@@ -773,17 +785,27 @@ void add_conv_and_pool(std::vector<Case>& c) {
     const Shape y = output_shape(Op::kMaxPool2d, {{DType::kF32, p.x}}, attrs);
     const std::string name = fmt::format("{}_k{}_s{}_p{}", tag(p.x), fmt::join(p.kernel, ""),
                                          fmt::join(p.stride, ""), fmt::join(p.padding, ""));
-    const Tolerance tol{1e-6, 1e-6};
-    c.push_back({.name = "max_pool2d_" + name, .op = Op::kMaxPool2d, .dtypes = kF32,
-                 .inputs = {uniform(p.x, -1, 1)}, .attrs = attrs, .taken_by_tolerance = tol, .taken_by = {"cpu"}});
-    c.push_back({.name = "max_pool2d_grad_" + name, .op = Op::kMaxPool2dGrad, .dtypes = kF32,
-                 .inputs = {uniform(p.x, -1, 1), uniform(y, -1, 1)}, .attrs = attrs,
-                 .taken_by_tolerance = tol, .taken_by = {"cpu"}});
-    c.push_back({.name = "avg_pool2d_" + name, .op = Op::kAvgPool2d, .dtypes = kF32,
-                 .inputs = {uniform(p.x, -1, 1)}, .attrs = attrs, .taken_by_tolerance = tol, .taken_by = {"cpu"}});
-    attrs.set("input_shape", p.x);
-    c.push_back({.name = "avg_pool2d_grad_" + name, .op = Op::kAvgPool2dGrad, .dtypes = kF32,
-                 .inputs = {uniform(y, -1, 1)}, .attrs = attrs, .taken_by_tolerance = tol, .taken_by = {"cpu"}});
+    Attributes grad_attrs = attrs;
+    grad_attrs.set("input_shape", p.x);
+    for (bool f32 : {true, false}) {
+      const std::string suffix = f32 ? "" : "_dtypes";
+      const std::vector<DType> dtypes = f32 ? kF32 : other_floats;
+      const std::optional<Tolerance> own = f32 ? std::optional(Tolerance{1e-6, 1e-6}) : std::nullopt;
+      const std::vector<std::string> taken_by = f32 ? std::vector<std::string>{"cpu"}
+                                                    : std::vector<std::string>{};
+      c.push_back({.name = "max_pool2d_" + name + suffix, .op = Op::kMaxPool2d, .dtypes = dtypes,
+                   .inputs = {uniform(p.x, -1, 1)}, .attrs = attrs, .taken_by_tolerance = own,
+                   .taken_by = taken_by});
+      c.push_back({.name = "max_pool2d_grad_" + name + suffix, .op = Op::kMaxPool2dGrad,
+                   .dtypes = dtypes, .inputs = {uniform(p.x, -1, 1), uniform(y, -1, 1)},
+                   .attrs = attrs, .taken_by_tolerance = own, .taken_by = taken_by});
+      c.push_back({.name = "avg_pool2d_" + name + suffix, .op = Op::kAvgPool2d, .dtypes = dtypes,
+                   .inputs = {uniform(p.x, -1, 1)}, .attrs = attrs, .taken_by_tolerance = own,
+                   .taken_by = taken_by});
+      c.push_back({.name = "avg_pool2d_grad_" + name + suffix, .op = Op::kAvgPool2dGrad,
+                   .dtypes = dtypes, .inputs = {uniform(y, -1, 1)}, .attrs = grad_attrs,
+                   .taken_by_tolerance = own, .taken_by = taken_by});
+    }
   }
   // Other float dtypes: the reference's, and whatever kernel takes them.
   c.push_back({"conv2d_dtypes", Op::kConv2d, kFloats, {uniform({2, 3, 6, 5}), uniform({4, 3, 3, 3})},

@@ -74,7 +74,8 @@ class Rewriter {
         if (is_float(out_.type(id).dtype)) id = cast_to(id, *target);
     }
     std::vector<ValueId> outputs = out_.add_node(node.op, inputs, node.attrs);
-    if (precision == Precision::kLow) low_results_.insert(outputs.begin(), outputs.end());
+    if (precision == Precision::kLow)
+      for (ValueId id : outputs) low_results_[id] = node.op;
     for (size_t i = 0; i < outputs.size(); ++i) {
       map_[node.outputs[i]] = outputs[i];
       name_value(outputs[i], in_.value(node.outputs[i]).name);
@@ -84,16 +85,29 @@ class Rewriter {
   // add(matmul(x, w), b) with a 1-D float b: a linear layer's bias. It runs in the low dtype, as
   // under torch.autocast (where the bias rides in the GEMM), so what follows (attention's split,
   // gelu) stays 16-bit instead of making an f32 round trip, and the bias can ride in the GEMM's
-  // epilogue (cuBLASLt BIAS / GELU_AUX_BIAS) here too.
+  // epilogue (cuBLASLt BIAS / GELU_AUX_BIAS) here too. Likewise add(conv2d(x, w), b) with one
+  // value per channel, b (C, 1, 1) or (1, C, 1, 1): a convolution's bias, which torch.autocast
+  // adds inside the convolution, so a CNN's activations (relu, pooling) stay 16-bit between
+  // its convolutions.
   bool is_linear_bias(const Node& node, const std::vector<ValueId>& inputs) const {
     if (node.op != Op::kAdd) return false;
     for (int i : {0, 1}) {
       const TensorType& bias = out_.type(inputs[1 - i]);
-      if (low_results_.count(inputs[i]) && out_.type(inputs[i]).dtype == options_.low &&
-          is_float(bias.dtype) && bias.rank() <= 1)
-        return true;
+      const TensorType& product = out_.type(inputs[i]);
+      const auto low = low_results_.find(inputs[i]);
+      if (low == low_results_.end() || product.dtype != options_.low || !is_float(bias.dtype))
+        continue;
+      if (bias.rank() <= 1) return true;
+      if (low->second == Op::kConv2d && is_channel_vector(bias.shape, product.shape)) return true;
     }
     return false;
+  }
+
+  // b (C, 1, 1) or (1, C, 1, 1) against y (N, C, H, W).
+  static bool is_channel_vector(const Shape& b, const Shape& y) {
+    const size_t r = b.size();
+    return y.size() == 4 && (r == 3 || (r == 4 && b[0] == 1)) && b[r - 3] == y[1] &&
+           b[r - 2] == 1 && b[r - 1] == 1;
   }
 
   // `id` (the new value of an input-graph value, never a cast this pass made, so no cast of a
@@ -149,7 +163,7 @@ class Rewriter {
   Graph out_;
   std::vector<ValueId> map_;  // original value id -> new value id
   std::map<std::pair<ValueId, DType>, ValueId> casts_;
-  std::set<ValueId> low_results_;  // outputs of nodes run in the low dtype (kLow ops)
+  std::map<ValueId, Op> low_results_;  // outputs of nodes run in the low dtype (kLow ops): their op
   std::set<std::string> original_names_;
   std::set<std::string> used_names_;
   bool changed_ = false;

@@ -174,9 +174,12 @@ void Executor::plan_with_direct_updates() {
 }
 
 namespace {
-// Whether a node runs a cuBLASLt product: a matmul, or a fused body holding one.
+// Whether a node runs a cuBLASLt product: a matmul, a convolution (im2col products on CUDA),
+// or a fused body holding one.
 bool runs_gemm(const Node& node) {
-  if (node.op == Op::kMatmul) return true;
+  if (node.op == Op::kMatmul || node.op == Op::kConv2d || node.op == Op::kConv2dGradInput ||
+      node.op == Op::kConv2dGradWeight)
+    return true;
   if (node.body)
     for (const Node& n : node.body->nodes)
       if (runs_gemm(n)) return true;

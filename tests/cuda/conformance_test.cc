@@ -1,7 +1,8 @@
 // The conformance sweep on the GPU (tests/conformance.h): every case of the table through every
-// CUDA kernel (dialects "cuda", "cuda-nn", "cublaslt", "cuda-attention", "cudnn", "nvrtc",
-// "cuda-body") whose supports() takes it, inputs uploaded, outputs poisoned with 0xFF bytes,
-// against the op's CPU reference kernel; and the coverage of both devices, printed.
+// CUDA kernel (dialects "cuda", "cuda-movement", "cuda-nn", "cublaslt", "cuda-attention",
+// "cuda-conv", "cudnn", "nvrtc", "cuda-body") whose supports() takes it, inputs uploaded,
+// outputs poisoned with 0xFF bytes, against the op's CPU reference kernel; and the coverage of
+// both devices, printed.
 #include "conformance.h"
 #include "gpu_test_util.h"
 

@@ -1,8 +1,8 @@
 // ONNX's node conformance tests (tests/frontend/onnx_node_tests.h) on CUDA: every case that
-// passes on the CPU passes on the GPU too (same expected outputs and tolerances), so an imported
-// model computes the same numbers on either device, or stops at one clear error naming an op the
-// CUDA backend has no kernel for (convolution and pooling: kiln's CNN path is CPU-only so far);
-// the summary line counts those by op. Needs the ONNX front
+// passes on the CPU passes on the GPU too (same expected outputs and tolerances), convolution
+// and pooling included (cuda-conv), so an imported model computes the same numbers on either
+// device, or stops at one clear error naming an op the CUDA backend has no kernel for (none
+// known); the summary line counts those by op. Needs the ONNX front
 // end (on the GPU machine: Debian's packages carried, scripts/gpu-check.sh) and the node tests
 // ($KILN_ONNX_NODE_TESTS or Debian's folder); skips without them.
 #include <fmt/format.h>

@@ -1,6 +1,6 @@
 // Shared by the GPU tests that run a whole training step prepared for CUDA on the GPU and check
-// it against the CPU reference kernels running the graph another way (a pass off): gpt2-tiny's
-// inputs, one step on either device, and the comparison of every result.
+// it against the CPU reference kernels running the graph (or the graph another way, a pass
+// off): a model's inputs, one step on either device, and the comparison of every result.
 #pragma once
 
 #include <algorithm>
@@ -19,7 +19,7 @@
 
 namespace kiln::testing {
 
-// gpt2-tiny's training program with SGD without momentum: the new momentum buffer is the
+// A model's training program with SGD without momentum: the new momentum buffer is the
 // gradient itself, so every gradient is among the step's results.
 inline StepProgram sgd_program(const Graph& forward, const std::string& amp) {
   OptimizerConfig config;
@@ -29,10 +29,10 @@ inline StepProgram sgd_program(const Graph& forward, const std::string& amp) {
   return build_training_graph(forward, config);
 }
 
-// The program's inputs: `forward`'s initial params, random data (token ids below `vocab`).
-inline std::vector<Tensor> step_inputs(const StepProgram& program, const Graph& forward,
-                                       int64_t layers, int64_t vocab) {
-  const std::vector<Tensor> params = models::init_params(forward, 7, layers);
+// The program's inputs: `params` (the forward's, in order), random data (floats in [0.1, 1),
+// integers, e.g. token ids or class labels, below `vocab`).
+inline std::vector<Tensor> step_inputs(const StepProgram& program, const std::vector<Tensor>& params,
+                                       int64_t vocab) {
   std::vector<Tensor> inputs;
   size_t p = 0;
   for (size_t i = 0; i < program.graph.inputs.size(); ++i) {
@@ -43,6 +43,12 @@ inline std::vector<Tensor> step_inputs(const StepProgram& program, const Graph& 
     else inputs.push_back(random_tensor(t, 50 + i, 0, static_cast<double>(vocab)));
   }
   return inputs;
+}
+
+// The same with `forward`'s initial params (models::init_params, a language model's).
+inline std::vector<Tensor> step_inputs(const StepProgram& program, const Graph& forward,
+                                       int64_t layers, int64_t vocab) {
+  return step_inputs(program, models::init_params(forward, 7, layers), vocab);
 }
 
 // The outputs, then every update target's new value (Graph::updates order), on the host.

@@ -5,7 +5,10 @@ with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of 
 largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
 must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
 
-    torch_step_test.py --kiln PATH/TO/kiln [--keep DIR]
+    torch_step_test.py --kiln PATH/TO/kiln [--keep DIR] [--device cpu|cuda] [MODEL ...]
+
+--device cuda runs kiln's step on the GPU (against torch's on the CPU, same tolerances), e.g.
+`torch_step_test.py --kiln build/kiln --device cuda cnn` for the CNN's convolutions and pools.
 
 Needs an interpreter with torch and onnx (Debian's python3-torch, python3-onnx): when this one
 has none, it runs itself under /usr/bin/python3 if that has them, else it skips (exit code 77).
@@ -116,7 +119,7 @@ def composite_ops(kiln, path):
     raise RuntimeError("no 'composite ops' line in kiln compile --report")
 
 
-def check_model(name, kiln, work):
+def check_model(name, kiln, work, device="cpu"):
     path = os.path.join(work, name + ".onnx")
     model, inputs, names = torch_models.export(name, path)
     initial = {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
@@ -127,7 +130,7 @@ def check_model(name, kiln, work):
     in_path, out_path = os.path.join(work, name + ".in.safetensors"), os.path.join(work, name + ".out.safetensors")
     save_safetensors(in_path, given)
     cmd = [kiln, "step", path, "--inputs", in_path, "--out", out_path, "--optimizer", "adamw", "--lr", str(lr),
-           "--betas", f"{betas[0]},{betas[1]}", "--eps", str(eps), "--weight-decay", str(wd)]
+           "--betas", f"{betas[0]},{betas[1]}", "--eps", str(eps), "--weight-decay", str(wd), "--device", device]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         return [f"{name}: kiln step failed: {run.stderr.strip() or run.stdout.strip()}"]
@@ -164,7 +167,7 @@ def check_model(name, kiln, work):
         compared += 1
         if float(diff.max()) > limit:
             problems.append(f"{name}: {key} differs from torch by {float(diff.max()):.3g} (limit {limit:.3g})")
-    print(f"{name}: loss {float(out['loss']):.6f} (torch {loss:.6f}), {compared} tensors compared"
+    print(f"{name} ({device}): loss {float(out['loss']):.6f} (torch {loss:.6f}), {compared} tensors compared"
           f"{'' if problems else ', all within tolerance'}; composite ops {ops}")
     return problems
 
@@ -238,6 +241,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kiln", required=True)
     parser.add_argument("--keep", help="write the models and files here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where kiln's step runs")
     parser.add_argument("models", nargs="*", default=list(torch_models.MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -245,8 +249,8 @@ def main():
     os.makedirs(work, exist_ok=True)
     problems = []
     for name in args.models:
-        problems += check_model(name, args.kiln, work)
-    if set(args.models) >= {"cnn", "bert", "llama"}:
+        problems += check_model(name, args.kiln, work, args.device)
+    if set(args.models) >= {"cnn", "bert", "llama"} and args.device == "cpu":
         problems += check_commands(args.kiln, work)
         problems += fuzz_models(args.kiln, work)
     for p in problems:

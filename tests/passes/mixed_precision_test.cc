@@ -3,6 +3,7 @@
 // reuse, outputs keeping their types, and the pass on the GPT model.
 #include "passes/mixed_precision.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "ir/text.h"
@@ -69,6 +70,38 @@ TEST(MixedPrecision, BiasAddStaysF32WhenThePolicySaysF32OrTheAddendIsNotABias) {
       "}\n";
   out = rewrite(residual, {});
   EXPECT_NE(out.find("  %y = add(%h.f32, %x) : f32[4,8]\n"), std::string::npos) << out;
+}
+
+TEST(MixedPrecision, ConvolutionAndItsChannelBiasRunLow) {
+  // A convolution's bias, one value per channel ((C, 1, 1), as kiln's cnn has it, or
+  // (1, C, 1, 1), as the ONNX importer writes it), is added in bf16 as a linear layer's is: the
+  // relu and the pool after it stay bf16 (torch.autocast adds it inside the convolution).
+  for (const char* bias : {"f32[3,1,1]", "f32[1,3,1,1]"}) {
+    const std::string conv = fmt::format(
+        "graph @cnn(%x: f32[2,1,6,6] data, %w: f32[3,1,3,3] param, %b: {} param) {{\n"
+        "  %y = conv2d(%x, %w) {{padding=[1, 1]}} : f32[2,3,6,6]\n"
+        "  %z = add(%y, %b) : f32[2,3,6,6]\n"
+        "  %r = relu(%z) : f32[2,3,6,6]\n"
+        "  %p = max_pool2d(%r) {{kernel=[2, 2]}} : f32[2,3,3,3]\n"
+        "  %loss = sum(%p) {{axes=[0, 1, 2, 3]}} : f32[]\n"
+        "  return %loss\n"
+        "}}\n",
+        bias);
+    const std::string out = rewrite(conv, {});
+    EXPECT_NE(out.find("  %z = add(%y, %b.bf16) : bf16[2,3,6,6]\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("  %p = max_pool2d(%r) {kernel=[2, 2]} : bf16[2,3,3,3]\n"), std::string::npos)
+        << out;
+  }
+  // Not a per-channel vector (one value per column): promotion, f32.
+  const std::string columns =
+      "graph @c(%x: f32[2,1,6,6] data, %w: f32[3,1,3,3] param, %b: f32[6,1] param) {\n"
+      "  %y = conv2d(%x, %w) {padding=[1, 1]} : f32[2,3,6,6]\n"
+      "  %z = add(%y, %b) : f32[2,3,6,6]\n"
+      "  %loss = sum(%z) {axes=[0, 1, 2, 3]} : f32[]\n"
+      "  return %loss\n"
+      "}\n";
+  const std::string out = rewrite(columns, {});
+  EXPECT_NE(out.find("  %z = add(%y.f32, %b) : f32[2,3,6,6]\n"), std::string::npos) << out;
 }
 
 TEST(MixedPrecision, F16IsTheSameRewriteInF16) {

@@ -14,6 +14,7 @@ void register_cuda_kernels(KernelRegistry& registry) {
   cuda::register_movement_kernels(registry);
   cuda::register_classifier_kernels(registry);
   cuda::register_multi_tensor_kernels(registry);
+  cuda::register_conv_kernels(registry);
 }
 
 }  // namespace kiln

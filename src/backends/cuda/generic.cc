@@ -4,7 +4,8 @@
 // shapes and attributes from KernelArgs and calls a launcher of generic.cuh on args.stream.
 //
 // Ops without a generic kernel (see tests/cuda/generic_test.cc's list): fused (compiled by the
-// nvrtc dialect), conv2d and its gradients, max/avg_pool2d and their gradients (not written yet).
+// nvrtc dialect), conv2d and its gradients, max/avg_pool2d and their gradients (the cuda-conv
+// dialect serves them at every float dtype).
 // Kernel-time data errors are recorded on the device: see device_errors.h, check_device_errors().
 #include <cmath>
 #include <cstring>

@@ -11,7 +11,7 @@ namespace kiln::cuda {
 // Priorities among CUDA dialects: libraries and specialised kernels above the generic ones.
 inline constexpr int kGenericPriority = 10;     // "cuda": one simple kernel per op, every op
 inline constexpr int kHandWrittenPriority = 20; // "cuda-nn": layer norm, softmax, loss, adamw...
-inline constexpr int kLibraryPriority = 30;     // "cublaslt", "cuda-attention"
+inline constexpr int kLibraryPriority = 30;     // "cublaslt", "cuda-attention", "cuda-conv"
 inline constexpr int kCudnnPriority = kLibraryPriority + 5;  // "cudnn" attention, over ours
 inline constexpr int kGeneratedPriority = 40;   // "nvrtc": fused groups
 
@@ -30,5 +30,6 @@ void register_fused_body_kernels(KernelRegistry& registry); // fused_body.cc (fu
 void register_movement_kernels(KernelRegistry& registry);   // movement.cc (copies, casts, sums)
 void register_classifier_kernels(KernelRegistry& registry); // classifier.cc (fused loss)
 void register_multi_tensor_kernels(KernelRegistry& registry); // multi_tensor.cc (grouped updates)
+void register_conv_kernels(KernelRegistry& registry);       // conv.cc (convolution, pooling)
 
 }  // namespace kiln::cuda
