@@ -6,7 +6,7 @@ them fused), the composite ops among them (kiln compile --report), the median ms
 `kiln bench`, and the kernels of the CUDA bf16 step (compiled without a GPU). Prints a Markdown
 table (docs/onnx.md holds one).
 
-    bench/onnx_vs_native.py --kiln build/kiln [--device cpu|cuda] [--steps 20] [--repeats 3] [--work DIR]
+    bench/onnx_vs_native.py --kiln build/kiln [--device cpu|cuda] [--steps 20] [--repeats 3] [--work DIR] [FAMILY...]
 
 Needs torch and onnx (Debian's python3-torch and python3-onnx; /usr/bin/python3 is tried).
 """
@@ -75,13 +75,14 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3, help="runs per model; the best median counts")
     parser.add_argument("--work", help="write the exported models here")
+    parser.add_argument("families", nargs="*", default=list(torch_models.BENCH), help="default: every one")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kiln_onnx_bench_")
     os.makedirs(work, exist_ok=True)
     print(f"| family | model | {args.device} kernels (fused) | composite ops | ms/step ({args.device}) | "
           "cuda bf16 kernels (fused) |")
     print("|---|---|---|---|---|---|")
-    for name in torch_models.BENCH:
+    for name in args.families:
         path = os.path.join(work, name + ".onnx")
         torch_models.export(name, path, bench=True)
         rows = [(f"imported {name}.onnx", [path]),

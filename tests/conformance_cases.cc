@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <limits>
 #include <string>
 
 #include "backends/classifier_test_util.h"
@@ -56,6 +57,46 @@ Gen labels(DType type, Shape shape, int64_t vocab, int ignore_every, int64_t ign
                                                             : static_cast<double>((r * 7 + 3) % vocab));
     return make(type, shape, v);
   };
+}
+
+// A padding mask of the case's dtype, rows of Tk (the last dim): key j of row r is masked (by
+// -10000 or -inf, in turn) when (j + r) % 3 == 2, key 0 never, so every row keeps keys (with a
+// causal mask too).
+Gen padding_mask(Shape shape) {
+  return [=](DType t, uint64_t) {
+    const int64_t tk = shape.back(), rows = tk > 0 ? numel(shape) / tk : 0;
+    std::vector<double> v;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < tk; ++j)
+        v.push_back(j > 0 && (j + r) % 3 == 2 ? ((j + r) / 3 % 2 ? -std::numeric_limits<double>::infinity() : -10000.0)
+                                              : 0.0);
+    return make(t, shape, v);
+  };
+}
+
+// Padded sequences of the case's dtype, rows of Tk: even rows padded at the end (-10000 from
+// key Tk - 7 - 13 r on, at least one key kept), odd rows at the start (-inf before key
+// min(64, Tk - 1): with Tk > 64 a whole first block of 64 keys). Not for causal attention (whose
+// first queries would see no key).
+Gen padded_lengths(Shape shape) {
+  return [=](DType t, uint64_t) {
+    const int64_t tk = shape.back(), rows = tk > 0 ? numel(shape) / tk : 0;
+    std::vector<double> v;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < tk; ++j) {
+        if (r % 2 == 0) v.push_back(j >= std::max<int64_t>(1, tk - 7 - 13 * r) ? -10000.0 : 0.0);
+        else v.push_back(j < std::min<int64_t>(64, tk - 1) ? -std::numeric_limits<double>::infinity() : 0.0);
+      }
+    return make(t, shape, v);
+  };
+}
+
+// attention's key_bias shape for q and k: q's leading dims without the heads axis, then Tk.
+Shape key_bias_shape(const Shape& q, const Shape& k, bool bthd) {
+  const size_t r = q.size(), lead = bthd ? r - 3 : (r >= 3 ? r - 3 : 0);
+  Shape shape(q.begin(), q.begin() + static_cast<std::ptrdiff_t>(lead));
+  shape.push_back(k[bthd ? r - 3 : r - 2]);
+  return shape;
 }
 
 const std::vector<DType> kF32 = {DType::kF32};
@@ -262,6 +303,21 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"attention_gqa_grad_bhtd", Op::kAttentionGrad, kFloats,
                {uniform({2, 3, 5, 8}, -1, 1), uniform({2, 1, 7, 8}, -1, 1), uniform({2, 1, 7, 6}),
                 uniform({2, 3, 5, 6}), uniform({2, 3, 5, 6}), lse({2, 3, 5})}, {}, 4});
+  // A key_bias (attention's padding mask, or any additive per-key bias): one row of Tk per batch
+  // entry, broadcast over the heads and queries; both layouts, grouped-query, causal too.
+  c.push_back({"attention_key_bias", Op::kAttention, kFloats,
+               {uniform({2, 3, 5, 8}), uniform({2, 3, 7, 8}), uniform({2, 3, 7, 6}), uniform({2, 7})}, {}, 2});
+  c.push_back({"attention_key_bias_padding_gqa_bthd", Op::kAttention, kFloats,
+               {uniform({2, 9, 4, 8}), uniform({2, 9, 2, 8}), uniform({2, 9, 2, 6}), padding_mask({2, 9})},
+               {{"causal", true}, {"layout", std::string("bthd")}}, 2});
+  c.push_back({"attention_key_bias_grad", Op::kAttentionGrad, kFloats,
+               {uniform({2, 3, 5, 8}, -1, 1), uniform({2, 3, 7, 8}, -1, 1), uniform({2, 3, 7, 6}),
+                uniform({2, 3, 5, 6}), uniform({2, 3, 5, 6}), lse({2, 3, 5}), uniform({2, 7}, -1, 1)},
+               {}, 4});
+  c.push_back({"attention_key_bias_grad_padding_gqa_bthd", Op::kAttentionGrad, kFloats,
+               {uniform({2, 9, 4, 8}, -1, 1), uniform({2, 9, 2, 8}, -1, 1), uniform({2, 9, 2, 8}),
+                uniform({2, 9, 4, 8}), uniform({2, 9, 4, 8}), lse({2, 9, 4}), padding_mask({2, 9})},
+               {{"causal", true}, {"layout", std::string("bthd")}}, 4});
   // Rotary embeddings: both layouts, both directions; D/2 odd (scalar path) and a multiple of 8
   // (the GPU's 16-byte chunks of both halves).
   c.push_back({"rotary_embedding", Op::kRotaryEmbedding, kFloats, {uniform({2, 3, 9, 6})}});
@@ -276,6 +332,12 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"attention_qkv_grad", Op::kAttentionQkvGrad, kFloats,
                {uniform({2, 9, 3, 2, 8}, -1, 1), uniform({2, 9, 2, 8}), uniform({2, 9, 2, 8}),
                 lse({2, 9, 2})},
+               {{"causal", true}}, 4});
+  c.push_back({"attention_qkv_key_bias", Op::kAttentionQkv, kFloats,
+               {uniform({2, 9, 3, 2, 8}, -1, 1), padding_mask({2, 9})}, {}, 2});
+  c.push_back({"attention_qkv_grad_key_bias", Op::kAttentionQkvGrad, kFloats,
+               {uniform({2, 9, 3, 2, 8}, -1, 1), uniform({2, 9, 2, 8}), uniform({2, 9, 2, 8}),
+                lse({2, 9, 2}), uniform({2, 9}, -1, 1)},
                {{"causal", true}}, 4});
   const Gen lr = fixed(DType::kF32, {}, 0.01, 0.1);
   c.push_back({"sgd_update", Op::kSgdUpdate, kFloats,
@@ -588,6 +650,7 @@ void add_training_kernels(std::vector<Case>& c) {
     bool causal;
     double scale;       // <= 0: the default 1/sqrt(D)
     bool bthd = false;  // layout "bthd": q (..., Tq, H, D)
+    int bias = 0;       // key_bias: 0 none, 1 random in [-2, 2), 2 a padding mask, 3 padded lengths
   };
   const std::vector<Attention> attentions = {
       {{2, 3, 7, 5}, {2, 3, 7, 5}, {2, 3, 7, 6}, false, 0},
@@ -610,12 +673,26 @@ void add_training_kernels(std::vector<Case>& c) {
       {{2, 6, 5, 4}, {2, 2, 5, 4}, {2, 2, 5, 3}, false, 0},
       {{9, 4, 4}, {5, 1, 4}, {5, 1, 3}, true, 0.7, true},
       {{4, 64, 4, 16}, {4, 64, 2, 16}, {4, 64, 2, 16}, true, 0, true},  // llama-tiny's attention
+      // A key_bias: random, or a padding mask (BERT's), in each layout and with GQA.
+      {{2, 3, 7, 5}, {2, 3, 7, 5}, {2, 3, 7, 6}, false, 0, false, 1},
+      {{2, 3, 7, 5}, {2, 3, 9, 5}, {2, 3, 9, 6}, true, 0, false, 2},
+      {{13, 8}, {11, 8}, {11, 1}, false, 0.3, false, 1},              // no batch dims: bias (Tk)
+      {{2, 7, 3, 5}, {2, 7, 3, 5}, {2, 7, 3, 6}, false, 0, true, 2},   // bthd
+      {{2, 3, 7, 5}, {2, 3, 9, 5}, {2, 3, 9, 6}, false, 0, false, 3},  // padded at either end
+      {{2, 6, 5, 4}, {2, 2, 5, 4}, {2, 2, 5, 3}, false, 0, false, 1},  // GQA bhtd
+      {{4, 64, 4, 16}, {4, 64, 2, 16}, {4, 64, 2, 16}, false, 0, true, 2},  // GQA bthd
   };
-  // attention_grad's (q, k, v, out, dout, lse): out and lse from the reference forward.
+  // attention_grad's (q, k, v, out, dout, lse [, key_bias]): out and lse from the reference
+  // forward.
   const auto forward_out_and_lse = [](std::vector<Tensor>& in, const Attributes& attrs) {
-    const std::vector<Tensor> fwd = run_reference(Op::kAttention, {in[0], in[1], in[2]}, attrs);
+    std::vector<Tensor> fwd_in{in[0], in[1], in[2]};
+    if (in.size() > 6) fwd_in.push_back(in[6]);
+    const std::vector<Tensor> fwd = run_reference(Op::kAttention, fwd_in, attrs);
     in[3] = fwd[0];
     in[5] = fwd[1];
+  };
+  const auto key_bias = [](int kind, const Shape& shape) {
+    return kind == 1 ? uniform(shape) : kind == 2 ? padding_mask(shape) : padded_lengths(shape);
   };
   for (size_t i = 0; i < attentions.size(); ++i) {
     const Attention& a = attentions[i];
@@ -626,12 +703,16 @@ void add_training_kernels(std::vector<Case>& c) {
     lse.pop_back();
     if (a.bthd) std::swap(lse[lse.size() - 1], lse[lse.size() - 2]);
     const std::string name = fmt::format("attention_geometry{}_{}", i, tag(a.q));
-    c.push_back({.name = name, .op = Op::kAttention, .dtypes = kF32,
-                 .inputs = {uniform(a.q, -1, 1), uniform(a.k, -1, 1), uniform(a.v, -1, 1)},
+    std::vector<Gen> forward{uniform(a.q, -1, 1), uniform(a.k, -1, 1), uniform(a.v, -1, 1)};
+    std::vector<Gen> backward{uniform(a.q, -1, 1), uniform(a.k, -1, 1), uniform(a.v, -1, 1),
+                              uniform(out), uniform(out, -1, 1), uniform(lse)};
+    if (a.bias) {
+      forward.push_back(key_bias(a.bias, key_bias_shape(a.q, a.k, a.bthd)));
+      backward.push_back(forward.back());
+    }
+    c.push_back({.name = name, .op = Op::kAttention, .dtypes = kF32, .inputs = forward,
                  .attrs = attrs, .taken_by_tolerance = Tolerance{1e-5, 1e-4}, .taken_by = {"openblas"}});
-    c.push_back({.name = name + "_grad", .op = Op::kAttentionGrad, .dtypes = kF32,
-                 .inputs = {uniform(a.q, -1, 1), uniform(a.k, -1, 1), uniform(a.v, -1, 1),
-                            uniform(out), uniform(out, -1, 1), uniform(lse)},
+    c.push_back({.name = name + "_grad", .op = Op::kAttentionGrad, .dtypes = kF32, .inputs = backward,
                  .attrs = attrs, .taken_by_tolerance = Tolerance{1e-5, 1e-4}, .taken_by = {"openblas"},
                  .derive = forward_out_and_lse});
   }
@@ -652,6 +733,7 @@ void add_training_kernels(std::vector<Case>& c) {
   struct Tiled {
     Shape q, k;
     bool causal, bthd;
+    int bias = 0;  // key_bias: 0 none, 1 random, 2 a padding mask, 3 padded lengths
   };
   const std::vector<Tiled> tiled = {
       {{2, 3, 77, 64}, {2, 3, 77, 64}, true, false},
@@ -661,19 +743,30 @@ void add_training_kernels(std::vector<Case>& c) {
       // llama's) and 4 ("bhtd"): dk and dv sum over the group.
       {{2, 77, 4, 64}, {2, 77, 2, 64}, true, true},
       {{1, 4, 70, 32}, {1, 1, 70, 32}, true, false},
+      // A key_bias (the kernels' B path) on the tensor cores, both layouts: padded sequences
+      // (blocks of keys masked whole, a row's first block among them), a padding mask with a
+      // causal one, a random bias over GQA.
+      {{2, 3, 77, 64}, {2, 3, 77, 64}, false, false, 3},
+      {{2, 77, 3, 32}, {2, 77, 3, 32}, true, true, 2},
+      {{2, 77, 4, 64}, {2, 77, 2, 64}, false, true, 1},
   };
   for (const Tiled& a : tiled) {
     const Attributes attrs = attention_attrs(a.causal, 0, a.bthd);
     Shape lse = a.q;
     lse.pop_back();
     if (a.bthd) std::swap(lse[lse.size() - 1], lse[lse.size() - 2]);
-    const std::string name = fmt::format("attention_tiled_{}_{}", tag(a.q), tag(a.k));
-    c.push_back({.name = name, .op = Op::kAttention, .dtypes = kFloats,
-                 .inputs = {uniform(a.q), uniform(a.k), uniform(a.k, -1, 1)}, .attrs = attrs,
+    const std::string name = fmt::format("attention_tiled_{}_{}{}", tag(a.q), tag(a.k),
+                                         a.bias == 0 ? "" : a.bias == 1 ? "_bias" : "_padding" + std::to_string(a.bias));
+    std::vector<Gen> forward{uniform(a.q), uniform(a.k), uniform(a.k, -1, 1)};
+    std::vector<Gen> backward{uniform(a.q), uniform(a.k), uniform(a.k, -1, 1), uniform(a.q),
+                              uniform(a.q, -1, 1), uniform(lse)};
+    if (a.bias) {
+      forward.push_back(key_bias(a.bias, key_bias_shape(a.q, a.k, a.bthd)));
+      backward.push_back(forward.back());
+    }
+    c.push_back({.name = name, .op = Op::kAttention, .dtypes = kFloats, .inputs = forward, .attrs = attrs,
                  .tolerance = 2});
-    c.push_back({.name = name + "_grad", .op = Op::kAttentionGrad, .dtypes = kFloats,
-                 .inputs = {uniform(a.q), uniform(a.k), uniform(a.k, -1, 1), uniform(a.q),
-                            uniform(a.q, -1, 1), uniform(lse)},
+    c.push_back({.name = name + "_grad", .op = Op::kAttentionGrad, .dtypes = kFloats, .inputs = backward,
                  .attrs = attrs, .tolerance = 6, .derive = forward_out_and_lse});
   }
   c.push_back({.name = "attention_qkv_tiled", .op = Op::kAttentionQkv, .dtypes = kFloats,
@@ -685,6 +778,7 @@ void add_training_kernels(std::vector<Case>& c) {
     Shape qkv;
     bool causal;
     double scale;
+    int bias = 0;  // key_bias: 0 none, 1 random, 2 a padding mask, 3 padded lengths
   };
   const std::vector<Packed> packed = {
       {{2, 7, 3, 3, 5}, false, 0},     // odd T and D, H = 3
@@ -696,9 +790,14 @@ void add_training_kernels(std::vector<Case>& c) {
       {{1, 1, 3, 1, 1}, true, 0},      // T = H = D = 1
       {{2, 64, 3, 4, 16}, true, 0},    // gpt2-tiny's packed projection
       {{1, 33, 3, 5, 7}, false, 0.4},
+      {{2, 7, 3, 3, 5}, false, 0, 1},  // a key_bias (B, T)
+      {{9, 3, 2, 4}, true, 0.7, 2},     // no batch dims: (T)
+      {{2, 64, 3, 4, 16}, false, 0, 3},  // BERT-sized padded sequences
   };
   const auto packed_forward = [](std::vector<Tensor>& in, const Attributes& attrs) {
-    const std::vector<Tensor> fwd = run_reference(Op::kAttentionQkv, {in[0]}, attrs);
+    std::vector<Tensor> fwd_in{in[0]};
+    if (in.size() > 4) fwd_in.push_back(in[4]);
+    const std::vector<Tensor> fwd = run_reference(Op::kAttentionQkv, fwd_in, attrs);
     in[1] = fwd[0];
     in[3] = fwd[1];
   };
@@ -708,12 +807,18 @@ void add_training_kernels(std::vector<Case>& c) {
     out.erase(out.end() - 3);  // (..., T, H, D)
     Shape lse = out;
     lse.pop_back();
-    const std::string name = fmt::format("attention_qkv_{}_{}", tag(p.qkv), p.causal ? "causal" : "full");
-    c.push_back({.name = name, .op = Op::kAttentionQkv, .dtypes = kF32,
-                 .inputs = {uniform(p.qkv, -1, 1)}, .attrs = attrs,
+    const std::string name = fmt::format("attention_qkv_{}_{}{}", tag(p.qkv), p.causal ? "causal" : "full",
+                                         p.bias == 0 ? "" : "_bias");
+    std::vector<Gen> forward{uniform(p.qkv, -1, 1)};
+    std::vector<Gen> backward{uniform(p.qkv, -1, 1), uniform(out), uniform(out, -1, 1), uniform(lse)};
+    if (p.bias) {
+      Shape bias(out.begin(), out.end() - 2);  // (..., T)
+      forward.push_back(key_bias(p.bias, bias));
+      backward.push_back(forward.back());
+    }
+    c.push_back({.name = name, .op = Op::kAttentionQkv, .dtypes = kF32, .inputs = forward, .attrs = attrs,
                  .taken_by_tolerance = Tolerance{1e-5, 1e-4}, .taken_by = {"openblas"}});
-    c.push_back({.name = name + "_grad", .op = Op::kAttentionQkvGrad, .dtypes = kF32,
-                 .inputs = {uniform(p.qkv, -1, 1), uniform(out), uniform(out, -1, 1), uniform(lse)},
+    c.push_back({.name = name + "_grad", .op = Op::kAttentionQkvGrad, .dtypes = kF32, .inputs = backward,
                  .attrs = attrs, .taken_by_tolerance = Tolerance{1e-5, 1e-4},
                  .taken_by = {"openblas"}, .derive = packed_forward});
   }

@@ -83,9 +83,9 @@ class PlainCnn(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d, heads, causal):
+    def __init__(self, d, heads, causal, masked_fill=False):
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.masked_fill = heads, causal, masked_fill
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
 
@@ -96,7 +96,9 @@ class Attention(nn.Module):
         scores = q @ k.transpose(-2, -1) / math.sqrt(C // self.heads)
         if self.causal:
             scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        if mask is not None:  # (B, T) of 1 for real tokens, 0 for padding
+        if mask is not None and self.masked_fill:  # (B, T) of 1 for real tokens, 0 for padding
+            scores = scores.masked_fill(mask[:, None, None, :] == 0, torch.finfo(scores.dtype).min)
+        elif mask is not None:
             scores = scores + (1.0 - mask[:, None, None, :]) * -1e4
         y = F.softmax(scores, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -104,6 +106,8 @@ class Attention(nn.Module):
 
 class Bert(nn.Module):
     """A tiny BERT-style encoder: embeddings, post-LayerNorm blocks with a padding mask, GELU."""
+
+    masked_fill = False  # the mask as an additive (1 - mask) * -10000 (BERT's), else masked_fill
 
     def __init__(self, vocab=50, d=32, heads=4, layers=2, seq=8, batch=4):
         super().__init__()
@@ -113,7 +117,7 @@ class Bert(nn.Module):
         self.ln0 = nn.LayerNorm(d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
-            self.blocks.append(nn.ModuleDict({"attn": Attention(d, heads, False), "ln1": nn.LayerNorm(d),
+            self.blocks.append(nn.ModuleDict({"attn": Attention(d, heads, False, self.masked_fill), "ln1": nn.LayerNorm(d),
                                               "fc1": nn.Linear(d, 4 * d), "fc2": nn.Linear(4 * d, d),
                                               "ln2": nn.LayerNorm(d)}))
         self.head = nn.Linear(d, 3)
@@ -133,6 +137,12 @@ class Bert(nn.Module):
         mask[1 % B, T - 2:] = 0  # padding at the end of two rows
         mask[3 % B, T // 2:] = 0
         return (ids, mask, torch.randint(0, 3, (B,), generator=g))
+
+
+class BertMaskedFill(Bert):
+    """The same encoder with its padding mask as masked_fill(mask == 0, finfo.min) (Hugging Face's way)."""
+
+    masked_fill = True
 
 
 class RmsNorm(nn.Module):
@@ -203,9 +213,11 @@ class Llama(nn.Module):
 
 
 # name: (class, input names, opset). bert-opset14 is bert exported where ONNX has no
-# LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add.
+# LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add;
+# bert-masked-fill writes the padding mask as a Where instead of an Add.
 MODELS = {"mlp": (Mlp, ["x", "labels"], 17), "cnn": (Cnn, ["x", "labels"], 17),
           "bert": (Bert, ["ids", "mask", "labels"], 17), "bert-opset14": (Bert, ["ids", "mask", "labels"], 14),
+          "bert-masked-fill": (BertMaskedFill, ["ids", "mask", "labels"], 17),
           "llama": (Llama, ["ids", "labels"], 17)}
 
 # The families at benchmark sizes: name: (class, input names, sizes), and the kiln model of the same

@@ -4,7 +4,9 @@
 //   model's bytes (the ONNX front end) or from IR text (a checkpoint written by step.save).
 // - Session: a train::Trainer over a Program (compile, step, evaluate, tensors by name,
 //   checkpoints, the compile report), its tensors crossing as DLPack without copies
-//   (tensors.h).
+//   (tensors.h); sharded (dp, ZeRO-1/2/3) over a Group.
+// - Group: the data-parallel process group this process is a rank of, joined from torchrun's
+//   variables as `kiln train` joins it (train/job.h), shared by the process's sharded sessions.
 // - kiln::Error becomes the Python exception kiln.Error with kiln's message.
 // Everything a user chooses (names, defaults, torch, streams, progress) is Python's
 // (python/kiln/); long C++ calls release the GIL.
@@ -24,11 +26,13 @@
 
 #include "compile/report.h"
 #include "device/device_runtime.h"
+#include "distributed/process_group.h"
 #include "frontend/onnx/onnx_import.h"
 #include "ir/text.h"
 #include "ir/verifier.h"
 #include "support/stopwatch.h"
 #include "tensors.h"
+#include "train/job.h"
 #include "train/trainer.h"
 #ifdef KILN_HAVE_CUDA
 #include "backends/cuda/device.h"
@@ -89,9 +93,26 @@ Program parse_program(const std::string& text) {
   return Program{std::move(graph), {}, {}, "parse", clock.seconds()};
 }
 
+// The process group of a distributed job (WORLD_SIZE > 1), shared: every session of the
+// process that trains sharded runs its collectives through it, and it lives as long as they do.
+struct Group {
+  std::shared_ptr<ProcessGroup> group;
+};
+
+// The group from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+// joined on "cpu" (Gloo) or "cuda" (NCCL; GPU LOCAL_RANK becomes current); none without
+// WORLD_SIZE or with WORLD_SIZE=1. Waits for every rank to join (kiln::Error after a timeout).
+std::optional<Group> join_group(const std::string& device) {
+  nb::gil_scoped_release release;
+  std::unique_ptr<ProcessGroup> group = train::join_group(device);
+  if (!group) return std::nullopt;
+  return Group{std::shared_ptr<ProcessGroup>(std::move(group))};
+}
+
 struct SessionOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
   int device_index = 0;        // which CUDA device
+  std::string shard = "none";  // none | auto | dp | zero1 | zero2 | zero3: over the Group given
   std::optional<size_t> memory_budget;
   std::vector<std::string> disabled_passes;
   std::vector<std::string> dialects;
@@ -100,7 +121,9 @@ struct SessionOptions {
 // A compiled training step over a Program, and its tensors.
 class Session {
  public:
-  Session(Program program, OptimizerConfig config, SessionOptions options)
+  // Sharded (options.shard other than "none") over `group`: this process is one rank, the data
+  // are its rows, and the step is what `kiln train --shard` compiles (train/job.h).
+  Session(Program program, OptimizerConfig config, SessionOptions options, const Group* group)
       : program_(std::move(program)), options_(std::move(options)) {
     const Stopwatch clock;
     validate(config);
@@ -112,30 +135,59 @@ class Session {
 #ifdef KILN_HAVE_CUDA
     if (executor.device == Device::kCuda) cuda::set_current_device(options_.device_index);
 #endif
-    PassOptions passes;
-    passes.memory_budget = options_.memory_budget;
-    passes.disabled.insert(options_.disabled_passes.begin(), options_.disabled_passes.end());
     const Graph& g = program_.graph;
     std::vector<Tensor> params;
+    int64_t param_count = 0;
     for (const GraphInput& in : g.inputs) {
       if (in.role != Role::kParam) continue;
       const Value& v = g.value(in.value);
       auto it = program_.initial_values.find(v.name);
       // A program parsed from a checkpoint gets its values from the checkpoint next.
       params.push_back(it != program_.initial_values.end() ? it->second : Tensor(v.type));
+      param_count += v.type.numel();
     }
-    trainer_ = std::make_unique<train::Trainer>(g, config, std::move(params), executor, passes);
+    ProcessGroup* process_group = nullptr;
+    if (options_.shard != "none") {
+      KILN_CHECK(group != nullptr && group->group, "shard '{}' needs the process group of a distributed job",
+                 options_.shard);
+      group_ = group->group;
+      process_group = group_.get();
+      KILN_CHECK(process_group->device() == executor.device, "the process group runs on {}, the step on {}",
+                 device_name(process_group->device()), device_name(executor.device));
+      executor.communicator = process_group->communicator().get();
+    }
+    const std::unique_ptr<DeviceRuntime> runtime = device_runtime(executor.device);
+    const std::string mode = train::choose_shard_mode(
+        options_.shard, process_group ? process_group->world_size() : 1, param_count,
+        executor.device == Device::kCuda ? runtime->memory_info().total_bytes : size_t{64} << 30, nullptr);
+    const ShardingOptions sharding{parse_shard_mode(mode), process_group ? process_group->world_size() : 1};
+    if (!sharding.enabled()) {  // "auto" chose none: the group is not used
+      group_.reset();
+      process_group = nullptr;
+      executor.communicator = nullptr;
+    }
+    PassOptions passes;
+    passes.memory_budget = options_.memory_budget;
+    passes.disabled.insert(options_.disabled_passes.begin(), options_.disabled_passes.end());
+    passes = train::passes_for(passes, process_group, *runtime);
+    trainer_ = std::make_unique<train::Trainer>(g, config, std::move(params), executor, passes, sharding);
     for (const GraphInput& in : g.inputs) {
       const std::string& name = g.value(in.value).name;
       auto it = program_.initial_values.find(name);
       if (in.role == Role::kState && it != program_.initial_values.end()) trainer_->set_initial_value(name, it->second);
     }
+    shard_ = mode;
+    // Every rank compiled the same step (same model, batch, options and build), or none goes on.
+    if (process_group)
+      process_group->check_agreement("the compiled step (model, batch, options, build)",
+                                     train::step_fingerprint(*trainer_, "python"));
     compile_seconds_ = clock.seconds();
   }
 
   ~Session() {
-    nb::gil_scoped_release release;  // the trainer waits for its stream
+    nb::gil_scoped_release release;  // the trainer waits for its stream; the group for the other ranks
     trainer_.reset();
+    group_.reset();
   }
 
   const Program& program() const { return program_; }
@@ -158,16 +210,46 @@ class Session {
     return to_array(outputs[0]);
   }
 
-  // The forward's outputs on `data`, as host tensors.
-  std::vector<nb::object> evaluate(const std::vector<Array>& data) const {
+  // The forward's outputs on `data`, on the step's device, without a host wait: on the CPU
+  // returned (fresh tensors); on a GPU copied on the stream into `outputs_out` (device tensors
+  // the caller made, of output_types()), and none returned, as step() does with the loss (the
+  // forward step's own output buffers are overwritten by its next run).
+  std::vector<nb::object> evaluate(const std::vector<Array>& data,
+                                   const std::optional<std::vector<Array>>& outputs_out) const {
     std::vector<Tensor> tensors = data_tensors(data);
+    std::vector<Tensor> buffers;
+    if (outputs_out)
+      for (size_t i = 0; i < outputs_out->size(); ++i)
+        buffers.push_back(from_array((*outputs_out)[i], fmt::format("output buffer {}", i)));
     std::vector<Tensor> outputs;
     {
       nb::gil_scoped_release release;
-      outputs = trainer_->evaluate(tensors);
+      outputs = trainer_->evaluate_on_device(tensors);
+      if (outputs_out) {
+        KILN_CHECK(buffers.size() == outputs.size(), "evaluate: {} output buffers for {} outputs", buffers.size(),
+                   outputs.size());
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          KILN_CHECK(buffers[i].type() == outputs[i].type(), "evaluate: output {} is {}, its buffer {}", i,
+                     to_string(outputs[i].type()), to_string(buffers[i].type()));
+          trainer_->runtime().copy_async(buffers[i], outputs[i], trainer_->step_executor().stream());
+        }
+      }
     }
     std::vector<nb::object> out;
+    if (outputs_out) return out;
+    KILN_CHECK(trainer_->device() == Device::kCpu, "an evaluation on {} needs output buffers",
+               device_name(trainer_->device()));
     for (const Tensor& t : outputs) out.push_back(to_array(t));
+    return out;
+  }
+
+  // (dtype, shape) of each of the forward's outputs, the loss first.
+  std::vector<std::tuple<std::string, std::vector<int64_t>>> output_types() const {
+    std::vector<std::tuple<std::string, std::vector<int64_t>>> out;
+    for (ValueId id : program_.graph.outputs) {
+      const TensorType& t = program_.graph.type(id);
+      out.emplace_back(std::string(dtype_name(t.dtype)), t.shape);
+    }
     return out;
   }
 
@@ -181,28 +263,37 @@ class Session {
     trainer_->synchronize();
   }
 
-  // Params and state by graph-input name, over kiln's own storage (no copies): the forward's
-  // (model = true), or also the optimizer's and the step's.
+  // Params and state by graph-input name at their full shapes: the forward's (model = true),
+  // or also the optimizer's and the step's. Over kiln's own storage (no copies) where this rank
+  // holds a tensor whole; a shard is gathered from every rank into a new tensor (every rank
+  // must call this: Trainer::full_tensor).
   std::map<std::string, nb::object> tensors(bool model_only) const {
+    std::map<std::string, Tensor> full;
+    {
+      nb::gil_scoped_release release;
+      for (const auto& [name, tensor] : trainer_->named_tensors())
+        if (!model_only || is_forward_input(name)) full[name] = trainer_->full_tensor(name);
+    }
     std::map<std::string, nb::object> out;
-    std::map<std::string, Tensor> named = trainer_->named_tensors();
-    for (const auto& [name, tensor] : named)
-      if (!model_only || is_forward_input(name))
-        out[name] = to_array(tensor, options_.device_index);
+    for (const auto& [name, tensor] : full) out[name] = to_array(tensor, options_.device_index);
     return out;
   }
 
-  // Copies `value` into param or state `name` (on the stream; synchronize() waits).
+  // Copies `value` (the full shape) into param or state `name`, this rank's shard of it where
+  // it holds one; returns when the copy is done.
   void copy_into(const std::string& name, const Array& value) {
-    std::map<std::string, Tensor> named = trainer_->named_tensors();
-    auto it = named.find(name);
-    KILN_CHECK(it != named.end(), "the step has no param or state '{}'", name);
     const Tensor source = from_array(value, fmt::format("the value of '{}'", name));
-    KILN_CHECK(source.type() == it->second.type(), "'{}' is {}, the value given is {}", name,
-               to_string(it->second.type()), to_string(source.type()));
     nb::gil_scoped_release release;
-    trainer_->runtime().copy_async(it->second, source, trainer_->step_executor().stream());
-    trainer_->synchronize();  // the source may go when we return
+    trainer_->assign(name, source);
+  }
+
+  // The params and state this rank holds a shard of (zero3's params, zero1/2/3's optimizer
+  // state): a caller's tensor cannot be adopted for them.
+  std::vector<std::string> sharded() const {
+    std::vector<std::string> out;
+    for (const auto& [name, tensor] : trainer_->named_tensors())
+      if (trainer_->holds_shard(name)) out.push_back(name);
+    return out;
   }
 
   // Param or state `name` lives in `value`'s bytes from now on (Trainer::adopt); `value` is
@@ -216,9 +307,12 @@ class Session {
     adopted_.push_back(std::move(owner));
   }
 
+  // Every tensor whole (a group's shards gathered; rank 0 writes, every rank must call it, and
+  // returns once the file is there), so that a group of any size, or one process, loads it.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
     nb::gil_scoped_release release;
-    trainer_->save(path, metadata);
+    trainer_->save_consolidated(path, metadata);
+    if (group_) group_->barrier();
   }
 
   std::map<std::string, std::string> load(const std::string& path) {
@@ -237,6 +331,9 @@ class Session {
     return std::string(dtype_name(g.type(g.outputs.at(0)).dtype));
   }
   double compile_seconds() const { return compile_seconds_; }
+  const std::string& shard() const { return shard_; }
+  int rank() const { return trainer_->rank(); }
+  int world_size() const { return trainer_->world_size(); }
 
  private:
   bool is_forward_input(const std::string& name) const {
@@ -258,6 +355,8 @@ class Session {
 
   Program program_;
   SessionOptions options_;
+  std::shared_ptr<ProcessGroup> group_;  // sharded: before the trainer, which uses it until it goes
+  std::string shard_ = "none";           // the mode that runs ("auto" resolved)
   std::unique_ptr<train::Trainer> trainer_;
   std::vector<nb::object> adopted_;  // the Python owners of adopted tensors
   double compile_seconds_ = 0;
@@ -302,22 +401,41 @@ NB_MODULE(_kiln, m) {
   m.def("import_onnx", &import_program, "data"_a, "source"_a, "freeze"_a, "loss"_a, "labels"_a);
   m.def("parse_program", &parse_program, "text"_a);
 
+  nb::class_<Group>(m, "Group")
+      .def_prop_ro("rank", [](const Group& g) { return g.group->rank(); })
+      .def_prop_ro("world_size", [](const Group& g) { return g.group->world_size(); })
+      .def_prop_ro("local_rank", [](const Group& g) { return g.group->env().local_rank; })
+      .def_prop_ro("engine", [](const Group& g) { return g.group->communicator()->engine(); })
+      .def("barrier", [](Group& g) {
+        nb::gil_scoped_release release;
+        g.group->barrier();
+      });
+  m.def("join_group", &join_group, "device"_a);
+
   nb::class_<SessionOptions>(m, "SessionOptions")
       .def(nb::init<>())
       .def_rw("device", &SessionOptions::device)
       .def_rw("device_index", &SessionOptions::device_index)
+      .def_rw("shard", &SessionOptions::shard)
       .def_rw("memory_budget", &SessionOptions::memory_budget)
       .def_rw("disabled_passes", &SessionOptions::disabled_passes)
       .def_rw("dialects", &SessionOptions::dialects);
 
   nb::class_<Session>(m, "Session")
       .def("__init__",
-           [](Session* self, const Program& program, const OptimizerConfig& config, const SessionOptions& options) {
+           [](Session* self, const Program& program, const OptimizerConfig& config, const SessionOptions& options,
+              const Group* group) {
              nb::gil_scoped_release release;
-             new (self) Session(program, config, options);
-           })
+             new (self) Session(program, config, options, group);
+           },
+           "program"_a, "config"_a, "options"_a, "group"_a.none() = nb::none())
       .def("step", &Session::step, "data"_a.noconvert(), "loss_out"_a.noconvert() = nb::none())
-      .def("evaluate", &Session::evaluate, "data"_a.noconvert())
+      .def("evaluate", &Session::evaluate, "data"_a.noconvert(), "outputs_out"_a.noconvert() = nb::none())
+      .def_prop_ro("output_types", &Session::output_types)
+      .def_prop_ro("sharded", &Session::sharded)
+      .def_prop_ro("shard", &Session::shard)
+      .def_prop_ro("rank", &Session::rank)
+      .def_prop_ro("world_size", &Session::world_size)
       .def("take_losses", &Session::take_losses)
       .def("synchronize", &Session::synchronize)
       .def("tensors", &Session::tensors, "model_only"_a)

@@ -5,7 +5,11 @@ A torch module reaches kiln as an ONNX export made in-process (docs/onnx.md: tra
 constant folding, so BatchNorm keeps batch statistics and every weight stays an initializer under
 its state_dict name). kiln then trains the module's own tensors in place: its parameters and
 BatchNorm's running statistics are the step's memory, so after `step(x, y)` the module holds the
-updated weights, with no copy either way.
+updated weights, with no copy either way (zero3's params excepted: each rank holds a shard).
+
+Sharded data parallelism (shard="dp" | "zero1" | "zero2" | "zero3" | "auto"): the process is one
+rank of a job launched by torchrun or `kiln launch` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+which it joins at the first sharded compile, as `kiln train --shard` does (docs/distributed.md).
 """
 import inspect
 import io
@@ -21,8 +25,9 @@ from .optim import AdamW, _from_config
 _FORMAT = 1  # of the "kiln.python" checkpoint metadata
 
 
-def _device(device):
-    """("cpu" | "cuda", CUDA device index) from "cpu", "cuda", "cuda:N" or a torch.device."""
+def _device(device, group=None):
+    """("cpu" | "cuda", CUDA device index) from "cpu", "cuda", "cuda:N" or a torch.device; a bare
+    "cuda" is the group's GPU (LOCAL_RANK) in a group, else torch's current one."""
     text = str(device)
     kind, _, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
@@ -31,8 +36,37 @@ def _device(device):
         raise _kiln.Error(f"device '{text}': kiln sees no CUDA device (a build without CUDA, or no GPU here)")
     if kind == "cuda" and not index:
         torch = torch_module()
-        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+        index = (group.local_rank if group is not None
+                 else torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0)
     return kind, int(index or 0)
+
+
+_SHARD_MODES = ("none", "auto", "dp", "zero1", "zero2", "zero3")
+_groups = {}  # "cpu" | "cuda" -> the process group this process joined (one per process and device kind)
+
+
+def _group(shard, device):
+    """The process group a step sharded by `shard` runs over (None: alone), joined at first use
+    from torchrun's variables, as `kiln train` joins it (Gloo on the CPU, NCCL on GPUs)."""
+    shard = "none" if shard is None else str(shard)
+    if shard not in _SHARD_MODES:
+        raise _kiln.Error(f"shard '{shard}': expected None, 'auto', 'dp', 'zero1', 'zero2' or 'zero3'")
+    if shard == "none":
+        return shard, None
+    kind = str(device).partition(":")[0]
+    if kind not in ("cpu", "cuda"):
+        return shard, None  # _device says what is wrong
+    if kind not in _groups:
+        world = os.environ.get("WORLD_SIZE")
+        if world is None or world.strip() == "1":
+            if shard == "auto":
+                return shard, None
+            raise _kiln.Error(
+                f"shard='{shard}' needs several processes, and WORLD_SIZE is {'unset' if world is None else world}: "
+                f"launch the script with torchrun --nproc_per_node=N or kiln launch -n N -- python3 SCRIPT "
+                f"(they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+        _groups[kind] = _kiln.join_group(kind)
+    return shard, _groups[kind]
 
 
 def _memory_budget(budget):
@@ -153,10 +187,13 @@ class Step:
     def __init__(self, session, names, module_tensors, framework, device, index, record):
         self._session = session
         self._names = names                  # kiln name -> the user's name (torch's or ONNX's)
-        self._module_tensors = module_tensors  # kiln name -> the module's tensor kiln trains in place
+        self._module_tensors = module_tensors  # kiln name -> the module's tensor (trained in place unless gathered)
+        self._gathered = set(module_tensors) & set(session.sharded)  # zero3's params: state_dict() gathers them
         self._framework = framework          # "torch" or "numpy": what comes back
         self._device, self._index = device, index
         self._record = record                # what save() writes to rebuild the step
+        if device == "cuda":
+            self._framework = "torch"        # CUDA tensors come back as torch's
         self._stream = None
         if device == "cuda":
             torch = torch_module()
@@ -173,8 +210,7 @@ class Step:
         if self._device == "cpu":
             return from_kiln(self._session.step(data), framework_of(inputs, self._framework))
         torch = torch_module()
-        loss = torch.empty((), dtype=getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(
-            self._session.loss_dtype, "float32")), device=f"cuda:{self._index}")
+        loss = torch.empty((), dtype=_torch_dtype(torch, self._session.loss_dtype), device=f"cuda:{self._index}")
         self._enter(data + [loss])
         self._session.step(data, loss)
         self._leave()
@@ -182,10 +218,19 @@ class Step:
 
     def evaluate(self, *inputs):
         """The forward's outputs (the loss first) on `inputs` with the current parameters, no
-        update; on the host. One output is returned as it is, several as a tuple."""
+        update; tensors on the step's device, without waiting for it. One output is returned as
+        it is, several as a tuple. In a group every rank must call it (the loss is the ranks'
+        mean, as the step's)."""
         data = self._data(inputs)
-        self._enter(data)
-        outputs = [from_kiln(a, framework_of(inputs, self._framework)) for a in self._session.evaluate(data)]
+        if self._device == "cpu":
+            outputs = [from_kiln(a, framework_of(inputs, self._framework)) for a in self._session.evaluate(data)]
+        else:
+            torch = torch_module()
+            outputs = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=f"cuda:{self._index}")
+                       for dtype, shape in self._session.output_types]
+            self._enter(data + outputs)
+            self._session.evaluate(data, outputs)
+            self._leave()
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def losses(self):
@@ -205,16 +250,40 @@ class Step:
         """The learning rate of the next step (kiln's schedule)."""
         return self._session.lr
 
+    @property
+    def shard(self):
+        """The sharding that runs: "none", "dp", "zero1", "zero2" or "zero3" ("auto" resolved)."""
+        return self._session.shard
+
+    @property
+    def rank(self):
+        """This process's rank in the step's group (0 alone)."""
+        return self._session.rank
+
+    @property
+    def world_size(self):
+        """The ranks the step is sharded over (1 alone)."""
+        return self._session.world_size
+
     # ---- tensors ----
     def state_dict(self):
-        """The model's parameters and state (BatchNorm's running statistics) by their names, over
-        the step's own memory (no copies): they change with every step."""
+        """The model's parameters and state (BatchNorm's running statistics) by their names, at
+        their full shapes, over the step's own memory (no copies): they change with every step.
+        A module's step returns the module's own tensors. Sharded: every rank must call it; a
+        tensor held as shards (zero3's params) is gathered from every rank, into the module's
+        tensor for a module (which the steps do not update in place) or a new one."""
         self._leave()
         arrays = self._session.tensors(True)
         out = {}
         for kiln_name, user_name in self._names.items():
             tensor = self._module_tensors.get(kiln_name)
-            out[user_name] = tensor.detach() if tensor is not None else from_kiln(arrays[kiln_name], self._framework)
+            if tensor is None:
+                out[user_name] = from_kiln(arrays[kiln_name], self._framework)
+                continue
+            if kiln_name in self._gathered:  # zero3: the module's tensor takes the gathered value
+                with torch_module().no_grad():
+                    tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
+            out[user_name] = tensor.detach()
         return out
 
     def load_state_dict(self, state_dict, strict=True):
@@ -234,7 +303,9 @@ class Step:
     # ---- checkpoints and reports ----
     def save(self, path):
         """A checkpoint (safetensors: params, optimizer state, step count, and what kiln.load
-        needs to rebuild the step), written atomically."""
+        needs to rebuild the step), written atomically. Sharded: every rank must call it; the
+        shards are gathered and rank 0 writes every tensor whole, so that one process or a group
+        of any size and sharding loads it."""
         self._session.save(os.fspath(path), {"kiln.python": json.dumps(self._record)})
 
     def load(self, path):
@@ -285,16 +356,18 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
     optimizer: kiln.AdamW(...) (default) or kiln.SGD(...).
     device: "cpu", "cuda" or "cuda:N". amp: "off", "bf16" or "f16" (mixed precision, f32 master
     weights). memory_budget: bytes (or "2GiB") the step's activations may take (rematerialization).
+    shard: None (this process alone), or "dp", "zero1", "zero2", "zero3", "auto" (as kiln train
+        --shard): data parallelism over the ranks of a job launched by torchrun or kiln launch.
+        Each rank compiles the same model and passes its own rows of the global batch (its
+        example_inputs have the per-rank shape); the loss is the mean over all ranks.
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not hasattr(optimizer, "_config"):
         raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...) or kiln.SGD(...)")
-    if shard not in (None, "none"):
-        raise _kiln.Error(f"shard='{shard}': the Python package trains in one process for now; sharded training "
-                          "runs as kiln train under kiln launch (docs/distributed.md)")
     if amp not in ("off", "bf16", "f16"):
         raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16' or 'f16'")
-    kind, index = _device(device)
+    shard, group = _group(shard, device)
+    kind, index = _device(device, group)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     torch = torch_module()
     module_tensors = {}
@@ -333,22 +406,30 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
               "optimizer": {"name": optimizer._config().name, **{k: v for k, v in vars(optimizer).items()}},
               "amp": amp, "memory_budget": _memory_budget(memory_budget), "disable_passes": list(disable_passes),
               "dialects": list(dialects)}
-    session = _session(program, optimizer, amp, kind, index, record)
+    session = _session(program, optimizer, amp, kind, index, record, shard, group)
+    sharded = set(session.sharded)
     for n, tensor in module_tensors.items():
-        session.adopt(n, tensor.detach(), tensor)
+        if n not in sharded:
+            session.adopt(n, tensor.detach(), tensor)
     step = Step(session, names, module_tensors, framework, kind, index, record)
     return step
 
 
-def _session(program, optimizer, amp, kind, index, record):
+def _torch_dtype(torch, name):
+    return {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16,
+            "i32": torch.int32, "i64": torch.int64, "bool": torch.bool, "u8": torch.uint8}[name]
+
+
+def _session(program, optimizer, amp, kind, index, record, shard="none", group=None):
     config = optimizer._config()
     config.amp = amp
     options = _kiln.SessionOptions()
     options.device, options.device_index = kind, index
+    options.shard = shard if group is not None else "none"
     options.memory_budget = record["memory_budget"]
     options.disabled_passes = record["disable_passes"]
     options.dialects = record["dialects"]
-    return _kiln.Session(program, config, options)
+    return _kiln.Session(program, config, options, group)
 
 
 def _metadata(path):
@@ -362,9 +443,10 @@ def _metadata(path):
     return header.get("__metadata__", {})
 
 
-def load(path, device=None):
+def load(path, device=None, shard=None):
     """The step that Step.save wrote to `path`, ready to continue (params, optimizer state, step
-    count); on `device` (default: as saved... on the CPU unless given)."""
+    count); on `device` (the CPU unless given), sharded by `shard` as kiln.compile's (a group of
+    any size: the checkpoint holds every tensor whole)."""
     path = os.fspath(path)
     meta = _metadata(path)
     if "kiln.python" not in meta:
@@ -372,10 +454,11 @@ def load(path, device=None):
     record = json.loads(meta["kiln.python"])
     if record.get("format") != _FORMAT:
         raise _kiln.Error(f"'{path}': checkpoint format {record.get('format')}, this kiln reads {_FORMAT}")
-    kind, index = _device(device or "cpu")
+    shard, group = _group(shard, device or "cpu")
+    kind, index = _device(device or "cpu", group)
     program = _kiln.parse_program(record["ir"])
     optimizer = _from_config(record["optimizer"])
-    session = _session(program, optimizer, record["amp"], kind, index, record)
+    session = _session(program, optimizer, record["amp"], kind, index, record, shard, group)
     session.load(path)
     framework = "torch" if torch_module() is not None else "numpy"
     return Step(session, record["names"], {}, framework, kind, index, record)

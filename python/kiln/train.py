@@ -50,7 +50,8 @@ def train(model, data, steps=None, *, loss=None, optimizer=None, device="cpu", a
     the step is compiled for; batches of other shapes (a short last batch) are skipped and
     counted. Losses are read from the device every `log_every` steps (one wait each).
     `checkpoint`: a path the step is saved to at the end (and when stopped by Ctrl-C).
-    The other options are kiln.compile's. Returns a TrainResult."""
+    The other options are kiln.compile's (shard=: every rank runs this with its own rows of each
+    batch; rank 0 shows the progress). Returns a TrainResult."""
     batches = _batches(data, repeat=steps is not None)
     result, bar = None, None
     start, samples = time.perf_counter(), 0
@@ -65,6 +66,7 @@ def train(model, data, steps=None, *, loss=None, optimizer=None, device="cpu", a
         else:
             step = compile(model, first, loss=loss, optimizer=optimizer, device=device, amp=amp, **compile_options)
         result = TrainResult(step=step, compile_seconds=step._session.compile_seconds)
+        progress = progress and step.rank == 0  # in a group, rank 0 shows it (every rank's loss is the global mean)
         shapes = _shapes(first)
         bar = _progress(steps, progress)
         start = time.perf_counter()
@@ -100,6 +102,8 @@ def train(model, data, steps=None, *, loss=None, optimizer=None, device="cpu", a
     result.samples_per_second = samples / result.seconds if result.seconds > 0 else 0.0
     if checkpoint is not None:
         result.step.save(checkpoint)
+    if result.step._gathered:  # zero3: the module's params take the trained values (a gather)
+        result.step.state_dict()
     if progress:
         print(f"kiln.train: {result.steps_done} steps in {result.seconds:.2f} s "
               f"({result.samples_per_second:.0f} samples/s), loss {result.final_loss:.4f}")

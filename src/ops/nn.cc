@@ -8,14 +8,19 @@
 //   cross_entropy(logits (..., V), labels (...) i32/i64) {ignore_index = -100, reduction =
 //     "mean" | "sum" | "none"}: logsumexp(logits) - logits[label] per row; ignored rows add 0 and
 //     are not counted; "mean" over zero counted rows is 0.
-//   attention(q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv)) {causal = false, scale (optional,
-//     absent = 1/sqrt(D))} -> (out, lse): out = softmax(s) v with the scores
-//     s_ij = scale * q_i . k_j for unmasked keys (causal masks key j > query i, top-left aligned
-//     like PyTorch's is_causal); lse (..., Tq) = log(sum_j exp(s_ij)) over the unmasked keys,
-//     natural log, the scale included (so P_ij = exp(s_ij - lse_i)); -inf for a row with no
-//     keys (Tk = 0). lse is f32 for f32/f16/bf16 inputs (the statistic stays f32 under mixed
+//   attention(q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv) [, key_bias (..., Tk)])
+//     {causal = false, scale (optional, absent = 1/sqrt(D))} -> (out, lse): out = softmax(s) v
+//     with the scores s_ij = scale * q_i . k_j + key_bias_j for unmasked keys (causal masks key
+//     j > query i, top-left aligned like PyTorch's is_causal); lse (..., Tq) =
+//     log(sum_j exp(s_ij)) over the unmasked keys, natural log, the scale included (so
+//     P_ij = exp(s_ij - lse_i)); -inf for a row with no keys (Tk = 0: its out is 0, or every
+//     score -inf: its out is NaN, as softmax's over them is). lse is f32 for f32/f16/bf16 inputs (the statistic stays f32 under mixed
 //     precision) and f64 for f64. It is the saved statistic the backward needs (FlashAttention,
 //     cuDNN and PyTorch's SDPA return it too); it is differentiable like out.
+//     key_bias (optional, q's dtype): one row of Tk per batch entry, added to the scores of
+//     every head and query: a BERT-style padding mask (-10000 or -inf for padded keys, 0 for the
+//     others) or any additive per-key bias. Its shape is q's leading dims without the heads
+//     axis, then Tk: (B, Tk) for q (B, H, Tq, D) ("bhtd") and for q (B, Tq, H, D) ("bthd").
 //     {layout = "bhtd" | "bthd"}: "bhtd" (the default) is the above, heads among the leading
 //     dims; "bthd" takes q (..., Tq, H, D), k (..., Tk, H, D), v (..., Tk, H, Dv), the layout a
 //     (B, T, C) projection has when reshaped to (B, T, H, D), and gives out (..., Tq, H, Dv) and
@@ -24,9 +29,9 @@
 //     Grouped-query attention: k and v may have Hkv heads where q has H, Hkv dividing H (the
 //     heads axis: -2 for "bthd", -3 for "bhtd"); query head h reads key/value head
 //     h / (H / Hkv), and attention_grad's dk, dv sum over the query heads of their group.
-//   attention_qkv(qkv (..., T, 3, H, D)) {causal, scale} -> (out (..., T, H, D), lse (..., T, H)):
-//     self-attention over a packed projection: attention{layout "bthd"}(qkv[..., 0, :, :],
-//     qkv[..., 1, :, :], qkv[..., 2, :, :]). A (B, T, 3C) projection reshaped to (B, T, 3, H, D)
+//   attention_qkv(qkv (..., T, 3, H, D) [, key_bias (..., T)]) {causal, scale} -> (out (..., T, H,
+//     D), lse (..., T, H)): self-attention over a packed projection: attention{layout
+//     "bthd"}(qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :] [, key_bias]). A (B, T, 3C) projection reshaped to (B, T, 3, H, D)
 //     is read in place (kernels take q, k, v by strides) and its gradient written in place: no
 //     split before attention, no concat after its gradient. The simplifier forms it from
 //     attention over the split of a projection (passes/simplify/algebraic.cc).
@@ -47,15 +52,18 @@
 //   cross_entropy_grad(logits, labels, dloss) {ignore_index, reduction} -> dlogits:
 //     (softmax(logits) - one_hot(label)) times dloss / counted rows ("mean"), dloss ("sum") or
 //     dloss[row] ("none": dloss has labels' shape); ignored rows get 0.
-//   attention_grad(q, k, v, out, dout, lse) {causal, scale, layout} -> (dq, dk, dv), with out and lse
-//     attention's outputs for q, k, v and these attributes. Defined by the FlashAttention-2
+//   attention_grad(q, k, v, out, dout, lse [, key_bias]) {causal, scale, layout} -> (dq, dk, dv),
+//     with out and lse attention's outputs for q, k, v (, key_bias) and these attributes.
+//     (key_bias's own gradient, sum_i dS_ij over the heads and queries, is the last column of dk
+//     of attention_grad over q and k with a column of ones and zeros appended: the gradient rule
+//     emits it, and dead-code removes it where the bias needs none.) Defined by the FlashAttention-2
 //     formulas on the GIVEN out and lse, which every kernel follows: P_ij = exp(s_ij - lse_i)
 //     (0 for masked keys), D_i = dout_i . out_i, dP_ij = dout_i . v_j,
 //     dS_ij = P_ij (dP_ij - D_i), dv_j = sum_i P_ij dout_i, dq_i = scale sum_j dS_ij k_j,
 //     dk_j = scale sum_i dS_ij q_i. (attention's gradient rule relies on D coming from the
 //     given out when the loss also depends on lse.)
-//   attention_qkv_grad(qkv, out, dout, lse) {causal, scale} -> dqkv (..., T, 3, H, D): dq, dk, dv
-//     of attention_grad{layout "bthd"} on qkv's three parts, packed like qkv.
+//   attention_qkv_grad(qkv, out, dout, lse [, key_bias]) {causal, scale} -> dqkv (..., T, 3, H, D):
+//     dq, dk, dv of attention_grad{layout "bthd"} on qkv's three parts, packed like qkv.
 // Gradient rules (OpDef::gradient) of the forward ops emit these ops (matmul's emits matmuls).
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
 #include <algorithm>
@@ -206,6 +214,10 @@ struct AttentionDims {
   // Problem b reads key/value problem b / group: the kv problems are numbered like the query
   // problems with H / group heads ("bthd") or a leading heads dim H / group ("bhtd").
   int64_t group = 1;
+  // Consecutive problems (the heads of one batch entry) that share a row of key_bias.
+  int64_t bias_heads = 1;
+  // Flat index of key 0 of the key_bias row of problem b.
+  int64_t bias_row(int64_t b) const { return b / bias_heads * tk; }
   // Flat index of element 0 of row t (of a tensor with `cols` a row and `rows` rows a problem)
   // of problem b: rows of a problem are contiguous in "bhtd" and H rows apart in "bthd".
   int64_t row(int64_t b, int64_t t, int64_t rows, int64_t cols) const {
@@ -242,13 +254,34 @@ AttentionDims attention_dims(const Shape& q, const Shape& k, const Shape& v,
   const int h_axis = heads_axis(static_cast<int>(r), heads_inside(attrs));
   const int64_t group = h_axis >= 0 && k[h_axis] > 0 ? q[h_axis] / k[h_axis] : 1;
   if (heads_inside(attrs)) {
-    AttentionDims dims{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2], group};
+    AttentionDims dims{q[r - 2], q[r - 3], k[r - 3], q[r - 1], v[r - 1], q[r - 2], group, q[r - 2]};
     for (size_t i = 0; i + 3 < r; ++i) dims.batch *= q[i];
     return dims;
   }
-  AttentionDims dims{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1], 1, group};
+  AttentionDims dims{1, q[r - 2], k[r - 2], q[r - 1], v[r - 1], 1, group, r >= 3 ? q[r - 3] : 1};
   for (size_t i = 0; i + 2 < r; ++i) dims.batch *= q[i];
   return dims;
+}
+
+// key_bias's shape for q and Tk: q's leading dims without the heads axis, then Tk.
+Shape key_bias_shape(const Shape& q, int64_t tk, bool bthd) {
+  const size_t r = q.size(), lead = r >= 3 ? r - 3 : 0;  // "bthd": rank >= 3 (checked)
+  Shape shape(q.begin(), q.begin() + static_cast<std::ptrdiff_t>(bthd ? r - 3 : lead));
+  shape.push_back(tk);
+  return shape;
+}
+
+// attention's and attention_grad's key_bias (input `index` when present), checked against q.
+void check_key_bias(std::span<const TensorType> in, size_t index, const Attributes& attrs) {
+  if (in.size() <= index) return;
+  const TensorType &q = in[0], &k = in[1], &bias = in[index];
+  const bool bthd = heads_inside(attrs);
+  check_same_dtype(bias, "key_bias", q, "q");
+  const Shape want = key_bias_shape(q.shape, k.shape[k.rank() - (bthd ? 3 : 2)], bthd);
+  KILN_CHECK(bias.shape == want,
+             "key_bias has shape {}, expected {} for q {} and k {} (q's leading dims without the heads, "
+             "then Tk: one row per batch entry, added to every head's and query's scores)",
+             to_string(bias.shape), to_string(want), to_string(q.shape), to_string(k.shape));
 }
 
 // Attention's inputs checked; returns the output type (q's shape with Dv as the last dim).
@@ -306,10 +339,10 @@ TensorType attention_lse_type(const TensorType& q) {
           Shape(q.shape.begin(), q.shape.end() - 1)};
 }
 
-// Scores of query i of batch b: scores[j] = scale * q_i . k_j, -inf for masked keys (causal,
-// j > i; key 0 is never masked).
-void attention_scores(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
-                      int64_t i, bool causal, double scale, std::vector<double>& scores) {
+// Scores of query i of batch b: scores[j] = scale * q_i . k_j (+ key_bias_j where `bias` is
+// given), -inf for masked keys (causal, j > i; key 0 is never masked).
+void attention_scores(const Tensor& q, const Tensor& k, const Tensor* bias, const AttentionDims& d,
+                      int64_t b, int64_t i, bool causal, double scale, std::vector<double>& scores) {
   const int64_t qi = d.row(b, i, d.tq, d.d);
   for (int64_t j = 0; j < d.tk; ++j) {
     double s = kNegativeInfinity;
@@ -318,16 +351,19 @@ void attention_scores(const Tensor& q, const Tensor& k, const AttentionDims& d, 
       const int64_t kj = d.kv_row(b, j, d.d);
       for (int64_t c = 0; c < d.d; ++c) s += q.get(qi + c) * k.get(kj + c);
       s *= scale;
+      if (bias != nullptr) s += bias->get(d.bias_row(b) + j);
     }
     scores[j] = s;
   }
 }
 
-// Softmax weights of query i of batch b over the keys: weights[j] = P[i, j]. Masked keys get
-// exactly 0. Returns the row's log-sum-exp of the scores (-inf when there are no keys).
-double attention_weights(const Tensor& q, const Tensor& k, const AttentionDims& d, int64_t b,
-                         int64_t i, bool causal, double scale, std::vector<double>& weights) {
-  attention_scores(q, k, d, b, i, causal, scale, weights);
+// Softmax weights of query i of batch b over the keys: weights[j] = P[i, j]. Masked keys (a
+// score of -inf) get exactly 0; when every score is -inf the weights are 0/0 (NaN), as
+// softmax's. Returns the row's log-sum-exp of the scores (-inf when there are no keys, or none
+// left).
+double attention_weights(const Tensor& q, const Tensor& k, const Tensor* bias, const AttentionDims& d,
+                         int64_t b, int64_t i, bool causal, double scale, std::vector<double>& weights) {
+  attention_scores(q, k, bias, d, b, i, causal, scale, weights);
   double max = kNegativeInfinity;
   for (int64_t j = 0; j < d.tk; ++j) max = std::max(max, weights[j]);
   double sum = 0.0;
@@ -364,6 +400,15 @@ TensorType unpacked_type(const TensorType& qkv) {
   Shape shape = qkv.shape;
   shape.erase(shape.end() - 3);
   return {qkv.dtype, shape};
+}
+
+// attention_qkv's and attention_qkv_grad's key_bias (input `index` when present): as the
+// unpacked "bthd" attention's, (..., T).
+void check_packed_key_bias(std::span<const TensorType> in, size_t index, const Attributes& attrs) {
+  if (in.size() <= index) return;
+  const TensorType part = unpacked_type(in[0]);
+  const std::vector<TensorType> unpacked{part, part, part, in[index]};
+  check_key_bias(unpacked, 3, unpacked_attrs(attrs));
 }
 
 // Copies part `which` of `qkv` out (unpack) or into it (pack). A row of the packed tensor is
@@ -522,10 +567,11 @@ void attention_reference(const KernelArgs& args) {
   const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
   const bool causal = args.attrs.b("causal");
   const double scale = attention_scale(args.attrs, d.d);
+  const Tensor* bias = args.inputs.size() > 3 ? &args.inputs[3] : nullptr;
   std::vector<double> weights(static_cast<size_t>(d.tk));
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t i = 0; i < d.tq; ++i) {
-      lse.set(d.stat(b, i), attention_weights(q, k, d, b, i, causal, scale, weights));
+      lse.set(d.stat(b, i), attention_weights(q, k, bias, d, b, i, causal, scale, weights));
       // Weighted sum of the values.
       const int64_t oi = d.row(b, i, d.tq, d.dv);
       for (int64_t c = 0; c < d.dv; ++c) {
@@ -545,14 +591,16 @@ void attention_grad_reference(const KernelArgs& args) {
   const AttentionDims d = attention_dims(q.shape(), k.shape(), v.shape(), args.attrs);
   const bool causal = args.attrs.b("causal");
   const double scale = attention_scale(args.attrs, d.d);
+  const Tensor* bias = args.inputs.size() > 6 ? &args.inputs[6] : nullptr;
   // Accumulated in double: dk and dv sum over the queries (of every query head of their group).
   std::vector<double> dq_sum(q.numel(), 0.0), dk_sum(k.numel(), 0.0), dv_sum(v.numel(), 0.0);
   std::vector<double> weights(static_cast<size_t>(d.tk)), dweights(static_cast<size_t>(d.tk));
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t i = 0; i < d.tq; ++i) {
       const int64_t qi = d.row(b, i, d.tq, d.d), oi = d.row(b, i, d.tq, d.dv);
-      // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j (masked: -inf, so P_ij = 0).
-      attention_scores(q, k, d, b, i, causal, scale, weights);
+      // P_ij = exp(s_ij - lse_i), s_ij = scale * q_i . k_j + key_bias_j (masked: -inf, so
+      // P_ij = 0).
+      attention_scores(q, k, bias, d, b, i, causal, scale, weights);
       const double row_lse = lse.get(d.stat(b, i));
       for (int64_t j = 0; j < d.tk; ++j)
         weights[j] = weights[j] == kNegativeInfinity ? 0.0 : std::exp(weights[j] - row_lse);
@@ -593,6 +641,7 @@ void attention_qkv_reference(const KernelArgs& args) {
     parts.emplace_back(unpacked_type(qkv.type()));
     unpack_qkv(qkv, which, parts.back());
   }
+  if (args.inputs.size() > 1) parts.push_back(args.inputs[1]);  // key_bias
   const Attributes attrs = unpacked_attrs(args.attrs);
   attention_reference(KernelArgs{attrs, parts, args.outputs});
 }
@@ -605,18 +654,58 @@ void attention_qkv_grad_reference(const KernelArgs& args) {
     unpack_qkv(qkv, which, in.back());
     grads.emplace_back(unpacked_type(qkv.type()));
   }
-  for (int i = 1; i < 4; ++i) in.push_back(args.inputs[i]);  // out, dout, lse
+  for (size_t i = 1; i < args.inputs.size(); ++i) in.push_back(args.inputs[i]);  // out, dout, lse [, key_bias]
   const Attributes attrs = unpacked_attrs(args.attrs);
   attention_grad_reference(KernelArgs{attrs, in, grads});
   for (int which = 0; which < 3; ++which) pack_qkv(grads[which], which, args.outputs[0]);
 }
 
-// dq, dk, dv of attention{attrs}(q, k, v) = (out, lse), given the gradients dout and dlse.
+// The gradient of attention's key_bias: dbias_j = sum over the heads and queries of dS_ij
+// (dS_ij = P_ij (dP_ij - D_i), the scores' gradient without the scale). attention_grad computes
+// dk_j = scale sum_i dS_ij q_i: over q with a column of ones appended and k with a column of
+// zeros (the scores unchanged), dk's last column is scale sum_i dS_ij, summed over the query
+// heads of each key/value head; the heads are summed here. A second attention_grad, on head
+// dims D + 1: only where the bias needs a gradient (dead-code removes it elsewhere, the usual
+// case of a mask made from the data).
+Expr key_bias_grad(Builder& b, const Expr& q, const Expr& k, const Expr& v, const Expr& out,
+                   const Expr& dout, const Expr& lse, const Expr& bias, const Attributes& attrs) {
+  Attributes padded = attrs;
+  const double scale = attention_scale(attrs, q.dim(-1));
+  padded.set("scale", scale);  // not 1/sqrt(D + 1)
+  auto with_column = [&](const Expr& x, double value) {
+    Shape column = x.shape();
+    column.back() = 1;
+    return concat({x, b.full(column, value, x.dtype())}, -1);
+  };
+  std::vector<Expr> grads =
+      b.apply(Op::kAttentionGrad, {with_column(q, 1.0), with_column(k, 0.0), v, out, dout, lse, bias}, padded);
+  const Expr& dk = grads[1];  // (..., Hkv, Tk, D + 1) or (..., Tk, Hkv, D + 1)
+  Expr column = split(dk, {dk.dim(-1) - 1, 1}, -1)[1];
+  Shape per_head = dk.shape();
+  per_head.pop_back();
+  column = reshape(column, per_head);
+  const int r = static_cast<int>(per_head.size());
+  const int heads = heads_inside(attrs) ? r - 1 : r - 2;  // "bhtd" without heads (rank 1): none
+  if (heads >= 0 && per_head.size() > bias.shape().size()) column = sum(column, {heads});
+  return reshape(column, bias.shape()) * (1.0 / scale);
+}
+
+// dq, dk, dv (and dkey_bias) of attention{attrs}(q, k, v [, bias]) = (out, lse), given the
+// gradients dout and dlse.
 std::vector<Expr> attention_input_grads(Builder& b, const Expr& q, const Expr& k, const Expr& v,
                                         const Expr& out, const Expr& lse, const Expr& dout,
-                                        const Expr& dlse_in, const Attributes& attrs) {
+                                        const Expr& dlse_in, const Attributes& attrs,
+                                        const Expr* bias = nullptr) {
+  auto inputs = [&](std::vector<Expr> in) {
+    if (bias != nullptr) in.push_back(*bias);
+    return in;
+  };
+  auto with_bias_grad = [&](std::vector<Expr> grads, const Expr& v1, const Expr& out1, const Expr& dout1) {
+    if (bias != nullptr) grads.push_back(key_bias_grad(b, q, k, v1, out1, dout1, lse, *bias, attrs));
+    return grads;
+  };
   if (is_zero_fill(dlse_in))  // the usual case: only out is used
-    return b.apply(Op::kAttentionGrad, {q, k, v, out, dout, lse}, attrs);
+    return with_bias_grad(b.apply(Op::kAttentionGrad, inputs({q, k, v, out, dout, lse}), attrs), v, out, dout);
   // The loss also depends on lse: d lse_i / d s_ij = P_ij adds dlse_i P_ij to dS_ij. The same
   // op serves: a ones column appended to v and dlse appended to dout add dlse_i to every dP_ij,
   // and a zero column appended to out leaves D_i = dout_i . out_i as it was (the op takes D from
@@ -631,32 +720,48 @@ std::vector<Expr> attention_input_grads(Builder& b, const Expr& q, const Expr& k
   Expr dlse = reshape(dlse_in, column);
   if (dlse.dtype() != dtype) dlse = cast(dlse, dtype);
   Expr dout1 = concat({dout, dlse}, -1);
-  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, {q, k, v1, out1, dout1, lse}, attrs);
+  std::vector<Expr> grads = b.apply(Op::kAttentionGrad, inputs({q, k, v1, out1, dout1, lse}), attrs);
   grads[2] = split(grads[2], {v.dim(-1), 1}, -1)[0];
-  return grads;
+  return with_bias_grad(grads, v1, out1, dout1);
 }
 
 std::vector<Expr> attention_gradient(const GradContext& c) {
   // Same attributes (causal, and scale when given); out and lse come from the forward node.
   return attention_input_grads(c.builder, c.x(0), c.x(1), c.x(2), c.y(0), c.y(1), c.dy(0),
-                               c.dy(1), c.attrs());
+                               c.dy(1), c.attrs(), c.inputs.size() > 3 ? &c.x(3) : nullptr);
 }
 
 std::vector<Expr> attention_qkv_gradient(const GradContext& c) {
   const Expr &qkv = c.x(0), &out = c.y(0), &lse = c.y(1);
-  if (is_zero_fill(c.dy(1)))
-    return c.builder.apply(Op::kAttentionQkvGrad, {qkv, out, c.dy(0), lse}, c.attrs());
-  // The loss depends on lse too: attention's rule on the unpacked parts, packed again.
+  const Expr* bias = c.inputs.size() > 1 ? &c.x(1) : nullptr;
   const Shape part = unpacked_type(qkv.type()).shape;
+  auto unpacked = [&] {
+    std::vector<Expr> parts = split(qkv, {1, 1, 1}, -3);
+    for (Expr& p : parts) p = reshape(p, part);
+    return parts;
+  };
+  if (is_zero_fill(c.dy(1))) {
+    std::vector<Expr> inputs{qkv, out, c.dy(0), lse};
+    if (bias != nullptr) inputs.push_back(*bias);
+    std::vector<Expr> grads = c.builder.apply(Op::kAttentionQkvGrad, inputs, c.attrs());
+    if (bias != nullptr) {
+      std::vector<Expr> parts = unpacked();
+      grads.push_back(key_bias_grad(c.builder, parts[0], parts[1], parts[2], out, c.dy(0), lse, *bias,
+                                    unpacked_attrs(c.attrs())));
+    }
+    return grads;
+  }
+  // The loss depends on lse too: attention's rule on the unpacked parts, packed again.
   Shape slot = qkv.shape();
   slot[slot.size() - 3] = 1;
-  std::vector<Expr> parts = split(qkv, {1, 1, 1}, -3);
-  for (Expr& p : parts) p = reshape(p, part);
+  std::vector<Expr> parts = unpacked();
   std::vector<Expr> grads = attention_input_grads(c.builder, parts[0], parts[1], parts[2], out,
                                                    lse, c.dy(0), c.dy(1),
-                                                   unpacked_attrs(c.attrs()));
-  for (Expr& g : grads) g = reshape(g, slot);
-  return {concat(grads, -3)};
+                                                   unpacked_attrs(c.attrs()), bias);
+  for (size_t i = 0; i < 3; ++i) grads[i] = reshape(grads[i], slot);
+  std::vector<Expr> result{concat({grads[0], grads[1], grads[2]}, -3)};
+  if (bias != nullptr) result.push_back(grads[3]);
+  return result;
 }
 
 // ---- rotary_embedding ----
@@ -852,17 +957,19 @@ void define_nn_ops(OpRegistry& registry) {
       {with_default("causal", false), optional("scale", AttrKind::kFloat),
        with_default("layout", std::string("bhtd"))},
       [](std::span<const TensorType> in, const Attributes& attrs) {
-        return std::vector<TensorType>{infer_attention(in[0], in[1], in[2], attrs),
-                                       attention_lse_type(in[0])};
+        const TensorType out = infer_attention(in[0], in[1], in[2], attrs);
+        check_key_bias(in, 3, attrs);
+        return std::vector<TensorType>{out, attention_lse_type(in[0])};
       },
       attention_reference,
       attention_gradient});
 
   registry.define(Op::kAttentionQkv, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
-      [](std::span<const TensorType> in, const Attributes&) {
+      [](std::span<const TensorType> in, const Attributes& attrs) {
         check_packed_qkv(in[0]);
         const TensorType part = unpacked_type(in[0]);
+        check_packed_key_bias(in, 1, attrs);
         return std::vector<TensorType>{part, attention_lse_type(part)};
       },
       attention_qkv_reference, attention_qkv_gradient});
@@ -1024,6 +1131,7 @@ void define_nn_ops(OpRegistry& registry) {
         const TensorType lse = attention_lse_type(in[0]);
         KILN_CHECK(in[5] == lse, "lse is {}, expected {} like attention's lse for q {}",
                    to_string(in[5]), to_string(lse), to_string(in[0]));
+        check_key_bias(in, 6, attrs);
         return std::vector<TensorType>{in[0], in[1], in[2]};  // dq, dk, dv
       },
       attention_grad_reference,
@@ -1031,7 +1139,7 @@ void define_nn_ops(OpRegistry& registry) {
 
   registry.define(Op::kAttentionQkvGrad, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
-      [](std::span<const TensorType> in, const Attributes&) {
+      [](std::span<const TensorType> in, const Attributes& attrs) {
         check_packed_qkv(in[0]);
         const TensorType out = unpacked_type(in[0]);
         check_grad_input(in[1], "out", out, "attention_qkv's output");
@@ -1039,6 +1147,7 @@ void define_nn_ops(OpRegistry& registry) {
         const TensorType lse = attention_lse_type(out);
         KILN_CHECK(in[3] == lse, "lse is {}, expected {} like attention_qkv's lse for qkv {}",
                    to_string(in[3]), to_string(lse), to_string(in[0]));
+        check_packed_key_bias(in, 4, attrs);
         return std::vector<TensorType>{in[0]};  // dqkv
       },
       attention_qkv_grad_reference, nullptr, false});

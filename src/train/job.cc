@@ -435,14 +435,12 @@ std::string choose_shard_mode(const std::string& shard, int world_size, int64_t 
   return mode;
 }
 
-namespace {
-
-// A fingerprint of everything that must agree across ranks: the compiled step's text (model,
-// batch, precision, sharding, passes) and the build.
 std::string step_fingerprint(const Trainer& trainer, const std::string& extra) {
   const std::string text = print(trainer.program().graph) + extra + KILN_VERSION + __VERSION__ + __DATE__ + __TIME__;
   return fmt::format("{:016x}", std::hash<std::string>{}(text));
 }
+
+namespace {
 
 // An error in a group: when a rank was lost meanwhile, say so first (the engine's own message,
 // "connection reset by peer", does not name it). The store may learn of the loss a moment after
@@ -456,25 +454,22 @@ std::string step_fingerprint(const Trainer& trainer, const std::string& extra) {
   throw error;
 }
 
-// The process group when launched (WORLD_SIZE > 1), joined on `device`; null alone.
+}  // namespace
+
 std::unique_ptr<ProcessGroup> join_group(const std::string& device) {
   const std::optional<DistEnv> env = dist_env_from_environment();
   if (!env || env->world_size == 1) return nullptr;
   return init_process_group(*env, device == "cuda" ? Device::kCuda : Device::kCpu);
 }
 
-}  // namespace
-
-namespace {
-
-// A step's pass options in a group: the distribution passes plan with the group's measured
-// collective times (distributed/comm_profile.h), the same on every rank.
 PassOptions passes_for(PassOptions passes, ProcessGroup* group, const DeviceRuntime& runtime) {
   if (group && !passes.costs) passes.costs = comm_cost_model(*group, runtime);
   // --offload auto fits the step into the device (the CPU's memory is the host's: nothing moves).
   if (runtime.device() != Device::kCpu && !passes.device_memory) passes.device_memory = runtime.memory_info().total_bytes;
   return passes;
 }
+
+namespace {
 
 // The job once the device is chosen and, in a group, the group joined.
 JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group, const Stopwatch& run_time) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,7 +16,13 @@
 #include "models/models.h"
 #include "passes/pass.h"
 
+namespace kiln {
+class ProcessGroup;
+}
+
 namespace kiln::train {
+
+class Trainer;
 
 struct JobOptions {
   std::string model = "mlp";          // models::model_names(), or an ONNX model file (.onnx)
@@ -89,6 +96,18 @@ std::string choose_shard_mode(const std::string& shard, int world_size, int64_t 
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
 JobResult run_training_job(const JobOptions& options);
+
+// ---- a data-parallel group, as kiln train, kiln bench and the Python package join it ----
+// The process group when launched (torchrun, kiln launch: WORLD_SIZE > 1), joined on `device`
+// ("cpu": Gloo, "cuda": NCCL on GPU LOCAL_RANK, made current); null alone.
+std::unique_ptr<ProcessGroup> join_group(const std::string& device);
+// A step's pass options in a group: the distribution passes plan with the group's measured
+// collective times (distributed/comm_profile.h), the same on every rank; on a GPU --offload
+// auto fits the step into `runtime`'s device.
+PassOptions passes_for(PassOptions passes, ProcessGroup* group, const DeviceRuntime& runtime);
+// A fingerprint of everything that must agree across ranks (ProcessGroup::check_agreement):
+// the compiled step's text (model, batch, precision, sharding, passes), `extra` and the build.
+std::string step_fingerprint(const Trainer& trainer, const std::string& extra);
 
 // What each data input of an imported model takes from a batch of the dataset it is bound to.
 enum class InputRole {

@@ -238,9 +238,12 @@ std::vector<Tensor> Trainer::eval_inputs(const std::vector<Tensor>& data) const 
   return inputs;
 }
 
+std::vector<Tensor> Trainer::evaluate_on_device(const std::vector<Tensor>& data) const {
+  return eval_executor().run(eval_inputs(data));
+}
+
 std::vector<Tensor> Trainer::evaluate(const std::vector<Tensor>& data) const {
-  const Executor& executor = eval_executor();
-  std::vector<Tensor> outputs = executor.run(eval_inputs(data));
+  std::vector<Tensor> outputs = evaluate_on_device(data);
   synchronize();
   for (Tensor& t : outputs) t = runtime_->to_host(t);
   return outputs;
@@ -375,22 +378,48 @@ void Trainer::save_consolidated(const std::string& path, std::map<std::string, s
   std::map<std::string, Tensor> full;
   // Every rank gathers every shard (in name order, the same on every rank); rank 0 writes.
   for (const auto& [name, tensor] : named_tensors()) {
-    auto sharded = sharded_.find(name);
-    if (sharded == sharded_.end()) {
-      if (rank() == 0) full[name] = host_copy(tensor);
-      continue;
-    }
-    const TensorType& type = sharded->second;
-    Tensor gathered = runtime_->device_tensor(TensorType{tensor.dtype(), {tensor.numel() * world_size()}}, false);
-    // An offloaded shard is in host memory: the collective takes device tensors.
-    const Tensor shard = tensor.device() == runtime_->device() ? tensor : runtime_->to_device(tensor);
-    executor_options_.communicator->all_gather(shard, gathered, stream_->handle());
-    Tensor host = runtime_->to_host(gathered);  // waits for the stream
-    Tensor whole(type);
-    std::memcpy(whole.raw(), host.raw(), whole.bytes());
-    if (rank() == 0) full[name] = whole;
+    const Tensor whole = full_tensor(name);
+    if (rank() == 0) full[name] = host_copy(whole);
   }
   if (rank() == 0) save_safetensors(path, full, metadata);
+}
+
+Tensor Trainer::full_tensor(const std::string& name) const {
+  const std::map<std::string, Tensor> named = named_tensors();
+  auto it = named.find(name);
+  KILN_CHECK(it != named.end(), "the step has no param or state '{}'", name);
+  auto sharded = sharded_.find(name);
+  if (sharded == sharded_.end()) return it->second;
+  const Tensor& tensor = it->second;
+  Tensor gathered = runtime_->device_tensor(TensorType{tensor.dtype(), {tensor.numel() * world_size()}}, false);
+  // An offloaded shard is in host memory: the collective takes device tensors.
+  const Tensor shard = tensor.device() == runtime_->device() ? tensor : runtime_->to_device(tensor);
+  executor_options_.communicator->all_gather(shard, gathered, stream_->handle());
+  stream_->synchronize();  // the collective reads `shard` (a temporary when offloaded) until then
+  // The shards are padded to equal lengths: the full tensor is the gathered one's first elements.
+  return gathered.viewed(sharded->second, 0);
+}
+
+void Trainer::assign(const std::string& name, const Tensor& value) {
+  const std::map<std::string, Tensor> named = named_tensors();
+  auto it = named.find(name);
+  KILN_CHECK(it != named.end(), "the step has no param or state '{}'", name);
+  auto sharded = sharded_.find(name);
+  const TensorType& full = sharded != sharded_.end() ? sharded->second : it->second.type();
+  KILN_CHECK(value.type() == full, "'{}' is {}, the value given is {}", name, to_string(full), to_string(value.type()));
+  if (sharded == sharded_.end()) {
+    runtime_->copy_async(it->second, value, *stream_);
+  } else {
+    // This rank's part of the flat value (the shard's padding stays zero: host_shard).
+    const Tensor& shard = it->second;
+    const int64_t begin = shard.numel() * rank();
+    const int64_t count = std::clamp<int64_t>(value.numel() - begin, 0, shard.numel());
+    const TensorType part{value.dtype(), {count}};
+    if (count > 0)
+      runtime_->copy_async(shard.viewed(part, 0), value.viewed(part, static_cast<size_t>(begin) * dtype_size(value.dtype())),
+                           *stream_);
+  }
+  stream_->synchronize();
 }
 
 std::map<std::string, std::string> Trainer::load(const std::string& path) {

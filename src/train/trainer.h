@@ -64,6 +64,11 @@ class Trainer {
   // of the forward, as host tensors on every device. Under amp the forward runs in the step's
   // precision (the f32 master params are cast in the graph, as the step casts them).
   std::vector<Tensor> evaluate(const std::vector<Tensor>& data) const;
+  // evaluate() without the wait and the host copies: the forward's outputs on the trainer's
+  // device, enqueued on its stream. On a GPU they are the forward step's own buffers, which its
+  // next run overwrites (copy them on the stream before); on the CPU fresh tensors, done when
+  // this returns.
+  std::vector<Tensor> evaluate_on_device(const std::vector<Tensor>& data) const;
   // Output `output` of the forward on `count` batches (batch(i): the data tensors of batch i, on
   // the host), as host tensors, one per batch. The batches are enqueued back to back, each
   // output copied into pinned host memory on the stream, and read after one wait at the end, so
@@ -102,6 +107,17 @@ class Trainer {
   std::vector<Tensor> params() const;
   // The same, copied to the host (waits for the device).
   std::map<std::string, Tensor> host_tensors() const;
+  // Whether this rank holds only a shard of param or state `name` (zero1/2/3's optimizer state,
+  // zero3's params too).
+  bool holds_shard(const std::string& name) const { return sharded_.count(name) > 0; }
+  // Param or state `name` at its full shape, where named_tensors() has it: the tensor itself
+  // where this rank holds it whole, else a new device tensor gathered from every rank's shards
+  // (every rank must call it for the same names in the same order; it waits for the gather).
+  Tensor full_tensor(const std::string& name) const;
+  // Copies `value` (the full shape; on the host or the trainer's device) into param or state
+  // `name`: this rank's shard of it where it holds a shard. Waits for the copy (`value` may go
+  // when it returns). Throws kiln::Error on an unknown name or another type.
+  void assign(const std::string& name, const Tensor& value);
   // Before the first step: param or state `name` starts at host `value` (same type) instead of
   // what the constructor gave it (zeros for state): an imported model's own state, such as
   // BatchNorm's running statistics. Throws kiln::Error on an unknown name, another type, a

@@ -1,6 +1,6 @@
 """`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
-BatchNorm, tiny BERT-style encoder at opsets 17 and 14, tiny LLaMA-style decoder with
-grouped-query attention) is exported to ONNX, and one training step of kiln (AdamW) is compared
+BatchNorm, tiny BERT-style encoder at opsets 17 and 14 and with its padding mask as a
+masked_fill, tiny LLaMA-style decoder with grouped-query attention) is exported to ONNX, and one training step of kiln (AdamW) is compared
 with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of the tensor's
 largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
 must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
@@ -93,15 +93,18 @@ def torch_step(model, inputs, lr, betas, eps, weight_decay):
 
 # The composite ops each model's CPU training step runs (kiln compile --report's "composite ops",
 # fused nodes' bodies included): the simplifier's recognize pass found the decomposed forms the
-# export wrote. bert's attention has a padding mask, which kiln's attention does not take; the
-# CPU pipeline decomposes layer_norm_grad for fusion (training-rewrites), so it is not counted.
+# export wrote. bert's attention has a padding mask (an additive (1 - mask) * -10000, or a
+# masked_fill for bert-masked-fill): attention's key_bias, and over the split of one projection
+# the packed attention_qkv; the CPU pipeline decomposes layer_norm_grad for fusion
+# (training-rewrites), so it is not counted.
 # mlp's gelu and llama's silu are there twice: once in the forward, once recomputed in the
 # backward from an input the backward keeps anyway (the recompute pass); bert's are not.
 COMPOSITE_OPS = {
     "mlp": {"gelu": 2, "gelu_grad": 1},
     "cnn": {},
-    "bert": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
-    "bert-opset14": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "bert": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "bert-opset14": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},
+    "bert-masked-fill": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},
     "llama": {"attention": 2, "attention_grad": 2, "rms_norm": 5, "rms_norm_grad": 5, "rotary_embedding": 8,
               "silu": 4},
 }

@@ -8,6 +8,7 @@
 #include "gradcheck.h"
 #include "ir/builder.h"
 #include "passes/autodiff.h"
+#include "passes/simplify/dead_code.h"
 
 namespace kiln {
 namespace {
@@ -157,6 +158,28 @@ TEST(NnGrad, AttentionGroupedQuery) {
                                        rand64({2, 2, 5, 3}, 108)});  // "bhtd", 3 per group
 }
 
+TEST(NnGrad, AttentionKeyBias) {
+  // A key_bias (B, Tk): its gradient (sum over heads and queries of dS, through a second
+  // attention_grad over q and k with a column appended) and q's, k's, v's with it; a loss on out
+  // and lse (expect_op_gradients weights both).
+  expect_op_gradients(Op::kAttention, {rand64({2, 2, 3, 4}, 120), rand64({2, 2, 5, 4}, 121),
+                                       rand64({2, 2, 5, 2}, 122), rand64({2, 5}, 123)});
+  expect_op_gradients(Op::kAttention, {rand64({4, 3}, 124), rand64({4, 3}, 125), rand64({4, 3}, 126),
+                                       rand64({4}, 127)},
+                      {{"causal", true}, {"scale", 0.5}});  // no batch dims: (Tk)
+  // "bthd", grouped-query, causal: the kv heads' columns are summed too.
+  expect_op_gradients(Op::kAttention, {rand64({2, 5, 4, 3}, 128), rand64({2, 5, 2, 3}, 129),
+                                       rand64({2, 5, 2, 2}, 130), rand64({2, 5}, 131)},
+                      {{"causal", true}, {"layout", std::string("bthd")}});
+  expect_op_gradients(Op::kAttention, {rand64({2, 6, 3, 4}, 132), rand64({2, 2, 5, 4}, 133),
+                                       rand64({2, 2, 5, 3}, 134), rand64({2, 5}, 135)});  // "bhtd" GQA
+}
+
+TEST(NnGrad, AttentionQkvKeyBias) {
+  expect_op_gradients(Op::kAttentionQkv, {rand64({2, 5, 3, 3, 2}, 136), rand64({2, 5}, 137)}, {{"causal", true}});
+  expect_op_gradients(Op::kAttentionQkv, {rand64({4, 3, 2, 3}, 138), rand64({4}, 139)});
+}
+
 TEST(NnGrad, RotaryEmbedding) {
   // The rule is the inverse rotation; both layouts and directions, an odd D/2.
   expect_op_gradients(Op::kRotaryEmbedding, {rand64({2, 5, 6}, 110)});
@@ -180,6 +203,48 @@ void check_attention_out_only(Shape q, Shape k, Shape v, Attributes attrs, uint6
   testing::expect_graph_gradients(
       g, 0, {0, 1, 2},
       {rand64(q, seed), rand64(k, seed + 1), rand64(v, seed + 2), rand64(out_shape, seed + 3)});
+}
+
+// The same with a key_bias (B, Tk): the rule's usual path, one attention_grad taking the bias,
+// and the bias's own gradient.
+void check_attention_bias_out_only(Shape q, Shape k, Shape v, Shape bias, Attributes attrs, uint64_t seed) {
+  Builder b("attention_bias_out");
+  Expr xq = b.data("q", q, DType::kF64), xk = b.data("k", k, DType::kF64);
+  Expr xv = b.data("v", v, DType::kF64), xb = b.data("bias", bias, DType::kF64);
+  std::vector<Expr> y = b.apply(Op::kAttention, {xq, xk, xv, xb}, std::move(attrs));
+  const Shape out_shape = y[0].shape();
+  Expr w = b.data("w", out_shape, DType::kF64);
+  Graph g = b.finish({sum(y[0] * w)});
+  testing::expect_graph_gradients(g, 0, {0, 1, 2, 3},
+                                  {rand64(q, seed), rand64(k, seed + 1), rand64(v, seed + 2),
+                                   rand64(bias, seed + 3), rand64(out_shape, seed + 4)});
+}
+
+TEST(NnGrad, AttentionKeyBiasLossOnOutOnly) {
+  check_attention_bias_out_only({2, 2, 3, 4}, {2, 2, 5, 4}, {2, 2, 5, 2}, {2, 5}, {}, 140);
+  check_attention_bias_out_only({2, 4, 2, 3}, {2, 4, 1, 3}, {2, 4, 1, 3}, {2, 4},
+                                {{"causal", true}, {"layout", std::string("bthd")}}, 145);
+}
+
+TEST(NnGrad, AttentionKeyBiasFromDataAddsNoBackwardWork) {
+  // A mask from the data needs no gradient: the bias's attention_grad over D + 1 columns is
+  // dead, and dead-code leaves one attention_grad, which takes the bias.
+  Builder b("mask_from_data");
+  Expr q = b.param("q", {2, 2, 3, 4}, DType::kF32);
+  Expr mask = b.data("mask", {2, 3}, DType::kF32);
+  std::vector<Expr> y = b.apply(Op::kAttention, {q, q, q, mask});
+  Graph g = b.finish({sum(y[0])});
+  AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[0].value});
+  r.graph.outputs.push_back(r.gradients[0]);
+  DeadCodeElimination().run(r.graph);
+  int grads = 0;
+  for (const Node& node : r.graph.nodes)
+    if (node.op == Op::kAttentionGrad) {
+      ++grads;
+      EXPECT_EQ(node.inputs.size(), 7u);
+      EXPECT_EQ(node.inputs[6], g.inputs[1].value);
+    }
+  EXPECT_EQ(grads, 1);
 }
 
 TEST(NnGrad, AttentionLossOnOutOnly) {

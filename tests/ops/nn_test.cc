@@ -454,6 +454,54 @@ TEST(NnAttention, Errors) {
                     "scale", "float");
 }
 
+TEST(NnAttention, KeyBiasShapesAndErrors) {
+  // key_bias: q's leading dims without the heads axis, then Tk; q's dtype.
+  EXPECT_EQ(infer(Op::kAttention, {f32({2, 4, 3, 8}), f32({2, 4, 5, 8}), f32({2, 4, 5, 6}), f32({2, 5})})[0],
+            f32({2, 4, 3, 6}));
+  EXPECT_EQ(infer(Op::kAttention, {f32({2, 3, 4, 8}), f32({2, 5, 2, 8}), f32({2, 5, 2, 8}), f32({2, 5})},
+                  {{"layout", std::string("bthd")}})[0],
+            f32({2, 3, 4, 8}));
+  EXPECT_EQ(infer(Op::kAttention, {f32({3, 8}), f32({5, 8}), f32({5, 2}), f32({5})})[0], f32({3, 2}));
+  EXPECT_EQ(infer(Op::kAttention, {f32({4, 3, 8}), f32({4, 5, 8}), f32({4, 5, 2}), f32({5})})[0], f32({4, 3, 2}));
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 4, 3, 8}), f32({2, 4, 5, 8}), f32({2, 4, 5, 6}), f32({2, 1, 1, 5})}),
+                    "attention", "key_bias has shape (2, 1, 1, 5), expected (2, 5)", "one row per batch entry");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({2, 4, 3, 8}), f32({2, 4, 5, 8}), f32({2, 4, 5, 6}), f32({2, 3})}),
+                    "key_bias has shape (2, 3), expected (2, 5)");
+  EXPECT_KILN_ERROR(infer(Op::kAttention, {f32({3, 8}), f32({5, 8}), f32({5, 2}), of(DType::kBF16, {5})}),
+                    "key_bias is bf16, expected f32");
+  const TensorType q = f32({2, 4, 3, 8}), k = f32({2, 4, 5, 8}), out = f32({2, 4, 3, 8}), lse = f32({2, 4, 3});
+  EXPECT_EQ(infer(Op::kAttentionGrad, {q, k, k, out, out, lse, f32({2, 5})}).size(), 3u);
+  EXPECT_KILN_ERROR(infer(Op::kAttentionGrad, {q, k, k, out, out, lse, f32({2, 4})}),
+                    "attention_grad", "key_bias has shape (2, 4), expected (2, 5)");
+}
+
+TEST(NnAttention, KeyBiasByHand) {
+  // q = 0: every score is 0 but for the bias. Batch row 0's bias (0, ln 2, -inf): weights
+  // (1/3, 2/3, 0) in both heads and every query, lse ln 3; row 1's (-10000, 0, 0): (0, 1/2, 1/2).
+  // Row 2 masks every key with -inf: its out is NaN, as softmax over nothing is (torch's too),
+  // and its lse -inf.
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor q = make(DType::kF64, {3, 2, 2, 1}, std::vector<double>(12, 0.0));
+  Tensor k = testing::rand(DType::kF64, {3, 2, 3, 1}, 5);
+  Tensor v = make(DType::kF64, {3, 2, 3, 1}, {3, 6, 9, 1, 2, 4, 3, 6, 9, 1, 2, 4, 1, 1, 1, 1, 1, 1});
+  Tensor bias = make(DType::kF64, {3, 3}, {0, std::log(2.0), -inf, -10000, 0, 0, -inf, -inf, -inf});
+  std::vector<Tensor> r = run_reference(Op::kAttention, {q, k, v, bias});
+  const std::vector<double> want = {5, 5, 5. / 3, 5. / 3, 7.5, 7.5, 3, 3};
+  for (int64_t i = 0; i < 8; ++i) EXPECT_NEAR(r[0].get(i), want[static_cast<size_t>(i)], 1e-12) << i;
+  for (int64_t i = 8; i < 12; ++i) EXPECT_TRUE(std::isnan(r[0].get(i))) << i;
+  for (int64_t i = 0; i < 4; ++i) EXPECT_NEAR(r[1].get(i), std::log(3.0), 1e-14) << i;
+  for (int64_t i = 4; i < 8; ++i) EXPECT_NEAR(r[1].get(i), std::log(2.0), 1e-14) << i;
+  for (int64_t i = 8; i < 12; ++i) EXPECT_EQ(r[1].get(i), -inf) << i;
+  // The gradient gives a masked key nothing: batch 0's key 2 (its v row) and every key of batch 2.
+  Tensor dout = testing::rand(DType::kF64, {3, 2, 2, 1}, 6);
+  std::vector<Tensor> g = run_reference(Op::kAttentionGrad, {q, k, v, r[0], dout, r[1], bias});
+  for (int64_t i = 0; i < 8; ++i) EXPECT_TRUE(std::isfinite(g[0].get(i))) << i;
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(g[2].get(h * 3 + 2), 0.0);
+    for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(g[2].get(12 + h * 3 + j), 0.0);
+  }
+}
+
 TEST(NnAttention, KernelCausalWithEqualScores) {
   // q = 0, so every score is 0 and the weights are uniform over the visible keys: causal query
   // i averages v[0..i]; query 0 sees only key 0 and returns v[0] exactly.
@@ -717,8 +765,13 @@ TEST(NnAttentionQkv, Errors) {
   EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({})}), "qkv has shape ()");
   EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {of(DType::kI32, {2, 5, 3, 4, 8})}),
                     "qkv is i32", "expected a float dtype");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({5, 3, 4, 8}), f32({5}), f32({5})}),
+                    "got 3 inputs, expected 1 to 2");
+  // key_bias: (..., T), q's dtype.
   EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({5, 3, 4, 8}), f32({5, 3, 4, 8})}),
-                    "got 2 inputs, expected 1");
+                    "key_bias has shape (5, 3, 4, 8), expected (5,) for q (5, 4, 8)");
+  EXPECT_KILN_ERROR(infer(Op::kAttentionQkv, {f32({2, 5, 3, 4, 8}), of(DType::kF16, {2, 5})}), "key_bias",
+                    "f16");
 }
 
 TEST(NnAttentionQkv, KernelHandWorked) {

@@ -67,13 +67,9 @@ def test_step_trains_the_module_in_place():
     assert torch.equal(x, x_before)  # inputs are read in place, never written
 
 
-@needs_onnx
-def test_numpy_inputs_give_numpy_outputs(tmp_path):
-    path = tmp_path / "mlp.onnx"
+def export_small_model(path, x, y):
+    """small_model() with its cross-entropy loss, exported by hand to the ONNX file `path`."""
     model = small_model()
-    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-    with_loss = torch.nn.Sequential()  # a module returning its loss, exported by hand
-    del with_loss
 
     class WithLoss(torch.nn.Module):
         def __init__(self):
@@ -86,6 +82,13 @@ def test_numpy_inputs_give_numpy_outputs(tmp_path):
     legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     torch.onnx.export(WithLoss(), (x, y), str(path), input_names=["x", "y"], opset_version=17,
                       training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, **legacy)
+
+
+@needs_onnx
+def test_numpy_inputs_give_numpy_outputs(tmp_path):
+    path = tmp_path / "mlp.onnx"
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    export_small_model(path, x, y)
     step = kiln.compile(str(path), (x.numpy(), y.numpy()))
     loss = step(x.numpy(), y.numpy())
     assert isinstance(loss, np.ndarray) and loss.shape == ()
@@ -112,3 +115,45 @@ def test_cuda_step_without_copies():
     assert torch.allclose(model[0].weight.cpu(), reference[0].weight, rtol=1e-3, atol=1e-5)
     t = torch.randn(5, 7, device="cuda")
     assert torch.from_dlpack(kiln._kiln.dlpack_view(t)).data_ptr() == t.data_ptr()
+
+
+@needs_cuda
+@needs_onnx
+def test_cuda_outputs_stay_on_the_device(tmp_path):
+    # Every tensor a CUDA step returns is a torch CUDA tensor on the step's device: the loss,
+    # evaluate()'s outputs and state_dict() (a module's own tensors, or an ONNX file's weights
+    # over kiln's memory), and they equal the CPU step's.
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    path = tmp_path / "mlp.onnx"
+    export_small_model(path, x, y)
+    cpu = kiln.compile(str(path), (x, y))
+    want_loss, want_eval = float(cpu(x, y)), float(cpu.evaluate(x, y))
+    for model in (small_model().cuda(), str(path)):
+        step = kiln.compile(model, (x.cuda(), y.cuda()), loss="cross_entropy" if not isinstance(model, str) else None,
+                            device="cuda")
+        loss = step(x.cuda(), y.cuda())
+        evaluation = step.evaluate(x.cuda(), y.cuda())
+        assert loss.is_cuda and evaluation.is_cuda and evaluation.shape == ()
+        assert float(loss) == pytest.approx(want_loss, rel=1e-4)
+        assert float(evaluation) == pytest.approx(want_eval, rel=1e-4)
+        state = step.state_dict()
+        assert all(t.is_cuda for t in state.values()), {n: t.device for n, t in state.items()}
+        want = {n.removeprefix("net."): t for n, t in cpu.state_dict().items()}
+        for n, t in state.items():
+            assert torch.allclose(t.cpu(), want[n.removeprefix("net.")], rtol=1e-3, atol=1e-5), n
+        # An evaluation's outputs are its own: the next one does not overwrite them.
+        again = step.evaluate(x.cuda() + 1, y.cuda())
+        assert float(evaluation) == pytest.approx(want_eval, rel=1e-4) and float(again) != float(evaluation)
+
+
+@needs_onnx
+def test_cpu_evaluation_outputs_are_fresh():
+    # On the CPU evaluate() returns the forward step's own fresh output buffers (no copy): the
+    # next evaluation does not overwrite them.
+    model = small_model()
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = kiln.compile(model, (x, y), loss="cross_entropy")
+    first = step.evaluate(x, y)
+    value = float(first)
+    second = step.evaluate(x + 1, y)
+    assert float(first) == value and float(second) != value and first.data_ptr() != second.data_ptr()

@@ -415,6 +415,8 @@ struct AttentionShape {
   // Grouped-query attention: query heads per key/value head. Problem b reads k and v of
   // key/value problem b / group (the group's problems are consecutive).
   int64_t group = 1;
+  // Consecutive problems (one batch entry's heads) that share a row of attention's key_bias.
+  int64_t bias_heads = 1;
   // Offset of problem b's first row in a tensor of `rows` rows a problem, `cols` elements a
   // head's row, rows `ld` apart (lse: cols 1, ld H).
   int64_t base(int64_t b, int64_t rows, int64_t cols, int64_t ld) const {
@@ -438,6 +440,7 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
     s.ld_v = hk * s.dv;
     s.ld_o = h * s.dv;
     s.group = hk > 0 ? h / hk : 1;
+    s.bias_heads = h;
     for (size_t i = 0; i + 3 < r; ++i) s.slices *= q[i];
     return s;
   }
@@ -445,6 +448,7 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   s.ld_q = s.ld_k = s.d;
   s.ld_v = s.ld_o = s.dv;
   if (r >= 3 && k[r - 3] > 0) s.group = q[r - 3] / k[r - 3];
+  if (r >= 3) s.bias_heads = q[r - 3];
   for (size_t i = 0; i + 2 < r; ++i) s.slices *= q[i];
   return s;
 }
@@ -455,6 +459,7 @@ AttentionShape packed_attention_shape(const Shape& qkv) {
   const size_t r = qkv.size();
   const int64_t t = qkv[r - 4], h = qkv[r - 2], d = qkv[r - 1];
   AttentionShape s{h, t, t, d, d, h};
+  s.bias_heads = h;
   s.ld_q = s.ld_k = s.ld_v = 3 * h * d;
   s.ld_o = h * d;
   for (size_t i = 0; i + 4 < r; ++i) s.slices *= qkv[i];
@@ -478,15 +483,39 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
               static_cast<blasint>(ldc));
 }
 
-// P (tq x tk) = softmax over each row of S = scale Q K^T, with the causal mask (key j > query i
-// gets exactly 0; key 0 never masked). Written over the scores in place; lse[i * lse_stride] =
-// the row's log-sum-exp of S. q and k rows are s.ld_q and s.ld_k elements apart.
-void attention_probs(const float* q, const float* k, const AttentionShape& s,
+// Adds key_bias's row `bias` to the first `live` scores of `row`; returns the row's largest score
+// (-inf when the bias masked every key: the row's P is then 0/0, NaN, as softmax's).
+float add_key_bias(float* row, const float* bias, int64_t live) {
+  for (int64_t j = 0; j < live; ++j) row[j] += bias[j];
+  return max_row_ignoring_nan(row, live);
+}
+
+// exp(row - m) over the first `live` scores, exactly 0 for a score of -inf (the bias masked it;
+// exp_f32 stops at e^-87).
+void exp_biased_scores(float* row, float m, int64_t live) {
+  for (int64_t j = 0; j < live; ++j) row[j] = row[j] == -INFINITY ? 0.0f : exp_f32(row[j] - m);
+}
+
+// P (tq x tk) = softmax over each row of S = scale Q K^T (+ `bias`, key_bias's row of the
+// problem, when not null), with the causal mask (key j > query i gets exactly 0; key 0 never
+// masked). Written over the scores in place; lse[i * lse_stride] = the row's log-sum-exp of S.
+// q and k rows are s.ld_q and s.ld_k elements apart.
+void attention_probs(const float* q, const float* k, const float* bias, const AttentionShape& s,
                      bool causal, float scale, float* p, float* lse, int64_t lse_stride) {
   sgemm(false, true, s.tq, s.tk, s.d, scale, q, s.ld_q, k, s.ld_k, p, s.tk);
   for (int64_t i = 0; i < s.tq; ++i) {
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;  // unmasked keys: [0, live)
+    if (bias != nullptr) {
+      const float max = add_key_bias(row, bias, live);
+      exp_biased_scores(row, max, live);
+      const double sum = sum_row(row, live);
+      const float inv_sum = static_cast<float>(1.0 / sum);
+      for (int64_t j = 0; j < live; ++j) row[j] *= inv_sum;
+      std::fill(row + live, row + s.tk, 0.0f);
+      lse[i * lse_stride] = static_cast<float>(static_cast<double>(max) + std::log(sum));
+      continue;
+    }
     const float max = max_row_ignoring_nan(row, live);
     for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - max);
     const double sum = sum_row(row, live);
@@ -497,9 +526,9 @@ void attention_probs(const float* q, const float* k, const AttentionShape& s,
   }
 }
 
-// P (tq x tk) = exp(S - lse) with S = scale Q K^T and the saved log-sum-exp of each row; masked
-// keys get exactly 0.
-void attention_probs_from_lse(const float* q, const float* k, const float* lse,
+// P (tq x tk) = exp(S - lse) with S = scale Q K^T (+ `bias` when not null) and the saved
+// log-sum-exp of each row; masked keys get exactly 0.
+void attention_probs_from_lse(const float* q, const float* k, const float* bias, const float* lse,
                               int64_t lse_stride, const AttentionShape& s, bool causal,
                               float scale, float* p) {
   sgemm(false, true, s.tq, s.tk, s.d, scale, q, s.ld_q, k, s.ld_k, p, s.tk);
@@ -507,18 +536,29 @@ void attention_probs_from_lse(const float* q, const float* k, const float* lse,
     float* row = p + i * s.tk;
     const int64_t live = causal ? std::min(i + 1, s.tk) : s.tk;
     const float m = lse[i * lse_stride];
-    for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - m);
+    if (bias != nullptr) {
+      add_key_bias(row, bias, live);
+      exp_biased_scores(row, m, live);
+    } else {
+      for (int64_t j = 0; j < live; ++j) row[j] = exp_f32(row[j] - m);
+    }
     std::fill(row + live, row + s.tk, 0.0f);
   }
 }
 
-// The forward of every problem: out and lse from q, k, v laid out as `s` says.
+// key_bias's row for problem b (null without a bias).
+const float* bias_row(const float* bias, const AttentionShape& s, int64_t b) {
+  return bias == nullptr ? nullptr : bias + b / s.bias_heads * s.tk;
+}
+
+// The forward of every problem: out and lse from q, k, v (and key_bias, when not null) laid out
+// as `s` says.
 void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,
-                       bool causal, float scale, float* out, float* lse) {
+                       const float* bias, bool causal, float scale, float* out, float* lse) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk));
   for (int64_t b = 0; b < s.slices; ++b) {
-    attention_probs(q + s.base(b, s.tq, s.d, s.ld_q), k + s.kv_base(b, s.d, s.ld_k), s, causal,
-                    scale, p.data(), lse + s.base(b, s.tq, 1, s.heads), s.heads);
+    attention_probs(q + s.base(b, s.tq, s.d, s.ld_q), k + s.kv_base(b, s.d, s.ld_k), bias_row(bias, s, b),
+                    s, causal, scale, p.data(), lse + s.base(b, s.tq, 1, s.heads), s.heads);
     sgemm(false, false, s.tq, s.dv, s.tk, 1.0f, p.data(), s.tk, v + s.kv_base(b, s.dv, s.ld_v),
           s.ld_v, out + s.base(b, s.tq, s.dv, s.ld_o), s.ld_o);
   }
@@ -528,8 +568,8 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
 // out, dout and lse. Every element of a problem's dq, dk, dv rows is written (the sgemms
 // overwrite; the other query heads of a key/value group add to the first one's dk and dv).
 void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
-                        const float* out, const float* dout, const float* lse, bool causal,
-                        float scale, float* dq, float* dk, float* dv) {
+                        const float* out, const float* dout, const float* lse, const float* bias,
+                        bool causal, float scale, float* dq, float* dk, float* dv) {
   std::vector<float> p(static_cast<size_t>(s.tq * s.tk)), dp(p.size());
   for (int64_t b = 0; b < s.slices; ++b) {
     const int64_t q0 = s.base(b, s.tq, s.d, s.ld_q), k0 = s.kv_base(b, s.d, s.ld_k);
@@ -540,8 +580,8 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
     const float* vb = v + v0;
     const float* ob = out + o0;
     const float* dob = dout + o0;
-    attention_probs_from_lse(qb, kb, lse + s.base(b, s.tq, 1, s.heads), s.heads, s, causal,
-                             scale, p.data());
+    attention_probs_from_lse(qb, kb, bias_row(bias, s, b), lse + s.base(b, s.tq, 1, s.heads), s.heads, s,
+                             causal, scale, p.data());
     sgemm(true, false, s.tk, s.dv, s.tq, 1.0f, p.data(), s.tk, dob, s.ld_o, dv + v0, s.ld_v,
           kv_beta);  // P^T dO
     sgemm(false, true, s.tq, s.tk, s.dv, 1.0f, dob, s.ld_o, vb, s.ld_v, dp.data(),
@@ -567,8 +607,9 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
 void attention_kernel(const KernelArgs& args) {
   const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
                                            args.inputs[2].shape(), args.attrs);
+  const float* bias = args.inputs.size() > 3 ? args.inputs[3].data<float>() : nullptr;
   attention_forward(s, args.inputs[0].data<float>(), args.inputs[1].data<float>(),
-                    args.inputs[2].data<float>(), args.attrs.b("causal"),
+                    args.inputs[2].data<float>(), bias, args.attrs.b("causal"),
                     attention_scale(args.attrs, s.d), args.outputs[0].data<float>(),
                     args.outputs[1].data<float>());
 }
@@ -576,9 +617,10 @@ void attention_kernel(const KernelArgs& args) {
 void attention_grad_kernel(const KernelArgs& args) {
   const AttentionShape s = attention_shape(args.inputs[0].shape(), args.inputs[1].shape(),
                                            args.inputs[2].shape(), args.attrs);
+  const float* bias = args.inputs.size() > 6 ? args.inputs[6].data<float>() : nullptr;
   attention_backward(s, args.inputs[0].data<float>(), args.inputs[1].data<float>(),
                      args.inputs[2].data<float>(), args.inputs[3].data<float>(),
-                     args.inputs[4].data<float>(), args.inputs[5].data<float>(),
+                     args.inputs[4].data<float>(), args.inputs[5].data<float>(), bias,
                      args.attrs.b("causal"), attention_scale(args.attrs, s.d),
                      args.outputs[0].data<float>(), args.outputs[1].data<float>(),
                      args.outputs[2].data<float>());
@@ -589,7 +631,8 @@ void attention_qkv_kernel(const KernelArgs& args) {
   const AttentionShape s = packed_attention_shape(args.inputs[0].shape());
   const float* qkv = args.inputs[0].data<float>();
   const int64_t hd = s.heads * s.d;
-  attention_forward(s, qkv, qkv + hd, qkv + 2 * hd, args.attrs.b("causal"),
+  const float* bias = args.inputs.size() > 1 ? args.inputs[1].data<float>() : nullptr;
+  attention_forward(s, qkv, qkv + hd, qkv + 2 * hd, bias, args.attrs.b("causal"),
                     attention_scale(args.attrs, s.d), args.outputs[0].data<float>(),
                     args.outputs[1].data<float>());
 }
@@ -603,6 +646,7 @@ void attention_qkv_grad_kernel(const KernelArgs& args) {
   const int64_t hd = s.heads * s.d;
   attention_backward(s, qkv, qkv + hd, qkv + 2 * hd, args.inputs[1].data<float>(),
                      args.inputs[2].data<float>(), args.inputs[3].data<float>(),
+                     args.inputs.size() > 4 ? args.inputs[4].data<float>() : nullptr,
                      args.attrs.b("causal"), attention_scale(args.attrs, s.d), dqkv, dqkv + hd,
                      dqkv + 2 * hd);
 }

@@ -3,7 +3,8 @@
 // kAttentionMaxHeadDim; tensor cores for 16-bit types with d == dv in {32, 64, 128}. The packed
 // attention_qkv (qkv (..., T, 3, H, D)) and attention_qkv_grad run the same kernels as "bthd"
 // attention with q, k, v (dq, dk, dv) read (written) in place at offsets of the one tensor.
-// Grouped-query attention (k and v with fewer heads than q) runs the same kernels, both layouts.
+// Grouped-query attention (k and v with fewer heads than q) runs the same kernels, both layouts;
+// so does a key_bias (a padding mask: the kernels' template parameter B), packed or not.
 #include <cmath>
 #include <cstddef>
 #include <optional>
@@ -35,6 +36,7 @@ AttentionShape attention_shape(const Shape& q, const Shape& k, const Shape& v,
   // dim for "bhtd"; the op's inference checked that they divide q's).
   const int h_axis = bthd ? static_cast<int>(r) - 2 : static_cast<int>(r) - 3;
   if (h_axis >= 0 && k[h_axis] > 0) s.group = q[h_axis] / k[h_axis];
+  if (h_axis >= 0) s.bias_heads = q[h_axis];  // one key_bias row per batch entry: its heads
   s.d = q[r - 1];
   s.dv = v[r - 1];
   s.causal = attrs.b("causal");
@@ -49,6 +51,7 @@ AttentionShape packed_shape(const Shape& qkv, const Attributes& attrs) {
   const size_t r = qkv.size();
   AttentionShape s;
   s.heads = qkv[r - 2];
+  s.bias_heads = s.heads;
   s.batch = s.heads;
   for (size_t i = 0; i + 4 < r; ++i) s.batch *= qkv[i];
   s.tq = s.tk = qkv[r - 4];
@@ -76,14 +79,16 @@ bool attention_fits_launchers(int64_t batch, int64_t heads, int64_t tq, int64_t 
 
 }  // namespace
 
-// One dtype for q, k, v (and out, dout) that we handle, an f32 lse (the op's inference checks
-// all of that), sizes the launchers index with 32-bit grids.
+// One dtype for q, k, v (and out, dout, key_bias) that we handle, an f32 lse (the op's inference
+// checks all of that), sizes the launchers index with 32-bit grids.
 bool attention_supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
-  if (in.size() != (backward ? 6u : 3u) || in[0].rank() < 2) return false;
+  const size_t plain = backward ? 6u : 3u;  // without key_bias
+  if ((in.size() != plain && in.size() != plain + 1) || in[0].rank() < 2) return false;
   if (!launcher_dtype(in[0].dtype)) return false;
   for (size_t i = 0; i < (backward ? 5u : 3u); ++i)
     if (in[i].dtype != in[0].dtype || in[i].rank() != in[0].rank()) return false;
+  if (in.size() > plain && in[plain].dtype != in[0].dtype) return false;
   if (backward && in[5].dtype != DType::kF32) return false;
   const int r = in[0].rank();
   const bool bthd = node.node.attrs.s("layout") == "bthd";
@@ -100,8 +105,10 @@ bool attention_supported(const NodeView& node, bool backward) {
 // as attention_supported's "bthd" layout.
 bool attention_qkv_supported(const NodeView& node, bool backward) {
   const auto& in = node.input_types;
-  if (in.size() != (backward ? 4u : 1u) || in[0].rank() < 4) return false;
+  const size_t plain = backward ? 4u : 1u;  // without key_bias
+  if ((in.size() != plain && in.size() != plain + 1) || in[0].rank() < 4) return false;
   if (!launcher_dtype(in[0].dtype)) return false;
+  if (in.size() > plain && in[plain].dtype != in[0].dtype) return false;
   const int r = in[0].rank();
   if (in[0].shape[r - 3] != 3) return false;
   if (backward) {
@@ -117,9 +124,14 @@ bool attention_qkv_supported(const NodeView& node, bool backward) {
 
 namespace {
 
+// Input `index` (key_bias) when the node has it, else null.
+const void* key_bias(const KernelArgs& args, size_t index) {
+  return args.inputs.size() > index ? args.inputs[index].raw() : nullptr;
+}
+
 void forward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2];
-  attention_forward(q.dtype(), q.raw(), k.raw(), v.raw(),
+  attention_forward(q.dtype(), q.raw(), k.raw(), v.raw(), key_bias(args, 3),
                     args.outputs[0].raw(), args.outputs[1].data<float>(),
                     attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
                     static_cast<cudaStream_t>(args.stream));
@@ -128,7 +140,7 @@ void forward_kernel(const KernelArgs& args) {
 void backward_kernel(const KernelArgs& args) {
   const Tensor &q = args.inputs[0], &k = args.inputs[1], &v = args.inputs[2],
                &out = args.inputs[3], &dout = args.inputs[4], &lse = args.inputs[5];
-  attention_backward(q.dtype(), q.raw(), k.raw(), v.raw(), out.raw(),
+  attention_backward(q.dtype(), q.raw(), k.raw(), v.raw(), key_bias(args, 6), out.raw(),
                      dout.raw(), lse.data<float>(), args.outputs[0].raw(),
                      args.outputs[1].raw(), args.outputs[2].raw(),
                      attention_shape(q.shape(), k.shape(), v.shape(), args.attrs),
@@ -139,7 +151,7 @@ void qkv_forward_kernel(const KernelArgs& args) {
   const Tensor& qkv = args.inputs[0];
   const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
   attention_forward(qkv.dtype(), packed_part(qkv, s, 0),
-                    packed_part(qkv, s, 1), packed_part(qkv, s, 2), args.outputs[0].raw(),
+                    packed_part(qkv, s, 1), packed_part(qkv, s, 2), key_bias(args, 1), args.outputs[0].raw(),
                     args.outputs[1].data<float>(), s, static_cast<cudaStream_t>(args.stream));
 }
 
@@ -148,7 +160,7 @@ void qkv_backward_kernel(const KernelArgs& args) {
                &lse = args.inputs[3], &dqkv = args.outputs[0];
   const AttentionShape s = packed_shape(qkv.shape(), args.attrs);
   attention_backward(qkv.dtype(), packed_part(qkv, s, 0),
-                     packed_part(qkv, s, 1), packed_part(qkv, s, 2), out.raw(), dout.raw(),
+                     packed_part(qkv, s, 1), packed_part(qkv, s, 2), key_bias(args, 4), out.raw(), dout.raw(),
                      lse.data<float>(), packed_part(dqkv, s, 0), packed_part(dqkv, s, 1),
                      packed_part(dqkv, s, 2), s, static_cast<cudaStream_t>(args.stream));
 }

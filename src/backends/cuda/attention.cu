@@ -23,12 +23,19 @@
 // of its key/value problem (b / group); the dk/dv pass runs one CTA per key block of a
 // key/value problem and loops over the query blocks of every query head of the group, so dk
 // and dv are summed in registers and written once (no atomics, no reduction pass).
+// A key bias (attention's key_bias: a padding mask) is a template parameter B of every kernel:
+// with it each score gets its key's bias added (read from global memory, where the L1 keeps a
+// block's 64 values; a finite bias stays finite in the log2 domain, so finfo.min is not -inf), a
+// score of -inf gets P = 0 even where the row's statistic is -inf too, and a row whose every
+// score is -inf is NaN (softmax's 0/0, as the reference); without it the kernels are the ones
+// they were.
 #include "backends/cuda/attention.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -77,6 +84,17 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
+
+// A key_bias value in the log2 domain of the scores: -inf stays -inf (a masked key), and a finite
+// one stays finite (torch.finfo.min * log2(e) would overflow to -inf: a row of them would be
+// masked whole instead of uniform, as its softmax is).
+template <typename T>
+__device__ __forceinline__ float log2_bias(T b) {
+  const float x = to_f32(b);
+  return x == kNegInf ? kNegInf : fmaxf(x * kLog2e, -FLT_MAX);
+}
+
+__device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
 
 // ---- PTX wrappers ----
 
@@ -237,7 +255,7 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 // One CTA = 64 query rows of one batch entry; loops over key blocks.
 //   kForward: out = softmax(s) v, lse = the natural log-sum-exp of each row's scores.
 //   kDq: out = dq = scale * dS k, from the pre-pass statistics (lse * log2(e), D) per row.
-template <typename T, int D, int M>
+template <typename T, int D, int M, bool B>
 __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restrict__ q,
                                                               const T* __restrict__ k,
                                                               const T* __restrict__ v,
@@ -249,7 +267,9 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
                                                               int64_t q_ld, int kv_heads,
                                                               int group, int64_t kv_ld,
                                                               bool causal, float scale_log2,
-                                                              float scale) {
+                                                              float scale,
+                                                              const T* __restrict__ bias,
+                                                              int bias_heads) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);
   T* s_do = s_q + Tile<D>::kElems;  // only kDq
@@ -268,6 +288,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
   if (M != kForward) dout += qrow0 * D;
   if (M == kDq) stats += qrow0;
   out += row_offset(b, 0, tq, heads, out_ld, D);
+  if constexpr (B) bias += b / bias_heads * tk;
 
   int64_t n_kb = (tk + kBlock - 1) / kBlock;
   if (causal) n_kb = min(n_kb, (q0 + kBlock - 1) / kBlock + 1);
@@ -326,6 +347,10 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         s[n][e] *= scale_log2;
+        if constexpr (B) {
+          const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
+          if (col < tk) s[n][e] += log2_bias(bias[col]);
+        }
         if (edge) {
           const int64_t col = k0 + n * 8 + 2 * t + (e & 1);
           if (col >= tk || (causal && col > row[e >> 1])) s[n][e] = kNegInf;
@@ -341,7 +366,8 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1;
-          s[n][e] = exp2f(s[n][e] - lse[h]) * (dp[n][e] - dsum[h]);  // dS
+          const float p = B && s[n][e] == kNegInf ? 0.f : exp2f(s[n][e] - lse[h]);
+          s[n][e] = p * (dp[n][e] - dsum[h]);  // dS
         }
       mma_pb<T, D>(acc, s, tk_tile);
     } else {
@@ -393,7 +419,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
       if (row[h] < tq) {
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : (B && tk > 0 ? nan_f32() : 0.f);
         T* dst = out + row[h] * out_ld;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
@@ -410,7 +436,7 @@ __global__ void __launch_bounds__(kThreads) flash_rows_kernel(const T* __restric
 // One CTA = 64 keys of one key/value problem (16 a warp, no reductions across warps or CTAs);
 // loops over the query blocks that see them, of every query head of the key/value head's group
 // (one head without grouped-query attention): dv = P^T dout, dk = scale * dS^T q.
-template <typename T, int D>
+template <typename T, int D, bool B>
 __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restrict__ q,
                                                               const T* __restrict__ k,
                                                               const T* __restrict__ v,
@@ -422,7 +448,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
                                                               int64_t q_ld, int kv_heads,
                                                               int group, int64_t kv_ld,
                                                               bool causal, float scale_log2,
-                                                              float scale) {
+                                                              float scale,
+                                                              const T* __restrict__ bias,
+                                                              int bias_heads) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_k = reinterpret_cast<T*>(smem_raw);
   T* s_v = s_k + Tile<D>::kElems;
@@ -470,6 +498,14 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
   constexpr bool kResident = D <= 64;
   uint32_t kf[kResident ? D / 16 : 1][4], vf[kResident ? D / 16 : 1][4];
   const int64_t key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  // Each key's bias (log2 domain): the same for every query head of the group (one batch entry).
+  float key_bias[2] = {0.f, 0.f};
+  if constexpr (B) {
+    const T* row = bias + kvb * group / bias_heads * tk;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (key[h] < tk) key_bias[h] = log2_bias(row[key[h]]);
+  }
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
   zero(dk_acc);
   zero(dv_acc);
@@ -517,7 +553,13 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const T* __restric
         const float2 stc = st[col];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float p = exp2f(s[n][2 * h + c] * scale_log2 - stc.x);
+          float p;
+          if constexpr (B) {
+            const float score = s[n][2 * h + c] * scale_log2 + key_bias[h];
+            p = score == kNegInf ? 0.f : exp2f(score - stc.x);
+          } else {
+            p = exp2f(s[n][2 * h + c] * scale_log2 - stc.x);
+          }
           if (edge && (q0 + col >= tq || (causal && key[h] > q0 + col))) p = 0.f;
           s[n][2 * h + c] = p;
           dp[n][2 * h + c] = p * (dp[n][2 * h + c] - stc.y);  // dS^T
@@ -636,11 +678,11 @@ int64_t v_stride(const AttentionShape& s) {
   return s.qkv_row_stride > 0 ? s.qkv_row_stride : kv_heads(s) * s.dv;
 }
 
-template <typename T, int D, int M>
-void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2* stats, T* out,
-                 float* lse, const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+template <typename T, int D, int M, bool B>
+void launch_rows(const T* q, const T* k, const T* v, const T* bias, const T* dout, const float2* stats,
+                 T* out, float* lse, const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const size_t smem = rows_smem<T, D>(M);
-  auto kernel = flash_rows_kernel<T, D, M>;
+  auto kernel = flash_rows_kernel<T, D, M, B>;
   static const bool raised = [&] {  // once per instantiation (thread-safe static init)
     KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
@@ -652,29 +694,36 @@ void launch_rows(const T* q, const T* k, const T* v, const T* dout, const float2
   kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, out, lse, s.tq, s.tk,
                                            static_cast<int>(s.heads), q_stride(s), kv_heads(s),
                                            static_cast<int>(s.group), k_stride(s), s.causal,
-                                           scale_log2, static_cast<float>(s.scale));
+                                           scale_log2, static_cast<float>(s.scale), bias,
+                                           static_cast<int>(s.bias_heads));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T, int D>
-void tc_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+void tc_forward(const void* q, const void* k, const void* v, const void* bias, void* out, float* lse,
                 const AttentionShape& s, float scale_log2, cudaStream_t stream) {
-  launch_rows<T, D, kForward>(static_cast<const T*>(q), static_cast<const T*>(k),
-                              static_cast<const T*>(v), nullptr, nullptr, static_cast<T*>(out),
-                              lse, s, scale_log2, stream);
+  const T* biased = static_cast<const T*>(bias);
+  if (biased != nullptr)
+    return launch_rows<T, D, kForward, true>(static_cast<const T*>(q), static_cast<const T*>(k),
+                                             static_cast<const T*>(v), biased, nullptr, nullptr,
+                                             static_cast<T*>(out), lse, s, scale_log2, stream);
+  launch_rows<T, D, kForward, false>(static_cast<const T*>(q), static_cast<const T*>(k),
+                                     static_cast<const T*>(v), nullptr, nullptr, nullptr,
+                                     static_cast<T*>(out), lse, s, scale_log2, stream);
 }
 
 // `stats`: the pre-pass output (batch * tq float2).
-template <typename T, int D>
-void tc_backward(const void* q_, const void* k_, const void* v_, const void* dout_,
-                 const float2* stats, void* dq_, void* dk_, void* dv_, const AttentionShape& s,
-                 float scale_log2, cudaStream_t stream) {
+template <typename T, int D, bool B>
+void tc_backward_biased(const void* q_, const void* k_, const void* v_, const void* bias_,
+                        const void* dout_, const float2* stats, void* dq_, void* dk_, void* dv_,
+                        const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
-          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
+          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_),
+          *bias = static_cast<const T*>(bias_);
   T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
   {
     const size_t smem = dkdv_smem<T, D>();
-    auto kernel = flash_dkdv_kernel<T, D>;
+    auto kernel = flash_dkdv_kernel<T, D, B>;
     static const bool raised = [&] {
       KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
@@ -686,10 +735,20 @@ void tc_backward(const void* q_, const void* k_, const void* v_, const void* dou
     kernel<<<grid, kThreads, smem, stream>>>(q, k, v, dout, stats, dk, dv, s.tq, s.tk,
                                              static_cast<int>(s.heads), q_stride(s),
                                              kv_heads(s), static_cast<int>(s.group), k_stride(s),
-                                             s.causal, scale_log2, static_cast<float>(s.scale));
+                                             s.causal, scale_log2, static_cast<float>(s.scale), bias,
+                                             static_cast<int>(s.bias_heads));
     KILN_CUDA_CHECK(cudaGetLastError());
   }
-  launch_rows<T, D, kDq>(q, k, v, dout, stats, dq, nullptr, s, scale_log2, stream);
+  launch_rows<T, D, kDq, B>(q, k, v, bias, dout, stats, dq, nullptr, s, scale_log2, stream);
+}
+
+template <typename T, int D>
+void tc_backward(const void* q, const void* k, const void* v, const void* bias, const void* dout,
+                 const float2* stats, void* dq, void* dk, void* dv, const AttentionShape& s,
+                 float scale_log2, cudaStream_t stream) {
+  if (bias != nullptr)
+    return tc_backward_biased<T, D, true>(q, k, v, bias, dout, stats, dq, dk, dv, s, scale_log2, stream);
+  tc_backward_biased<T, D, false>(q, k, v, nullptr, dout, stats, dq, dk, dv, s, scale_log2, stream);
 }
 
 // ---- simple path: one warp per row, f32 math on CUDA cores ----
@@ -725,12 +784,13 @@ __device__ __forceinline__ float dot_row(const float (&x)[kSimplePerLane], const
 }
 
 // One warp = one query row. kForward: out and lse; kDq: out = dq from the pre-pass statistics.
-template <typename T, int M>
+template <typename T, int M, bool B>
 __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* out, float* lse_out, int64_t batch,
                                    int64_t tq, int64_t tk, int heads, int d, int dv,
                                    int64_t q_ld, int kv_heads, int group, int64_t k_ld,
-                                   int64_t v_ld, bool causal, float scale_log2, float scale) {
+                                   int64_t v_ld, bool causal, float scale_log2, float scale,
+                                   const T* bias, int bias_heads) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= batch * tq) return;
   const int lane = threadIdx.x & 31;
@@ -751,12 +811,14 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
     dsum = st.y;
   }
   const int64_t n_keys = causal ? min(tk, i + 1) : tk;
+  const T* bias_row = B ? bias + b / bias_heads * tk : nullptr;
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float s = dot_row(qv, kb + j * k_ld, d) * scale_log2;
+    float s = dot_row(qv, kb + j * k_ld, d) * scale_log2;
+    if constexpr (B) s += log2_bias(bias_row[j]);
     if (M == kDq) {
       const float dp = dot_row(dov, vb + j * v_ld, dv);
-      const float ds = exp2f(s - lse) * (dp - dsum);
+      const float ds = (B && s == kNegInf ? 0.f : exp2f(s - lse)) * (dp - dsum);
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
         const int c = lane + 32 * u;
@@ -764,7 +826,9 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
       }
     } else {
       const float m_new = fmaxf(m, s);
-      const float alpha = exp2f(m - m_new), p = exp2f(s - m_new);
+      // With a bias, a row's first scores may all be -inf: exp2 of 0 rather than of -inf - -inf.
+      const float m_use = B && m_new == kNegInf ? 0.f : m_new;
+      const float alpha = exp2f(m - m_use), p = exp2f(s - m_use);
       m = m_new;
       l = l * alpha + p;
 #pragma unroll
@@ -775,7 +839,7 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
     }
   }
   if (M == kForward && lane == 0) lse_out[qr] = l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
-  const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : 0.f);
+  const float mul = M == kDq ? scale : (l > 0.f ? 1.f / l : (B && tk > 0 ? nan_f32() : 0.f));
   const int n = M == kDq ? d : dv;
   T* dst = out + (M == kDq ? row_offset(b, i, tq, heads, q_ld, d) : qr * dv);
 #pragma unroll
@@ -787,12 +851,13 @@ __global__ void simple_rows_kernel(const T* q, const T* k, const T* v, const T* 
 
 // One warp = one key row of a key/value problem: dk, dv, summed over the query heads of its
 // group.
-template <typename T>
+template <typename T, bool B>
 __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
                                    const float2* stats, T* dk, T* dv, int64_t kv_batch,
                                    int64_t tq, int64_t tk, int heads, int d, int dvn,
                                    int64_t q_ld, int kv_heads, int group, int64_t k_ld,
-                                   int64_t v_ld, bool causal, float scale_log2, float scale) {
+                                   int64_t v_ld, bool causal, float scale_log2, float scale,
+                                   const T* bias, int bias_heads) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (w >= kv_batch * tk) return;
   const int lane = threadIdx.x & 31;
@@ -805,13 +870,21 @@ __global__ void simple_dkdv_kernel(const T* q, const T* k, const T* v, const T* 
   load_row(kv, k + kr, d);
   load_row(vv, v + vr, dvn);
   for (int u = 0; u < kSimplePerLane; ++u) dk_acc[u] = dv_acc[u] = 0.f;
+  // The key's bias (log2 domain), the same for every query head of the group (one batch entry).
+  const float key_bias = B ? log2_bias(bias[kvb * group / bias_heads * tk + j]) : 0.f;
   for (int64_t b = kvb * group; b < (kvb + 1) * group; ++b) {
     const int64_t qr0 = row_index(b, 0, tq, heads);
     const T* qb = q + row_offset(b, 0, tq, heads, q_ld, d);
     const T* dob = dout + qr0 * dvn;
     for (int64_t i = causal ? j : 0; i < tq; ++i) {
       const float2 st = stats[qr0 + i * heads];
-      const float p = exp2f(dot_row(kv, qb + i * q_ld, d) * scale_log2 - st.x);
+      float p;
+      if constexpr (B) {
+        const float score = dot_row(kv, qb + i * q_ld, d) * scale_log2 + key_bias;
+        p = score == kNegInf ? 0.f : exp2f(score - st.x);
+      } else {
+        p = exp2f(dot_row(kv, qb + i * q_ld, d) * scale_log2 - st.x);
+      }
       const float ds = p * (dot_row(vv, dob + i * dold, dvn) - st.y);
 #pragma unroll
       for (int u = 0; u < kSimplePerLane; ++u) {
@@ -835,41 +908,60 @@ unsigned simple_grid(int64_t rows) {
   return static_cast<unsigned>((rows * 32 + kSimpleThreads - 1) / kSimpleThreads);
 }
 
-template <typename T>
-void simple_forward(const void* q, const void* k, const void* v, void* out, float* lse,
-                    const AttentionShape& s, float scale_log2, cudaStream_t stream) {
-  simple_rows_kernel<T, kForward><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
+template <typename T, bool B>
+void simple_forward_biased(const void* q, const void* k, const void* v, const void* bias, void* out,
+                           float* lse, const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+  simple_rows_kernel<T, kForward, B><<<simple_grid(s.batch * s.tq), kSimpleThreads, 0, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,
       nullptr, static_cast<T*>(out), lse, s.batch, s.tq, s.tk, int(s.heads), int(s.d), int(s.dv),
       q_stride(s), kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2,
-      float(s.scale));
+      float(s.scale), static_cast<const T*>(bias), int(s.bias_heads));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
-// `stats`: the pre-pass output (batch * tq float2).
 template <typename T>
-void simple_backward(const void* q_, const void* k_, const void* v_, const void* dout_,
-                     const float2* stats, void* dq_, void* dk_, void* dv_,
-                     const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+void simple_forward(const void* q, const void* k, const void* v, const void* bias, void* out, float* lse,
+                    const AttentionShape& s, float scale_log2, cudaStream_t stream) {
+  if (bias != nullptr) return simple_forward_biased<T, true>(q, k, v, bias, out, lse, s, scale_log2, stream);
+  simple_forward_biased<T, false>(q, k, v, nullptr, out, lse, s, scale_log2, stream);
+}
+
+// `stats`: the pre-pass output (batch * tq float2).
+template <typename T, bool B>
+void simple_backward_biased(const void* q_, const void* k_, const void* v_, const void* bias_,
+                            const void* dout_, const float2* stats, void* dq_, void* dk_, void* dv_,
+                            const AttentionShape& s, float scale_log2, cudaStream_t stream) {
   const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_),
-          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_);
+          *v = static_cast<const T*>(v_), *dout = static_cast<const T*>(dout_),
+          *bias = static_cast<const T*>(bias_);
   T *dq = static_cast<T*>(dq_), *dk = static_cast<T*>(dk_), *dv = static_cast<T*>(dv_);
   const int d = int(s.d), dvn = int(s.dv);
   const float scale = float(s.scale);
   const int64_t kv_batch = s.batch / s.group;
   const unsigned qgrid = simple_grid(s.batch * s.tq), kgrid = simple_grid(kv_batch * s.tk);
-  simple_dkdv_kernel<T><<<kgrid, kSimpleThreads, 0, stream>>>(
+  simple_dkdv_kernel<T, B><<<kgrid, kSimpleThreads, 0, stream>>>(
       q, k, v, dout, stats, dk, dv, kv_batch, s.tq, s.tk, int(s.heads), d, dvn, q_stride(s),
-      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale);
+      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale, bias,
+      int(s.bias_heads));
   KILN_CUDA_CHECK(cudaGetLastError());
-  simple_rows_kernel<T, kDq><<<qgrid, kSimpleThreads, 0, stream>>>(
+  simple_rows_kernel<T, kDq, B><<<qgrid, kSimpleThreads, 0, stream>>>(
       q, k, v, dout, stats, dq, nullptr, s.batch, s.tq, s.tk, int(s.heads), d, dvn, q_stride(s),
-      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale);
+      kv_heads(s), int(s.group), k_stride(s), v_stride(s), s.causal, scale_log2, scale, bias,
+      int(s.bias_heads));
   KILN_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void backward_typed(const void* q, const void* k, const void* v, const void* out,
+void simple_backward(const void* q, const void* k, const void* v, const void* bias, const void* dout,
+                     const float2* stats, void* dq, void* dk, void* dv, const AttentionShape& s,
+                     float scale_log2, cudaStream_t stream) {
+  if (bias != nullptr)
+    return simple_backward_biased<T, true>(q, k, v, bias, dout, stats, dq, dk, dv, s, scale_log2, stream);
+  simple_backward_biased<T, false>(q, k, v, nullptr, dout, stats, dq, dk, dv, s, scale_log2, stream);
+}
+
+template <typename T>
+void backward_typed(const void* q, const void* k, const void* v, const void* kb, const void* out,
                     const void* dout, const float* lse, void* dq, void* dk, void* dv,
                     const AttentionShape& s, bool tc, float sl2, cudaStream_t stream) {
   const int64_t rows = s.batch * s.tq;
@@ -879,12 +971,12 @@ void backward_typed(const void* q, const void* k, const void* v, const void* out
   if constexpr (!std::is_same_v<T, float>) {
     if (tc) {
       const float2* st = stats.get();
-      if (s.d == 32) return tc_backward<T, 32>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
-      if (s.d == 64) return tc_backward<T, 64>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
-      return tc_backward<T, 128>(q, k, v, dout, st, dq, dk, dv, s, sl2, stream);
+      if (s.d == 32) return tc_backward<T, 32>(q, k, v, kb, dout, st, dq, dk, dv, s, sl2, stream);
+      if (s.d == 64) return tc_backward<T, 64>(q, k, v, kb, dout, st, dq, dk, dv, s, sl2, stream);
+      return tc_backward<T, 128>(q, k, v, kb, dout, st, dq, dk, dv, s, sl2, stream);
     }
   }
-  simple_backward<T>(q, k, v, dout, stats.get(), dq, dk, dv, s, sl2, stream);
+  simple_backward<T>(q, k, v, kb, dout, stats.get(), dq, dk, dv, s, sl2, stream);
 }
 
 float log2_scale(const AttentionShape& s) {
@@ -935,7 +1027,7 @@ bool attention_uses_tensor_cores(DType dtype, int64_t d, int64_t dv) {
   return dtype != DType::kF32 && d == dv && (d == 32 || d == 64 || d == 128);
 }
 
-void attention_forward(DType dtype, const void* q, const void* k, const void* v,
+void attention_forward(DType dtype, const void* q, const void* k, const void* v, const void* kb,
                        void* out, float* lse, const AttentionShape& s, cudaStream_t stream) {
   check_shape(s, "attention");
   if (s.batch == 0 || s.tq == 0) return;
@@ -944,23 +1036,23 @@ void attention_forward(DType dtype, const void* q, const void* k, const void* v,
                   aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   switch (dtype) {
     case DType::kF32:
-      return simple_forward<float>(q, k, v, out, lse, s, sl2, stream);
+      return simple_forward<float>(q, k, v, kb, out, lse, s, sl2, stream);
     case DType::kF16:
-      if (!tc) return simple_forward<__half>(q, k, v, out, lse, s, sl2, stream);
-      if (s.d == 32) return tc_forward<__half, 32>(q, k, v, out, lse, s, sl2, stream);
-      if (s.d == 64) return tc_forward<__half, 64>(q, k, v, out, lse, s, sl2, stream);
-      return tc_forward<__half, 128>(q, k, v, out, lse, s, sl2, stream);
+      if (!tc) return simple_forward<__half>(q, k, v, kb, out, lse, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__half, 32>(q, k, v, kb, out, lse, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__half, 64>(q, k, v, kb, out, lse, s, sl2, stream);
+      return tc_forward<__half, 128>(q, k, v, kb, out, lse, s, sl2, stream);
     case DType::kBF16:
-      if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, out, lse, s, sl2, stream);
-      if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, out, lse, s, sl2, stream);
-      if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, out, lse, s, sl2, stream);
-      return tc_forward<__nv_bfloat16, 128>(q, k, v, out, lse, s, sl2, stream);
+      if (!tc) return simple_forward<__nv_bfloat16>(q, k, v, kb, out, lse, s, sl2, stream);
+      if (s.d == 32) return tc_forward<__nv_bfloat16, 32>(q, k, v, kb, out, lse, s, sl2, stream);
+      if (s.d == 64) return tc_forward<__nv_bfloat16, 64>(q, k, v, kb, out, lse, s, sl2, stream);
+      return tc_forward<__nv_bfloat16, 128>(q, k, v, kb, out, lse, s, sl2, stream);
     default:
       fail("attention: {} is not f32, f16 or bf16", dtype_name(dtype));
   }
 }
 
-void attention_backward(DType dtype, const void* q, const void* k, const void* v,
+void attention_backward(DType dtype, const void* q, const void* k, const void* v, const void* kb,
                         const void* out, const void* dout, const float* lse, void* dq, void* dk,
                         void* dv, const AttentionShape& s, cudaStream_t stream) {
   check_shape(s, "attention_grad");
@@ -982,11 +1074,11 @@ void attention_backward(DType dtype, const void* q, const void* k, const void* v
                   aligned16(dq) && aligned16(dk) && aligned16(dv);
   switch (dtype) {
     case DType::kF32:
-      return backward_typed<float>(q, k, v, out, dout, lse, dq, dk, dv, s, false, sl2, stream);
+      return backward_typed<float>(q, k, v, kb, out, dout, lse, dq, dk, dv, s, false, sl2, stream);
     case DType::kF16:
-      return backward_typed<__half>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2, stream);
+      return backward_typed<__half>(q, k, v, kb, out, dout, lse, dq, dk, dv, s, tc, sl2, stream);
     case DType::kBF16:
-      return backward_typed<__nv_bfloat16>(q, k, v, out, dout, lse, dq, dk, dv, s, tc, sl2,
+      return backward_typed<__nv_bfloat16>(q, k, v, kb, out, dout, lse, dq, dk, dv, s, tc, sl2,
                                            stream);
     default:
       fail("attention_grad: {} is not f32, f16 or bf16", dtype_name(dtype));

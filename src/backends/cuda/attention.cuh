@@ -10,6 +10,10 @@
 // lse keep the plain layout. Element (problem b, position t, column c) of such a tensor is at
 // (b / H * T + t) * stride + b % H * d + c. With group > 1, k, v, dk and dv have heads / group
 // heads (rows (heads / group) * d apart in "bthd").
+// key_bias (optional; q's dtype; null: none): problem b's scores of key j get
+// key_bias[(b / bias_heads) * tk + j] added (a padding mask: one row of tk per batch entry, the
+// bias_heads consecutive problems of its heads sharing it). Without it the kernels are the very
+// ones they were (a template parameter), so the unbiased path keeps its speed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +36,8 @@ struct AttentionShape {
   // ("bthd"; 1 for "bhtd", whose kv problems are batch / group); dk and dv sum over the group's
   // query heads. 1: plain attention. The packed layout has group 1.
   int64_t group = 1;
+  // Consecutive problems that share a row of key_bias (the heads of one batch entry).
+  int64_t bias_heads = 1;
   bool causal = false;
   double scale = 1.0;
 };
@@ -45,16 +51,18 @@ inline constexpr int64_t kAttentionMaxHeadDim = 256;
 // Everything else with d, dv <= kAttentionMaxHeadDim takes a simple one-warp-per-row path.
 bool attention_uses_tensor_cores(DType dtype, int64_t d, int64_t dv);
 
-// out = softmax(q k^T * scale + mask) v and lse = the natural log-sum-exp of each row's scaled
-// scores (-inf for a row without keys). Enqueued on `stream`, never synchronizes.
-void attention_forward(DType dtype, const void* q, const void* k, const void* v,
+// out = softmax(q k^T * scale + key_bias + mask) v and lse = the natural log-sum-exp of each row's
+// scaled scores (-inf for a row without keys, whose out is 0, or whose every score key_bias made
+// -inf, whose out is NaN as softmax's).
+// Enqueued on `stream`, never synchronizes.
+void attention_forward(DType dtype, const void* q, const void* k, const void* v, const void* key_bias,
                        void* out, float* lse, const AttentionShape& shape, cudaStream_t stream);
 
 // (dq, dk, dv) of attention for the output gradient dout, given the forward's out and lse
 // (FlashAttention-2): a pre-pass of the row statistics (lse, D = rowsum(dout * out)) into 8 bytes
 // a row of stream-ordered scratch (cudaMallocAsync), a dk/dv pass over key blocks, a dq pass
 // over query blocks (no atomics: deterministic). Enqueued on `stream`, never synchronizes.
-void attention_backward(DType dtype, const void* q, const void* k, const void* v,
+void attention_backward(DType dtype, const void* q, const void* k, const void* v, const void* key_bias,
                         const void* out, const void* dout, const float* lse, void* dq, void* dk,
                         void* dv, const AttentionShape& shape, cudaStream_t stream);
 

@@ -369,6 +369,8 @@ bool supported(const NodeView& node, bool backward, bool packed) {
   if (!(packed ? attention_qkv_supported(node, backward) : attention_supported(node, backward)))
     return false;
   const auto& in = node.input_types;
+  // A key_bias (padding mask) is cuda-attention's: this dialect's graphs take no bias.
+  if (in.size() != (packed ? (backward ? 4u : 1u) : (backward ? 6u : 3u))) return false;
   const DType dtype = in[0].dtype;
   if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
   const int r = in[0].rank();
@@ -438,10 +440,10 @@ Pointers pointers_of(const KernelArgs& args, const Problem& p) {
 
 void fallback(const Pointers& t, const Problem& p, cudaStream_t stream) {
   if (!p.backward) {
-    attention_forward(p.dtype, t.q, t.k, t.v, t.o, t.lse, attention_shape(p),
+    attention_forward(p.dtype, t.q, t.k, t.v, nullptr, t.o, t.lse, attention_shape(p),
                       stream);
   } else {
-    attention_backward(p.dtype, t.q, t.k, t.v, t.out, t.dout, t.lse, t.dq, t.dk,
+    attention_backward(p.dtype, t.q, t.k, t.v, nullptr, t.out, t.dout, t.lse, t.dq, t.dk,
                        t.dv, attention_shape(p), stream);
   }
 }

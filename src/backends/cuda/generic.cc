@@ -376,12 +376,18 @@ double attention_scale(const Attributes& attrs, int64_t head_dim) {
 
 struct AttentionDims {
   int64_t batch = 1, tq, tk, d, dv;
+  int64_t bias_heads = 1;  // problems sharing a key_bias row: the heads dim before T
 };
 AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v) {
   const int r = q.rank();
   AttentionDims dims{1, q.shape()[r - 2], k.shape()[r - 2], q.shape()[r - 1], v.shape()[r - 1]};
   for (int i = 0; i + 2 < r; ++i) dims.batch *= q.shape()[i];
+  if (r >= 3) dims.bias_heads = q.shape()[r - 3];
   return dims;
+}
+// Input `index` (key_bias) when the node has it, else null.
+const void* key_bias(const KernelArgs& a, size_t index) {
+  return a.inputs.size() > index ? a.inputs[index].raw() : nullptr;
 }
 
 void register_nn(KernelRegistry& registry) {
@@ -470,18 +476,18 @@ void register_nn(KernelRegistry& registry) {
   add(registry, Op::kAttention, [](const KernelArgs& a) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
-    generic::launch_attention(q.dtype(), q.raw(), k.raw(), v.raw(), a.outputs[0].raw(),
-                              a.outputs[1].raw(), d.batch, d.tq, d.tk, d.d, d.dv,
+    generic::launch_attention(q.dtype(), q.raw(), k.raw(), v.raw(), key_bias(a, 3), a.outputs[0].raw(),
+                              a.outputs[1].raw(), d.batch, d.tq, d.tk, d.d, d.dv, d.bias_heads,
                               a.attrs.b("causal"), attention_scale(a.attrs, d.d), stream_of(a));
   }, attention_fits);
   add(registry, Op::kAttentionGrad, [](const KernelArgs& a) {
     const Tensor &q = a.inputs[0], &k = a.inputs[1], &v = a.inputs[2];
     const AttentionDims d = attention_dims(q, k, v);
-    // inputs: q, k, v, out, dout, lse.
-    generic::launch_attention_grad(q.dtype(), q.raw(), k.raw(), v.raw(), a.inputs[3].raw(),
+    // inputs: q, k, v, out, dout, lse [, key_bias].
+    generic::launch_attention_grad(q.dtype(), q.raw(), k.raw(), v.raw(), key_bias(a, 6), a.inputs[3].raw(),
                                    a.inputs[4].raw(), a.inputs[5].raw(), a.outputs[0].raw(),
                                    a.outputs[1].raw(), a.outputs[2].raw(), d.batch, d.tq, d.tk,
-                                   d.d, d.dv, a.attrs.b("causal"), attention_scale(a.attrs, d.d),
+                                   d.d, d.dv, d.bias_heads, a.attrs.b("causal"), attention_scale(a.attrs, d.d),
                                    stream_of(a));
   }, attention_fits);
 

@@ -905,9 +905,10 @@ __global__ void matmul_kernel(const T* a, const T* b, T* c, MatmulLayout L) {
 constexpr int64_t kMaxKeys = 4096;
 
 // Normalized weights P_j of query i (masked keys 0) into `weights`; block-wide. Returns the
-// log-sum-exp of the scores (every thread gets it).
+// log-sum-exp of the scores (every thread gets it; -inf when a key bias masked every key, whose
+// weights are then 0/0, NaN, as softmax's). `bias`: the row of key_bias, or null.
 template <class T>
-__device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
+__device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat, const T* bias,
                                                 typename Num<T>::C* weights, int64_t i,
                                                 int64_t tk, int64_t d, bool causal,
                                                 double scale) {
@@ -919,6 +920,7 @@ __device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
       s = 0;
       for (int64_t c = 0; c < d; ++c) s += Num<T>::load(q_row[c]) * Num<T>::load(k_mat[j * d + c]);
       s *= C(scale);
+      if (bias != nullptr) s += Num<T>::load(bias[j]);
     }
     weights[j] = s;
     max = m_max(max, s);
@@ -926,7 +928,7 @@ __device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
   max = block_max(max);
   C sum = 0;
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
-    const C w = (causal && j > i) ? C(0) : DeviceMath::exp(weights[j] - max);
+    const C w = (causal && j > i) || weights[j] == -C(INFINITY) ? C(0) : DeviceMath::exp(weights[j] - max);
     weights[j] = w;
     sum += w;
   }
@@ -938,7 +940,7 @@ __device__ typename Num<T>::C attention_weights(const T* q_row, const T* k_mat,
 
 // P_j = exp(s_j - lse) of query i from the saved log-sum-exp (masked keys 0); block-wide.
 template <class T>
-__device__ void attention_weights_from_lse(const T* q_row, const T* k_mat,
+__device__ void attention_weights_from_lse(const T* q_row, const T* k_mat, const T* bias,
                                            typename Num<T>::C* weights, typename Num<T>::C lse,
                                            int64_t i, int64_t tk, int64_t d, bool causal,
                                            double scale) {
@@ -948,7 +950,9 @@ __device__ void attention_weights_from_lse(const T* q_row, const T* k_mat,
     if (!causal || j <= i) {
       C s = 0;
       for (int64_t c = 0; c < d; ++c) s += Num<T>::load(q_row[c]) * Num<T>::load(k_mat[j * d + c]);
-      w = DeviceMath::exp(s * C(scale) - lse);
+      s *= C(scale);
+      if (bias != nullptr) s += Num<T>::load(bias[j]);
+      w = s == -C(INFINITY) ? C(0) : DeviceMath::exp(s - lse);
     }
     weights[j] = w;
   }
@@ -957,16 +961,17 @@ __device__ void attention_weights_from_lse(const T* q_row, const T* k_mat,
 
 // lse is f32 (f64 for f64 inputs): Num<T>::C.
 template <class T>
-__global__ void attention_kernel(const T* q, const T* k, const T* v, T* out,
+__global__ void attention_kernel(const T* q, const T* k, const T* v, const T* bias, T* out,
                                  typename Num<T>::C* lse, int64_t batch, int64_t tq, int64_t tk,
-                                 int64_t d, int64_t dv, bool causal, double scale) {
+                                 int64_t d, int64_t dv, int64_t bias_heads, bool causal, double scale) {
   using C = typename Num<T>::C;
   extern __shared__ unsigned char shared_bytes[];
   C* weights = reinterpret_cast<C*>(shared_bytes);
   for (int64_t item = blockIdx.x; item < batch * tq; item += gridDim.x) {
     const int64_t b = item / tq, i = item % tq;
-    const C row_lse = attention_weights(q + item * d, k + b * tk * d, weights, i, tk, d, causal,
-                                        scale);
+    const T* bias_row = bias != nullptr ? bias + b / bias_heads * tk : nullptr;
+    const C row_lse = attention_weights(q + item * d, k + b * tk * d, bias_row, weights, i, tk, d,
+                                        causal, scale);
     if (threadIdx.x == 0) lse[item] = row_lse;
     const T* v0 = v + b * tk * dv;
     for (int64_t c = threadIdx.x; c < dv; c += blockDim.x) {
@@ -984,11 +989,11 @@ __device__ inline void atomic_add_acc(double* p, double v) { atomicAdd(p, v); }
 // dq directly; dk and dv summed over queries with atomics into the accumulators. P from the
 // given lse, D_i = dout_i . out_i from the given out (the op's definition).
 template <class T>
-__global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const T* out,
+__global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const T* bias, const T* out,
                                       const T* dout, const typename Num<T>::C* lse, T* dq,
                                       typename Num<T>::C* dk_acc, typename Num<T>::C* dv_acc,
                                       int64_t batch, int64_t tq, int64_t tk, int64_t d,
-                                      int64_t dv, bool causal, double scale) {
+                                      int64_t dv, int64_t bias_heads, bool causal, double scale) {
   using C = typename Num<T>::C;
   extern __shared__ unsigned char shared_bytes[];
   C* weights = reinterpret_cast<C*>(shared_bytes);
@@ -997,7 +1002,8 @@ __global__ void attention_grad_kernel(const T* q, const T* k, const T* v, const 
     const int64_t b = item / tq, i = item % tq;
     const T *q_row = q + item * d, *k0 = k + b * tk * d, *v0 = v + b * tk * dv;
     const T *g_row = dout + item * dv, *o_row = out + item * dv;
-    attention_weights_from_lse(q_row, k0, weights, lse[item], i, tk, d, causal, scale);
+    const T* bias_row = bias != nullptr ? bias + b / bias_heads * tk : nullptr;
+    attention_weights_from_lse(q_row, k0, bias_row, weights, lse[item], i, tk, d, causal, scale);
     C weighted = 0;  // D_i = dout_i . out_i
     for (int64_t c = threadIdx.x; c < dv; c += blockDim.x)
       weighted += Num<T>::load(g_row[c]) * Num<T>::load(o_row[c]);
@@ -1399,9 +1405,9 @@ void allow_shared(Kernel kernel, size_t bytes) {
                                          static_cast<int>(bytes)));
 }
 
-void launch_attention(DType type, const void* q, const void* k, const void* v, void* out,
-                      void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
-                      bool causal, double scale, cudaStream_t stream) {
+void launch_attention(DType type, const void* q, const void* k, const void* v, const void* key_bias,
+                      void* out, void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
+                      int64_t bias_heads, bool causal, double scale, cudaStream_t stream) {
   if (batch * tq == 0) return;
   KILN_CHECK(tk >= 1 && tk <= kMaxKeys, "cuda generic attention: tk = {}, expected 1..{}", tk,
              kMaxKeys);
@@ -1411,16 +1417,16 @@ void launch_attention(DType type, const void* q, const void* k, const void* v, v
     allow_shared(attention_kernel<T>, shared);
     attention_kernel<T><<<grid_items(batch * tq), kThreads, shared, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<T*>(out), static_cast<typename Num<T>::C*>(lse), batch, tq, tk, d, dv, causal,
-        scale);
+        static_cast<const T*>(key_bias), static_cast<T*>(out), static_cast<typename Num<T>::C*>(lse),
+        batch, tq, tk, d, dv, bias_heads, causal, scale);
     check_launch();
   });
 }
 
-void launch_attention_grad(DType type, const void* q, const void* k, const void* v,
+void launch_attention_grad(DType type, const void* q, const void* k, const void* v, const void* key_bias,
                            const void* out, const void* dout, const void* lse, void* dq, void* dk,
                            void* dv_out, int64_t batch,
-                           int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
+                           int64_t tq, int64_t tk, int64_t d, int64_t dv, int64_t bias_heads, bool causal,
                            double scale, cudaStream_t stream) {
   KILN_CHECK(tk <= kMaxKeys, "cuda generic attention_grad: tk = {}, expected at most {}", tk,
              kMaxKeys);
@@ -1437,9 +1443,9 @@ void launch_attention_grad(DType type, const void* q, const void* k, const void*
       allow_shared(attention_grad_kernel<T>, shared);
       attention_grad_kernel<T><<<grid_items(batch * tq), kThreads, shared, stream>>>(
           static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          static_cast<const T*>(out), static_cast<const T*>(dout), static_cast<const C*>(lse),
-          static_cast<T*>(dq), dk_acc.as<C>(), dv_acc.as<C>(), batch, tq, tk, d, dv, causal,
-          scale);
+          static_cast<const T*>(key_bias), static_cast<const T*>(out), static_cast<const T*>(dout),
+          static_cast<const C*>(lse), static_cast<T*>(dq), dk_acc.as<C>(), dv_acc.as<C>(), batch, tq,
+          tk, d, dv, bias_heads, causal, scale);
       check_launch();
     } else if (batch * tq * d > 0) {
       KILN_CUDA_CHECK(cudaMemsetAsync(dq, 0, batch * tq * d * sizeof(T), stream));

@@ -157,15 +157,16 @@ void launch_adamw_update(DType type, const void* param, const void* grad, const 
 // Naive attention: one block per (batch, query); scores live in shared memory, so tk is limited
 // by attention_max_keys(). lse is f32 (f64 for f64 inputs), as the op defines it. attention_grad
 // takes the forward's out and lse (P = exp(s - lse), D = rowsum(dout * out)) and accumulates dk
-// and dv with atomicAdd (not bitwise deterministic) in an f32/f64 scratch buffer.
+// and dv with atomicAdd (not bitwise deterministic) in an f32/f64 scratch buffer. key_bias
+// (q's dtype, or null): problem b's scores of key j get key_bias[(b / bias_heads) * tk + j].
 int64_t attention_max_keys();
-void launch_attention(DType type, const void* q, const void* k, const void* v, void* out,
-                      void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
-                      bool causal, double scale, cudaStream_t stream);
-void launch_attention_grad(DType type, const void* q, const void* k, const void* v,
+void launch_attention(DType type, const void* q, const void* k, const void* v, const void* key_bias,
+                      void* out, void* lse, int64_t batch, int64_t tq, int64_t tk, int64_t d, int64_t dv,
+                      int64_t bias_heads, bool causal, double scale, cudaStream_t stream);
+void launch_attention_grad(DType type, const void* q, const void* k, const void* v, const void* key_bias,
                            const void* out, const void* dout, const void* lse, void* dq, void* dk,
                            void* dv_out, int64_t batch,
-                           int64_t tq, int64_t tk, int64_t d, int64_t dv, bool causal,
+                           int64_t tq, int64_t tk, int64_t d, int64_t dv, int64_t bias_heads, bool causal,
                            double scale, cudaStream_t stream);
 
 }  // namespace kiln::cuda::generic

@@ -210,7 +210,8 @@ ValueId swap_last_two(Rewriter& rw, ValueId x) {
 // attention{bhtd}(T(q), T(k), T(v)) with T = heads_swap -> T(attention{bthd}(q, k, v)), and
 // attention_grad{bhtd}(T(q), T(k), T(v), out, dout, lse) -> T each of attention_grad{bthd}(q, k,
 // v, T(out), T(dout), lse^T). The transposes emitted meet the ones around (a model's reshape to
-// heads, its reshape back, autodiff's mirror images) and cancel by transpose-transpose.
+// heads, its reshape back, autodiff's mirror images) and cancel by transpose-transpose. A
+// key_bias (B, Tk) is the same in both layouts: it goes along as it is.
 Replacement attention_heads_inside(Rewriter& rw, const Node& n) {
   if ((n.op != Op::kAttention && n.op != Op::kAttentionGrad) || n.attrs.s("layout") != "bhtd")
     return {};
@@ -222,13 +223,15 @@ Replacement attention_heads_inside(Rewriter& rw, const Node& n) {
   const int rank = rw.type(n.inputs[0]).rank();
   auto swap = [&](ValueId x) { return rw.emit(Op::kTranspose, {x}, {{"perm", heads_swap_perm(rank)}}); };
   if (n.op == Op::kAttention) {
-    std::vector<ValueId> out = rw.emit_node(Op::kAttention, {qkv[0], qkv[1], qkv[2]}, attrs);
+    std::vector<ValueId> inputs{qkv[0], qkv[1], qkv[2]};
+    if (n.inputs.size() > 3) inputs.push_back(n.inputs[3]);  // key_bias
+    std::vector<ValueId> out = rw.emit_node(Op::kAttention, inputs, attrs);
     return {swap(out[0]), swap_last_two(rw, out[1])};
   }
-  std::vector<ValueId> grads = rw.emit_node(
-      Op::kAttentionGrad,
-      {qkv[0], qkv[1], qkv[2], swap(n.inputs[3]), swap(n.inputs[4]), swap_last_two(rw, n.inputs[5])},
-      attrs);
+  std::vector<ValueId> inputs{qkv[0], qkv[1], qkv[2], swap(n.inputs[3]), swap(n.inputs[4]),
+                              swap_last_two(rw, n.inputs[5])};
+  if (n.inputs.size() > 6) inputs.push_back(n.inputs[6]);  // key_bias
+  std::vector<ValueId> grads = rw.emit_node(Op::kAttentionGrad, inputs, attrs);
   return {swap(grads[0]), swap(grads[1]), swap(grads[2])};
 }
 
@@ -271,10 +274,10 @@ ValueId packed_projection(Rewriter& rw, const ValueId* qkv) {
   return rw.type(x).shape == packed ? x : -1;
 }
 
-// attention{bthd}(q, k, v) with q, k, v the three parts of a split projection x ->
-// attention_qkv(x as (..., T, 3, H, D)); attention_grad likewise -> attention_qkv_grad, whose
-// dqkv is split again into dq, dk, dv (a concat of those, as autodiff writes the split's
-// gradient, then folds by concat-split: dqkv is written in place).
+// attention{bthd}(q, k, v [, key_bias]) with q, k, v the three parts of a split projection x ->
+// attention_qkv(x as (..., T, 3, H, D) [, key_bias]); attention_grad likewise ->
+// attention_qkv_grad, whose dqkv is split again into dq, dk, dv (a concat of those, as autodiff
+// writes the split's gradient, then folds by concat-split: dqkv is written in place).
 Replacement attention_packed_qkv(Rewriter& rw, const Node& n) {
   if ((n.op != Op::kAttention && n.op != Op::kAttentionGrad) || n.attrs.s("layout") != "bthd")
     return {};
@@ -287,9 +290,14 @@ Replacement attention_packed_qkv(Rewriter& rw, const Node& n) {
   Attributes attrs = n.attrs;
   attrs.erase("layout");
   const ValueId qkv = rw.emit(Op::kReshape, {x}, {{"shape", packed}});
-  if (n.op == Op::kAttention) return rw.emit_node(Op::kAttentionQkv, {qkv}, attrs);
-  const ValueId dqkv = rw.emit(Op::kAttentionQkvGrad,
-                               {qkv, n.inputs[3], n.inputs[4], n.inputs[5]}, attrs);
+  if (n.op == Op::kAttention) {
+    std::vector<ValueId> inputs{qkv};
+    if (n.inputs.size() > 3) inputs.push_back(n.inputs[3]);  // key_bias
+    return rw.emit_node(Op::kAttentionQkv, inputs, attrs);
+  }
+  std::vector<ValueId> inputs{qkv, n.inputs[3], n.inputs[4], n.inputs[5]};
+  if (n.inputs.size() > 6) inputs.push_back(n.inputs[6]);  // key_bias
+  const ValueId dqkv = rw.emit(Op::kAttentionQkvGrad, inputs, attrs);
   const ValueId dflat = rw.emit(Op::kReshape, {dqkv}, {{"shape", flat}});
   const int64_t c = flat.back() / 3;
   const std::vector<ValueId> parts =

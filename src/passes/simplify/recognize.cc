@@ -531,6 +531,76 @@ std::optional<Mask> causal_mask(const Rewriter& rw, ValueId s) {
   return std::nullopt;
 }
 
+// `m`'s dims before the heads axis when `m` (a mask operand of scores of shape `scores`
+// (..., H, Tq, Tk), broadcast numpy-style) is one row of Tk per batch entry: 1 on the heads and
+// query axes, each dim before them 1 or the scores' (BERT's mask[:, None, None, :]).
+std::optional<Shape> key_row_dims(const Shape& m, const Shape& scores) {
+  const size_t r = scores.size();
+  if (r < 2 || m.size() > r) return std::nullopt;
+  Shape full(r - m.size(), 1);
+  full.insert(full.end(), m.begin(), m.end());
+  if (full[r - 1] != scores[r - 1] || full[r - 2] != 1 || (r >= 3 && full[r - 3] != 1)) return std::nullopt;
+  const size_t lead = r >= 3 ? r - 3 : 0;
+  for (size_t a = 0; a < lead; ++a)
+    if (full[a] != 1 && full[a] != scores[a]) return std::nullopt;
+  return Shape(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(lead));
+}
+
+// `m` (key_row_dims holds) as attention's key_bias shape (..., Tk): the scores' dims before the
+// heads, then Tk (a reshape, and a broadcast where `m` has 1 for a batch dim).
+ValueId as_key_row(Rewriter& rw, ValueId m, const Shape& scores) {
+  const size_t r = scores.size(), lead = r >= 3 ? r - 3 : 0;
+  Shape own = *key_row_dims(rw.type(m).shape, scores);
+  own.push_back(scores[r - 1]);
+  Shape want(scores.begin(), scores.begin() + static_cast<std::ptrdiff_t>(lead));
+  want.push_back(scores[r - 1]);
+  ValueId row = rw.type(m).shape == own ? m : rw.emit(Op::kReshape, {m}, {{"shape", own}});
+  return own == want ? row : rw.emit(Op::kBroadcastTo, {row}, {{"shape", want}});
+}
+
+// A padding mask on scores: the scores and attention's key_bias for it.
+struct KeyPadding {
+  ValueId scores = -1;
+  ValueId bias = -1;  // (..., Tk), the scores' dtype
+};
+
+// `s` as a key-padding mask applied to scores: scores + M with M one row per batch entry
+// (key_row_dims: BERT's (1 - mask[:, None, None, :]) * -10000, or any additive per-key bias),
+// whose key_bias is M itself; or where(pad, NEG, scores) / where(keep, scores, NEG) with such a
+// condition and NEG masking (masked_fill(mask == 0, -inf), finfo.min), whose key_bias is
+// where(pad, NEG, 0): s + NEG is NEG (exactly for -inf; for NEG <= -1e30 and a score within
+// 1e30 of 0, by rounding).
+std::optional<KeyPadding> key_padding(Rewriter& rw, ValueId s) {
+  const Node* p = rw.producer(s);
+  if (p == nullptr) return std::nullopt;
+  const Shape shape = rw.type(s).shape;
+  const DType dtype = rw.type(s).dtype;
+  if (p->op == Op::kAdd) {
+    const std::array<ValueId, 2> in{p->inputs[0], p->inputs[1]};
+    for (int i : {0, 1}) {
+      const ValueId scores = in[i], m = in[1 - i];
+      if (rw.type(scores) != rw.type(s) || rw.type(m).dtype != dtype || !key_row_dims(rw.type(m).shape, shape))
+        continue;
+      return KeyPadding{scores, as_key_row(rw, m, shape)};
+    }
+  }
+  if (p->op == Op::kWhere) {
+    const std::array<ValueId, 3> in{p->inputs[0], p->inputs[1], p->inputs[2]};
+    for (int branch : {1, 2}) {
+      std::optional<double> fill = splat_value(rw, in[branch]);
+      const ValueId scores = in[3 - branch];
+      if (!fill || !is_masking(*fill) || rw.type(scores) != rw.type(s) || !key_row_dims(rw.type(in[0]).shape, shape))
+        continue;
+      const ValueId condition = as_key_row(rw, in[0], shape);
+      const ValueId neg = rw.full({}, *fill, dtype), zero = rw.full({}, 0.0, dtype);
+      const ValueId bias = branch == 1 ? rw.emit(Op::kWhere, {condition, neg, zero})
+                                       : rw.emit(Op::kWhere, {condition, zero, neg});
+      return KeyPadding{scores, bias};
+    }
+  }
+  return std::nullopt;
+}
+
 // `s` as raw * c or raw / c with c a positive finite scalar: (raw, the scale).
 std::optional<std::pair<ValueId, double>> scaled(const Rewriter& rw, ValueId s) {
   const Node* p = rw.producer(s);
@@ -591,7 +661,8 @@ ValueId unrepeated_heads(Rewriter& rw, ValueId id) {
   return rw.emit(Op::kReshape, {source}, {{"shape", k_shape}});
 }
 
-// softmax(mask(q k^T * scale)) v -> attention(q, k, v) {causal, scale}: see the header.
+// softmax(mask(q k^T * scale)) v -> attention(q, k, v [, key_bias]) {causal, scale}: see the
+// header.
 Replacement attention(Rewriter& rw, const Node& n) {
   if (n.op != Op::kMatmul || n.attrs.b("transpose_a") || n.attrs.b("transpose_b")) return {};
   const Node* softmax = producer_of(rw, n.inputs[0], Op::kSoftmax);
@@ -600,23 +671,33 @@ Replacement attention(Rewriter& rw, const Node& n) {
   if (!is_float(probs.dtype) || probs.rank() < 2 ||
       normalize_axis(softmax->attrs.i("axis"), probs.rank()) != probs.rank() - 1)
     return {};
-  // Peel the scale and the mask, in either order, down to the raw product.
+  // Peel the scale and the masks (causal, padding), in any order, down to the raw product. A
+  // padding bias inside the scale ((q k^T + M) * c) is scaled too.
   ValueId s = softmax->inputs[0];
   std::optional<double> scale;
-  bool causal = false, masked = false;
-  for (int step = 0; step < 2; ++step) {
+  bool causal = false, bias_scaled = false;
+  ValueId bias = -1;
+  for (int step = 0; step < 3; ++step) {
     if (!scale)
       if (std::optional<std::pair<ValueId, double>> sc = scaled(rw, s)) {
         s = sc->first;
         scale = sc->second;
         continue;
       }
-    if (!masked)
+    if (!causal)
       if (std::optional<Mask> m = causal_mask(rw, s)) {
         s = m->scores;
         causal = m->causal;
-        masked = true;
+        continue;
       }
+    if (bias < 0)
+      if (std::optional<KeyPadding> m = key_padding(rw, s)) {
+        s = m->scores;
+        bias = m->bias;
+        bias_scaled = scale.has_value();
+        continue;
+      }
+    break;
   }
   const Node* product = producer_of(rw, s, Op::kMatmul);
   if (product == nullptr || product->attrs.b("transpose_a")) return {};
@@ -644,7 +725,15 @@ Replacement attention(Rewriter& rw, const Node& n) {
   const double default_scale = 1.0 / std::sqrt(static_cast<double>(qs[r - 1]));
   const double s_value = scale.value_or(1.0);
   if (std::abs(s_value - default_scale) > rounding_of(qt.dtype) * default_scale) attrs.set("scale", s_value);
-  std::vector<ValueId> out = rw.emit_node(Op::kAttention, {q, k, v}, attrs);
+  std::vector<ValueId> inputs{q, k, v};
+  if (bias >= 0) {
+    // The bias's rows must be q's batch entries (k's may broadcast over them).
+    if (rw.type(bias).shape.size() != static_cast<size_t>(r >= 3 ? r - 2 : 1) ||
+        !std::equal(qs.begin(), qs.end() - std::min(r, 3), rw.type(bias).shape.begin()))
+      return {};
+    inputs.push_back(bias_scaled ? rw.emit(Op::kMul, {bias, rw.full({}, s_value, qt.dtype)}) : bias);
+  }
+  std::vector<ValueId> out = rw.emit_node(Op::kAttention, inputs, attrs);
   if (rw.type(out[0]) != rw.type(n.outputs[0])) return {};
   return {out[0]};
 }

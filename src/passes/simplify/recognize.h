@@ -15,13 +15,16 @@
 //   norm(x, 1, ...) * w, norm(x, g, 0) + b, w and b (C,) -> the norm with w as gamma, b as beta
 //   x cos + rotate_half(x) sin, with cos and sin a rotary table for positions 0 .. T-1
 //                                                    -> rotary_embedding(x, base)
-//   softmax(q k^T * scale [masked]) v over the last axis, the mask none or causal, k and v
-//   with fewer heads repeated (unsqueeze, expand, reshape)  -> attention(q, k, v)
+//   softmax(q k^T * scale [masked]) v over the last axis, the masks none, causal and/or a
+//   padding mask (one row of Tk per batch entry, broadcast over heads and queries: + M, or
+//   where(pad, NEG, .)), k and v with fewer heads repeated (unsqueeze, expand, reshape)
+//                                                    -> attention(q, k, v [, key_bias])
 // Exact: a rule fires only where the one op computes what the pattern computes: the axes (the
 // last, with keepdims), the constants (sqrt 2, 0.5, 1, sqrt(2/pi), 0.044715 within the rounding
 // of the graph's dtype), the scale (a positive scalar), the mask (a known value: -inf, or <=
 // -1e30 whose exp is 0 beside any score within 1e30 of the row's largest, above the diagonal and
-// nothing else, every row keeping its diagonal), the rotary tables (every entry compared with
+// nothing else, every row keeping its diagonal; a padding mask of any values when added, a
+// masking NEG when a where fills it), the rotary tables (every entry compared with
 // cos and sin of t * base^(-2i/D) within the rounding of an f32 table). Anything else stays as it
 // is. Rounding differs from the pattern's op by op evaluation (the one op rounds once); that is
 // the point.

@@ -280,6 +280,42 @@ TEST(Recognize, AttentionWithoutMaskOrScaleAndMultiQueryBroadcast) {
   EXPECT_TRUE(contains(t, "attention(%q, %k, %v) {scale=1.0} : f32[2,4,3,6], f32[2,4,3]")) << t;
 }
 
+TEST(Recognize, BertPaddingMaskChain) {
+  // BERT's mask as the TorchScript exporter writes it, (1 - mask[:, None, None, :]) * -10000 from
+  // an f32 (B, T) input, added after the scale: its key_bias is the chain's value, reshaped, and
+  // the step computes what the pattern does. (Not a .kir file: the fuzzing there would turn the
+  // chain into large offsets that differ by little, where f32 rounds the pattern's scores and
+  // attention's apart.)
+  const std::string text =
+      "graph @g(%q: f32[2,2,3,4] data, %k: f32[2,2,3,4] data, %v: f32[2,2,3,4] data, %mask: f32[2,3] data) {\n"
+      "  %s = matmul(%q, %k) {transpose_b=true} : f32[2,2,3,3]\n"
+      "  %c = full() {dtype=f32, shape=[], value=2.0} : f32[]\n"
+      "  %scaled = div(%s, %c) : f32[2,2,3,3]\n"
+      "  %m4 = reshape(%mask) {shape=[2, 1, 1, 3]} : f32[2,1,1,3]\n"
+      "  %one = full() {dtype=f32, shape=[], value=1.0} : f32[]\n"
+      "  %pad = sub(%one, %m4) : f32[2,1,1,3]\n"
+      "  %big = full() {dtype=f32, shape=[], value=-10000.0} : f32[]\n"
+      "  %bias = mul(%pad, %big) : f32[2,1,1,3]\n"
+      "  %masked = add(%scaled, %bias) : f32[2,2,3,3]\n"
+      "  %p = softmax(%masked) {axis=-1} : f32[2,2,3,3]\n"
+      "  %o = matmul(%p, %v) : f32[2,2,3,4]\n"
+      "  return %o\n"
+      "}\n";
+  const Graph before = parse(text);
+  Graph after = before;
+  RecognizeOps pass;
+  ASSERT_TRUE(pass.run(after));
+  const std::string t = print(after);
+  EXPECT_TRUE(contains(t, "%0 = reshape(%bias) {shape=[2, 3]} : f32[2,3]")) << t;
+  EXPECT_TRUE(contains(t, "attention(%q, %k, %v, %0) : f32[2,2,3,4], f32[2,2,3]")) << t;
+  EXPECT_FALSE(contains(t, "softmax")) << t;
+  // Masks of 0 and 1, as a tokenizer's attention_mask: padded keys get -10000.
+  std::vector<Tensor> inputs = testing::random_inputs(before, 3, 0, 3);
+  inputs[3] = testing::make(DType::kF32, {2, 3}, {1, 1, 0, 1, 0, 0});
+  const std::vector<Tensor> want = testing::run_step(before, inputs), got = testing::run_step(after, inputs);
+  EXPECT_TRUE(testing::all_close(got[0], want[0], 1e-6, 1e-5));
+}
+
 TEST(Recognize, IsTheForwardPipelineAndCanBeDisabled) {
   EXPECT_EQ(forward_pipeline().names(), std::vector<std::string>{"recognize"});
   const std::vector<std::string> main = default_pipeline().names();
