@@ -373,6 +373,14 @@ NB_MODULE(_kiln, m) {
   nb::exception<Error>(m, "Error");
 
   m.def("onnx_available", &onnx::onnx_available);
+  // CPU process groups (shard= on the CPU) need Gloo, which a build may lack (the GPU machines).
+  m.def("gloo_available", [] {
+#ifdef KILN_HAVE_GLOO
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("cuda_device_count", [] { return device_availability(Device::kCuda).count; });
   // The zero-copy bridge both ways: an array -> a kiln Tensor -> an array, over the same bytes.
   m.def("dlpack_view", [](const Array& array) { return to_array(from_array(array, "the array")); }, "array"_a.noconvert());

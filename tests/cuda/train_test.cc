@@ -97,9 +97,16 @@ TEST(CudaTrainer, OffloadedAdamwStateTrainsAsOnTheDevice) {
   size_t param_bytes = 0;
   for (const Tensor& t : init) param_bytes += t.bytes();
   EXPECT_EQ(plain.param_and_state_bytes() - moved.param_and_state_bytes(), 2 * param_bytes);
+  // Every step's params and state, not only the last's: a step that went missing or ran twice
+  // shows at the step it happened.
   for (int s = 0; s < 5; ++s) {
     plain.step(batch(c, 20 * s));
     moved.step(batch(c, 20 * s));
+    plain.synchronize();
+    moved.synchronize();
+    const auto want = plain.host_tensors(), got = moved.host_tensors();
+    for (const auto& [name, t] : want)
+      EXPECT_LE(max_scaled_error(got.at(name), t, 1e-4, 1e-3), 1.0) << name << " after step " << s;
   }
   EXPECT_GE(moved.step_executor().graph_replays(), 1);
   std::vector<double> a = plain.take_losses(), b = moved.take_losses();
