@@ -221,7 +221,12 @@ void Executor::setup() {
     }
     if (node.op == Op::kCollectiveWait) waited_collective_[n] = producer[node.inputs[0]];
   }
-  if (options_.cuda_graphs && !options_.profile && runtime_->can_capture()) captured_ = runtime_->create_graph();
+  // A step with offloaded state (host-resident inputs) runs uncaptured: replayed, it trained
+  // differently from the second replay on (tests/cuda/train_test.cc, session 17; the direct
+  // launches are exact). Not understood yet; its copies dominate such a step anyway.
+  const bool offloaded = std::find(host_input_.begin(), host_input_.end(), true) != host_input_.end();
+  if (options_.cuda_graphs && !options_.profile && !offloaded && runtime_->can_capture())
+    captured_ = runtime_->create_graph();
   if (options_.profile)
     for (size_t i = 0; i < 2 * graph_.nodes.size(); ++i) timing_events_.push_back(runtime_->create_event(true));
   // The host's outputs are fresh each run (callers keep them, and allocating is cheap there);
