@@ -39,6 +39,7 @@
 #include "backends/cuda/elements.cuh"
 #include "backends/cuda/device_errors.cuh"
 #include "backends/cuda/scratch.cuh"
+#include "backends/cuda/dtype_visit.cuh"
 
 namespace kiln::cuda::classifier {
 namespace {
@@ -355,10 +356,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   *loss = static_cast<float>(total);
 }
 
-template <typename T>
-struct Tag {
-  using type = T;
-};
 
 template <typename Fn>
 void visit(DType t, Fn&& fn) {

@@ -17,6 +17,7 @@
 #include "backends/cuda/conv.cuh"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elements.cuh"
+#include "backends/cuda/dtype_visit.cuh"
 
 namespace kiln::cuda::conv {
 namespace {
@@ -47,20 +48,9 @@ __device__ __forceinline__ T from_acc(Acc<T> v) {
   }
 }
 
-template <class T>
-struct Tag {
-  using type = T;
-};
-
 template <class Fn>
 void visit_float(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::kF32: return fn(Tag<float>{});
-    case DType::kF64: return fn(Tag<double>{});
-    case DType::kF16: return fn(Tag<f16>{});
-    case DType::kBF16: return fn(Tag<bf16>{});
-    default: fail("cuda-conv: {} is not a float dtype (f32, f64, f16, bf16)", dtype_name(t));
-  }
+  visit_float_storage(t, "cuda-conv", fn);
 }
 
 // ---- geometry --------------------------------------------------------------------------------

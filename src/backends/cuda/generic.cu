@@ -16,6 +16,7 @@
 #include "backends/cuda/device_math.cuh"
 #include "backends/cuda/generic.cuh"
 #include "backends/cuda/scratch.cuh"
+#include "backends/cuda/dtype_visit.cuh"
 #include "support/philox.h"
 
 namespace kiln::cuda::generic {
@@ -85,34 +86,15 @@ template <> struct Num<bool> {
 
 template <class T> inline constexpr bool kIsFloat = std::is_floating_point_v<typename Num<T>::C>;
 
-template <class T> struct Tag { using type = T; };
-
-// Calls fn(Tag<T>{}) with the storage type of `t`.
+// Calls fn(Tag<T>{}) with the storage type of `t` (dtype_visit.cuh).
 template <class Fn>
 void visit(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::kF32: return fn(Tag<float>{});
-    case DType::kF64: return fn(Tag<double>{});
-    case DType::kF16: return fn(Tag<__half>{});
-    case DType::kBF16: return fn(Tag<__nv_bfloat16>{});
-    case DType::kI32: return fn(Tag<int32_t>{});
-    case DType::kI64: return fn(Tag<int64_t>{});
-    case DType::kBool: return fn(Tag<bool>{});
-    case DType::kU8: return fn(Tag<uint8_t>{});
-  }
-  fail("cuda generic: unknown dtype code {}", static_cast<int>(t));
+  visit_storage(t, fn);
 }
 // Same, for float types only (the caller's supports() guarantees it).
 template <class Fn>
 void visit_float(DType t, Fn&& fn) {
-  visit(t, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if constexpr (kIsFloat<T>) {
-      fn(tag);
-    } else {
-      fail("cuda generic: a float dtype was expected, got {}", dtype_name(t));
-    }
-  });
+  visit_float_storage(t, "cuda generic", fn);
 }
 // An unsigned type of `size` bytes, for kernels that only move data.
 template <class Fn>

@@ -27,6 +27,7 @@
 #include "backends/cuda/device_math.cuh"
 #include "backends/cuda/nn.cuh"
 #include "backends/cuda/scratch.cuh"
+#include "backends/cuda/dtype_visit.cuh"
 #include "ops/elementwise_math.h"
 
 namespace kiln::cuda::nn {
@@ -39,10 +40,6 @@ template <int V>
 using IntC = std::integral_constant<int, V>;
 template <bool V>
 using BoolC = std::integral_constant<bool, V>;
-template <typename T>
-struct Tag {
-  using type = T;
-};
 
 constexpr int kWarp = 32;
 constexpr int64_t kWarpMaxCols = 1024;  // rows up to this length: one warp per row
