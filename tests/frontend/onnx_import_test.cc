@@ -51,6 +51,44 @@ TEST(OnnxImport, MissingTruncatedAndGarbageFilesAreOneError) {
   EXPECT_THROW(onnx::import_onnx_bytes(std::string(1000, '\xff'), ".", {}, "garbage"), Error);
 }
 
+// A tensor file whose dims promise far more data than it holds is one error, decided before
+// anything is allocated: a SequenceProto read as a TensorProto parses to such dims, and
+// allocating them first paged in memory for minutes on a machine large enough not to fail.
+TEST(OnnxImport, TensorWithAbsurdDimsIsOneErrorWithoutAllocating) {
+#ifdef KILN_HAVE_ONNX
+  if (!onnx::onnx_available()) GTEST_SKIP() << "no ONNX front end";
+  const auto dir = std::filesystem::temp_directory_path() / "kiln_onnx_absurd_dims";
+  std::filesystem::create_directories(dir);
+  auto write = [&](const ::onnx::TensorProto& proto, const char* name) {
+    const auto path = (dir / name).string();
+    std::ofstream(path, std::ios::binary) << proto.SerializeAsString();
+    return path;
+  };
+  ::onnx::TensorProto raw;
+  raw.set_data_type(::onnx::TensorProto::FLOAT);
+  for (int64_t d : {int64_t{1} << 20, int64_t{1} << 20, int64_t{1} << 10}) raw.add_dims(d);  // 4 PiB
+  raw.set_raw_data(std::string(16, '\1'));
+  ::onnx::TensorProto typed = raw;
+  typed.clear_raw_data();
+  for (int i = 0; i < 4; ++i) typed.add_float_data(1.0f);
+  ::onnx::TensorProto overflowing = typed;
+  overflowing.add_dims(int64_t{1} << 40);  // numel past int64
+  for (const auto& [proto, name, says] : {std::tuple{raw, "raw.pb", "bytes of data"},
+                                          std::tuple{typed, "typed.pb", "values for"},
+                                          std::tuple{overflowing, "overflow.pb", "too large"}}) {
+    try {
+      onnx::load_onnx_tensor(write(proto, name));
+      ADD_FAILURE() << name << " loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove_all(dir);
+#else
+  GTEST_SKIP() << "no ONNX front end";
+#endif
+}
+
 // Mutated model files: the importer either imports them or throws kiln::Error; nothing else.
 TEST(OnnxImport, FuzzedModelsNeverCrash) {
   if (!have_data()) GTEST_SKIP() << "no ONNX front end or no libonnx-testdata";

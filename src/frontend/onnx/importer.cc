@@ -5,6 +5,7 @@
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
 #include <climits>
+#include <limits>
 #include <filesystem>
 #include <fnmatch.h>
 #include <fstream>
@@ -74,13 +75,24 @@ Tensor tensor_of(const ::onnx::TensorProto& proto, const std::string& base_dir, 
   using T = ::onnx::TensorProto;
   const DType dtype = dtype_of(proto.data_type(), what);
   Shape shape(proto.dims().begin(), proto.dims().end());
-  for (int64_t d : shape) KILN_CHECK(d >= 0, "{}: negative dim {} in {}", what, d, to_string(shape));
-  Tensor t(TensorType{dtype, shape});
-  const size_t bytes = t.bytes();
-  auto copy_raw = [&](const std::string& raw) {
-    KILN_CHECK(raw.size() == bytes, "{}: {} bytes of data for {} ({} bytes)", what, raw.size(), to_string(t.type()),
-               bytes);
-    std::memcpy(t.raw(), raw.data(), bytes);
+  // The data's size is checked against the dims before anything is allocated: a file that is
+  // no TensorProto (a SequenceProto, say) can parse as one with absurd dims, and allocating
+  // those first made a machine with enough memory page in tens of GiB instead of failing.
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    KILN_CHECK(d >= 0, "{}: negative dim {} in {}", what, d, to_string(shape));
+    KILN_CHECK(d == 0 || n <= std::numeric_limits<int64_t>::max() / static_cast<int64_t>(dtype_size(dtype)) / d,
+               "{}: dims {} are too large", what, to_string(shape));
+    n *= d;
+  }
+  const size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
+  const TensorType type{dtype, shape};
+  auto check_count = [&](int64_t count) {
+    KILN_CHECK(count == n, "{}: {} values for {} ({} elements)", what, count, to_string(type), n);
+  };
+  auto check_bytes = [&](int64_t count) {
+    KILN_CHECK(count == static_cast<int64_t>(bytes), "{}: {} bytes of data for {} ({} bytes)", what, count,
+               to_string(type), bytes);
   };
   if (proto.data_location() == T::EXTERNAL) {
     std::string location;
@@ -96,7 +108,12 @@ Tensor tensor_of(const ::onnx::TensorProto& proto, const std::string& base_dir, 
     KILN_CHECK(in.good(), "{}: cannot open its external data file '{}'", what, path.string());
     if (length < 0) length = static_cast<int64_t>(bytes);
     KILN_CHECK(static_cast<size_t>(length) == bytes, "{}: external data of {} bytes for {} ({} bytes)", what, length,
-               to_string(t.type()), bytes);
+               to_string(type), bytes);
+    std::error_code ec;
+    const auto file_size = std::filesystem::file_size(path, ec);
+    KILN_CHECK(!ec && offset >= 0 && static_cast<uintmax_t>(offset) + bytes <= file_size,
+               "{}: external data file '{}' ends before offset {} + {} bytes", what, path.string(), offset, length);
+    Tensor t(type);
     in.seekg(offset);
     in.read(reinterpret_cast<char*>(t.raw()), length);
     KILN_CHECK(in.gcount() == length, "{}: external data file '{}' ends before offset {} + {} bytes", what,
@@ -104,35 +121,35 @@ Tensor tensor_of(const ::onnx::TensorProto& proto, const std::string& base_dir, 
     return t;
   }
   if (proto.has_raw_data()) {
-    copy_raw(proto.raw_data());
+    check_bytes(static_cast<int64_t>(proto.raw_data().size()));
+    Tensor t(type);
+    std::memcpy(t.raw(), proto.raw_data().data(), bytes);
     return t;
   }
-  const int64_t n = t.numel();
-  auto check_count = [&](int count) {
-    KILN_CHECK(count == n, "{}: {} values for {} ({} elements)", what, count, to_string(t.type()), n);
-  };
+  switch (dtype) {
+    case DType::kF32: check_count(proto.float_data_size()); break;
+    case DType::kF64: check_count(proto.double_data_size()); break;
+    case DType::kI64: check_count(proto.int64_data_size()); break;
+    default: check_count(proto.int32_data_size()); break;  // f16, bf16 (bits), i32, bool, u8
+  }
+  Tensor t(type);
   switch (dtype) {
     case DType::kF32:
-      check_count(proto.float_data_size());
       for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = proto.float_data(static_cast<int>(i));
       break;
     case DType::kF64:
-      check_count(proto.double_data_size());
       for (int64_t i = 0; i < n; ++i) t.data<double>()[i] = proto.double_data(static_cast<int>(i));
       break;
     case DType::kI64:
-      check_count(proto.int64_data_size());
       for (int64_t i = 0; i < n; ++i) t.data<int64_t>()[i] = proto.int64_data(static_cast<int>(i));
       break;
     case DType::kF16:
     case DType::kBF16: {
-      check_count(proto.int32_data_size());
       auto* bits = reinterpret_cast<uint16_t*>(t.raw());
       for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>(proto.int32_data(static_cast<int>(i)));
       break;
     }
     default:  // i32, bool, u8: int32_data
-      check_count(proto.int32_data_size());
       for (int64_t i = 0; i < n; ++i) t.set(i, proto.int32_data(static_cast<int>(i)));
       break;
   }
