@@ -239,4 +239,48 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
   return plan;
 }
 
+std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>& views,
+                                 const std::function<bool(size_t node)>& in_place_ok) {
+  const size_t values = graph.values.size();
+  const Liveness live = compute_liveness(graph);
+  std::vector<int> last_read = live.last;  // per value: its last read, through itself or a view
+  for (size_t v = 0; v < values; ++v) {
+    if (views[v] < 0) continue;
+    const ValueId root = view_root(views, static_cast<ValueId>(v));
+    last_read[root] = std::max(last_read[root], live.last[v]);
+  }
+  std::vector<bool> is_output(values, false);
+  for (ValueId id : graph.outputs) is_output[id] = true;
+  std::vector<bool> written(values, false);  // per value: written into a target already
+  std::vector<bool> direct(graph.updates.size(), false);
+  for (size_t u = 0; u < graph.updates.size(); ++u) {
+    const Update& update = graph.updates[u];
+    const int def = live.def[update.value];
+    if (def < 0 || is_output[update.target] || is_output[update.value]) continue;
+    if (written[update.value]) continue;  // one value, two targets: copy the second
+    if (graph.type(update.value) != graph.type(update.target)) continue;
+    if (last_read[update.target] > def) continue;  // a later node reads the old value
+    bool reads_target = false;
+    for (ValueId in : graph.nodes[static_cast<size_t>(def)].inputs) reads_target |= view_root(views, in) == update.target;
+    if (reads_target && !in_place_ok(static_cast<size_t>(def))) continue;
+    written[update.value] = true;
+    direct[u] = true;
+  }
+  return direct;
+}
+
+Graph without_updates(const Graph& graph, const std::vector<bool>& direct) {
+  Graph planned = graph;
+  planned.updates.clear();
+  for (size_t u = 0; u < graph.updates.size(); ++u)
+    if (!direct[u]) planned.updates.push_back(graph.updates[u]);
+  return planned;
+}
+
+MemoryPlan plan_step_memory(const Graph& graph) {
+  const std::vector<bool> direct = direct_updates(graph, find_views(graph).input, [](size_t) { return true; });
+  if (std::find(direct.begin(), direct.end(), true) == direct.end()) return plan_memory(graph);
+  return plan_memory(without_updates(graph, direct));
+}
+
 }  // namespace kiln

@@ -150,6 +150,23 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok = {},
                        const ViewPredicate& view_ok = {});
 
+// Which of graph.updates are written straight into their target input by the node making the
+// value (no copy at the end of the run, no arena bytes held to its end): the value is no graph
+// output and its target none either, both have one type, one value feeds one target (a second
+// is copied), nothing reads the target's old value (itself or through a view: `views`, from
+// find_views, or all -1) after that node, and where the node reads the target itself its kernel
+// may write over its input (`in_place_ok(node)`). The executor's rule (runtime/executor.h).
+std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>& views,
+                                 const std::function<bool(size_t node)>& in_place_ok);
+// `graph` without the updates `direct` names: what the memory plan must keep to the end.
+Graph without_updates(const Graph& graph, const std::vector<bool>& direct);
+// The arena the passes plan against, before kernels are chosen: `graph` planned as the executor
+// will run it, its updates written straight into their targets where direct_updates allows
+// (every kernel taken to be able to write in place: the optimizer updates' can), no in-place
+// reuse of intermediates (which kernels decide). What the step allocates, not counting updates
+// that leave no bytes behind.
+MemoryPlan plan_step_memory(const Graph& graph);
+
 // Bytes rounded up to the arena alignment.
 inline size_t aligned_bytes(size_t bytes) {
   return (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;

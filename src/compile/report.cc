@@ -144,7 +144,7 @@ std::string compile_report(const std::string& what, const std::string& source, c
   }
   const double kept_mib = kept_bytes / double(1 << 20);
   line("  fusion total: {:.3f} MiB kept out of memory\n", kept_mib);
-  MemoryPlan plan = plan_memory(graph);
+  MemoryPlan plan = plan_step_memory(graph);
   int64_t input_bytes = 0, host_bytes = 0;
   const std::vector<bool> on_host = host_resident_inputs(graph);
   for (size_t i = 0; i < graph.inputs.size(); ++i)

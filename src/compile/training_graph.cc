@@ -108,24 +108,50 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
   if (!gathered.empty()) regather_for_backward(joint.graph, forward_nodes);
 
   Builder b(std::move(joint.graph));
-  std::vector<Expr> grads;  // per param: this rank's full-shape gradient of its local loss
-  if (gathered.empty()) {
-    for (ValueId g : joint.gradients) grads.push_back(b.wrap(g));
-  } else {
-    size_t next = 0;
-    for (const auto& uses : gathered) {
-      Expr total;
-      for (size_t u = 0; u < uses.size(); ++u) {
-        Expr g = b.wrap(joint.gradients[next++]);
-        if (g.dtype() != DType::kF32) g = cast(g, DType::kF32);
-        total = total.id() < 0 ? g : total + g;
-      }
-      grads.push_back(total);
+  // Per param: this rank's full-shape gradient of its local loss, averaged over ranks (and for
+  // zero1/2/3, this rank's shard of it).
+  std::vector<Expr> grads;
+  // zero2/3 reduce each gradient right after the backward makes it, as FSDP does: the f32 full
+  // gradient becomes a 1/world shard at once, instead of every layer's 16-bit gradient living
+  // to the end of the backward (where appending put the reductions, and where the schedule
+  // left them: the cast alone allocates, so a greedy order defers it). dp and zero1 keep
+  // theirs at the end: reduced, the gradient is no smaller, and the overlap pass hoists them.
+  const bool reduce_early = sharding.mode == ShardMode::kZero2 || sharding.mode == ShardMode::kZero3;
+  const size_t joint_nodes = b.graph().nodes.size();
+  std::vector<int> producer(b.graph().values.size(), -1);
+  for (size_t n = 0; n < joint_nodes; ++n)
+    for (ValueId v : b.graph().nodes[n].outputs) producer[static_cast<size_t>(v)] = static_cast<int>(n);
+  std::vector<AppendedRange> placed;  // the appended nodes, in ranges, and where each goes
+  std::vector<size_t> reduced_at;     // per param: where its reduction went
+  size_t next = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const size_t first = b.graph().nodes.size();
+    // zero3: the param's gathered uses each have a gradient; summed in f32.
+    const size_t uses = gathered.empty() ? 1 : gathered[i].size();
+    Expr total;
+    size_t after = 0;  // one past the last node making one of them
+    for (size_t u = 0; u < uses; ++u) {
+      const ValueId id = joint.gradients[next++];
+      if (producer[static_cast<size_t>(id)] >= 0) after = std::max(after, static_cast<size_t>(producer[static_cast<size_t>(id)]) + 1);
+      Expr g = b.wrap(id);
+      if (!gathered.empty() && g.dtype() != DType::kF32) g = cast(g, DType::kF32);
+      total = total.id() < 0 ? g : total + g;
     }
+    if (sharding.enabled()) total = reduce_gradient(total, sharding);
+    grads.push_back(total);
+    reduced_at.push_back(reduce_early ? after : joint_nodes);
+    placed.push_back({first, b.graph().nodes.size(), reduced_at.back()});
   }
-  // Averaged over ranks (and for zero1/2/3, this rank's shard of it).
-  if (sharding.enabled())
-    for (Expr& g : grads) g = reduce_gradient(g, sharding);
+  // What is appended from here on goes at the end, in a range opened at `tail`; zero3 without
+  // clipping or loss scaling (which read every gradient first) updates each param right after
+  // its reduction too, so its f32 gradient shard is freed at once as well. (zero2's update
+  // would gather the new full param early, to live to the end beside the old.)
+  const bool update_early = sharding.mode == ShardMode::kZero3 && !scaled && config.grad_clip <= 0;
+  size_t tail = b.graph().nodes.size();
+  auto close_range = [&](size_t position) {
+    placed.push_back({tail, b.graph().nodes.size(), position});
+    tail = b.graph().nodes.size();
+  };
   Expr overflow;
   if (scaled) {
     loss_scale = LossScaleState{b.wrap(loss_scale.scale.id()), b.wrap(loss_scale.good_steps.id())};
@@ -178,6 +204,8 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     }
   }
 
+  // The step counter and the rng offset read only inputs: at the start when updates go early.
+  close_range(update_early ? 0 : joint_nodes);
   for (size_t i = 0; i < params.size(); ++i) {
     const Expr param = b.wrap(params[i]);
     // What the optimizer updates: the param, or (zero1/2) this rank's shard of it; zero3's
@@ -205,6 +233,7 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
       b.graph().updates.push_back(Update{m.id(), r[1].id()});
       b.graph().updates.push_back(Update{v.id(), r[2].id()});
     }
+    close_range(update_early ? reduced_at[i] : joint_nodes);
   }
   if (scaled) {
     // Every param and optimizer state update is skipped on overflow; rng.offset still advances.
@@ -214,6 +243,8 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     skip_updates_on_overflow(b, overflow, skipped);
     update_loss_scale(b, loss_scale, overflow, config.loss_scale);
   }
+  close_range(joint_nodes);
+  place_appended(b.graph(), joint_nodes, placed);
   // The reported loss: the mean over ranks of their slices' means, the global batch's mean.
   if (sharding.enabled()) b.graph().outputs[0] = all_reduce(b.wrap(local_loss), world, ReduceOp::kAvg).id();
   out.graph = b.take();

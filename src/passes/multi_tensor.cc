@@ -4,9 +4,11 @@
 #include <array>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 
+#include "analysis/memory_plan.h"
 #include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
 #include "passes/schedule.h"
@@ -256,26 +258,17 @@ bool same_key(const UpdateKey& a, const UpdateKey& b) {
   return same_values(a.attrs, b.attrs) && a.scalars == b.scalars && a.dtypes == b.dtypes;
 }
 
-// Peaks of live bytes in the order the schedule pass would pick: [0] with update values live
-// to the end (kiln compile --report's plan), [1] with the updates whose node reads its own
-// target dropped (the executor writes those straight into the caller's tensor and plans them
-// as values that die at their node: their bytes still count there, all at once for a group).
-std::array<size_t, 2> scheduled_peaks(const Graph& graph) {
+// The peak of live bytes in the order the schedule pass would pick, with the updates the
+// executor writes straight into their targets dropped (analysis/memory_plan.h: direct_updates;
+// their bytes still count from their node, all at once for a group), the others live to the end.
+size_t scheduled_peak(const Graph& graph) {
   const std::vector<int> order = memory_aware_order(graph);
-  std::vector<int> producer(graph.values.size(), -1);
-  for (size_t n = 0; n < graph.nodes.size(); ++n)
-    for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
-  Graph direct = graph;
-  direct.updates.clear();
-  for (const Update& u : graph.updates) {
-    const int p = producer[u.value];
-    const bool in_place =
-        p >= 0 && std::find(graph.nodes[static_cast<size_t>(p)].inputs.begin(),
-                            graph.nodes[static_cast<size_t>(p)].inputs.end(),
-                            u.target) != graph.nodes[static_cast<size_t>(p)].inputs.end();
-    if (!in_place) direct.updates.push_back(u);
-  }
-  return {peak_live_bytes(graph, order), peak_live_bytes(direct, order)};
+  Graph ordered = graph;
+  for (size_t i = 0; i < order.size(); ++i) ordered.nodes[i] = graph.nodes[static_cast<size_t>(order[i])];
+  const std::vector<bool> direct = direct_updates(ordered, find_views(ordered).input, [](size_t) { return true; });
+  std::vector<int> identity(order.size());
+  std::iota(identity.begin(), identity.end(), 0);
+  return peak_live_bytes(without_updates(ordered, direct), identity);
 }
 
 // `graph` with each list of `groups` (node indices) outlined into one node of `kind`.
@@ -294,19 +287,19 @@ Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& gr
 }
 
 // Outlines each list of `whole` (node indices, two or more per list) into one node of `kind`
-// if neither scheduled peak rises; otherwise into chunks of consecutive members of the
-// scheduled order under a cap on member_bytes (halved until neither peak rises); otherwise
-// changes nothing. Returns whether it changed `graph`. `peaks`: scheduled_peaks(graph) if
+// if the scheduled peak does not rise; otherwise into chunks of consecutive members of the
+// scheduled order under a cap on member_bytes (halved until it does not rise); otherwise
+// changes nothing. Returns whether it changed `graph`. `peaks`: scheduled_peak(graph) if
 // known (each measure schedules the whole step), and so again on return.
-using Peaks = std::optional<std::array<size_t, 2>>;
+using Peaks = std::optional<size_t>;
 bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, FusedKind kind,
                       const std::function<size_t(int)>& member_bytes, Peaks& peaks) {
   if (whole.empty()) return false;
-  if (!peaks) peaks = scheduled_peaks(graph);
-  const std::array<size_t, 2> baseline = *peaks;
+  if (!peaks) peaks = scheduled_peak(graph);
+  const size_t baseline = *peaks;
   auto fits = [&](const Graph& g) {
-    const std::array<size_t, 2> after = scheduled_peaks(g);
-    if (after[0] > baseline[0] || after[1] > baseline[1]) return false;
+    const size_t after = scheduled_peak(g);
+    if (after > baseline) return false;
     peaks = after;
     return true;
   };

@@ -47,11 +47,9 @@ bool OffloadPass::run(Graph& graph) {
   if (mode_ == OffloadMode::kAll) {
     chosen = candidates;
   } else {
-    // The arena as the executor plans it: updates are written straight into their inputs, so
-    // their values hold no arena bytes to the end of the step.
-    Graph planned = graph;
-    planned.updates.clear();
-    need = input_bytes + plan_memory(planned).arena_bytes;
+    // The arena as the executor plans it: updates written straight into their inputs hold no
+    // arena bytes to the end of the step.
+    need = input_bytes + plan_step_memory(graph).arena_bytes;
     for (ValueId s : candidates) {
       if (need - moved <= *budget_) break;
       chosen.push_back(s);

@@ -42,7 +42,7 @@ Evaluated evaluate(const Graph& graph, bool schedule_after) {
   Evaluated e{graph, {}, {}, {}};
   if (schedule_after) SchedulePass().run(e.scheduled);
   const Graph& g = e.scheduled;
-  e.plan = plan_memory(g);
+  e.plan = plan_step_memory(g);
   const Liveness& l = e.plan.liveness;
   const size_t n = g.nodes.size();
   std::vector<int64_t> delta(n + 2, 0);

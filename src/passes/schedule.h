@@ -12,8 +12,8 @@
 // a heap with lazy re-insertion keeps this O(E log N). Two variants are tried: one counting the
 // values that live to the end of the step (graph outputs, update values) as allocations, one
 // not (they stay live to the end whenever they are made, so deferring them may not pay); the
-// order with the lowest peak of live bytes wins, and the original order is kept unless one
-// is strictly lower.
+// order with the smallest planned arena (planned_arena_bytes; then the lower peak of live bytes)
+// wins, and the original order is kept unless one is strictly lower.
 //
 // Expects: a verified graph. Guarantees: the same nodes, values, inputs, outputs and updates, in
 // a valid topological order; results are unchanged (kernels are deterministic and the random
@@ -37,7 +37,8 @@ class SchedulePass : public Pass {
 // buffer counted from its node to its last reader (graph outputs and update values: to the
 // end); graph inputs are not counted. Sizes are rounded up to 64 bytes, like the arena's.
 size_t peak_live_bytes(const Graph& graph, const std::vector<int>& order);
-// The arena plan_memory (no in-place reuse) gives `graph` with its nodes run in `order`.
+// The arena plan_step_memory (updates written straight into their targets where the executor
+// can, no other in-place reuse) gives `graph` with its nodes run in `order`.
 size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order);
 // The order SchedulePass picks (the identity when it finds nothing better).
 std::vector<int> memory_aware_order(const Graph& graph);

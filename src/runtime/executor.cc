@@ -127,35 +127,19 @@ void Executor::synchronize() const {
 // arena bytes held to the end of the step), then the memory plan of the rest.
 void Executor::plan_with_direct_updates() {
   const size_t values = graph_.values.size();
-  const Liveness live = compute_liveness(graph_);
   // Reshape and slice views (memory_plan.h), only with a planned arena: a view of a value is a
   // read of it (of its root's bytes, whatever its offset in them), so the old value of a target
-  // is read as long as any view of it is.
+  // is read as long as any view of it is. The plan-off oracle copies every update.
   const std::vector<ValueId> views =
       options_.plan_memory ? find_views(graph_).input : std::vector<ValueId>(values, -1);
-  std::vector<int> last_read = live.last;  // per value: its last read, through itself or a view
-  for (size_t v = 0; v < values; ++v) {
-    if (views[v] < 0) continue;
-    const ValueId root = view_root(views, static_cast<ValueId>(v));
-    last_read[root] = std::max(last_read[root], live.last[v]);
-  }
-  // Updates written in place by their node (see executor.h); the plan-off oracle copies them all.
-  std::vector<bool> is_output(values, false);
-  for (ValueId id : graph_.outputs) is_output[id] = true;
+  std::vector<bool> direct(graph_.updates.size(), false);
+  if (options_.plan_memory)
+    direct = direct_updates(graph_, views, [this](size_t node) { return kernels_[node]->in_place_ok; });
   direct_update_input_.assign(values, -1);
   copied_update_.assign(graph_.updates.size(), true);
-  for (size_t u = 0; options_.plan_memory && u < graph_.updates.size(); ++u) {
-    const Update& update = graph_.updates[u];
-    const int def = live.def[update.value];
-    if (def < 0 || is_output[update.target] || is_output[update.value]) continue;
-    if (direct_update_input_[update.value] >= 0) continue;  // one value, two targets: copy the second
-    if (graph_.type(update.value) != graph_.type(update.target)) continue;
-    if (last_read[update.target] > def) continue;  // a later node reads the old value
-    const Node& node = graph_.nodes[static_cast<size_t>(def)];
-    bool reads_target = false;
-    for (ValueId in : node.inputs) reads_target |= view_root(views, in) == update.target;
-    if (reads_target && !kernels_[static_cast<size_t>(def)]->in_place_ok) continue;
-    direct_update_input_[update.value] = graph_.input_index(update.target);
+  for (size_t u = 0; u < graph_.updates.size(); ++u) {
+    if (!direct[u]) continue;
+    direct_update_input_[graph_.updates[u].value] = graph_.input_index(graph_.updates[u].target);
     copied_update_[u] = false;
     ++direct_update_count_;
   }
@@ -163,12 +147,8 @@ void Executor::plan_with_direct_updates() {
   // bytes go unused): plan a copy of the graph without those updates. Its views are the graph's
   // (a value written into an input is an update value, so no view: the predicate keeps it so
   // once it is no longer an update value in the copy); with plan_memory off, none.
-  Graph planned = graph_;
-  planned.updates.clear();
-  for (size_t u = 0; u < graph_.updates.size(); ++u)
-    if (copied_update_[u]) planned.updates.push_back(graph_.updates[u]);
   plan_ = plan_memory(
-      planned, [this](size_t node, size_t) { return kernels_[node]->in_place_ok; },
+      without_updates(graph_, direct), [this](size_t node, size_t) { return kernels_[node]->in_place_ok; },
       [&](size_t node) { return views[static_cast<size_t>(graph_.nodes[node].outputs[0])] >= 0; });
   last_use_ = plan_.liveness.last;
 }

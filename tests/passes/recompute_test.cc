@@ -13,7 +13,7 @@ namespace kiln {
 namespace {
 
 struct Compiled {
-  size_t peak = 0;  // the planned arena without in-place reuse, as `kiln compile` reports it
+  size_t peak = 0;  // the live peak of the plan `kiln compile --report` shows (plan_step_memory)
   std::vector<std::string> notes;
 };
 
@@ -24,7 +24,7 @@ Compiled compile(const Graph& forward, bool recompute, const std::string& amp = 
   options.executor.device = Device::kCuda;  // the pipeline a GPU run gets; no GPU needed
   if (!recompute) options.passes.disabled.insert("recompute");
   CompiledStep step = compile_step(forward, options);
-  Compiled out{plan_memory(step.program.graph).live_peak_bytes, {}};
+  Compiled out{plan_step_memory(step.program.graph).live_peak_bytes, {}};
   for (const PassRecord& r : step.pass_records)
     if (r.name == "recompute") out.notes = r.notes;
   return out;

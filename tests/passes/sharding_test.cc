@@ -164,6 +164,36 @@ TEST(Sharding, ZeroThreeShardsParamsAndGathersThemAgainForTheBackward) {
   }
 }
 
+// zero2/3 reduce each gradient right after the backward makes it (zero3 without clipping also
+// updates the param there), so no layer's full gradient waits for the end of the backward; dp,
+// zero1 and a clipped zero3 (the norm reads every gradient first) keep theirs after it. The
+// results are the modes' equality tests' (tests/passes/distributed_test.cc).
+TEST(Sharding, ZeroTwoAndThreeReduceEachGradientAsSoonAsItIsMade) {
+  const Graph forward = tiny_gpt();
+  struct Case {
+    ShardMode mode;
+    double clip;
+    bool early_reductions, early_updates;
+  };
+  for (const Case c : {Case{ShardMode::kDp, 0, false, false}, Case{ShardMode::kZero1, 0, false, false},
+                       Case{ShardMode::kZero2, 0, true, false}, Case{ShardMode::kZero3, 0, true, true},
+                       Case{ShardMode::kZero3, 1.0, true, false}}) {
+    SCOPED_TRACE(std::string(shard_mode_name(c.mode)) + (c.clip > 0 ? " clipped" : ""));
+    const StepProgram p = step_of(forward, c.mode, 2, "bf16", c.clip);
+    verify(p.graph);
+    int last_matmul = -1, first_reduction = -1, first_update = -1;
+    for (size_t n = 0; n < p.graph.nodes.size(); ++n) {
+      const Op op = p.graph.nodes[n].op;
+      if (op == Op::kMatmul) last_matmul = static_cast<int>(n);
+      if ((op == Op::kReduceScatter || op == Op::kAllReduce) && first_reduction < 0) first_reduction = static_cast<int>(n);
+      if (op == Op::kAdamwUpdate && first_update < 0) first_update = static_cast<int>(n);
+    }
+    ASSERT_GE(first_reduction, 0);
+    EXPECT_EQ(first_reduction < last_matmul, c.early_reductions);
+    EXPECT_EQ(first_update < last_matmul, c.early_updates);
+  }
+}
+
 TEST(Sharding, PipelineKeepsEveryCollective) {
   const Graph forward = tiny_gpt();
   for (ShardMode mode : {ShardMode::kDp, ShardMode::kZero2, ShardMode::kZero3}) {

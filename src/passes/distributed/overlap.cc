@@ -108,7 +108,7 @@ class Planner {
       p.predicted = predict_step(p.graph, costs_);
       if (round == 0 || p.predicted.step_s < best.predicted.step_s) best = std::move(p);
     }
-    best.arena = plan_memory(best.graph).arena_bytes;
+    best.arena = plan_step_memory(best.graph).arena_bytes;
     return best;
   }
 
@@ -154,7 +154,7 @@ bool OverlapCollectives::run(Graph& graph) {
   const Planner planner(graph, costs_);
   if (planner.empty()) return false;
   const OverlapPrediction before = predict_step(graph, costs_);
-  const size_t base_arena = plan_memory(graph).arena_bytes;
+  const size_t base_arena = plan_step_memory(graph).arena_bytes;
   const size_t limit = memory_budget_ ? std::max(*memory_budget_, base_arena)
                                       : base_arena + base_arena / 20;
   for (double scale : {1.0, 0.5, 0.25, 0.125}) {
