@@ -6,9 +6,12 @@ them fused), the composite ops among them (kiln compile --report), the median ms
 `kiln bench`, and the kernels of the CUDA bf16 step (compiled without a GPU). Prints a Markdown
 table (docs/onnx.md holds one).
 
-    bench/onnx_vs_native.py --kiln build/kiln [--device cpu|cuda] [--steps 20] [--repeats 3] [--work DIR] [FAMILY...]
+    bench/onnx_vs_native.py --kiln build/kiln [--device cpu|cuda] [--steps 20] [--repeats 3] [--work DIR]
+                            [--exported DIR] [FAMILY...]
 
-Needs torch and onnx (Debian's python3-torch and python3-onnx; /usr/bin/python3 is tried).
+Needs torch and onnx (Debian's python3-torch and python3-onnx; /usr/bin/python3 is tried), except
+with --exported DIR: the models as `examples/onnx/torch_models.py DIR --bench` wrote them,
+so that a machine without an exporter (the GPU machine) can measure them.
 """
 import argparse
 import json
@@ -18,12 +21,16 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "frontend"))
-from torch_step_test import reexec_with_torch  # noqa: E402
+FAMILIES = ["mlp", "cnn", "cnn-batchnorm", "bert", "llama"]  # torch_models.BENCH's, in its order
+if "--exported" not in sys.argv:
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "frontend"))
+    from torch_step_test import reexec_with_torch  # noqa: E402
 
-reexec_with_torch()
-sys.path.insert(0, os.path.join(HERE, "..", "examples", "onnx"))
-import torch_models  # noqa: E402
+    reexec_with_torch()
+    sys.path.insert(0, os.path.join(HERE, "..", "examples", "onnx"))
+    import torch_models  # noqa: E402
+
+    assert list(torch_models.BENCH) == FAMILIES, "keep FAMILIES in step with torch_models.BENCH"
 
 # The kiln model of the same sizes as each BENCH entry (None: kiln has none). The BERT-style
 # encoder's is GPT-2 (pre-LayerNorm, causal, an LM head) at its sizes: the nearest kiln has.
@@ -75,7 +82,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3, help="runs per model; the best median counts")
     parser.add_argument("--work", help="write the exported models here")
-    parser.add_argument("families", nargs="*", default=list(torch_models.BENCH), help="default: every one")
+    parser.add_argument("--exported", help="read DIR/NAME.onnx instead of exporting (no torch needed)")
+    parser.add_argument("families", nargs="*", default=FAMILIES, help="default: every one")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kiln_onnx_bench_")
     os.makedirs(work, exist_ok=True)
@@ -83,8 +91,11 @@ def main():
           "cuda bf16 kernels (fused) |")
     print("|---|---|---|---|---|---|")
     for name in args.families:
-        path = os.path.join(work, name + ".onnx")
-        torch_models.export(name, path, bench=True)
+        if args.exported:
+            path = os.path.join(args.exported, name + ".onnx")
+        else:
+            path = os.path.join(work, name + ".onnx")
+            torch_models.export(name, path, bench=True)
         rows = [(f"imported {name}.onnx", [path]),
                 (f"imported, `--disable-pass recognize`", [path, "--disable-pass", "recognize"])]
         if NATIVE[name]:

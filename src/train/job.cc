@@ -948,6 +948,11 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     r.peak_flops = o.peak_flops > 0 ? o.peak_flops : device_peak_flops(r.device_name, o.amp, &r.peak_note);
     if (o.peak_flops > 0) r.peak_note = fmt::format("given peak {:.1f} TFLOP/s", o.peak_flops / 1e12);
     r.param_state_bytes = trainer.param_and_state_bytes();
+    for (const auto& [name, t] : trainer.named_tensors())
+      if (t.device() != runtime->device()) {
+        r.host_state_bytes += t.bytes();
+        ++r.host_state_tensors;
+      }
     r.arena_bytes = trainer.step_executor().device_bytes();
     r.kiln_peak_bytes = runtime->peak_allocated_bytes();
     r.max_peak_bytes = static_cast<size_t>(trainer.reduce_over_ranks(static_cast<double>(r.kiln_peak_bytes), ReduceOp::kMax));
@@ -1029,6 +1034,9 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
                  format_bytes(r.kiln_peak_bytes),
                  world > 1 ? fmt::format(" on rank 0, {} the most of any rank", format_bytes(r.max_peak_bytes)) : "",
                  format_bytes(r.param_state_bytes), format_bytes(r.arena_bytes), format_bytes(r.device_used_delta_bytes));
+    if (on_cuda && r.host_state_tensors > 0)
+      fmt::print(o.out, "  offloaded        {} optimizer state tensors, {} in pinned host memory{}\n", r.host_state_tensors,
+                 format_bytes(r.host_state_bytes), world > 1 ? " on rank 0" : "");
     if (o.passes.memory_budget)
       fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
                  format_bytes(*o.passes.memory_budget));
@@ -1047,6 +1055,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
       auto gib = [](size_t bytes) { return std::round(static_cast<double>(bytes) / double(1ull << 30) * 100) / 100; };
       nlohmann::json j{{"model", o.model}, {"amp", o.amp}, {"batch", o.batch}, {"seq", seq}, {"device", r.device_name},
                        {"world_size", world}, {"shard", r.shard}, {"max_peak_gib", gib(r.max_peak_bytes)},
+                       {"host_state_gib", gib(r.host_state_bytes)}, {"host_state_tensors", r.host_state_tensors},
                        {"cuda_graphs", on_cuda && o.cuda_graphs}, {"params", r.params},
                        {"ms_per_step", std::round(r.median_ms * 100) / 100},
                        {"pipelined_ms", std::round(r.pipelined_ms * 100) / 100},

@@ -189,6 +189,8 @@ struct BenchResult {
   // the device's used bytes (DeviceRuntime::memory_info) from before the trainer to after the
   // timed steps.
   size_t param_state_bytes = 0;
+  size_t host_state_bytes = 0;    // optimizer state offloaded to pinned host memory (--offload)
+  int64_t host_state_tensors = 0;
   size_t arena_bytes = 0;
   size_t kiln_peak_bytes = 0;
   size_t device_used_delta_bytes = 0;
