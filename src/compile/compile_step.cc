@@ -1,6 +1,7 @@
 #include "compile/compile_step.h"
 
 #include "ir/verifier.h"
+#include "ops/transfer.h"
 #include "passes/pipeline.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
@@ -52,8 +53,11 @@ CompiledStep compile_step(const Graph& forward, const CompileOptions& options) {
 
   ExecutorOptions executor = options.executor;
   if (options.inputs_allocated_after) {
+    // Offloaded state stays in host memory (ops/transfer.h): not counted against the device.
     const Graph& g = step.program.graph;
-    for (const GraphInput& in : g.inputs) executor.device_bytes_to_come += aligned_bytes(g.type(in.value).bytes());
+    const std::vector<bool> on_host = host_resident_inputs(g);
+    for (size_t i = 0; i < g.inputs.size(); ++i)
+      if (!on_host[i]) executor.device_bytes_to_come += aligned_bytes(g.type(g.inputs[i].value).bytes());
   }
   step.executor = std::make_unique<Executor>(step.program.graph, executor);
   const Executor::BuildTimes& t = step.executor->build_times();
