@@ -157,7 +157,12 @@ bool OverlapCollectives::run(Graph& graph) {
   const size_t base_arena = plan_step_memory(graph).arena_bytes;
   const size_t limit = memory_budget_ ? std::max(*memory_budget_, base_arena)
                                       : base_arena + base_arena / 20;
-  for (double scale : {1.0, 0.5, 0.25, 0.125}) {
+  // Above 1 first: a collective beside the compute runs slower than the size sweep measured it
+  // alone (they share SMs and memory bandwidth: GPT-2 medium's dp all-reduces moved ~134 GB/s
+  // inside the step on 4 H100s, bench/log/session18-h100x4-timeline-dp4.log), so a wait
+  // placed where the prediction says the transfer ends stalls the compute stream; where memory
+  // allows, the waits go later and the prefetches earlier than the prediction needs.
+  for (double scale : {8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.125}) {
     Placement p = planner.place(scale);
     if (p.arena > limit || p.predicted.step_s >= before.step_s) continue;
     notes_.push_back(fmt::format(

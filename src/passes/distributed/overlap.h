@@ -12,9 +12,10 @@
 //     between it and its first reader covers its time and the collectives queued before it;
 //     the wait goes right before the first reader.
 // Both cost memory: a reduction's input stays live until its wait, a gather's output from its
-// start. The placement is scaled by a factor (1, 1/2, 1/4, ... 0: the order as it came) and the
-// largest whose planned arena (analysis/memory_plan.h) stays within the limit wins: the
-// memory budget when one is given, else 5% above the arena of the order as it came.
+// start. The placement is scaled by a factor (8, 4, 2, 1, 1/2, 1/4, 1/8; else the order as it
+// came) and the largest whose planned arena (analysis/memory_plan.h) stays within the limit
+// wins: the memory budget when one is given, else 5% above the arena of the order as it came.
+// (Above 1: a collective beside the compute runs slower than it was measured alone.)
 #pragma once
 
 #include <optional>
