@@ -62,9 +62,13 @@ TEST(NvrtcGpt2Test, GeluAndBiasGradientsRideOnCublasLtEpilogues) {
   // Three of gpt2-tiny's four block LayerNorms have a residual gradient to add (the first's
   // input gradient goes to the embeddings alone): each a product + one rows kernel.
   EXPECT_EQ(bodies["gemm-epilogue: matmul cast layer_norm_grad add cast sum"], 3);
+  // Every block's norm gradient is in a product's kernel. The final norm's (under the LM head's
+  // input gradient) may stand alone: fusion's unstretch step takes a group apart where that
+  // lowers the planned arena by 1% or more, and at gpt2-tiny's sizes this one saves ~1.3%
+  // (10 KiB); at GPT-2's it stays fused.
   int unfused_norm_grads = 0;
   for (const Node& node : graph.nodes) {
-    unfused_norm_grads += node.op == Op::kLayerNormGrad;
+    unfused_norm_grads += node.op == Op::kLayerNormGrad && graph.value(node.inputs[1]).name != "lnf.weight";
     if (node.op != Op::kFused || !node.body) continue;
     if (ops_of(*node.body).find("layer_norm_grad") == std::string::npos) continue;
     std::string why;
