@@ -269,18 +269,35 @@ std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>&
   return direct;
 }
 
+namespace {
+void drop_updates(std::vector<Update>& updates, const std::vector<bool>& direct) {
+  size_t kept = 0;
+  for (size_t u = 0; u < updates.size(); ++u)
+    if (!direct[u]) updates[kept++] = updates[u];
+  updates.resize(kept);
+}
+std::vector<bool> direct_updates_before_kernels(const Graph& graph) {
+  return direct_updates(graph, find_views(graph).input, [](size_t) { return true; });
+}
+}  // namespace
+
 Graph without_updates(const Graph& graph, const std::vector<bool>& direct) {
   Graph planned = graph;
-  planned.updates.clear();
-  for (size_t u = 0; u < graph.updates.size(); ++u)
-    if (!direct[u]) planned.updates.push_back(graph.updates[u]);
+  drop_updates(planned.updates, direct);
   return planned;
 }
 
 MemoryPlan plan_step_memory(const Graph& graph) {
-  const std::vector<bool> direct = direct_updates(graph, find_views(graph).input, [](size_t) { return true; });
+  const std::vector<bool> direct = direct_updates_before_kernels(graph);
   if (std::find(direct.begin(), direct.end(), true) == direct.end()) return plan_memory(graph);
   return plan_memory(without_updates(graph, direct));
+}
+
+void drop_direct_updates(Graph& graph) { drop_updates(graph.updates, direct_updates_before_kernels(graph)); }
+
+MemoryPlan plan_step_memory(Graph&& graph) {
+  drop_direct_updates(graph);
+  return plan_memory(graph);
 }
 
 }  // namespace kiln

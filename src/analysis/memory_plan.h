@@ -164,8 +164,12 @@ Graph without_updates(const Graph& graph, const std::vector<bool>& direct);
 // will run it, its updates written straight into their targets where direct_updates allows
 // (every kernel taken to be able to write in place: the optimizer updates' can), no in-place
 // reuse of intermediates (which kernels decide). What the step allocates, not counting updates
-// that leave no bytes behind.
+// that leave no bytes behind. The second form drops the updates from `graph` itself (no copy:
+// the passes plan many candidate orders).
 MemoryPlan plan_step_memory(const Graph& graph);
+MemoryPlan plan_step_memory(Graph&& graph);
+// Drops from `graph` the updates plan_step_memory leaves out (before kernels are chosen).
+void drop_direct_updates(Graph& graph);
 
 // Bytes rounded up to the arena alignment.
 inline size_t aligned_bytes(size_t bytes) {

@@ -265,10 +265,10 @@ size_t scheduled_peak(const Graph& graph) {
   const std::vector<int> order = memory_aware_order(graph);
   Graph ordered = graph;
   for (size_t i = 0; i < order.size(); ++i) ordered.nodes[i] = graph.nodes[static_cast<size_t>(order[i])];
-  const std::vector<bool> direct = direct_updates(ordered, find_views(ordered).input, [](size_t) { return true; });
+  drop_direct_updates(ordered);
   std::vector<int> identity(order.size());
   std::iota(identity.begin(), identity.end(), 0);
-  return peak_live_bytes(without_updates(ordered, direct), identity);
+  return peak_live_bytes(ordered, identity);
 }
 
 // `graph` with each list of `groups` (node indices) outlined into one node of `kind`.

@@ -183,7 +183,7 @@ size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order) {
   ordered.updates = graph.updates;
   ordered.nodes.reserve(order.size());
   for (int n : order) ordered.nodes.push_back(graph.nodes[static_cast<size_t>(n)]);
-  return plan_step_memory(ordered).arena_bytes;
+  return plan_step_memory(std::move(ordered)).arena_bytes;
 }
 
 bool SchedulePass::run(Graph& graph) {

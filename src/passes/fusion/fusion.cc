@@ -362,7 +362,7 @@ size_t outlined_arena(const Graph& graph, const std::vector<int>& group_of) {
   Graph g = graph;
   outline(g, group_of);
   SchedulePass().run(g);
-  return plan_step_memory(g).arena_bytes;
+  return plan_step_memory(std::move(g)).arena_bytes;
 }
 
 // Per group of two or more items: the bytes times node positions (in the graph's order) by
