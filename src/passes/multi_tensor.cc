@@ -1,7 +1,6 @@
 #include "passes/multi_tensor.h"
 
 #include <algorithm>
-#include <array>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -263,8 +262,7 @@ bool same_key(const UpdateKey& a, const UpdateKey& b) {
 // their bytes still count from their node, all at once for a group), the others live to the end.
 size_t scheduled_peak(const Graph& graph) {
   const std::vector<int> order = memory_aware_order(graph);
-  Graph ordered = graph;
-  for (size_t i = 0; i < order.size(); ++i) ordered.nodes[i] = graph.nodes[static_cast<size_t>(order[i])];
+  Graph ordered = in_order(graph, order);
   drop_direct_updates(ordered);
   std::vector<int> identity(order.size());
   std::iota(identity.begin(), identity.end(), 0);

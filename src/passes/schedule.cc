@@ -173,17 +173,22 @@ std::vector<int> memory_aware_order(const Graph& graph) {
   return best;
 }
 
-size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order) {
-  KILN_CHECK(order.size() == graph.nodes.size(),
-             "planned_arena_bytes: order has {} nodes, graph {}", order.size(), graph.nodes.size());
+Graph in_order(const Graph& graph, const std::vector<int>& order) {
+  KILN_CHECK(order.size() == graph.nodes.size(), "in_order: order has {} nodes, graph {}", order.size(),
+             graph.nodes.size());
   Graph ordered;
+  ordered.name = graph.name;
   ordered.values = graph.values;
   ordered.inputs = graph.inputs;
   ordered.outputs = graph.outputs;
   ordered.updates = graph.updates;
   ordered.nodes.reserve(order.size());
   for (int n : order) ordered.nodes.push_back(graph.nodes[static_cast<size_t>(n)]);
-  return plan_step_memory(std::move(ordered)).arena_bytes;
+  return ordered;
+}
+
+size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order) {
+  return plan_step_memory(in_order(graph, order)).arena_bytes;
 }
 
 bool SchedulePass::run(Graph& graph) {

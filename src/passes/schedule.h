@@ -37,6 +37,8 @@ class SchedulePass : public Pass {
 // buffer counted from its node to its last reader (graph outputs and update values: to the
 // end); graph inputs are not counted. Sizes are rounded up to 64 bytes, like the arena's.
 size_t peak_live_bytes(const Graph& graph, const std::vector<int>& order);
+// A copy of `graph` with its nodes in `order` (indices into graph.nodes).
+Graph in_order(const Graph& graph, const std::vector<int>& order);
 // The arena plan_step_memory (updates written straight into their targets where the executor
 // can, no other in-place reuse) gives `graph` with its nodes run in `order`.
 size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order);
