@@ -150,7 +150,7 @@ Tensor tensor_of(const ::onnx::TensorProto& proto, const std::string& base_dir, 
       break;
     }
     default:  // i32, bool, u8: int32_data
-      for (int64_t i = 0; i < n; ++i) t.set(i, proto.int32_data(static_cast<int>(i)));
+      for (int64_t i = 0; i < n; ++i) t.set_int(i, proto.int32_data(static_cast<int>(i)));
       break;
   }
   return t;
@@ -161,6 +161,13 @@ Expr scalar_like(const Expr& like, double value) { return like.builder().scalar(
 Expr cast_to(const Expr& e, DType dtype) { return e.dtype() == dtype ? e : cast(e, dtype); }
 
 Expr constant_of(Builder& b, const Tensor& t) {
+  if (!is_float(t.dtype())) {  // integers stay exact: int64 values, never through double
+    std::vector<int64_t> values = t.to_i64();
+    bool uniform = !values.empty() && std::abs(static_cast<double>(values[0])) <= std::ldexp(1.0, 53);
+    for (size_t i = 1; i < values.size() && uniform; ++i) uniform = values[i] == values[0];
+    if (uniform) return b.full(t.shape(), static_cast<double>(values[0]), t.dtype());
+    return b.constant_ints(t.shape(), std::move(values), t.dtype());
+  }
   if (t.numel() > 0) {
     // A tensor whose elements are all equal is a `full` (short in the text, cheap to fold).
     const double first = t.get(0);
@@ -362,9 +369,18 @@ Tensor NodeContext::constant(int i, const std::string& what) const {
 
 std::vector<int64_t> NodeContext::ints(int i, const std::string& what) const {
   Tensor t = constant(i, what);
-  std::vector<int64_t> out;
-  for (int64_t k = 0; k < t.numel(); ++k) out.push_back(static_cast<int64_t>(t.get(k)));
-  return out;
+  // Exact: PyTorch writes x[:, k:] with an end of INT64_MAX, which a double rounds to 2^63.
+  if (is_float(t.dtype())) fail("its {} (input {}) must be integers, got {}", what, i, to_string(t.type()));
+  return t.to_i64();
+}
+
+int64_t NodeContext::int_scalar(int i, const std::string& what) const {
+  Tensor t = constant(i, what);
+  if (t.numel() != 1) fail("its {} (input {}) must be one value, got {}", what, i, to_string(t.type()));
+  if (!is_float(t.dtype())) return t.get_int(0);
+  const double v = t.get(0);  // a float count (OneHot's depth may be one): truncated, as ONNX casts
+  if (!(std::abs(v) < std::ldexp(1.0, 63))) fail("its {} (input {}) is {}, not an integer", what, i, v);
+  return static_cast<int64_t>(v);
 }
 
 double NodeContext::scalar(int i, const std::string& what) const {
