@@ -217,6 +217,8 @@ class Importer {
   Shape input_shape(const ::onnx::ValueInfoProto& info);
   void prune();
   void add_loss();
+  void note_empty_outputs(const ::onnx::NodeProto& node, const std::string& where);
+  void check_empty_inputs(size_t first_node, const std::string& where);
 
   const ImportOptions& options_;
   std::string base_dir_, source_;
@@ -226,7 +228,56 @@ class Importer {
   size_t folded_nodes_ = 0;                       // nodes of the graph fold() has looked at
   std::vector<Update> updates_;
   bool from_pytorch_ = false;
+  // Values the model made empty (a 0 dim) from inputs that all hold elements, with the node that
+  // did it: a slice past the end, a split of size 0. They may flow to outputs and through ops
+  // that keep them empty, but no op may compute a value that holds elements from one (a sum, a
+  // product, a loss of nothing would train silently). Empty graph inputs and constants are the
+  // user's and the model's own choice, and values known at import are shape arithmetic: neither
+  // is tracked.
+  std::unordered_map<ValueId, std::string> empty_causes_;
 };
+
+void Importer::note_empty_outputs(const ::onnx::NodeProto& node, const std::string& where) {
+  std::vector<std::string> inputs;
+  for (int i = 0; i < node.input_size(); ++i) {
+    if (node.input(i).empty()) continue;
+    const Expr e = value_of(node.input(i), where);
+    if (e.type().numel() == 0) return;  // made empty by an empty input: tracked there, or not ours
+    std::string text = to_string(e.type());
+    if (std::optional<Tensor> t = known(e.id()); t && !is_float(t->dtype()) && t->numel() <= 16)
+      text += fmt::format(" = [{}]", fmt::join(t->to_i64(), ", "));
+    inputs.push_back(std::move(text));
+  }
+  if (inputs.empty()) return;  // a constant: empty by the model's own word
+  for (int i = 0; i < node.output_size(); ++i) {
+    auto it = values_.find(node.output(i));
+    if (node.output(i).empty() || it == values_.end() || it->second.type().numel() > 0) continue;
+    if (known(it->second.id())) continue;  // shape arithmetic, folded at import: nothing trains on it
+    empty_causes_.emplace(it->second.id(), fmt::format("{} gives the empty {} from its inputs {}", where,
+                                                       to_string(it->second.type()), fmt::join(inputs, ", ")));
+  }
+}
+
+void Importer::check_empty_inputs(size_t first_node, const std::string& where) {
+  const Graph& g = b_.graph();
+  for (size_t n = first_node; n < g.nodes.size(); ++n) {
+    const Node& node = g.nodes[n];
+    auto cause = empty_causes_.end();
+    for (ValueId in : node.inputs)
+      if (cause == empty_causes_.end()) cause = empty_causes_.find(in);
+    if (cause == empty_causes_.end()) continue;
+    const std::string why = cause->second;
+    for (ValueId out : node.outputs) {
+      if (g.type(out).numel() == 0) {
+        empty_causes_.emplace(out, why);
+      } else if (node.op != Op::kConcat) {  // concat: the other pieces, as ONNX Concat allows
+        fail("{}: {} computes {} from the empty {}, a value made of no elements (a loss or product of "
+             "nothing would train silently); {}",
+             where, op_name(node.op), to_string(g.type(out)), to_string(g.type(cause->first)), why);
+      }
+    }
+  }
+}
 
 void Importer::fold() {
   Graph& g = b_.graph();
@@ -456,6 +507,7 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
     if (a.type() == ::onnx::AttributeProto::GRAPH || a.type() == ::onnx::AttributeProto::GRAPHS)
       context.unsupported("subgraph attribute '{}' (control flow) is not supported", a.name());
   std::vector<Expr> outputs;
+  const size_t first_node = b_.graph().nodes.size();
   try {
     outputs = it->second(context);
   } catch (const OnnxUnsupported&) {
@@ -475,6 +527,8 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
       context.unsupported("output {} ('{}') is not supported", i, node.output(i));
     values_[node.output(i)] = outputs[i];
   }
+  check_empty_inputs(first_node, context.where());
+  note_empty_outputs(node, context.where());
 }
 
 // --loss cross_entropy: the loss of the first output (logits) against the labels.
@@ -496,7 +550,9 @@ void Importer::add_loss() {
   KILN_CHECK(labels.shape() == label_shape && is_integer(labels.dtype()),
              "--labels {} is {}, expected integers of shape {} for logits {}", options_.labels,
              to_string(labels.type()), to_string(label_shape), to_string(logits.type()));
+  const size_t first_node = g.nodes.size();
   Expr loss = cross_entropy(logits, cast_to(labels, DType::kI64));
+  check_empty_inputs(first_node, "--loss cross_entropy");
   g.outputs.insert(g.outputs.begin(), loss.id());
 }
 

@@ -316,7 +316,17 @@ void add_tensor_rules(RuleTable& r) {
     std::vector<Expr> xs;
     for (int i = 0; i < c.num_inputs(); ++i)
       if (c.has_input(i)) xs.push_back(c.in(i));
+    if (xs.empty()) c.fail("needs at least one input");
     const int64_t axis = axis_in(c, c.attr_int("axis", 0), xs.at(0).rank());
+    // ONNX lets a piece be empty, but only with the other pieces' rank and dims off the axis:
+    // an empty piece of another shape is an error, never silently dropped.
+    for (size_t i = 1; i < xs.size(); ++i) {
+      bool same = xs[i].rank() == xs[0].rank() && xs[i].dtype() == xs[0].dtype();
+      for (int d = 0; same && d < xs[0].rank(); ++d) same = d == axis || xs[i].dim(d) == xs[0].dim(d);
+      if (!same)
+        c.fail("input {} is {}, expected {} like input 0 on every axis but {}", i, to_string(xs[i].type()),
+               to_string(xs[0].type()), axis);
+    }
     // Empty pieces change nothing (kiln's concat takes only real ones).
     std::vector<Expr> parts;
     for (const Expr& x : xs)
