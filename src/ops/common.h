@@ -48,6 +48,30 @@ inline void set_wrapped(Tensor& t, int64_t index, double value) {
   t.set(index, value);
 }
 
+// Element i of an integer (or bool) tensor as int64, exactly (Tensor::get goes through double,
+// which holds integers exactly only below 2^53).
+inline int64_t int_at(const Tensor& t, int64_t i) {
+  return visit_dtype(t.dtype(), [&](auto tag) -> int64_t {
+    using T = decltype(tag);
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<int64_t>(t.data<T>()[i]);
+    } else {
+      fail("int_at: {} is not an integer tensor", dtype_name(t.dtype()));
+    }
+  });
+}
+// Stores v modulo 2^bits of t's integer dtype (integer results wrap), exactly.
+inline void set_int(Tensor& t, int64_t i, int64_t v) {
+  visit_dtype(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      t.data<T>()[i] = static_cast<T>(static_cast<uint64_t>(v));
+    } else {
+      fail("set_int: {} is not an integer tensor", dtype_name(t.dtype()));
+    }
+  });
+}
+
 // Calls fn(out_index, offsets) for every element of `out_shape`, where offsets[k] is the flat
 // index into input k, whose shape broadcasts to out_shape. The reference kernels' loop.
 template <typename Fn>

@@ -13,8 +13,9 @@
 //
 // Integer semantics (the reference kernels are the oracle, so they are spelled out here):
 // integer results wrap modulo 2^bits; integer div truncates toward zero and throws on a zero
-// divisor; cast float->int truncates toward zero and saturates at the type's range, NaN -> 0
-// (what CUDA's cvt.rzi does by default), int->int wraps, anything->bool is x != 0.
+// divisor, as fmod and mod do (computed in int64, exact); cast float->int truncates toward zero
+// and saturates at the type's range, NaN -> 0 (what CUDA's cvt.rzi does by default), int->int
+// wraps, anything->bool is x != 0.
 // Bool is not an arithmetic type here: arithmetic ops reject it (cast it first); comparisons,
 // where and cast accept it. maximum and minimum propagate NaN, like numpy and torch.
 //
@@ -98,7 +99,21 @@ struct ReferenceMath {
   static double sin(double x) { return std::sin(x); }
   static double cos(double x) { return std::cos(x); }
   static double pow(double a, double b) { return std::pow(a, b); }
+  static double fmod(double a, double b) { return std::fmod(a, b); }
+  static double acos(double x) { return std::acos(x); }
+  static double asin(double x) { return std::asin(x); }
+  static double atan(double x) { return std::atan(x); }
+  static double rint(double x) { return std::nearbyint(x); }  // halves to even (default mode)
   static double select(bool c, double a, double b) { return c ? a : b; }
+};
+
+// The remainder lines (fmod, mod) on integers, in int64 so they are exact at any magnitude; a
+// zero divisor is an error, as for div.
+struct IntegerRemainderMath {
+  static int64_t fmod(int64_t a, int64_t b) {
+    if (b == 0) fail("mod/fmod: integer remainder by zero ({} % 0)", a);
+    return b == -1 ? 0 : a % b;  // INT64_MIN % -1 would trap
+  }
 };
 
 // ---- gradient rules of the math lines --------------------------------------------------------
@@ -180,6 +195,25 @@ std::vector<Expr> gradient<Op::kTanh>(const GradContext& c) {
   return {c.dy() * (1.0 - square(c.y()))};
 }
 
+// d acos(x) = -1 / sqrt(1 - x^2), d asin(x) = 1 / sqrt(1 - x^2), d atan(x) = 1 / (1 + x^2).
+template <>
+std::vector<Expr> gradient<Op::kAcos>(const GradContext& c) {
+  return {-(c.dy() * rsqrt(1.0 - square(c.x())))};
+}
+template <>
+std::vector<Expr> gradient<Op::kAsin>(const GradContext& c) {
+  return {c.dy() * rsqrt(1.0 - square(c.x()))};
+}
+template <>
+std::vector<Expr> gradient<Op::kAtan>(const GradContext& c) {
+  return {c.dy() / (1.0 + square(c.x()))};
+}
+// round is a step function: 0 everywhere it has a derivative (as torch defines it).
+template <>
+std::vector<Expr> gradient<Op::kRound>(const GradContext& c) {
+  return {c.builder.full(c.x().shape(), 0.0, c.x().dtype())};
+}
+
 // Binary lines broadcast: each operand's gradient is summed back to its own shape
 // (reduce_to_shape), since broadcasting read it more than once.
 template <>
@@ -201,6 +235,22 @@ std::vector<Expr> gradient<Op::kDiv>(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1);
   Expr da = c.dy() / b;
   return {reduce_to_shape(da, a.shape()), reduce_to_shape(-(da * c.y()), b.shape())};
+}
+
+// fmod and mod: y = a - q b with q the integer quotient (trunc(a / b), floor(a / b)), constant
+// between its jumps: da = dy, db = -dy q, q recovered as (a - y) / b rounded to the integer.
+std::vector<Expr> remainder_gradient(const GradContext& c) {
+  const Expr &a = c.x(0), &b = c.x(1);
+  Expr quotient = c.builder.apply1(Op::kRound, {(a - c.y()) / b});
+  return {reduce_to_shape(c.dy(), a.shape()), reduce_to_shape(-(c.dy() * quotient), b.shape())};
+}
+template <>
+std::vector<Expr> gradient<Op::kFmod>(const GradContext& c) {
+  return remainder_gradient(c);
+}
+template <>
+std::vector<Expr> gradient<Op::kMod>(const GradContext& c) {
+  return remainder_gradient(c);
 }
 
 // True when `id` is computed by a source op (full, constant, iota), which never depends on a
@@ -278,6 +328,18 @@ KernelFn line_reference() {
     };
   } else {
     return [](const KernelArgs& k) {
+      if constexpr (std::is_same_v<F, math::Fmod> || std::is_same_v<F, math::Mod>) {
+        if (is_integer(k.outputs[0].dtype())) {
+          const Tensor &a = k.inputs[0], &b = k.inputs[1];
+          Tensor& out = k.outputs[0];
+          for_each_broadcast(out.shape(), {a.shape(), b.shape()},
+                             [&](int64_t i, std::span<const int64_t> at) {
+                               set_int(out, i, F::template apply<IntegerRemainderMath>(
+                                                   int_at(a, at[0]), int_at(b, at[1])));
+                             });
+          return;
+        }
+      }
       if (std::is_same_v<F, math::Div> && is_integer(k.outputs[0].dtype())) {
         binary_loop(k, integer_divide);
       } else {
