@@ -154,6 +154,18 @@ void add_every_op(std::vector<Case>& c) {
   // The same-shape and scalar-exponent forms the CPU fast kernel takes.
   c.push_back({"pow_same", Op::kPow, kFloats, {positive({7, 33}), uniform({7, 33}, -3, 3)}});
   c.push_back({"pow_scalar", Op::kPow, kF32, {positive({301, 517}), values(DType::kF32, {}, {2.0})}});
+  // Inverse trigonometry inside (-1, 1); round across halves (16-bit floats land on them);
+  // remainders of every sign combination.
+  for (auto [name, op] : {std::pair{"acos", Op::kAcos}, {"asin", Op::kAsin}})
+    c.push_back({name, op, kFloats, {uniform(s, -0.95, 0.95)}});
+  c.push_back({"atan", Op::kAtan, kFloats, {uniform(s, -6, 6)}});
+  c.push_back({"round", Op::kRound, kFloats, {uniform(s, -6, 6)}});
+  for (auto [name, op] : {std::pair{"mod", Op::kMod}, {"fmod", Op::kFmod}}) {
+    const std::string n = name;
+    c.push_back({n + "_positive", op, kArith, {uniform({4, 1, 5}, -9, 9, -50, 50), positive({3, 1})}});
+    c.push_back({n + "_negative", op, kNoBytes,
+                 {uniform({2, 9}, -9, 9, -50, 50), uniform({9}, -3, -0.25, -9, -1)}});
+  }
   for (auto [name, op] : {std::pair{"eq", Op::kEq}, {"ne", Op::kNe}, {"lt", Op::kLt},
                           {"le", Op::kLe}, {"gt", Op::kGt}, {"ge", Op::kGe}})
     c.push_back({name, op, kAll, {uniform({4, 1, 5}, -2, 2, -3, 3), uniform({3, 1}, -2, 2, -3, 3)}});
@@ -208,6 +220,28 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"scatter_add_axis1_i32", Op::kScatterAdd, kNoBytes,
                {uniform({2, 5, 3}), fixed(DType::kI32, {8}, 0, 5), uniform({2, 8, 3})},
                {{"axis", 1}}, 4});
+  // The elements ops: indices of each element (repeats among them), every reduction; repeated
+  // positions are combined in index order on every backend, so even "none" is deterministic.
+  c.push_back({"gather_elements", Op::kGatherElements, kAll,
+               {uniform({5, 6}), fixed(DType::kI64, {7, 4}, 0, 5)}});
+  c.push_back({"gather_elements_axis1_i32", Op::kGatherElements, kAll,
+               {uniform({3, 10, 2}), fixed(DType::kI32, {2, 4, 2}, 0, 10)}, {{"axis", 1}}});
+  for (const std::string reduction : {"none", "add", "mul", "max", "min"})
+    c.push_back({"scatter_elements_" + reduction, Op::kScatterElements,
+                 reduction == "none" ? kAll : kArith,
+                 {uniform({5, 6}), fixed(DType::kI64, {7, 4}, 0, 5), uniform({7, 4})},
+                 {{"reduction", reduction}}, 4});
+  c.push_back({"scatter_elements_axis1_i32", Op::kScatterElements, kArith,
+               {uniform({3, 10, 2}), fixed(DType::kI32, {2, 4, 2}, 0, 10), uniform({2, 4, 2})},
+               {{"axis", 1}, {"reduction", std::string("add")}}, 4});
+  c.push_back({"cumsum", Op::kCumsum, kArith, {uniform({4, 7, 3})}, {{"axis", 1}}, 4});
+  c.push_back({"cumsum_exclusive_reverse", Op::kCumsum, kArith, {uniform({5, 33})},
+               {{"axis", -1}, {"exclusive", true}, {"reverse", true}}, 4});
+  // Integer and 16-bit ties exercise the lower-index rule; k = the dim is a sort.
+  c.push_back({"topk", Op::kTopk, kArith, {uniform({4, 9, 3}, -2, 2, -3, 3)},
+               {{"k", 4}, {"axis", 1}}});
+  c.push_back({"topk_sort_smallest", Op::kTopk, kArith, {uniform({6, 40}, -2, 2, -5, 5)},
+               {{"k", 40}, {"largest", false}}});
   c.push_back({"one_hot", Op::kOneHot, kAll, {fixed(DType::kI64, {3, 5}, -2, 8)},
                {{"depth", 6}}, 1, true});
   // offload and reload: exact copies (the conformance runner's tensors are all on the device
@@ -226,6 +260,12 @@ void add_every_op(std::vector<Case>& c) {
     c.push_back({n + "_long_columns", op, types, {uniform({2000, 3})}, {{"axes", Ints{0}}}, 4});
     c.push_back({n + "_many_rows", op, types, {uniform({5000, 4})}, {{"axes", Ints{1}}}, 4});
   }
+  // Products of values near 1 (integers 1..3, which wrap in i32 and u8 alike on every backend).
+  c.push_back({"prod_axis1", Op::kProd, kArith, {uniform({4, 5, 6}, 0.5, 1.5, 1, 4)},
+               {{"axes", Ints{1}}}, 4});
+  c.push_back({"prod_all", Op::kProd, kArith, {uniform({3, 5}, 0.7, 1.3, 1, 3)}, {}, 4});
+  c.push_back({"prod_long_rows_keepdims", Op::kProd, kArith, {uniform({3, 300}, 0.9, 1.1, 1, 2)},
+               {{"axes", Ints{-1}}, {"keepdims", true}}, 4});
   // Integer ties exercise the first-index rule.
   c.push_back({"argmax", Op::kArgmax, kArith, {uniform({4, 7, 5})}, {{"axis", 1}}});
   c.push_back({"argmax_last_keepdims", Op::kArgmax, kArith, {uniform({6, 300})},

@@ -212,13 +212,44 @@ class Llama(nn.Module):
         return (torch.randint(0, self.vocab, shape, generator=g), torch.randint(0, self.vocab, shape, generator=g))
 
 
+class Indexing(nn.Module):
+    """The indexing ops real exports use, on a small regression head: T5's _shift_right on (B, T)
+    (in-place slice assignments: ScatterND in the export), a running sum (CumSum), torch.topk and
+    torch.sort (TopK, the sort's k the whole axis) and a gather by topk's indices (GatherElements)."""
+
+    def __init__(self, d=8, k=3, seq=6, batch=4):
+        super().__init__()
+        self.d, self.k, self.seq, self.batch = d, k, seq, batch
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(3 * k, 1)
+
+    def forward(self, x, target):  # x (B, T, d), target (B, T)
+        h = self.proj(x)
+        g = h.mean(-1)  # (B, T)
+        t = g.shape[1]
+        shifted = g.clone()
+        # T5 writes [..., 1:], whose end exports as INT64_MAX, an integer constant that needs the
+        # importer's exact int64 constants (not on this branch yet): the end is spelled out.
+        shifted[:, 1:t] = g[:, :-1]
+        shifted[:, 0] = 0.5
+        c = torch.cumsum(h * shifted[..., None], dim=1)
+        top, index = torch.topk(c, self.k, dim=-1)
+        ascending, _ = torch.sort(c, dim=1)
+        picked = torch.gather(h, -1, index)
+        y = self.head(torch.cat([top, ascending[..., :self.k], picked], -1)).squeeze(-1)
+        return ((y - target) ** 2).mean()
+
+    def example(self, g):
+        return (torch.randn(self.batch, self.seq, self.d, generator=g), torch.randn(self.batch, self.seq, generator=g))
+
+
 # name: (class, input names, opset). bert-opset14 is bert exported where ONNX has no
 # LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add;
 # bert-masked-fill writes the padding mask as a Where instead of an Add.
 MODELS = {"mlp": (Mlp, ["x", "labels"], 17), "cnn": (Cnn, ["x", "labels"], 17),
           "bert": (Bert, ["ids", "mask", "labels"], 17), "bert-opset14": (Bert, ["ids", "mask", "labels"], 14),
           "bert-masked-fill": (BertMaskedFill, ["ids", "mask", "labels"], 17),
-          "llama": (Llama, ["ids", "labels"], 17)}
+          "llama": (Llama, ["ids", "labels"], 17), "indexing": (Indexing, ["x", "target"], 17)}
 
 # The families at benchmark sizes: name: (class, input names, sizes), and the kiln model of the same
 # sizes where kiln has one (bench/onnx_vs_native.py runs both).

@@ -14,7 +14,7 @@
 // Integer semantics (the reference kernels are the oracle, so they are spelled out here):
 // integer lines compute in int64, never through double (which does not hold every int64);
 // integer results wrap modulo 2^bits; integer div truncates toward zero (like C and ONNX) and
-// throws on a zero divisor; cast float->int truncates toward zero and saturates at the type's
+// throws on a zero divisor, as fmod and mod do; cast float->int truncates toward zero and saturates at the type's
 // range, NaN -> 0 (what CUDA's cvt.rzi does by default), int->int wraps, int->float rounds once
 // to nearest, anything->bool is x != 0.
 // Bool is not an arithmetic type here: arithmetic ops reject it (cast it first); comparisons,
@@ -100,6 +100,11 @@ struct ReferenceMath {
   static double sin(double x) { return std::sin(x); }
   static double cos(double x) { return std::cos(x); }
   static double pow(double a, double b) { return std::pow(a, b); }
+  static double fmod(double a, double b) { return std::fmod(a, b); }
+  static double acos(double x) { return std::acos(x); }
+  static double asin(double x) { return std::asin(x); }
+  static double atan(double x) { return std::atan(x); }
+  static double rint(double x) { return std::nearbyint(x); }  // halves to even (default mode)
   static double select(bool c, double a, double b) { return c ? a : b; }
 };
 
@@ -140,6 +145,10 @@ struct Wrapping {
 struct IntegerMath {
   static Wrapping abs(Wrapping x) { return x.v < 0 ? -x : x; }  // abs(INT64_MIN) wraps
   static Wrapping select(bool c, Wrapping a, Wrapping b) { return c ? a : b; }
+  static Wrapping fmod(Wrapping a, Wrapping b) {  // C's remainder; mod's line builds on it
+    if (b.v == 0) fail("mod/fmod: integer remainder by zero ({} % 0)", a.v);
+    return b.v == -1 ? Wrapping(0) : Wrapping(a.v % b.v);  // INT64_MIN % -1 would trap
+  }
 };
 
 // Stores an integer line's result: a bool (comparisons) or a Wrapping.
@@ -225,6 +234,25 @@ std::vector<Expr> gradient<Op::kTanh>(const GradContext& c) {
   return {c.dy() * (1.0 - square(c.y()))};
 }
 
+// d acos(x) = -1 / sqrt(1 - x^2), d asin(x) = 1 / sqrt(1 - x^2), d atan(x) = 1 / (1 + x^2).
+template <>
+std::vector<Expr> gradient<Op::kAcos>(const GradContext& c) {
+  return {-(c.dy() * rsqrt(1.0 - square(c.x())))};
+}
+template <>
+std::vector<Expr> gradient<Op::kAsin>(const GradContext& c) {
+  return {c.dy() * rsqrt(1.0 - square(c.x()))};
+}
+template <>
+std::vector<Expr> gradient<Op::kAtan>(const GradContext& c) {
+  return {c.dy() / (1.0 + square(c.x()))};
+}
+// round is a step function: 0 everywhere it has a derivative (as torch defines it).
+template <>
+std::vector<Expr> gradient<Op::kRound>(const GradContext& c) {
+  return {c.builder.full(c.x().shape(), 0.0, c.x().dtype())};
+}
+
 // Binary lines broadcast: each operand's gradient is summed back to its own shape
 // (reduce_to_shape), since broadcasting read it more than once.
 template <>
@@ -246,6 +274,22 @@ std::vector<Expr> gradient<Op::kDiv>(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1);
   Expr da = c.dy() / b;
   return {reduce_to_shape(da, a.shape()), reduce_to_shape(-(da * c.y()), b.shape())};
+}
+
+// fmod and mod: y = a - q b with q the integer quotient (trunc(a / b), floor(a / b)), constant
+// between its jumps: da = dy, db = -dy q, q recovered as (a - y) / b rounded to the integer.
+std::vector<Expr> remainder_gradient(const GradContext& c) {
+  const Expr &a = c.x(0), &b = c.x(1);
+  Expr quotient = c.builder.apply1(Op::kRound, {(a - c.y()) / b});
+  return {reduce_to_shape(c.dy(), a.shape()), reduce_to_shape(-(c.dy() * quotient), b.shape())};
+}
+template <>
+std::vector<Expr> gradient<Op::kFmod>(const GradContext& c) {
+  return remainder_gradient(c);
+}
+template <>
+std::vector<Expr> gradient<Op::kMod>(const GradContext& c) {
+  return remainder_gradient(c);
 }
 
 // True when `id` is computed by a source op (full, constant, iota), which never depends on a

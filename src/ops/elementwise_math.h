@@ -28,12 +28,16 @@
 // results wrap, division truncates); kCompare any dtype, bool output. Sorted by name.
 #define KILN_ELEMENTWISE_OPS(X)                              \
   X(Abs, 1, kArithmetic, M::abs(x))                          \
+  X(Acos, 1, kFloat, M::acos(x))                             \
   X(Add, 2, kArithmetic, a + b)                              \
+  X(Asin, 1, kFloat, M::asin(x))                             \
+  X(Atan, 1, kFloat, M::atan(x))                             \
   X(Cos, 1, kFloat, M::cos(x))                               \
   X(Div, 2, kArithmetic, a / b)                              \
   X(Eq, 2, kCompare, a == b)                                 \
   X(Erf, 1, kFloat, M::erf(x))                               \
   X(Exp, 1, kFloat, M::exp(x))                               \
+  X(Fmod, 2, kArithmetic, M::fmod(a, b))                     \
   X(Ge, 2, kCompare, a >= b)                                 \
   X(Gt, 2, kCompare, a > b)                                  \
   X(Le, 2, kCompare, a <= b)                                 \
@@ -41,12 +45,14 @@
   X(Lt, 2, kCompare, a < b)                                  \
   X(Maximum, 2, kArithmetic, a > b || a != a ? a : b)        \
   X(Minimum, 2, kArithmetic, a < b || a != a ? a : b)        \
+  X(Mod, 2, kArithmetic, floor_mod<M>(a, b))                 \
   X(Mul, 2, kArithmetic, a * b)                              \
   X(Ne, 2, kCompare, a != b)                                 \
   X(Neg, 1, kArithmetic, -x)                                 \
   X(Pow, 2, kFloat, M::pow(a, b))                            \
   X(Reciprocal, 1, kFloat, T(1) / x)                         \
   X(Relu, 1, kArithmetic, x < T(0) ? T(0) : x)               \
+  X(Round, 1, kFloat, M::rint(x))                            \
   X(Rsqrt, 1, kFloat, M::rsqrt(x))                           \
   X(Sigmoid, 1, kFloat, T(1) / (T(1) + M::exp(-x)))          \
   X(Silu, 1, kFloat, x / (T(1) + M::exp(-x)))                \
@@ -57,6 +63,10 @@
   X(Tanh, 1, kFloat, M::tanh(x))
 // NaN notes: relu is x < 0 rather than max(x, 0) so that NaN propagates; maximum and minimum
 // propagate NaN from either operand (a != a: a is NaN), like numpy and torch.
+// Remainders: fmod is C's (the sign of a; ONNX Mod fmod=1, torch.fmod), mod is Python's (the
+// sign of b; ONNX Mod fmod=0, torch.remainder, numpy.mod). Integers: exact, a zero divisor is a
+// data error (as for div). round is to nearest, halves to even (rint in the default rounding
+// mode: ONNX Round, torch.round, numpy.round).
 
 // Ops whose attribute picks one of several forms (ops::elementwise_fn says which): gelu and
 // gelu_grad(a = x, b = dy) by `approximate`, "none" (erf) or "tanh" (GPT-2's). Each form is
@@ -100,6 +110,15 @@ KILN_MATH_FN T gelu_tanh_derivative(T x) {
   const T s = M::select(u < T(0), e * inv, inv);
   return s + T(2) * x * (e * inv * inv) * T(0.79788456080286535588) *
                  (T(1) + T(3) * T(0.044715) * x * x);
+}
+
+// Python's remainder: C's fmod moved by b where the two signs differ, so the result has b's
+// sign (or is 0). Written with T's own operations so that it is exact for integers (the CUDA
+// policy's Int) as for floats.
+template <class M, class T>
+KILN_MATH_FN T floor_mod(T a, T b) {
+  const T r = M::fmod(a, b);
+  return r != T(0) && (r < T(0)) != (b < T(0)) ? r + b : r;
 }
 
 // ---- one functor per line: Name::apply<M>(x) or Name::apply<M>(a, b) ------------------------

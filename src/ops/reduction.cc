@@ -2,13 +2,18 @@
 //   sum, mean, max {axes: ints ([] = all axes), keepdims: bool}: axes may be negative, must be
 //     distinct and in range. sum and max take integers and floats, mean floats only; the output
 //     has the input's dtype. Over an empty axis sum gives 0; mean and max are errors.
+//   prod {axes, keepdims}: the product, floats and integers (exact: int64 products that wrap,
+//     never through double); over an empty axis 1.
 //   argmax {axis: int (default -1), keepdims: bool}: i64 output, the first index of the maximum;
 //     NaN counts as the maximum (like numpy), so max and argmax agree on NaN.
 //
 // Gradient rules: sum and mean broadcast dy back over the reduced axes (mean also divides by
 // the count); max sends dy to every position equal to the maximum, divided equally among ties
 // (two equal maxima get dy / 2 each, like maximum's tie rule). Where the maximum is NaN no
-// element equals it and the gradient is 0. argmax has an integer output: not differentiable.
+// element equals it and the gradient is 0. prod: each element gets dy times the product of the
+// others, computed without dividing by a zero: y / x where the line has no zero, the product of
+// the rest at a line's only zero (0 elsewhere on that line), 0 where a line has two zeros or
+// more. argmax has an integer output: not differentiable.
 #include <cmath>
 #include <vector>
 
@@ -149,6 +154,40 @@ std::vector<Expr> max_gradient(const GradContext& c) {
   return {where(is_max, share, c.builder.scalar(0.0, x.dtype()))};
 }
 
+std::vector<Expr> prod_gradient(const GradContext& c) {
+  const Expr& x = c.x();
+  Builder& b = c.builder;
+  const std::vector<int64_t>& axes = c.attrs().ints("axes");
+  Shape kept = kept_shape(c);
+  Expr zero = b.scalar(0.0, x.dtype()), one = b.scalar(1.0, x.dtype());
+  Expr is_zero = eq(x, zero);
+  Expr zeros = sum(cast(is_zero, x.dtype()), axes, /*keepdims=*/true);
+  // The product of the line's non-zero elements: the others' product at its only zero, and
+  // y / x = others / x everywhere when it has none (never a division by 0).
+  Expr nonzero = where(is_zero, one, x);
+  Expr rest = b.apply1(Op::kProd, {nonzero}, {{"axes", axes}, {"keepdims", true}});
+  Expr others = where(eq(zeros, zero), rest / nonzero,
+                      where(is_zero, where(eq(zeros, one), rest, zero), zero));
+  return {broadcast_back(reshape_to(c.dy(), kept), x.shape()) * others};
+}
+
+void prod_reference(const KernelArgs& k) {
+  const Tensor& x = k.inputs[0];
+  Tensor& out = k.outputs[0];
+  std::vector<bool> reduced = reduced_axes(x.type(), k.attrs.ints("axes"));
+  if (is_integer(x.dtype())) {
+    std::vector<uint64_t> acc(out.numel(), 1);  // unsigned: products wrap modulo 2^64
+    for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
+      acc[o] *= static_cast<uint64_t>(x.get_int(i));
+    });
+    for (int64_t o = 0; o < out.numel(); ++o) out.set_int(o, static_cast<int64_t>(acc[o]));
+  } else {
+    std::vector<double> acc(out.numel(), 1.0);
+    for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) { acc[o] *= x.get(i); });
+    for (int64_t o = 0; o < out.numel(); ++o) out.set(o, acc[o]);
+  }
+}
+
 GradFn reduce_gradient(Reduce kind) {
   switch (kind) {
     case Reduce::kSum: return sum_gradient;
@@ -224,6 +263,13 @@ void define_reduction_ops(OpRegistry& registry) {
   define_reduce(registry, Op::kMean, Reduce::kMean);
   define_reduce(registry, Op::kMax, Reduce::kMax);
   define_argmax(registry);
+  registry.define(
+      Op::kProd,
+      OpDef{{with_default("axes", std::vector<int64_t>{}), with_default("keepdims", false)},
+            [](std::span<const TensorType> in, const Attributes& a) {
+              return infer_reduce(Reduce::kSum, in[0], a);  // sum's rules: any axes, empty ones too
+            },
+            prod_reference, prod_gradient});
 }
 
 }  // namespace kiln::ops

@@ -27,6 +27,7 @@ const OpRegistry& registry() {
     define_elementwise_ops(r);
     define_reduction_ops(r);
     define_shape_ops(r);
+    define_indexing_ops(r);
     define_nn_ops(r);
     define_conv_ops(r);
     define_optimizer_ops(r);

@@ -24,6 +24,7 @@ void define_source_ops(OpRegistry& registry);       // ops/source.cc: constant, 
 void define_elementwise_ops(OpRegistry& registry);  // ops/elementwise.cc: unary, binary, cast, where, dropout
 void define_reduction_ops(OpRegistry& registry);    // ops/reduction.cc: sum, mean, max, argmax
 void define_shape_ops(OpRegistry& registry);        // ops/shape.cc: reshape, transpose, slice, ...
+void define_indexing_ops(OpRegistry& registry);     // ops/indexing.cc: gather/scatter_elements, cumsum, topk
 void define_nn_ops(OpRegistry& registry);           // ops/nn.cc: matmul, softmax, norms, losses, attention
 void define_conv_ops(OpRegistry& registry);         // ops/conv.cc: conv2d, pooling and their gradients
 void define_optimizer_ops(OpRegistry& registry);    // ops/optimizer.cc: sgd_update, adamw_update

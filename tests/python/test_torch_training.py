@@ -1,5 +1,6 @@
-"""Training through kiln equals training with torch: a torch MLP, a small CNN with BatchNorm and
-a small transformer (BERT-style encoder), trained 10 AdamW steps on random batches by kiln
+"""Training through kiln equals training with torch: a torch MLP, a small CNN with BatchNorm,
+a small transformer (BERT-style encoder) and a head over in-place slice assignment, cumsum, topk,
+sort and gather, trained 10 AdamW steps on random batches by kiln
 (the module's own tensors, updated in place) and by torch itself (torch.optim.AdamW) give the
 same losses, parameters and BatchNorm statistics within float32 tolerance."""
 import copy
@@ -40,7 +41,7 @@ class Cnn(torch.nn.Module):
         return (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
 
 
-MODELS = {"mlp": torch_models.Mlp, "cnn": Cnn, "bert": torch_models.Bert}
+MODELS = {"mlp": torch_models.Mlp, "cnn": Cnn, "bert": torch_models.Bert, "indexing": torch_models.Indexing}
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-6, 0.01
 
 
@@ -94,7 +95,7 @@ def assert_same_training(model, reference, kiln_losses, torch_losses):
             assert torch.allclose(b, ref_buffers[name], rtol=1e-4, atol=1e-5), name
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "bert"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "bert", "indexing"])
 def test_same_as_torch(name):
     cls = MODELS[name]
     torch.manual_seed(0)

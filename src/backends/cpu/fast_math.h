@@ -135,6 +135,11 @@ struct FastMath {
   static float sin(float x) { return std::sin(x); }
   static float cos(float x) { return std::cos(x); }
   static float pow(float a, float b) { return std::pow(a, b); }
+  static float fmod(float a, float b) { return std::fmod(a, b); }
+  static float acos(float x) { return std::acos(x); }
+  static float asin(float x) { return std::asin(x); }
+  static float atan(float x) { return std::atan(x); }
+  static float rint(float x) { return std::nearbyint(x); }  // halves to even (default mode)
   static float select(bool c, float a, float b) { return cpu::select(c, a, b); }
 };
 

@@ -30,12 +30,19 @@ Registry& registry() {
   switch (e.code) {
     case kGatherIndexError:
     case kScatterAddIndexError:
+    case kGatherElementsIndexError:
+    case kScatterElementsIndexError:
       fail("{}: index {} (at position {} of indices) is out of range for a dim of {} "
            "(expected 0..{})",
-           e.code == kGatherIndexError ? "gather" : "scatter_add", e.value, e.position, e.limit,
-           e.limit - 1);
+           e.code == kGatherIndexError           ? "gather"
+           : e.code == kScatterAddIndexError     ? "scatter_add"
+           : e.code == kGatherElementsIndexError ? "gather_elements"
+                                                 : "scatter_elements",
+           e.value, e.position, e.limit, e.limit - 1);
     case kDivideByZeroError:
       fail("div: integer division by zero ({} / 0)", e.value);
+    case kRemainderByZeroError:
+      fail("mod/fmod: integer remainder by zero ({} % 0)", e.value);
     case kCrossEntropyLabelError:
     case kCrossEntropyGradLabelError:
       fail("{}: label {} (row {}) is out of range [0, {}) and is not ignore_index {}",

@@ -31,6 +31,9 @@ enum DeviceErrorCode : int32_t {
   kDivideByZeroError = 3,           // value: the dividend
   kCrossEntropyLabelError = 4,      // value: label, position: row, limit: vocab, extra: ignore_index
   kCrossEntropyGradLabelError = 5,  // same, in cross_entropy_grad
+  kGatherElementsIndexError = 6,    // value: index, position: p in indices, limit: dim
+  kScatterElementsIndexError = 7,   // same
+  kRemainderByZeroError = 8,        // value: the dividend (mod, fmod)
 };
 
 // The device slot's layout. code is -1 while a thread is filling the other fields.

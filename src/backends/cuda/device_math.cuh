@@ -23,8 +23,14 @@ struct DeviceMath {
   KILN_DEVICE_MATH(erfc, erfcf, erfc)
   KILN_DEVICE_MATH(sin, sinf, sin)
   KILN_DEVICE_MATH(cos, cosf, cos)
+  KILN_DEVICE_MATH(acos, acosf, acos)
+  KILN_DEVICE_MATH(asin, asinf, asin)
+  KILN_DEVICE_MATH(atan, atanf, atan)
+  KILN_DEVICE_MATH(rint, rintf, rint)  // halves to even
   static __device__ __forceinline__ float pow(float a, float b) { return ::powf(a, b); }
   static __device__ __forceinline__ double pow(double a, double b) { return ::pow(a, b); }
+  static __device__ __forceinline__ float fmod(float a, float b) { return ::fmodf(a, b); }
+  static __device__ __forceinline__ double fmod(double a, double b) { return ::fmod(a, b); }
   template <class T>
   static __device__ __forceinline__ T select(bool c, T a, T b) {
     return c ? a : b;

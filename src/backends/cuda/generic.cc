@@ -305,6 +305,47 @@ void register_shape(KernelRegistry& registry) {
     return t != DType::kBool && t != DType::kU8;  // no byte-wide atomics
   });
 
+  // gather_elements, scatter_elements: indices' shape and data's strides (ops/indexing.cc).
+  const auto elements_layout = [](const Tensor& data, const Tensor& indices, const Attributes& attrs) {
+    generic::ElementsLayout layout;
+    layout.rank = data.rank();
+    layout.axis = normalize_axis(attrs.i("axis"), data.rank());
+    layout.dim = data.shape()[layout.axis];
+    fill_strides(layout.index_shape, indices.shape());
+    fill_strides(layout.data_strides, strides_of(data.shape()));
+    return layout;
+  };
+  add(registry, Op::kGatherElements, [elements_layout](const KernelArgs& a) {
+    const Tensor &x = a.inputs[0], &indices = a.inputs[1];
+    generic::launch_gather_elements(elem_size(x), x.raw(), indices.dtype(), indices.raw(),
+                                    a.outputs[0].raw(), elements_layout(x, indices, a.attrs),
+                                    indices.numel(), stream_of(a));
+  });
+  add(registry, Op::kScatterElements, [elements_layout](const KernelArgs& a) {
+    const Tensor &data = a.inputs[0], &indices = a.inputs[1], &updates = a.inputs[2];
+    static const std::map<std::string, int> kReductions = {
+        {"none", 0}, {"add", 1}, {"mul", 2}, {"max", 3}, {"min", 4}};
+    generic::launch_scatter_elements(data.dtype(), data.raw(), data.numel(), indices.dtype(),
+                                     indices.raw(), updates.raw(), a.outputs[0].raw(),
+                                     elements_layout(data, indices, a.attrs),
+                                     kReductions.at(a.attrs.s("reduction")), stream_of(a));
+  });
+
+  add(registry, Op::kCumsum, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
+    generic::launch_cumsum(x.dtype(), x.raw(), a.outputs[0].raw(), v.outer, v.dim, v.inner,
+                           a.attrs.b("exclusive"), a.attrs.b("reverse"), stream_of(a));
+  });
+
+  add(registry, Op::kTopk, [](const KernelArgs& a) {
+    const Tensor& x = a.inputs[0];
+    const AxisView v = view_around(x.shape(), normalize_axis(a.attrs.i("axis"), x.rank()));
+    generic::launch_topk(x.dtype(), x.raw(), a.outputs[0].raw(), a.outputs[1].data<int64_t>(),
+                         v.outer, v.dim, v.inner, a.attrs.i("k"), a.attrs.b("largest"),
+                         stream_of(a));
+  });
+
   add(registry, Op::kOneHot, [](const KernelArgs& a) {
     const Tensor& indices = a.inputs[0];
     generic::launch_one_hot(indices.dtype(), indices.raw(), a.outputs[0].dtype(), a.outputs[0].raw(),
@@ -337,7 +378,7 @@ generic::ReduceLayout reduce_layout(const Shape& in, const std::vector<int64_t>&
 }
 
 void register_reductions(KernelRegistry& registry) {
-  for (Op op : {Op::kSum, Op::kMean, Op::kMax}) {
+  for (Op op : {Op::kSum, Op::kMean, Op::kMax, Op::kProd}) {
     add(registry, op, [op](const KernelArgs& a) {
       generic::launch_reduce(op, a.inputs[0].dtype(), a.inputs[0].raw(), a.outputs[0].raw(),
                              reduce_layout(a.inputs[0].shape(), a.attrs.ints("axes")),

@@ -164,7 +164,16 @@ __device__ inline bool operator>=(Int a, Int b) { return a.v >= b.v; }
 
 struct GenericMath : DeviceMath {
   using DeviceMath::abs;
+  using DeviceMath::fmod;
   static __device__ Int abs(Int x) { return x < Int(0) ? -x : x; }
+  // C's remainder (the dividend's sign); x % -1 is 0 (INT64_MIN % -1 would trap).
+  static __device__ Int fmod(Int a, Int b) {
+    if (b.v == 0) {
+      record_device_error(kRemainderByZeroError, a.v);
+      return 0;
+    }
+    return b.v == -1 ? Int(0) : Int(a.v % b.v);
+  }
 };
 
 // ---- layout ---------------------------------------------------------------------------------------
@@ -508,6 +517,27 @@ struct ArgmaxReduce {
   __device__ int64_t finish(A a, int64_t) const { return a.index; }
 };
 
+struct ProdCombine {
+  template <class A> __device__ A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) {
+      return wrap<A>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
+    } else {
+      return a * b;
+    }
+  }
+};
+template <class T>
+struct ProdReduce {
+  using A = std::conditional_t<kIsFloat<T>, double, int64_t>;
+  using Out = T;
+  __device__ A identity() const { return A(1); }
+  __device__ A element(T x, int64_t) const { return static_cast<A>(Num<T>::load(x)); }
+  __device__ A combine(A a, A b) const { return ProdCombine{}(a, b); }
+  __device__ T finish(A a, int64_t) const {
+    return Num<T>::store(static_cast<typename Num<T>::C>(a));
+  }
+};
+
 template <int kGroup, class T, class R>
 __global__ void reduce_kernel(R reduce, const T* x, typename R::Out* out, ReduceLayout layout) {
   using A = typename R::A;
@@ -551,6 +581,121 @@ void run_reduce(R reduce, const void* x, void* out, const ReduceLayout& layout,
         reduce, static_cast<const T*>(x), static_cast<Out*>(out), layout);
   }
   check_launch();
+}
+
+// ---- gather_elements, scatter_elements, cumsum, topk ---------------------------------------------
+
+// The offset in data that element q of indices addresses with `index` along the axis.
+__device__ inline int64_t elements_target(const ElementsLayout& layout, int64_t q, int64_t index) {
+  int64_t offset = 0;
+  for (int d = layout.rank - 1; d >= 0; --d) {
+    const int64_t coordinate = q % layout.index_shape[d];
+    q /= layout.index_shape[d];
+    offset += (d == layout.axis ? index : coordinate) * layout.data_strides[d];
+  }
+  return offset;
+}
+
+template <class U, class I>
+__global__ void gather_elements_kernel(const U* data, const I* indices, U* out,
+                                       ElementsLayout layout, int64_t n) {
+  KILN_GRID_LOOP(q, n) {
+    const int64_t index = static_cast<int64_t>(indices[q]);
+    if (index >= 0 && index < layout.dim) {
+      out[q] = data[elements_target(layout, q, index)];
+    } else {
+      record_device_error(kGatherElementsIndexError, index, q, layout.dim);
+      out[q] = U(0);
+    }
+  }
+}
+
+// One thread per line of indices along the axis (indices seen as (outer, m, inner)): the lines
+// address disjoint positions of out (their other coordinates differ), and each walks its
+// updates in index order, as the reference does.
+template <class T, class I>
+__global__ void scatter_elements_kernel(const I* indices, const T* updates, T* out,
+                                        ElementsLayout layout, int reduction, int64_t outer,
+                                        int64_t m, int64_t inner) {
+  using C = typename Num<T>::C;
+  KILN_GRID_LOOP(line, outer * inner) {
+    const int64_t o = line / inner, i = line % inner;
+    for (int64_t p = 0; p < m; ++p) {
+      const int64_t q = (o * m + p) * inner + i;
+      const int64_t index = static_cast<int64_t>(indices[q]);
+      if (index < 0 || index >= layout.dim) {
+        record_device_error(kScatterElementsIndexError, index, q, layout.dim);
+        continue;
+      }
+      T& slot = out[elements_target(layout, q, index)];
+      if (reduction == 0) {
+        slot = updates[q];
+        continue;
+      }
+      const C a = Num<T>::load(slot), b = Num<T>::load(updates[q]);
+      C r;
+      if (reduction == 1) r = SumCombine{}(a, b);
+      else if (reduction == 2) r = ProdCombine{}(a, b);
+      else if (reduction == 3) r = a > b || is_nan(a) ? a : b;  // maximum's NaN rule
+      else r = a < b || is_nan(a) ? a : b;
+      slot = Num<T>::store(r);
+    }
+  }
+}
+
+template <class T>
+__global__ void cumsum_kernel(const T* x, T* y, int64_t outer, int64_t dim, int64_t inner,
+                              bool exclusive, bool reverse) {
+  using A = std::conditional_t<kIsFloat<T>, double, int64_t>;
+  KILN_GRID_LOOP(line, outer * inner) {
+    const int64_t o = line / inner, i = line % inner;
+    A sum = A(0);
+    for (int64_t step = 0; step < dim; ++step) {
+      const int64_t at = (o * dim + (reverse ? dim - 1 - step : step)) * inner + i;
+      const A before = sum;
+      sum = SumCombine{}(sum, static_cast<A>(Num<T>::load(x[at])));
+      y[at] = Num<T>::store(static_cast<typename Num<T>::C>(exclusive ? before : sum));
+    }
+  }
+}
+
+// topk's order as a strict "comes before": by value, NaN above every number, then lower index.
+template <class C>
+__device__ inline bool ranks_before(C a, int64_t ia, C b, int64_t ib, bool largest) {
+  const bool an = is_nan(a), bn = is_nan(b);
+  if (an != bn) return largest ? an : bn;
+  if (!an && a != b) return largest ? a > b : a < b;
+  return ia < ib;
+}
+
+// Step j finds the best element that ranks after step j - 1's: the order is total, so the
+// steps list the line's first k in order with no memory of what was taken.
+template <class T>
+__global__ void topk_kernel(const T* x, T* values, int64_t* indices, int64_t outer, int64_t dim,
+                            int64_t inner, int64_t k, bool largest) {
+  using C = typename Num<T>::C;
+  KILN_GRID_LOOP(line, outer * inner) {
+    const int64_t o = line / inner, i = line % inner;
+    const T* row = x + o * dim * inner + i;  // element a at row[a * inner]
+    int64_t previous = -1;
+    C previous_value = C(0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      C best_value = C(0);
+      for (int64_t a = 0; a < dim; ++a) {
+        const C v = Num<T>::load(row[a * inner]);
+        if (previous >= 0 && !ranks_before(previous_value, previous, v, a, largest)) continue;
+        if (best < 0 || ranks_before(v, a, best_value, best, largest)) {
+          best = a;
+          best_value = v;
+        }
+      }
+      values[(o * k + j) * inner + i] = row[best * inner];
+      indices[(o * k + j) * inner + i] = best;
+      previous = best;
+      previous_value = best_value;
+    }
+  }
 }
 
 // ---- softmax, norms, cross entropy: one block per line ------------------------------------------
@@ -1192,6 +1337,76 @@ void launch_scatter_add(DType type, const void* base, DType index_type, const vo
   });
 }
 
+void launch_gather_elements(int elem_size, const void* data, DType index_type, const void* indices,
+                            void* out, const ElementsLayout& layout, int64_t n,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  visit_size(elem_size, [&](auto tag) {
+    visit_index(index_type, [&](auto index_tag) {
+      using U = typename decltype(tag)::type;
+      using I = typename decltype(index_tag)::type;
+      gather_elements_kernel<U, I><<<grid_for(n), kThreads, 0, stream>>>(
+          static_cast<const U*>(data), static_cast<const I*>(indices), static_cast<U*>(out),
+          layout, n);
+      check_launch();
+    });
+  });
+}
+
+void launch_scatter_elements(DType type, const void* data, int64_t data_n, DType index_type,
+                             const void* indices, const void* updates, void* out,
+                             const ElementsLayout& layout, int reduction, cudaStream_t stream) {
+  visit(type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (out != data && data_n > 0)
+      KILN_CUDA_CHECK(cudaMemcpyAsync(out, data, data_n * sizeof(T), cudaMemcpyDeviceToDevice,
+                                      stream));
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < layout.axis; ++d) outer *= layout.index_shape[d];
+    for (int d = layout.axis + 1; d < layout.rank; ++d) inner *= layout.index_shape[d];
+    const int64_t m = layout.index_shape[layout.axis];
+    if (outer * inner == 0 || m == 0) return;
+    visit_index(index_type, [&](auto index_tag) {
+      using I = typename decltype(index_tag)::type;
+      scatter_elements_kernel<T, I><<<grid_for(outer * inner), kThreads, 0, stream>>>(
+          static_cast<const I*>(indices), static_cast<const T*>(updates), static_cast<T*>(out),
+          layout, reduction, outer, m, inner);
+      check_launch();
+    });
+  });
+}
+
+void launch_cumsum(DType type, const void* x, void* y, int64_t outer, int64_t dim, int64_t inner,
+                   bool exclusive, bool reverse, cudaStream_t stream) {
+  if (outer * dim * inner == 0) return;
+  visit(type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, bool>) {
+      fail("cuda generic: cumsum does not take bool");
+    } else {
+      cumsum_kernel<T><<<grid_for(outer * inner), kThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), outer, dim, inner, exclusive, reverse);
+      check_launch();
+    }
+  });
+}
+
+void launch_topk(DType type, const void* x, void* values, int64_t* indices, int64_t outer,
+                 int64_t dim, int64_t inner, int64_t k, bool largest, cudaStream_t stream) {
+  if (outer * k * inner == 0) return;
+  visit(type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, bool>) {
+      fail("cuda generic: topk does not take bool");
+    } else {
+      topk_kernel<T><<<grid_for(outer * inner), kThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<T*>(values), indices, outer, dim, inner, k,
+          largest);
+      check_launch();
+    }
+  });
+}
+
 void launch_reduce(Op op, DType type, const void* x, void* out, const ReduceLayout& layout,
                    cudaStream_t stream) {
   visit(type, [&](auto tag) {
@@ -1202,6 +1417,7 @@ void launch_reduce(Op op, DType type, const void* x, void* out, const ReduceLayo
         if constexpr (kIsFloat<T>) return run_reduce<T>(SumReduce<T, true>{}, x, out, layout, stream);
         break;
       case Op::kMax: return run_reduce<T>(MaxReduce<T>{}, x, out, layout, stream);
+      case Op::kProd: return run_reduce<T>(ProdReduce<T>{}, x, out, layout, stream);
       default: break;
     }
     fail("cuda generic: {} is not a reduction that takes {}", op_name(op), dtype_name(type));

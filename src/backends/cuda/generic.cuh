@@ -87,6 +87,36 @@ void launch_scatter_add(DType type, const void* base, DType index_type, const vo
                         const void* updates, void* out, int64_t outer, int64_t dim,
                         int64_t inner, int64_t n_indices, cudaStream_t stream);
 
+// gather_elements and scatter_elements along `axis` (ops/indexing.cc): indices (and updates, and
+// gather's out) have shape index_shape (rank dims); position q of indices addresses data at
+// q's coordinates with the one along `axis` replaced by indices[q] (in [0, dim), else a data
+// error), through data's strides in elements.
+struct ElementsLayout {
+  int rank = 0, axis = 0;
+  int64_t dim = 0;
+  int64_t index_shape[kMaxRank] = {};
+  int64_t data_strides[kMaxRank] = {};
+};
+// out (index_shape) = data at the addressed positions; any element size.
+void launch_gather_elements(int elem_size, const void* data, DType index_type, const void* indices,
+                            void* out, const ElementsLayout& layout, int64_t n, cudaStream_t stream);
+// out = data (copied unless they alias), then each update combined into its position, reduction 0 none (the update
+// replaces it), 1 add, 2 mul, 3 max, 4 min (NaN propagates). One thread per line of indices along
+// the axis, in index order, so the result is the reference's (the last of repeated positions
+// wins for none) and deterministic. All dtypes but bool.
+void launch_scatter_elements(DType type, const void* data, int64_t data_n, DType index_type,
+                             const void* indices, const void* updates, void* out,
+                             const ElementsLayout& layout, int reduction, cudaStream_t stream);
+// Inclusive or exclusive, forward or reverse sums along the middle of (outer, dim, inner): one
+// thread per line, accumulating in f64 (floats) or wrapping i64 (integers) as the reference.
+void launch_cumsum(DType type, const void* x, void* y, int64_t outer, int64_t dim, int64_t inner,
+                   bool exclusive, bool reverse, cudaStream_t stream);
+// The k largest (or smallest) along the middle of (outer, dim, inner), best first, ties to the
+// lower index, NaN above every number: values (outer, k, inner) and i64 indices. One thread per
+// line, each step scanning the line for the next in that order (O(k dim)).
+void launch_topk(DType type, const void* x, void* values, int64_t* indices, int64_t outer,
+                 int64_t dim, int64_t inner, int64_t k, bool largest, cudaStream_t stream);
+
 // ---- reductions ---------------------------------------------------------------------------------
 
 // Output element o covers the kept dims (kept_shape/kept_strides: o's multi-index -> input
@@ -97,8 +127,8 @@ struct ReduceLayout {
   int64_t reduced_shape[kMaxRank] = {}, reduced_strides[kMaxRank] = {};
   int64_t outputs = 0, count = 0;
 };
-// op: sum, mean or max. Sums accumulate in f64 (floats) or wrapping i64 (integers); max
-// propagates NaN.
+// op: sum, mean, max or prod. Sums and products accumulate in f64 (floats) or wrapping i64
+// (integers); max propagates NaN.
 void launch_reduce(Op op, DType type, const void* x, void* out,
                    const ReduceLayout& layout, cudaStream_t stream);
 // argmax along the middle of (outer, dim, inner): first index of the maximum, NaN is the max.

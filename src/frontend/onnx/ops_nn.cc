@@ -275,6 +275,48 @@ void add_nn_rules(RuleTable& r) {
     c.add_update(var_in, running_var);
     return std::vector<Expr>{y, running_mean, running_var};
   };
+  // Local response normalization across channels: x / (bias + alpha / size * s)^beta, s the sum
+  // of squares over the channels from c - floor((size - 1) / 2) to c + ceil((size - 1) / 2).
+  r["LRN"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    if (!is_float(x.dtype()) || x.rank() < 2) c.unsupported("needs a float (N, C, ...) input, got {}", to_string(x.type()));
+    const int64_t size = c.attr_int("size", 0);
+    if (size < 1) c.fail("size {} must be >= 1", size);
+    const double alpha = c.attr_float("alpha", 1e-4), beta = c.attr_float("beta", 0.75), bias = c.attr_float("bias", 1.0);
+    const int64_t channels = x.dim(1);
+    Expr squares = pad_axis(c.b(), square(x), 1, (size - 1) / 2, size / 2, "constant", scalar_like(x, 0.0));
+    Expr window = slice_axis(squares, 1, 0, channels);
+    for (int64_t i = 1; i < size; ++i) window = window + slice_axis(squares, 1, i, i + channels);
+    return std::vector<Expr>{x / pow(window * (alpha / static_cast<double>(size)) + bias, beta)};
+  };
+  // Each value written at its flat position (MaxPool's Indices, positions in the unpooled shape
+  // the pooling window implies) into zeros of that shape: a scatter_elements over it flat. A
+  // larger output_shape pads the result at the end of each spatial dim (as ONNX's reference).
+  r["MaxUnpool"] = [](NodeContext& c) {
+    Expr x = c.in(0), indices = c.in(1);
+    const Ints kernel = c.attr_ints("kernel_shape");
+    const int spatial = x.rank() - 2;
+    if (spatial < 1 || static_cast<int>(kernel.size()) != spatial) c.fail("kernel_shape {} for x {}", to_string(kernel), to_string(x.type()));
+    const Ints strides = c.attr_ints("strides", Ints(spatial, 1)), pads = c.attr_ints("pads", Ints(2 * spatial, 0));
+    Shape unpooled = {x.dim(0), x.dim(1)};
+    for (int d = 0; d < spatial; ++d)
+      unpooled.push_back((x.dim(2 + d) - 1) * strides[d] - pads[d] - pads[spatial + d] + kernel[d]);
+    const int64_t n = x.type().numel();
+    Expr zeros = c.b().full({numel(unpooled)}, 0.0, x.dtype());
+    Expr flat = c.b().apply1(Op::kScatterElements, {zeros, reshape(cast_to(indices, DType::kI64), {n}), reshape(x, {n})},
+                             {{"axis", int64_t{0}}, {"reduction", std::string("none")}});
+    Expr y = reshape(flat, unpooled);
+    if (c.has_input(2)) {
+      const Shape out = c.ints(2, "output_shape");
+      if (out.size() != unpooled.size() || out[0] != unpooled[0] || out[1] != unpooled[1])
+        c.fail("output_shape {} does not fit the unpooled {}", to_string(out), to_string(unpooled));
+      for (int d = 2; d < x.rank(); ++d) {
+        if (out[d] < unpooled[d]) c.fail("output_shape {} is smaller than the unpooled {}", to_string(out), to_string(unpooled));
+        y = pad_axis(c.b(), y, d, 0, out[d] - unpooled[d], "constant", scalar_like(y, 0.0));
+      }
+    }
+    return std::vector<Expr>{y};
+  };
   r["InstanceNormalization"] = [](NodeContext& c) {
     Expr x = c.in(0), scale = c.in(1), bias = c.in(2);
     require_float(c, x);

@@ -4,6 +4,7 @@
 // need it known.
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <numeric>
 
 #include "frontend/onnx/converter.h"
@@ -46,6 +47,44 @@ Expr wrap_indices(const Expr& indices, int64_t dim) {
   return where(lt(indices, zero), indices + scalar_like(indices, static_cast<double>(dim)), indices);
 }
 
+// The row-major position within `dims` that each last-axis vector of `indices` (..., K), K =
+// dims' rank, names: i64 of shape indices.shape[:-1]. Negative entries count from the end; an
+// entry out of range makes its position hugely negative, so that the gather or scatter reading
+// it stops with an index error instead of reaching another element.
+Expr linear_index(const Expr& indices, const Shape& dims) {
+  Builder& b = indices.builder();
+  const int last = indices.rank() - 1;
+  Shape lead = indices.shape();
+  lead.pop_back();
+  const Expr index = cast_to(indices, DType::kI64);
+  const Expr out_of_range = b.scalar(-4611686018427387904.0, DType::kI64);  // -2^62
+  Expr flat = b.full(lead, 0.0, DType::kI64);
+  int64_t stride = 1;
+  for (int j = static_cast<int>(dims.size()) - 1; j >= 0; --j) {
+    Expr component = wrap_indices(reshape(slice_axis(index, last, j, j + 1), lead), dims[j]);
+    Expr bad = where(lt(component, scalar_like(component, 0.0)), b.scalar(1.0, DType::kBool),
+                     ge(component, scalar_like(component, static_cast<double>(dims[j]))));
+    flat = where(bad, out_of_range, flat + component * static_cast<double>(stride));
+    stride *= dims[j];
+  }
+  return flat;
+}
+
+const std::vector<std::string> kScatterReductions = {"none", "add", "mul", "max", "min"};
+
+std::string scatter_reduction(NodeContext& c) {
+  const std::string reduction = c.attr_string("reduction", "none");
+  if (std::find(kScatterReductions.begin(), kScatterReductions.end(), reduction) == kScatterReductions.end())
+    c.unsupported("reduction \"{}\" (kiln has none, add, mul, max, min)", reduction);
+  return reduction;
+}
+
+Expr scatter_elements_op(const Expr& data, const Expr& indices, const Expr& updates, int64_t axis,
+                         const std::string& reduction) {
+  return data.builder().apply1(Op::kScatterElements, {data, indices, updates},
+                               {{"axis", axis}, {"reduction", reduction}});
+}
+
 Rule reduce(std::string kind, int64_t axes_input_opset) {
   return [kind, axes_input_opset](NodeContext& c) {
     Expr x = c.in(0);
@@ -60,7 +99,7 @@ Rule reduce(std::string kind, int64_t axes_input_opset) {
     int64_t count = 1;
     for (int d = 0; d < x.rank(); ++d)
       if (all_axes || std::find(axes.begin(), axes.end(), d) != axes.end()) count *= x.dim(d);
-    if (count == 0 && kind != "sum" && kind != "sum_square" && kind != "l1" && kind != "l2")
+    if (count == 0 && kind != "sum" && kind != "sum_square" && kind != "l1" && kind != "l2" && kind != "prod")
       c.unsupported("a {} over an empty set", kind);
     auto float_x = [&] {
       if (!is_float(x.dtype())) c.unsupported("Reduce{} of {} (kiln computes it on floats)", kind, dtype_name(x.dtype()));
@@ -70,6 +109,7 @@ Rule reduce(std::string kind, int64_t axes_input_opset) {
     if (kind == "sum") y = sum(x, axes, keepdims);
     else if (kind == "mean") y = mean(float_x(), axes, keepdims);
     else if (kind == "max") y = max(x, axes, keepdims);
+    else if (kind == "prod") y = c.b().apply1(Op::kProd, {x}, {{"axes", axes}, {"keepdims", keepdims}});
     else if (kind == "min") {
       if (is_float(x.dtype())) y = -max(-x, axes, keepdims);
       else y = cast(-max(-cast(x, DType::kI64), axes, keepdims), x.dtype());
@@ -405,24 +445,150 @@ void add_tensor_rules(RuleTable& r) {
     const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
     return std::vector<Expr>{gather(x, wrap_indices(indices, x.dim(int(axis))), axis)};
   };
-  // out[i][j][k] = data[index[i][j][k]][j][k] (axis 0): a gather from the flat data at flat
-  // positions built from the indices and each other axis's position (iota).
+  // out[i][j][k] = data[index[i][j][k]][j][k] (axis 0): kiln's gather_elements.
   r["GatherElements"] = [](NodeContext& c) {
     Expr x = c.in(0), indices = c.in(1);
     if (x.rank() != indices.rank()) c.fail("data {} and indices {} differ in rank", to_string(x.type()),
                                            to_string(indices.type()));
-    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
-    const Shape shape = indices.shape();
-    const std::vector<int64_t> strides = strides_of(x.shape());
-    Expr flat;
-    for (int d = 0; d < x.rank(); ++d) {
-      Expr coordinate = d == axis ? cast_to(wrap_indices(indices, x.dim(d)), DType::kI64)
-                                  : c.b().iota(shape, d, DType::kI64);
-      Expr term = coordinate * c.b().scalar(static_cast<double>(strides[d]), DType::kI64);
-      flat = d == 0 ? term : flat + term;
-    }
     if (x.rank() == 0) c.fail("needs rank >= 1");
-    return std::vector<Expr>{gather(reshape(x, {x.type().numel()}), flat, 0)};
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
+    return std::vector<Expr>{c.b().apply1(Op::kGatherElements, {x, wrap_indices(indices, x.dim(int(axis)))},
+                                          {{"axis", axis}})};
+  };
+  // data[indices[i][j][k]][j][k] (axis 0) combined with updates[i][j][k]: kiln's scatter_elements.
+  // Scatter is its opset 9-10 name.
+  const Rule scatter_elements = [](NodeContext& c) {
+    Expr data = c.in(0), indices = c.in(1), updates = c.in(2);
+    if (data.rank() == 0) c.fail("needs rank >= 1");
+    const int64_t axis = axis_in(c, c.attr_int("axis", 0), data.rank());
+    const std::string reduction = scatter_reduction(c);
+    return std::vector<Expr>{
+        scatter_elements_op(data, wrap_indices(indices, data.dim(int(axis))), updates, axis, reduction)};
+  };
+  r["ScatterElements"] = scatter_elements;
+  r["Scatter"] = scatter_elements;
+  // data[indices[i]] (a slice of data's last r - K dims) combined with updates[i]: scatter_elements
+  // along axis 0 of data seen as rows (N, R), N the positions its K leading dims address, each
+  // update row's position repeated over its R columns. (torch's in-place slice assignment
+  // x[:, 1:] = y exports as this.)
+  r["ScatterND"] = [](NodeContext& c) {
+    Expr data = c.in(0), indices = c.in(1), updates = c.in(2);
+    const std::string reduction = scatter_reduction(c);
+    const Shape dims = data.shape();
+    if (indices.rank() < 1 || indices.dim(-1) > data.rank())
+      c.fail("indices {} need rank >= 1 and a last dim <= data's rank {}", to_string(indices.type()), data.rank());
+    const int64_t k = indices.dim(-1);
+    Shape expected = indices.shape();
+    expected.pop_back();
+    expected.insert(expected.end(), dims.begin() + k, dims.end());
+    if (updates.shape() != expected)
+      c.fail("updates are {}, expected shape {} (indices' leading dims, then data's past the first {})",
+             to_string(updates.type()), to_string(expected), k);
+    const int64_t n = numel(Shape(dims.begin(), dims.begin() + k)), row = numel(Shape(dims.begin() + k, dims.end()));
+    Expr position = linear_index(indices, Shape(dims.begin(), dims.begin() + k));
+    const int64_t m = numel(position.shape());
+    Expr rows_index = broadcast_to(reshape(position, {m, 1}), {m, row});
+    Expr rows = scatter_elements_op(reshape(data, {n, row}), rows_index, reshape(updates, {m, row}), 0, reduction);
+    return std::vector<Expr>{reshape(rows, dims)};
+  };
+  // data[batch..., indices[batch..., i]] (a slice of data's dims past batch_dims + K): a gather of
+  // rows of data seen as (B N, R), B the batch positions, N those the K index dims address.
+  r["GatherND"] = [](NodeContext& c) {
+    Expr data = c.in(0), indices = c.in(1);
+    const int64_t batch_dims = c.attr_int("batch_dims", 0);
+    const Shape dims = data.shape();
+    if (indices.rank() < 1 || batch_dims < 0 || batch_dims >= std::min(indices.rank(), data.rank()) ||
+        batch_dims + indices.dim(-1) > data.rank())
+      c.fail("indices {} with batch_dims {} do not index data {}", to_string(indices.type()), batch_dims,
+             to_string(data.type()));
+    for (int64_t d = 0; d < batch_dims; ++d)
+      if (indices.dim(int(d)) != dims[d]) c.fail("indices {} and data {} differ in batch dim {}", to_string(indices.type()), to_string(data.type()), d);
+    const int64_t k = indices.dim(-1);
+    const Shape index_dims(dims.begin() + batch_dims, dims.begin() + batch_dims + k);
+    const Shape rest(dims.begin() + batch_dims + k, dims.end());
+    const int64_t batch = numel(Shape(dims.begin(), dims.begin() + batch_dims));
+    Expr position = linear_index(indices, index_dims);
+    const Shape lead = position.shape();
+    const int64_t batch_stride = numel(index_dims);
+    int64_t stride = batch_stride;
+    for (int64_t d = batch_dims - 1; d >= 0; --d) {  // the batch coordinates' own positions
+      position = position + c.b().iota(lead, d, DType::kI64) * static_cast<double>(stride);
+      stride *= dims[d];
+    }
+    Expr rows = gather(reshape(data, {batch * batch_stride, numel(rest)}), position, 0);
+    Shape out = lead;
+    out.insert(out.end(), rest.begin(), rest.end());
+    return std::vector<Expr>{reshape(rows, out)};
+  };
+  r["CumSum"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const Ints axis = c.ints(1, "axis");
+    if (axis.size() != 1) c.fail("axis must be one value, got {}", axis.size());
+    Attributes attrs{{"axis", axis_in(c, axis[0], x.rank())},
+                     {"exclusive", c.attr_int("exclusive", 0) != 0},
+                     {"reverse", c.attr_int("reverse", 0) != 0}};
+    return std::vector<Expr>{c.b().apply1(Op::kCumsum, {x}, attrs)};
+  };
+  // Window functions of a known size: constants, computed at import in double. Each is
+  // w[n] = sum_k (-1)^k a_k cos(2 pi k n / N), N the size (periodic) or the size - 1 (symmetric).
+  const auto window = [](std::vector<double> a) -> Rule {
+    return [a](NodeContext& c) {
+      const auto size = static_cast<int64_t>(c.scalar(0, "size"));
+      if (size < 0) c.fail("size {} is negative", size);
+      const bool periodic = c.attr_int("periodic", 1) != 0;
+      const DType dtype = dtype_of(static_cast<int>(c.attr_int("output_datatype", 1)),
+                                   c.where() + " attribute 'output_datatype'");
+      const double period = static_cast<double>(periodic ? size : size - 1);
+      std::vector<double> w;
+      for (int64_t n = 0; n < size; ++n) {
+        double v = 0;
+        for (size_t k = 0; k < a.size(); ++k)
+          v += (k % 2 ? -a[k] : a[k]) * (period > 0 ? std::cos(2 * std::numbers::pi * static_cast<double>(k * n) / period) : 1.0);
+        w.push_back(v);
+      }
+      return std::vector<Expr>{c.b().constant({size}, w, dtype)};
+    };
+  };
+  r["HannWindow"] = window({0.5, 0.5});
+  r["HammingWindow"] = window({25.0 / 46.0, 21.0 / 46.0});
+  r["BlackmanWindow"] = window({0.42, 0.5, 0.08});
+  // Each batch entry's first sequence_lens[b] steps reversed: a gather_elements along the time
+  // axis at positions built at import, so the lengths must be known there.
+  r["ReverseSequence"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    const Ints lens = c.ints(1, "sequence_lens");
+    const int64_t batch_axis = axis_in(c, c.attr_int("batch_axis", 1), x.rank());
+    const int64_t time_axis = axis_in(c, c.attr_int("time_axis", 0), x.rank());
+    if (batch_axis == time_axis || static_cast<int64_t>(lens.size()) != x.dim(int(batch_axis)))
+      c.fail("batch_axis {}, time_axis {} and {} sequence_lens do not fit x {}", batch_axis, time_axis,
+             lens.size(), to_string(x.type()));
+    const Shape shape = x.shape();
+    const std::vector<int64_t> strides = strides_of(shape);
+    std::vector<double> index(numel(shape));
+    for (int64_t i = 0; i < numel(shape); ++i) {
+      const int64_t b = i / strides[batch_axis] % shape[batch_axis], t = i / strides[time_axis] % shape[time_axis];
+      if (lens[b] < 0 || lens[b] > shape[time_axis]) c.fail("sequence_lens[{}] = {} is out of 0..{}", b, lens[b], shape[time_axis]);
+      index[i] = static_cast<double>(t < lens[b] ? lens[b] - 1 - t : t);
+    }
+    return std::vector<Expr>{c.b().apply1(Op::kGatherElements, {x, c.b().constant(shape, index, DType::kI64)},
+                                          {{"axis", time_axis}})};
+  };
+  // kiln's topk always lists the values best first (ties to the lower index), an order that
+  // sorted = 0 (any order) allows too.
+  r["TopK"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    int64_t k = 0;
+    if (c.opset() < 10) {
+      k = c.attr_int("k", -1);
+    } else {
+      const Ints ks = c.ints(1, "K");
+      if (ks.size() != 1) c.fail("K must be one value, got {}", ks.size());
+      k = ks[0];
+    }
+    const int64_t axis = axis_in(c, c.attr_int("axis", -1), x.rank());
+    c.attr_int("sorted", 1);
+    Attributes attrs{{"k", k}, {"axis", axis}, {"largest", c.attr_int("largest", 1) != 0}};
+    return c.b().apply(Op::kTopk, {x}, attrs);
   };
   r["Expand"] = [](NodeContext& c) {
     Expr x = c.in(0);
@@ -549,6 +715,7 @@ void add_tensor_rules(RuleTable& r) {
   r["ReduceSumSquare"] = reduce("sum_square", 18);
   r["ReduceLogSum"] = reduce("log_sum", 18);
   r["ReduceLogSumExp"] = reduce("log_sum_exp", 18);
+  r["ReduceProd"] = reduce("prod", 18);
   r["ArgMax"] = arg_extreme(true);
   r["ArgMin"] = arg_extreme(false);
 }
