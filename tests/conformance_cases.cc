@@ -832,6 +832,7 @@ void add_conv_and_pool(std::vector<Case>& c) {
   struct Conv {
     Shape x, w;
     Ints stride, padding;
+    int64_t groups = 1;
   };
   const std::vector<Conv> convs = {
       {{2, 3, 7, 9}, {5, 3, 3, 3}, {1, 1}, {1, 1}},
@@ -844,15 +845,27 @@ void add_conv_and_pool(std::vector<Case>& c) {
       {{5, 1, 28, 28}, {16, 1, 3, 3}, {1, 1}, {1, 1}},  // the CNN's first layer
       {{2, 3, 7, 6}, {4, 3, 1, 1}, {2, 2}, {0, 0}},     // 1x1 with a stride: not x itself
       {{2, 2, 4, 5}, {3, 2, 1, 1}, {1, 1}, {1, 1}},     // 1x1 with padding: not x itself
+      // Groups: one GEMM per group on offsets of the same buffers (openblas).
+      {{2, 4, 7, 6}, {6, 2, 3, 3}, {1, 1}, {1, 1}, 2},
+      {{3, 6, 8, 7}, {3, 2, 3, 2}, {2, 1}, {1, 0}, 3},  // one output channel per group
+      {{2, 8, 5, 5}, {8, 2, 1, 1}, {1, 1}, {0, 0}, 4},  // grouped 1x1
+      // Depthwise (groups = C): the cpu dialect's direct loops.
+      {{2, 5, 9, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, 5},
+      {{3, 4, 9, 9}, {4, 1, 3, 3}, {2, 2}, {1, 1}, 4},    // stride 2, MobileNet's downsampling
+      {{2, 3, 7, 10}, {6, 1, 3, 5}, {1, 2}, {2, 1}, 3},   // two filters per channel, unequal
+      {{1, 4, 4, 4}, {8, 1, 5, 5}, {1, 1}, {3, 3}, 4},    // padding past the kernel's reach
+      {{4, 32, 16, 16}, {32, 1, 3, 3}, {1, 1}, {1, 1}, 32},  // many planes: split across threads
   };
   // f32 as the openblas kernels always held it; the other float dtypes (the CUDA kernels take
   // them all) at their own tolerance.
   const std::vector<DType> other_floats = {DType::kF64, DType::kF16, DType::kBF16};
   for (const Conv& v : convs) {
-    const Attributes attrs{{"stride", v.stride}, {"padding", v.padding}};
+    const Attributes attrs{{"stride", v.stride}, {"padding", v.padding}, {"groups", v.groups}};
     const Shape y = output_shape(Op::kConv2d, {{DType::kF32, v.x}, {DType::kF32, v.w}}, attrs);
-    const std::string name = fmt::format("conv2d_{}_{}_s{}_p{}", tag(v.x), tag(v.w),
-                                         fmt::join(v.stride, ""), fmt::join(v.padding, ""));
+    const std::string name =
+        fmt::format("conv2d_{}_{}_s{}_p{}{}", tag(v.x), tag(v.w), fmt::join(v.stride, ""),
+                    fmt::join(v.padding, ""), v.groups == 1 ? "" : fmt::format("_g{}", v.groups));
+    const bool depthwise = v.groups > 1 && v.groups == v.x[1];
     Attributes input_attrs = attrs;
     input_attrs.set("input_shape", v.x);
     Attributes weight_attrs = attrs;
@@ -861,8 +874,8 @@ void add_conv_and_pool(std::vector<Case>& c) {
       const std::string suffix = f32 ? "" : "_dtypes";
       const std::vector<DType> dtypes = f32 ? kF32 : other_floats;
       const std::optional<Tolerance> own = f32 ? std::optional(conv_tol) : std::nullopt;
-      const std::vector<std::string> taken_by = f32 ? std::vector<std::string>{"openblas"}
-                                                    : std::vector<std::string>{};
+      const std::vector<std::string> taken_by =
+          f32 ? std::vector<std::string>{depthwise ? "cpu" : "openblas"} : std::vector<std::string>{};
       c.push_back({.name = name + suffix, .op = Op::kConv2d, .dtypes = dtypes,
                    .inputs = {uniform(v.x, -1, 1), uniform(v.w, -1, 1)}, .attrs = attrs,
                    .taken_by_tolerance = own, .taken_by = taken_by});
