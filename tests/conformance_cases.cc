@@ -45,6 +45,14 @@ Gen positive(Shape shape) { return uniform(std::move(shape), 0.25, 3.0, 1, 20); 
 Gen fixed(DType type, Shape shape, double lo, double hi) {
   return [=](DType, uint64_t seed) { return rand(type, shape, seed, lo, hi); };
 }
+// A ReLU6's outputs: about a fifth exactly 0 and a fifth exactly 6, so comparisons meet ties.
+Gen clipped(Shape shape) {
+  return [=](DType t, uint64_t seed) {
+    Tensor x = rand(t, shape, seed, -2.0, 8.0);
+    for (int64_t i = 0; i < x.numel(); ++i) x.set(i, std::clamp(x.get(i), 0.0, 6.0));
+    return x;
+  };
+}
 Gen values(DType type, Shape shape, std::vector<double> v) {
   return [=](DType, uint64_t) { return make(type, shape, v); };
 }
@@ -392,7 +400,8 @@ void add_fast_path_geometry(std::vector<Case>& c) {
                    .op = u.op, .dtypes = kF32, .inputs = {uniform(shape, u.low, u.high)},
                    .attrs = u.attrs, .taken_by_tolerance = u.tol, .taken_by = {"cpu"}});
 
-  // Binary: each layout the "cpu" kernel has (same, scalar either side, row either side).
+  // Binary: each layout the "cpu" kernel has (same, scalar either side, row either side, block
+  // either side).
   const std::vector<std::pair<Shape, Shape>> layouts = {
       {{7}, {7}},                  {{3, 129}, {3, 129}},
       {{1, 3, 5}, {3, 5}},         // same up to leading 1s
@@ -406,6 +415,11 @@ void add_fast_path_geometry(std::vector<Case>& c) {
       {{129}, {5, 3, 129}},        // row a: (C,) op (B, T, C)
       {{1000, 129}, {129}},        // row b, split across threads
       {{600, 1}, {1}},             // row of one element
+      {{4, 6, 5, 7}, {1, 6, 1, 1}},  // block b: per channel, (N, C, H, W) op (1, C, 1, 1)
+      {{6, 1, 1}, {3, 6, 5, 7}},     // block a, of lower rank
+      {{2, 3, 7}, {2, 3, 1}},        // block b: a column
+      {{4, 6, 5, 7}, {4, 6, 1, 1}},  // block b over two dims
+      {{32, 64, 16, 16}, {64, 1, 1}},  // block b, split across threads
   };
   for (Op op : {Op::kAdd, Op::kSub, Op::kMul, Op::kDiv, Op::kMaximum, Op::kMinimum})
     for (const auto& [a, b] : layouts) {
@@ -418,6 +432,20 @@ void add_fast_path_geometry(std::vector<Case>& c) {
         c.push_back({.name = name + "_reversed", .op = op, .dtypes = kF32,
                      .inputs = {gen_b, uniform(a)}, .taken_by_tolerance = Tolerance{1e-7, 1e-6}, .taken_by = {"cpu"}});
     }
+
+  // Comparisons into bool, on a ReLU6's outputs (ties with 0 and 6: its gradient's masks).
+  for (Op op : {Op::kEq, Op::kNe, Op::kLt, Op::kLe, Op::kGt, Op::kGe}) {
+    const std::vector<std::pair<std::string, std::vector<Gen>>> operands = {
+        {"same", {clipped({4, 6, 5, 7}), clipped({4, 6, 5, 7})}},
+        {"zero", {clipped({4, 6, 5, 7}), values(DType::kF32, {}, {0.0})}},
+        {"six_left", {values(DType::kF32, {}, {6.0}), clipped({4, 6, 5, 7})}},
+        {"channel", {clipped({4, 6, 5, 7}), clipped({1, 6, 1, 1})}},
+        {"rows", {clipped({5, 3, 129}), clipped({129})}},
+    };
+    for (const auto& [tag_name, inputs] : operands)
+      c.push_back({.name = fmt::format("{}_layout_{}", op_name(op), tag_name), .op = op, .dtypes = kF32,
+                   .inputs = inputs, .taken_by_tolerance = Tolerance{0, 0}, .taken_by = {"cpu"}});
+  }
 
   // Reductions over suffix axes (rows), prefix axes (columns: bias gradients) and both around
   // kept middle axes (BatchNorm's per-channel statistics); positive inputs keep sums away from
