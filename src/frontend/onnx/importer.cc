@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "frontend/onnx/converter.h"
 #include "ir/op_def.h"
@@ -198,6 +199,7 @@ class Importer {
     updates_.push_back(Update{target, value});
   }
   bool from_pytorch() const { return from_pytorch_; }
+  bool is_read(const std::string& name) const { return read_.count(name) > 0; }
   bool is_state(ValueId id) const {
     const int i = b_.graph().input_index(id);
     return i >= 0 && b_.graph().inputs[i].role == Role::kState;
@@ -219,6 +221,7 @@ class Importer {
   size_t folded_nodes_ = 0;                       // nodes of the graph fold() has looked at
   std::vector<Update> updates_;
   bool from_pytorch_ = false;
+  std::unordered_set<std::string> read_;  // value names some node or the graph's outputs read
 };
 
 void Importer::fold() {
@@ -335,6 +338,10 @@ NodeContext::NodeContext(Importer& importer, const ::onnx::NodeProto& node, int6
     : importer_(importer), node_(node), opset_(opset) {}
 
 Builder& NodeContext::b() const { return importer_.builder(); }
+
+bool NodeContext::wants_output(int i) const {
+  return i < node_.output_size() && !node_.output(i).empty() && importer_.is_read(node_.output(i));
+}
 
 std::string NodeContext::where() const {
   return node_.name().empty() ? fmt::format("node ({})", node_.op_type())
@@ -455,8 +462,9 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
                         unread.size() == 1 ? "is" : "are");
   for (int i = 0; i < node.output_size(); ++i) {
     if (node.output(i).empty()) continue;
-    if (i >= static_cast<int>(outputs.size()) || outputs[i].id() < 0)
-      context.unsupported("output {} ('{}') is not supported", i, node.output(i));
+    const bool made = i < static_cast<int>(outputs.size()) && outputs[i].id() >= 0;
+    if (!made && !is_read(node.output(i))) continue;  // an output nothing reads need not be made
+    if (!made) context.unsupported("output {} ('{}') is not supported", i, node.output(i));
     values_[node.output(i)] = outputs[i];
   }
 }
@@ -515,6 +523,9 @@ ImportedModel Importer::run(const ::onnx::ModelProto& model) {
   const ::onnx::GraphProto& graph = model.graph();
   if (!graph.name().empty()) b_.graph().name = kiln_name(graph.name());
   add_inputs(graph, out);
+  for (const auto& node : graph.node())
+    for (const std::string& input : node.input()) read_.insert(input);
+  for (const auto& output : graph.output()) read_.insert(output.name());
   for (const auto& node : graph.node()) convert(node, out.opset);
   KILN_CHECK(graph.output_size() > 0, "{}: the graph has no outputs", source_);
   for (const auto& output : graph.output()) b_.graph().outputs.push_back(value_of(output.name(), "graph output").id());
