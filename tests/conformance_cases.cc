@@ -187,6 +187,15 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"transpose_reverse", Op::kTranspose, kAll, {uniform({3, 17, 2})}});
   c.push_back({"broadcast_to", Op::kBroadcastTo, kAll, {uniform({3, 1})},
                {{"shape", Ints{2, 3, 4}}}});
+  // The cpu kernel's runs: filled per channel (a BatchNorm's gradient), copied rows, copied
+  // runs between broadcast dims, a scalar, and a batch split across threads.
+  for (const auto& [from, to] : std::vector<std::pair<Shape, Ints>>{{{1, 6, 1, 1}, {4, 6, 5, 7}},
+                                                                    {{7}, {2, 3, 7}},
+                                                                    {{1, 4, 1, 5}, {3, 4, 2, 5}},
+                                                                    {{}, {3, 5}},
+                                                                    {{64, 1, 1}, {32, 64, 16, 16}}})
+    c.push_back({fmt::format("broadcast_to_{}_{}", tag(from), fmt::join(to, "x")), Op::kBroadcastTo, kAll,
+                 {uniform(from)}, {{"shape", to}}});
   c.push_back({"slice", Op::kSlice, kAll, {uniform({6, 7, 5})},
                {{"starts", Ints{1, -5, 0}}, {"ends", Ints{5, 7, 5}}, {"steps", Ints{2, 1, 3}}}});
   // Contiguous runs (steps 1): a last-axis range (the qkv split) and a range of rows.
