@@ -45,6 +45,14 @@ Gen positive(Shape shape) { return uniform(std::move(shape), 0.25, 3.0, 1, 20); 
 Gen fixed(DType type, Shape shape, double lo, double hi) {
   return [=](DType, uint64_t seed) { return rand(type, shape, seed, lo, hi); };
 }
+// A ReLU6's outputs: about a fifth exactly 0 and a fifth exactly 6, so comparisons meet ties.
+Gen clipped(Shape shape) {
+  return [=](DType t, uint64_t seed) {
+    Tensor x = rand(t, shape, seed, -2.0, 8.0);
+    for (int64_t i = 0; i < x.numel(); ++i) x.set(i, std::clamp(x.get(i), 0.0, 6.0));
+    return x;
+  };
+}
 Gen values(DType type, Shape shape, std::vector<double> v) {
   return [=](DType, uint64_t) { return make(type, shape, v); };
 }
@@ -199,6 +207,15 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"transpose_reverse", Op::kTranspose, kAll, {uniform({3, 17, 2})}});
   c.push_back({"broadcast_to", Op::kBroadcastTo, kAll, {uniform({3, 1})},
                {{"shape", Ints{2, 3, 4}}}});
+  // The cpu kernel's runs: filled per channel (a BatchNorm's gradient), copied rows, copied
+  // runs between broadcast dims, a scalar, and a batch split across threads.
+  for (const auto& [from, to] : std::vector<std::pair<Shape, Ints>>{{{1, 6, 1, 1}, {4, 6, 5, 7}},
+                                                                    {{7}, {2, 3, 7}},
+                                                                    {{1, 4, 1, 5}, {3, 4, 2, 5}},
+                                                                    {{}, {3, 5}},
+                                                                    {{64, 1, 1}, {32, 64, 16, 16}}})
+    c.push_back({fmt::format("broadcast_to_{}_{}", tag(from), fmt::join(to, "x")), Op::kBroadcastTo, kAll,
+                 {uniform(from)}, {{"shape", to}}});
   c.push_back({"slice", Op::kSlice, kAll, {uniform({6, 7, 5})},
                {{"starts", Ints{1, -5, 0}}, {"ends", Ints{5, 7, 5}}, {"steps", Ints{2, 1, 3}}}});
   // Contiguous runs (steps 1): a last-axis range (the qkv split) and a range of rows.
@@ -440,7 +457,8 @@ void add_fast_path_geometry(std::vector<Case>& c) {
                    .op = u.op, .dtypes = kF32, .inputs = {uniform(shape, u.low, u.high)},
                    .attrs = u.attrs, .taken_by_tolerance = u.tol, .taken_by = {"cpu"}});
 
-  // Binary: each layout the "cpu" kernel has (same, scalar either side, row either side).
+  // Binary: each layout the "cpu" kernel has (same, scalar either side, row either side, block
+  // either side).
   const std::vector<std::pair<Shape, Shape>> layouts = {
       {{7}, {7}},                  {{3, 129}, {3, 129}},
       {{1, 3, 5}, {3, 5}},         // same up to leading 1s
@@ -454,6 +472,11 @@ void add_fast_path_geometry(std::vector<Case>& c) {
       {{129}, {5, 3, 129}},        // row a: (C,) op (B, T, C)
       {{1000, 129}, {129}},        // row b, split across threads
       {{600, 1}, {1}},             // row of one element
+      {{4, 6, 5, 7}, {1, 6, 1, 1}},  // block b: per channel, (N, C, H, W) op (1, C, 1, 1)
+      {{6, 1, 1}, {3, 6, 5, 7}},     // block a, of lower rank
+      {{2, 3, 7}, {2, 3, 1}},        // block b: a column
+      {{4, 6, 5, 7}, {4, 6, 1, 1}},  // block b over two dims
+      {{32, 64, 16, 16}, {64, 1, 1}},  // block b, split across threads
   };
   for (Op op : {Op::kAdd, Op::kSub, Op::kMul, Op::kDiv, Op::kMaximum, Op::kMinimum})
     for (const auto& [a, b] : layouts) {
@@ -466,6 +489,20 @@ void add_fast_path_geometry(std::vector<Case>& c) {
         c.push_back({.name = name + "_reversed", .op = op, .dtypes = kF32,
                      .inputs = {gen_b, uniform(a)}, .taken_by_tolerance = Tolerance{1e-7, 1e-6}, .taken_by = {"cpu"}});
     }
+
+  // Comparisons into bool, on a ReLU6's outputs (ties with 0 and 6: its gradient's masks).
+  for (Op op : {Op::kEq, Op::kNe, Op::kLt, Op::kLe, Op::kGt, Op::kGe}) {
+    const std::vector<std::pair<std::string, std::vector<Gen>>> operands = {
+        {"same", {clipped({4, 6, 5, 7}), clipped({4, 6, 5, 7})}},
+        {"zero", {clipped({4, 6, 5, 7}), values(DType::kF32, {}, {0.0})}},
+        {"six_left", {values(DType::kF32, {}, {6.0}), clipped({4, 6, 5, 7})}},
+        {"channel", {clipped({4, 6, 5, 7}), clipped({1, 6, 1, 1})}},
+        {"rows", {clipped({5, 3, 129}), clipped({129})}},
+    };
+    for (const auto& [tag_name, inputs] : operands)
+      c.push_back({.name = fmt::format("{}_layout_{}", op_name(op), tag_name), .op = op, .dtypes = kF32,
+                   .inputs = inputs, .taken_by_tolerance = Tolerance{0, 0}, .taken_by = {"cpu"}});
+  }
 
   // Reductions over suffix axes (rows), prefix axes (columns: bias gradients) and both around
   // kept middle axes (BatchNorm's per-channel statistics); positive inputs keep sums away from
@@ -880,6 +917,7 @@ void add_conv_and_pool(std::vector<Case>& c) {
   struct Conv {
     Shape x, w;
     Ints stride, padding;
+    int64_t groups = 1;
   };
   const std::vector<Conv> convs = {
       {{2, 3, 7, 9}, {5, 3, 3, 3}, {1, 1}, {1, 1}},
@@ -892,15 +930,27 @@ void add_conv_and_pool(std::vector<Case>& c) {
       {{5, 1, 28, 28}, {16, 1, 3, 3}, {1, 1}, {1, 1}},  // the CNN's first layer
       {{2, 3, 7, 6}, {4, 3, 1, 1}, {2, 2}, {0, 0}},     // 1x1 with a stride: not x itself
       {{2, 2, 4, 5}, {3, 2, 1, 1}, {1, 1}, {1, 1}},     // 1x1 with padding: not x itself
+      // Groups: one GEMM per group on offsets of the same buffers (openblas).
+      {{2, 4, 7, 6}, {6, 2, 3, 3}, {1, 1}, {1, 1}, 2},
+      {{3, 6, 8, 7}, {3, 2, 3, 2}, {2, 1}, {1, 0}, 3},  // one output channel per group
+      {{2, 8, 5, 5}, {8, 2, 1, 1}, {1, 1}, {0, 0}, 4},  // grouped 1x1
+      // Depthwise (groups = C): the cpu dialect's direct loops.
+      {{2, 5, 9, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, 5},
+      {{3, 4, 9, 9}, {4, 1, 3, 3}, {2, 2}, {1, 1}, 4},    // stride 2, MobileNet's downsampling
+      {{2, 3, 7, 10}, {6, 1, 3, 5}, {1, 2}, {2, 1}, 3},   // two filters per channel, unequal
+      {{1, 4, 4, 4}, {8, 1, 5, 5}, {1, 1}, {3, 3}, 4},    // padding past the kernel's reach
+      {{4, 32, 16, 16}, {32, 1, 3, 3}, {1, 1}, {1, 1}, 32},  // many planes: split across threads
   };
   // f32 as the openblas kernels always held it; the other float dtypes (the CUDA kernels take
   // them all) at their own tolerance.
   const std::vector<DType> other_floats = {DType::kF64, DType::kF16, DType::kBF16};
   for (const Conv& v : convs) {
-    const Attributes attrs{{"stride", v.stride}, {"padding", v.padding}};
+    const Attributes attrs{{"stride", v.stride}, {"padding", v.padding}, {"groups", v.groups}};
     const Shape y = output_shape(Op::kConv2d, {{DType::kF32, v.x}, {DType::kF32, v.w}}, attrs);
-    const std::string name = fmt::format("conv2d_{}_{}_s{}_p{}", tag(v.x), tag(v.w),
-                                         fmt::join(v.stride, ""), fmt::join(v.padding, ""));
+    const std::string name =
+        fmt::format("conv2d_{}_{}_s{}_p{}{}", tag(v.x), tag(v.w), fmt::join(v.stride, ""),
+                    fmt::join(v.padding, ""), v.groups == 1 ? "" : fmt::format("_g{}", v.groups));
+    const bool depthwise = v.groups > 1 && v.groups == v.x[1];
     Attributes input_attrs = attrs;
     input_attrs.set("input_shape", v.x);
     Attributes weight_attrs = attrs;
@@ -909,8 +959,8 @@ void add_conv_and_pool(std::vector<Case>& c) {
       const std::string suffix = f32 ? "" : "_dtypes";
       const std::vector<DType> dtypes = f32 ? kF32 : other_floats;
       const std::optional<Tolerance> own = f32 ? std::optional(conv_tol) : std::nullopt;
-      const std::vector<std::string> taken_by = f32 ? std::vector<std::string>{"openblas"}
-                                                    : std::vector<std::string>{};
+      const std::vector<std::string> taken_by =
+          f32 ? std::vector<std::string>{depthwise ? "cpu" : "openblas"} : std::vector<std::string>{};
       c.push_back({.name = name + suffix, .op = Op::kConv2d, .dtypes = dtypes,
                    .inputs = {uniform(v.x, -1, 1), uniform(v.w, -1, 1)}, .attrs = attrs,
                    .taken_by_tolerance = own, .taken_by = taken_by});

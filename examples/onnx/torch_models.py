@@ -58,6 +58,30 @@ class Cnn(nn.Module):
         return (torch.randn(self.batch, 1, 28, 28, generator=g), torch.randint(0, 10, (self.batch,), generator=g))
 
 
+class DepthwiseCnn(nn.Module):
+    """MobileNet's pieces on 12x12 colour images: a stem conv, BatchNorm, ReLU6, a depthwise conv
+    with two filters per channel and stride 2, a pointwise one, a grouped transposed conv back up
+    (ConvTranspose: stride 2, padding 1, output_padding 1), a linear head."""
+
+    def __init__(self, batch=4):
+        super().__init__()
+        self.batch = batch
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.depthwise = nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=8)
+        self.pointwise = nn.Conv2d(16, 8, 1, bias=False)
+        self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.fc = nn.Linear(4 * 12 * 12, 10)
+
+    def forward(self, x, labels):
+        h = F.relu6(self.bn(self.stem(x)))
+        h = F.relu6(self.pointwise(self.depthwise(h)))
+        return F.cross_entropy(self.fc(torch.flatten(self.up(h), 1)), labels)
+
+    def example(self, g):
+        return (torch.randn(self.batch, 3, 12, 12, generator=g), torch.randint(0, 10, (self.batch,), generator=g))
+
+
 class PlainCnn(nn.Module):
     """kiln's cnn: per stage a 3x3 conv (padding 1) with bias, ReLU, 2x2 max pool; a linear head.
     With batchnorm, a BatchNorm after each conv (what kiln's cnn has not)."""
@@ -247,6 +271,7 @@ class Indexing(nn.Module):
 # LayerNormalization yet: LayerNorm comes as ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add;
 # bert-masked-fill writes the padding mask as a Where instead of an Add.
 MODELS = {"mlp": (Mlp, ["x", "labels"], 17), "cnn": (Cnn, ["x", "labels"], 17),
+          "depthwise": (DepthwiseCnn, ["x", "labels"], 17),
           "bert": (Bert, ["ids", "mask", "labels"], 17), "bert-opset14": (Bert, ["ids", "mask", "labels"], 14),
           "bert-masked-fill": (BertMaskedFill, ["ids", "mask", "labels"], 17),
           "llama": (Llama, ["ids", "labels"], 17), "indexing": (Indexing, ["x", "target"], 17)}

@@ -56,7 +56,7 @@ double node_flops(const Graph& g, const Node& node) {
       // The 4-d weight: conv2d's and conv2d_grad_input's second input, grad_weight's output.
       const ValueId w = node.op == Op::kConv2dGradWeight ? node.outputs[0] : node.inputs[1];
       const Shape& ws = g.type(w).shape;
-      const double per_output = numel_of(g, w) / static_cast<double>(ws[0]);  // C*KH*KW
+      const double per_output = numel_of(g, w) / static_cast<double>(ws[0]);  // C/groups*KH*KW
       return 2.0 * std::max(out_numel, in_numel) * per_output;
     }
     default:

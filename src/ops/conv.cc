@@ -1,19 +1,26 @@
 // Convolution and pooling ops, NCHW, float dtypes (f32, f64, f16, bf16), inputs of one dtype.
-// No groups, no dilation. Spatial attributes are pairs (height, width).
-//   conv2d(x (N, C, H, W), w (O, C, KH, KW)) {stride = [1, 1], padding = [0, 0]}
-//     -> y (N, O, OH, OW), OH = (H + 2 * pad_h - KH) / stride_h + 1 (and OW alike), >= 1.
-//     A cross-correlation, as in every framework; zero padding. Bias is a separate broadcast add.
+// No dilation. Spatial attributes are pairs (height, width).
+//   conv2d(x (N, C, H, W), w (O, C / groups, KH, KW)) {stride = [1, 1], padding = [0, 0],
+//     groups = 1} -> y (N, O, OH, OW), OH = (H + 2 * pad_h - KH) / stride_h + 1 (and OW alike),
+//     >= 1. A cross-correlation, as in every framework; zero padding. Bias is a separate
+//     broadcast add. groups divides C and O: output channel o belongs to group
+//     g = o / (O / groups) and sums over the input channels [g * C / groups, (g + 1) * C / groups)
+//     only (groups = C: a depthwise convolution, O / C filters per input channel).
 //   max_pool2d(x (N, C, H, W)) {kernel, stride = [] (= kernel), padding = [0, 0]}: padding counts
 //     as -inf; padding <= kernel / 2 (PyTorch's rule), so every window holds a real element.
 //   avg_pool2d(x) {kernel, stride = [] (= kernel), padding = [0, 0]}: the divisor is always
 //     KH * KW (padding counts as zeros in it, PyTorch's count_include_pad).
-// Backward ops (not differentiable themselves), emitted by the gradient rules:
-//   conv2d_grad_input(dy, w) {stride, padding, input_shape (N, C, H, W)} -> dx. input_shape is
-//     needed because with a stride > 1 several input sizes give the same output size.
-//   conv2d_grad_weight(x, dy) {stride, padding, weight_shape (O, C, KH, KW)} -> dw.
+// Backward ops, emitted by the gradient rules:
+//   conv2d_grad_input(dy, w) {stride, padding, groups, input_shape (N, C, H, W)} -> dx.
+//     input_shape is needed because with a stride > 1 several input sizes give the same output
+//     size. It is also the transposed convolution (ONNX's ConvTranspose, PyTorch's
+//     conv_transpose2d: dy is its input, w (O, C / groups, KH, KW) its weight), so it is
+//     differentiable: linear in dy and in w, its gradients are conv2d and conv2d_grad_weight.
+//   conv2d_grad_weight(x, dy) {stride, padding, groups, weight_shape (O, C / groups, KH, KW)}
+//     -> dw. Not differentiable.
 //   max_pool2d_grad(x, dy) {kernel, stride, padding} -> dx: each output's gradient goes to the
-//     first position (row-major in its window) holding the window's max.
-//   avg_pool2d_grad(dy) {kernel, stride, padding, input_shape} -> dx.
+//     first position (row-major in its window) holding the window's max. Not differentiable.
+//   avg_pool2d_grad(dy) {kernel, stride, padding, input_shape} -> dx. Not differentiable.
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
 #include <cmath>
 #include <limits>
@@ -100,11 +107,22 @@ Shape windowed_shape(const Shape& input, int64_t channels, const Window& win,
           output_size(w, win.kw, win.sw, win.pw)};
 }
 
-Shape conv_output_shape(const Shape& x, const Shape& w, const Window& win) {
-  KILN_CHECK(w[1] == x[1],
-             "channels differ: x is {} (C = {}), w is {} (C = {}), expected w (O, C, KH, KW) "
-             "with x's C",
-             to_string(x), x[1], to_string(w), w[1]);
+// The groups attribute, >= 1.
+int64_t groups_attr(const Attributes& attrs) {
+  const int64_t groups = attrs.i("groups");
+  KILN_CHECK(groups >= 1, "attribute 'groups' is {}, expected at least 1", groups);
+  return groups;
+}
+
+Shape conv_output_shape(const Shape& x, const Shape& w, const Window& win, int64_t groups) {
+  KILN_CHECK(x[1] % groups == 0 && w[0] % groups == 0,
+             "groups = {} does not divide the channels: x is {} (C = {}), w is {} (O = {}), "
+             "expected both divisible by groups",
+             groups, to_string(x), x[1], to_string(w), w[0]);
+  KILN_CHECK(w[1] * groups == x[1],
+             "channels differ: x is {} (C = {}), w is {} (C / groups = {}), expected w (O, "
+             "C / groups, KH, KW) with x's C = {} and groups = {}",
+             to_string(x), x[1], to_string(w), w[1], x[1], groups);
   return windowed_shape(x, w[0], win,
                         fmt::format("x is {}, w is {}", to_string(x), to_string(w)));
 }
@@ -132,21 +150,21 @@ std::vector<TensorType> infer_conv2d(std::span<const TensorType> in, const Attri
   check_float(x, "x");
   check_same_dtype(w, "w", x, "x");
   check_nchw(x.shape, "x", "(N, C, H, W)");
-  check_nchw(w.shape, "w", "(O, C, KH, KW)");
+  check_nchw(w.shape, "w", "(O, C / groups, KH, KW)");
   KILN_CHECK(w.shape[2] >= 1 && w.shape[3] >= 1,
              "w has shape {}, expected a kernel of at least 1x1", to_string(w.shape));
   const Window win = conv_window(attrs, w.shape[2], w.shape[3]);
-  return {{x.dtype, conv_output_shape(x.shape, w.shape, win)}};
+  return {{x.dtype, conv_output_shape(x.shape, w.shape, win, groups_attr(attrs))}};
 }
 
 std::vector<TensorType> infer_conv2d_grad_input(std::span<const TensorType> in,
                                                 const Attributes& attrs) {
   const TensorType &dy = in[0], &w = in[1];
   check_float(w, "w");
-  check_nchw(w.shape, "w", "(O, C, KH, KW)");
+  check_nchw(w.shape, "w", "(O, C / groups, KH, KW)");
   const Shape x = nchw_attr(attrs, "input_shape", "(N, C, H, W)");
   const Window win = conv_window(attrs, w.shape[2], w.shape[3]);
-  const Shape y = conv_output_shape(x, w.shape, win);
+  const Shape y = conv_output_shape(x, w.shape, win, groups_attr(attrs));
   check_dy(dy, y, w, "w", fmt::format("input_shape {} and w {}", to_string(x), to_string(w.shape)));
   return {{w.dtype, x}};
 }
@@ -156,9 +174,9 @@ std::vector<TensorType> infer_conv2d_grad_weight(std::span<const TensorType> in,
   const TensorType &x = in[0], &dy = in[1];
   check_float(x, "x");
   check_nchw(x.shape, "x", "(N, C, H, W)");
-  const Shape w = nchw_attr(attrs, "weight_shape", "(O, C, KH, KW)");
+  const Shape w = nchw_attr(attrs, "weight_shape", "(O, C / groups, KH, KW)");
   const Window win = conv_window(attrs, w[2], w[3]);
-  const Shape y = conv_output_shape(x.shape, w, win);
+  const Shape y = conv_output_shape(x.shape, w, win, groups_attr(attrs));
   check_dy(dy, y, x, "x",
            fmt::format("x {} and weight_shape {}", to_string(x.shape), to_string(w)));
   return {{x.dtype, w}};
@@ -232,57 +250,74 @@ void store(Tensor& t, const std::vector<double>& values) {
   for (int64_t i = 0; i < t.numel(); ++i) t.set(i, values[i]);
 }
 
-// y[n, o, i, j] = sum over (c, p, q) of x[n, c, h0 + p, w0 + q] * w[o, c, p, q].
+// The input channels [first, first + count) that output channel o of a grouped convolution
+// reads; w holds them at w[o, c - first].
+struct GroupChannels {
+  int64_t first, count;
+};
+GroupChannels group_channels(int64_t o, const Shape& w, int64_t groups) {
+  return {o / (w[0] / groups) * w[1], w[1]};
+}
+
+// y[n, o, i, j] = sum over (c, p, q) of x[n, c, h0 + p, w0 + q] * w[o, c - first, p, q], c in
+// o's group.
 void conv2d_reference(const KernelArgs& args) {
   const Tensor &x = args.inputs[0], &w = args.inputs[1];
   Tensor& y = args.outputs[0];
   const Shape &xs = x.shape(), &ws = w.shape();
   const Window win = conv_window(args.attrs, ws[2], ws[3]);
+  const int64_t groups = groups_attr(args.attrs);
   for_each_window(y.shape(), win, [&](const At& a) {  // a.c is the output channel o
+    const GroupChannels g = group_channels(a.c, ws, groups);
     double sum = 0.0;
-    for (int64_t c = 0; c < xs[1]; ++c)
+    for (int64_t k = 0; k < g.count; ++k)
       for (int64_t p = 0; p < ws[2]; ++p)
         for (int64_t q = 0; q < ws[3]; ++q) {
-          const int64_t xi = tap(xs, a.n, c, a, p, q);
-          if (xi >= 0) sum += x.get(xi) * w.get(at4(ws, a.c, c, p, q));
+          const int64_t xi = tap(xs, a.n, g.first + k, a, p, q);
+          if (xi >= 0) sum += x.get(xi) * w.get(at4(ws, a.c, k, p, q));
         }
     y.set(at4(y.shape(), a.n, a.c, a.i, a.j), sum);
   });
 }
 
-// dx[n, c, h0 + p, w0 + q] += dy[n, o, i, j] * w[o, c, p, q]: the forward's sum, scattered back.
+// dx[n, c, h0 + p, w0 + q] += dy[n, o, i, j] * w[o, c - first, p, q]: the forward's sum,
+// scattered back.
 void conv2d_grad_input_reference(const KernelArgs& args) {
   const Tensor &dy = args.inputs[0], &w = args.inputs[1];
   Tensor& dx = args.outputs[0];
   const Shape &xs = dx.shape(), &ws = w.shape();
   const Window win = conv_window(args.attrs, ws[2], ws[3]);
+  const int64_t groups = groups_attr(args.attrs);
   std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
   for_each_window(dy.shape(), win, [&](const At& a) {
-    const double g = dy.get(at4(dy.shape(), a.n, a.c, a.i, a.j));
-    for (int64_t c = 0; c < xs[1]; ++c)
+    const GroupChannels g = group_channels(a.c, ws, groups);
+    const double grad = dy.get(at4(dy.shape(), a.n, a.c, a.i, a.j));
+    for (int64_t k = 0; k < g.count; ++k)
       for (int64_t p = 0; p < ws[2]; ++p)
         for (int64_t q = 0; q < ws[3]; ++q) {
-          const int64_t xi = tap(xs, a.n, c, a, p, q);
-          if (xi >= 0) acc[xi] += g * w.get(at4(ws, a.c, c, p, q));
+          const int64_t xi = tap(xs, a.n, g.first + k, a, p, q);
+          if (xi >= 0) acc[xi] += grad * w.get(at4(ws, a.c, k, p, q));
         }
   });
   store(dx, acc);
 }
 
-// dw[o, c, p, q] += dy[n, o, i, j] * x[n, c, h0 + p, w0 + q].
+// dw[o, c - first, p, q] += dy[n, o, i, j] * x[n, c, h0 + p, w0 + q].
 void conv2d_grad_weight_reference(const KernelArgs& args) {
   const Tensor &x = args.inputs[0], &dy = args.inputs[1];
   Tensor& dw = args.outputs[0];
   const Shape &xs = x.shape(), &ws = dw.shape();
   const Window win = conv_window(args.attrs, ws[2], ws[3]);
+  const int64_t groups = groups_attr(args.attrs);
   std::vector<double> acc(static_cast<size_t>(dw.numel()), 0.0);
   for_each_window(dy.shape(), win, [&](const At& a) {
-    const double g = dy.get(at4(dy.shape(), a.n, a.c, a.i, a.j));
-    for (int64_t c = 0; c < xs[1]; ++c)
+    const GroupChannels g = group_channels(a.c, ws, groups);
+    const double grad = dy.get(at4(dy.shape(), a.n, a.c, a.i, a.j));
+    for (int64_t k = 0; k < g.count; ++k)
       for (int64_t p = 0; p < ws[2]; ++p)
         for (int64_t q = 0; q < ws[3]; ++q) {
-          const int64_t xi = tap(xs, a.n, c, a, p, q);
-          if (xi >= 0) acc[at4(ws, a.c, c, p, q)] += g * x.get(xi);
+          const int64_t xi = tap(xs, a.n, g.first + k, a, p, q);
+          if (xi >= 0) acc[at4(ws, a.c, k, p, q)] += grad * x.get(xi);
         }
   });
   store(dw, acc);
@@ -361,11 +396,35 @@ void avg_pool2d_grad_reference(const KernelArgs& args) {
 
 // ---- gradient rules ----
 
+// The attributes every convolution op shares (stride, padding, groups), taken from a node's.
+Attributes conv_attributes(const Attributes& attrs) {
+  return {{"stride", attrs.ints("stride")},
+          {"padding", attrs.ints("padding")},
+          {"groups", attrs.i("groups")}};
+}
+
+Expr conv_node(Builder& b, Op op, std::vector<Expr> inputs, Attributes attrs, const char* shape_name,
+               const Shape& shape) {
+  attrs.set(shape_name, shape);
+  return b.apply1(op, std::move(inputs), std::move(attrs));
+}
+
 std::vector<Expr> conv2d_gradient(const GradContext& c) {
   const Expr &x = c.x(0), &w = c.x(1);
-  const Ints &stride = c.attrs().ints("stride"), &padding = c.attrs().ints("padding");
-  return {conv2d_grad_input(c.dy(), w, x.shape(), stride, padding),
-          conv2d_grad_weight(x, c.dy(), w.shape(), stride, padding)};
+  const Attributes attrs = conv_attributes(c.attrs());
+  return {conv_node(c.builder, Op::kConv2dGradInput, {c.dy(), w}, attrs, "input_shape", x.shape()),
+          conv_node(c.builder, Op::kConv2dGradWeight, {x, c.dy()}, attrs, "weight_shape",
+                    w.shape())};
+}
+
+// dx = conv2d_grad_input(dy, w) is bilinear: <g, dx> sums dy[n, o, i, j] * w[o, k, p, q] *
+// g[n, c, h0 + p, w0 + q], so d/d(dy) is conv2d(g, w) and d/dw is conv2d_grad_weight(g, dy).
+std::vector<Expr> conv2d_grad_input_gradient(const GradContext& c) {
+  const Expr &dy = c.x(0), &w = c.x(1);
+  const Attributes attrs = conv_attributes(c.attrs());
+  return {c.builder.apply1(Op::kConv2d, {c.dy(), w}, attrs),
+          conv_node(c.builder, Op::kConv2dGradWeight, {c.dy(), dy}, attrs, "weight_shape",
+                    w.shape())};
 }
 
 std::vector<Expr> max_pool2d_gradient(const GradContext& c) {
@@ -379,7 +438,8 @@ std::vector<Expr> avg_pool2d_gradient(const GradContext& c) {
 }
 
 std::vector<AttrSpec> conv_attrs() {
-  return {with_default("stride", Ints{1, 1}), with_default("padding", Ints{0, 0})};
+  return {with_default("stride", Ints{1, 1}), with_default("padding", Ints{0, 0}),
+          with_default("groups", int64_t{1})};
 }
 
 std::vector<AttrSpec> pool_attrs() {
@@ -395,8 +455,9 @@ void define_conv_ops(OpRegistry& registry) {
 
   std::vector<AttrSpec> grad_input_attrs = conv_attrs();
   grad_input_attrs.push_back(required("input_shape", AttrKind::kInts));
-  registry.define(Op::kConv2dGradInput, OpDef{grad_input_attrs, infer_conv2d_grad_input,
-                                              conv2d_grad_input_reference, nullptr, false});
+  registry.define(Op::kConv2dGradInput,
+                  OpDef{grad_input_attrs, infer_conv2d_grad_input, conv2d_grad_input_reference,
+                        conv2d_grad_input_gradient});
 
   std::vector<AttrSpec> grad_weight_attrs = conv_attrs();
   grad_weight_attrs.push_back(required("weight_shape", AttrKind::kInts));

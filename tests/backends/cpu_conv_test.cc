@@ -1,9 +1,10 @@
-// The CPU fast paths of conv2d and its gradients (dialect "openblas") and of the pools (dialect
-// "cpu") beyond the conformance sweep (which runs them against the reference kernels on odd
-// sizes, strides, paddings, unequal per-dim attributes, 1x1 kernels, a single image and a CNN
-// batch: tests/conformance_cases.cc): a batch large enough to be split into several GEMM groups
-// (with a last group of one image), pools with tied maxima, which dialect the registry picks,
-// and that supports() leaves f64 and empty tensors to the reference.
+// The CPU fast paths of conv2d and its gradients (dialect "openblas"; depthwise ones "cpu") and
+// of the pools (dialect "cpu") beyond the conformance sweep (which runs them against the
+// reference kernels on odd sizes, strides, paddings, unequal per-dim attributes, 1x1 kernels,
+// groups, depthwise convolutions, a single image and a CNN batch: tests/conformance_cases.cc):
+// a batch large enough to be split into several GEMM chunks of images (with a last chunk of one
+// image), grouped too, pools with tied maxima, which dialect the registry picks, and that
+// supports() leaves f64 and empty tensors to the reference.
 #include <cmath>
 
 #include "test_util.h"
@@ -26,11 +27,12 @@ constexpr Tolerance kConvTolerance{2e-4, 2e-4};
 struct ConvCase {
   Shape x, w;
   Ints stride, padding;
+  int64_t groups = 1;
 };
 
 // Forward, grad_input and grad_weight of one conv geometry.
 void check_conv(const ConvCase& c, uint64_t seed) {
-  Attributes attrs{{"stride", c.stride}, {"padding", c.padding}};
+  Attributes attrs{{"stride", c.stride}, {"padding", c.padding}, {"groups", c.groups}};
   Tensor x = rand(DType::kF32, c.x, seed), w = rand(DType::kF32, c.w, seed + 1);
   expect_matches_reference("openblas", Op::kConv2d, {x, w}, attrs, kConvTolerance);
   const Shape y = run_reference(Op::kConv2d, {x, w}, attrs)[0].shape();
@@ -44,10 +46,13 @@ void check_conv(const ConvCase& c, uint64_t seed) {
                            kConvTolerance);
 }
 
-TEST(CpuConv, SplitsLargeBatchesIntoGroups) {
+TEST(CpuConv, SplitsLargeBatchesIntoChunks) {
   // 32 * 5 * 5 = 800 column rows times 40 * 41 = 1640 positions: 1.3M floats per image, so a
-  // group holds 3 images under the 4M-float budget and 4 images run as 3 + 1.
+  // chunk holds 3 images under the 4M-float budget and 4 images run as 3 + 1.
   check_conv({{4, 32, 40, 41}, {4, 32, 5, 5}, {1, 1}, {2, 2}}, 7);
+  // The same chunks with 4 groups: each chunk's GEMMs per group at their offsets, the weight
+  // gradient of the second chunk added to each group's block.
+  check_conv({{4, 32, 40, 41}, {8, 8, 5, 5}, {1, 1}, {2, 2}, 4}, 8);
 }
 
 struct PoolCase {
@@ -96,6 +101,18 @@ TEST(CpuConv, DialectSelection) {
   EXPECT_EQ(selected_dialect(Op::kConv2dGradWeight, {x, {DType::kF32, {2, 4, 6, 6}}},
                              {{"weight_shape", Ints{4, 3, 3, 3}}}),
             "openblas");
+  // Grouped: per-group GEMMs; depthwise (groups = C > 1): the direct loops.
+  const TensorType x6{DType::kF32, {2, 6, 8, 8}};
+  EXPECT_EQ(selected_dialect(Op::kConv2d, {x6, {DType::kF32, {4, 3, 3, 3}}}, {{"groups", int64_t{2}}}),
+            "openblas");
+  const TensorType depthwise_w{DType::kF32, {12, 1, 3, 3}}, depthwise_dy{DType::kF32, {2, 12, 6, 6}};
+  EXPECT_EQ(selected_dialect(Op::kConv2d, {x6, depthwise_w}, {{"groups", int64_t{6}}}), "cpu");
+  EXPECT_EQ(selected_dialect(Op::kConv2dGradInput, {depthwise_dy, depthwise_w},
+                             {{"groups", int64_t{6}}, {"input_shape", Ints{2, 6, 8, 8}}}),
+            "cpu");
+  EXPECT_EQ(selected_dialect(Op::kConv2dGradWeight, {x6, depthwise_dy},
+                             {{"groups", int64_t{6}}, {"weight_shape", Ints{12, 1, 3, 3}}}),
+            "cpu");
   EXPECT_EQ(selected_dialect(Op::kMaxPool2d, {x}, {{"kernel", Ints{2, 2}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kAvgPool2d, {x}, {{"kernel", Ints{2, 2}}}), "cpu");
   // Other dtypes and empty tensors go to the reference.

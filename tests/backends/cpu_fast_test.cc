@@ -56,8 +56,7 @@ TEST(CpuFastBinary, MaximumAndMinimumPropagateNan) {
 
 TEST(CpuFastBinary, RefusesOtherBroadcastsAndDtypes) {
   const TensorType f32_btc{DType::kF32, {2, 3, 4}};
-  // A column broadcast, an outer-product broadcast, a middle-dim broadcast: the reference's.
-  EXPECT_EQ(selected_dialect(Op::kAdd, {f32_btc, {DType::kF32, {2, 3, 1}}}), "reference");
+  // An outer-product broadcast, a middle-dim broadcast: the reference's.
   EXPECT_EQ(selected_dialect(Op::kMul, {{DType::kF32, {3, 1}}, {DType::kF32, {1, 4}}}),
             "reference");
   EXPECT_EQ(selected_dialect(Op::kSub, {f32_btc, {DType::kF32, {2, 1, 4}}}), "reference");
@@ -68,10 +67,14 @@ TEST(CpuFastBinary, RefusesOtherBroadcastsAndDtypes) {
   // What it does support.
   EXPECT_EQ(selected_dialect(Op::kAdd, {f32_btc, {DType::kF32, {4}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kAdd, {{DType::kF32, {4}}, f32_btc}), "cpu");
+  // A column and a per-channel (block) broadcast; comparisons into bool.
+  EXPECT_EQ(selected_dialect(Op::kAdd, {f32_btc, {DType::kF32, {2, 3, 1}}}), "cpu");
+  EXPECT_EQ(selected_dialect(Op::kMul, {{DType::kF32, {2, 3, 4, 5}}, {DType::kF32, {1, 3, 1, 1}}}), "cpu");
+  EXPECT_EQ(selected_dialect(Op::kGt, {f32_btc, {DType::kF32, {}}}), "cpu");
   // Restricted to "cpu", a refused node has no kernel at all.
-  Tensor a = rand(DType::kF32, {2, 3, 4}, 7), b = rand(DType::kF32, {2, 3, 1}, 8);
+  Tensor a = rand(DType::kF32, {2, 3, 4}, 7), b = rand(DType::kF32, {2, 1, 4}, 8);
   EXPECT_THROW(run_dialect("cpu", Op::kAdd, {a, b}), Error);
-  // The refused layout still runs, through the reference.
+  // The refused layout still runs, through the reference: element (0, 1, 1) adds b (0, 0, 1).
   Tensor out = run_reference(Op::kAdd, {a, b})[0];
   EXPECT_NEAR(out.get(5), a.get(5) + b.get(1), 1e-6);
 }
@@ -204,9 +207,10 @@ TEST(CpuFastExecutor, AllDialectsAgreeWithReferenceOnly) {
   h = g.add(Op::kGelu, {h});
   h = g.add(Op::kLayerNorm, {h, gamma, beta});
   ValueId y = g.add(Op::kSoftmax, {h});
-  // A column broadcast the fast kernels refuse: falls back to the reference in the same run.
+  // An outer-product broadcast the fast kernels refuse, (2, 5, 1) against (24,): falls back to
+  // the reference in the same run.
   ValueId col = g.add(Op::kMax, {y}, {{"axes", std::vector<int64_t>{-1}}, {"keepdims", true}});
-  ValueId z = g.add(Op::kSub, {y, col});
+  ValueId z = g.add(Op::kSub, {col, bias});
   g.outputs = {y, z};
 
   std::vector<Tensor> inputs = {

@@ -7,6 +7,9 @@
 //     as large as the input, single images and 1x1 planes;
 //   - batches larger than the scratch bound (conv::kScratchBytes): chunks of several images,
 //     dy regrouped per channel, the weight gradient accumulated over chunks (in f32 for bf16);
+//   - groups (one product per group on offsets of the same buffers, with and without im2col,
+//     several chunks) and depthwise convolutions (groups = C: the direct kernels, one or several
+//     filters per channel, strides and paddings, a weight gradient over many positions);
 //   - max pooling's ties (the first maximum takes the gradient), NaNs and windows of -inf (the
 //     ONNX importer's ceil-mode padding).
 // Tolerances (max_scaled_error <= 1 with atol scaled by the output's largest element, as the
@@ -71,6 +74,7 @@ void expect_matches_reference(Op op, const std::vector<Tensor>& inputs, const At
 struct ConvCase {
   Shape x, w;
   Ints stride, padding;
+  int64_t groups = 1;
 };
 
 const std::vector<ConvCase> kConvCases = {
@@ -89,14 +93,29 @@ const std::vector<ConvCase> kConvCases = {
     {{2, 5, 3, 17}, {3, 5, 3, 1}, {1, 3}, {1, 0}},     // a wide, flat plane
     {{1, 1, 1, 1}, {1, 1, 1, 1}, {1, 1}, {0, 0}},      // one element
     {{4, 16, 14, 14}, {32, 16, 3, 3}, {1, 1}, {1, 1}}, // the cnn's second layer (K = 144)
+    // Groups: products per group.
+    {{2, 4, 7, 6}, {6, 2, 3, 3}, {1, 1}, {1, 1}, 2},
+    {{3, 6, 8, 7}, {3, 2, 3, 2}, {2, 1}, {1, 0}, 3},   // one output channel per group
+    {{2, 8, 5, 5}, {8, 2, 1, 1}, {1, 1}, {0, 0}, 4},   // grouped 1x1: x is its own column matrix
+    {{2, 8, 5, 5}, {4, 4, 1, 1}, {2, 2}, {0, 0}, 2},   // grouped 1x1 with a stride: im2col
+    // Depthwise: the direct kernels.
+    {{2, 5, 9, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, 5},
+    {{3, 4, 9, 9}, {4, 1, 3, 3}, {2, 2}, {1, 1}, 4},     // stride 2
+    {{2, 3, 7, 10}, {6, 1, 3, 5}, {1, 2}, {2, 1}, 3},    // two filters per channel, unequal
+    {{1, 4, 4, 4}, {8, 1, 5, 5}, {1, 1}, {3, 3}, 4},     // padding past the kernel's reach
+    {{2, 3, 10, 9}, {3, 1, 2, 2}, {3, 4}, {1, 0}, 3},    // stride > kernel: inputs no window reads
+    {{8, 32, 28, 28}, {32, 1, 3, 3}, {1, 1}, {1, 1}, 32},  // weight gradient: 6272 positions a tap
 };
 
-Attributes conv_attrs(const ConvCase& c) { return {{"stride", c.stride}, {"padding", c.padding}}; }
+Attributes conv_attrs(const ConvCase& c) {
+  return {{"stride", c.stride}, {"padding", c.padding}, {"groups", c.groups}};
+}
 
 // The three ops of one case at one dtype, on random inputs.
 void check_conv(const ConvCase& c, DType t, uint64_t seed) {
-  SCOPED_TRACE(fmt::format("x {} w {} stride {} padding {} {}", to_string(c.x), to_string(c.w),
-                           fmt::join(c.stride, "x"), fmt::join(c.padding, "x"), dtype_name(t)));
+  SCOPED_TRACE(fmt::format("x {} w {} stride {} padding {} groups {} {}", to_string(c.x),
+                           to_string(c.w), fmt::join(c.stride, "x"), fmt::join(c.padding, "x"),
+                           c.groups, dtype_name(t)));
   const Attributes attrs = conv_attrs(c);
   const Shape y = testing::infer(Op::kConv2d, {{t, c.x}, {t, c.w}}, attrs)[0].shape;
   const Tensor x = rand(t, c.x, seed), w = rand(t, c.w, seed + 1), dy = rand(t, y, seed + 2);
@@ -132,6 +151,15 @@ TEST(CudaConv, BatchesLargerThanTheScratchRunInChunks) {
     ASSERT_EQ(cuda::conv::images_per_chunk((k + 2) * plane * e, 3), 2);
     check_conv(c, t, 7);
   }
+}
+
+// Grouped products over several chunks of images (the weight gradient adds each chunk through
+// cuBLASLt's C, per group at its offset).
+TEST(CudaConv, GroupedBatchesLargerThanTheScratchRunInChunks) {
+  KILN_REQUIRE_GPU();
+  const ConvCase c{{3, 16, 200, 200}, {4, 8, 3, 3}, {1, 1}, {1, 1}, 2};
+  ASSERT_EQ(cuda::conv::images_per_chunk(16 * 9 * 200 * 200 * 4, 3), 2);
+  check_conv(c, DType::kF32, 11);
 }
 
 // 16-bit operands accumulate in f32: sums of 2304 products (a bf16 accumulator would be off by

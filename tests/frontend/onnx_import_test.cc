@@ -141,6 +141,62 @@ TEST(OnnxImport, DynamicDimTakesItsSizeFromShapeOrSaysWhichFlag) {
 #endif
 }
 
+// PyTorch's exporter names Dropout's mask in training mode although nothing reads it
+// (torchvision's MobileNetV2): an output nothing reads need not be made, one read is still
+// refused.
+TEST(OnnxImport, DropoutMaskNothingReadsIsNotNeeded) {
+#ifdef KILN_HAVE_ONNX
+  if (!onnx::onnx_available()) GTEST_SKIP() << "no ONNX front end";
+  auto model_with = [](bool mask_is_output) {
+    ::onnx::ModelProto model;
+    model.set_ir_version(8);
+    model.add_opset_import()->set_version(17);
+    ::onnx::GraphProto* g = model.mutable_graph();
+    g->set_name("dropout");
+    auto typed = [](::onnx::ValueInfoProto* v, const char* name, int elem_type, std::vector<int64_t> dims) {
+      v->set_name(name);
+      auto* t = v->mutable_type()->mutable_tensor_type();
+      t->set_elem_type(elem_type);
+      auto* shape = t->mutable_shape();
+      for (int64_t d : dims) shape->add_dim()->set_dim_value(d);
+    };
+    typed(g->add_input(), "x", ::onnx::TensorProto::FLOAT, {3, 4});
+    auto constant = [&](const char* name, int elem_type, float value) {
+      ::onnx::NodeProto* c = g->add_node();
+      c->set_op_type("Constant");
+      c->add_output(name);
+      ::onnx::AttributeProto* a = c->add_attribute();
+      a->set_name("value");
+      a->set_type(::onnx::AttributeProto::TENSOR);
+      ::onnx::TensorProto* t = a->mutable_t();
+      t->set_data_type(elem_type);
+      if (elem_type == ::onnx::TensorProto::FLOAT) t->add_float_data(value);
+      else t->add_int32_data(static_cast<int32_t>(value));
+    };
+    constant("ratio", ::onnx::TensorProto::FLOAT, 0.25f);
+    constant("training", ::onnx::TensorProto::BOOL, 1);
+    ::onnx::NodeProto* n = g->add_node();
+    n->set_op_type("Dropout");
+    for (const char* in : {"x", "ratio", "training"}) n->add_input(in);
+    n->add_output("y");
+    n->add_output("mask");
+    typed(g->add_output(), "y", ::onnx::TensorProto::FLOAT, {3, 4});
+    if (mask_is_output) typed(g->add_output(), "mask", ::onnx::TensorProto::BOOL, {3, 4});
+    return model.SerializeAsString();
+  };
+  onnx::ImportedModel m = onnx::import_onnx_bytes(model_with(false), ".", {}, "dropout");
+  EXPECT_NE(print(m.graph).find("dropout("), std::string::npos) << print(m.graph);
+  try {
+    onnx::import_onnx_bytes(model_with(true), ".", {}, "dropout");
+    FAIL() << "imported a training-mode Dropout's mask";
+  } catch (const onnx::OnnxUnsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("the mask output in training mode"), std::string::npos) << e.what();
+  }
+#else
+  GTEST_SKIP() << "no ONNX front end";
+#endif
+}
+
 TEST(OnnxImport, UnsupportedOpIsOneLineNamingTheNodeAndOp) {
   const char* path = "/usr/share/libonnx-testdata/data/node/test_det_2d/model.onnx";
   if (!onnx::onnx_available() || !std::filesystem::exists(path)) GTEST_SKIP() << "no ONNX front end or test data";

@@ -1,7 +1,7 @@
 """`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
-BatchNorm, tiny BERT-style encoder at opsets 17 and 14 and with its padding mask as a
-masked_fill, tiny LLaMA-style decoder with grouped-query attention, a head over in-place slice assignments,
-cumsum, topk, sort and gather) is exported to ONNX, and one training step of kiln (AdamW) is compared
+BatchNorm, MobileNet-style depthwise CNN with a grouped ConvTranspose, tiny BERT-style encoder at opsets 17 and 14 and
+with its padding mask as a masked_fill, tiny LLaMA-style decoder with grouped-query attention, a head over in-place slice
+assignments, cumsum, topk, sort and gather) is exported to ONNX, and one training step of kiln (AdamW) is compared
 with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of the tensor's
 largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
 must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
@@ -103,6 +103,7 @@ def torch_step(model, inputs, lr, betas, eps, weight_decay):
 COMPOSITE_OPS = {
     "mlp": {"gelu": 2, "gelu_grad": 1},
     "cnn": {},
+    "depthwise": {},
     "bert": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},
     "bert-opset14": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},
     "bert-masked-fill": {"attention_qkv": 2, "attention_qkv_grad": 2, "gelu": 2, "gelu_grad": 2, "layer_norm": 5},

@@ -1,7 +1,8 @@
-// Gradient rules of conv2d, max_pool2d and avg_pool2d (src/ops/conv.cc), each checked against
-// float64 central differences of the reference kernels on small random inputs: default
-// attributes, stride 2, padding 1, unequal per-dim attributes, several images and channels.
-// Also that the backward ops are marked not differentiable.
+// Gradient rules of conv2d, conv2d_grad_input (the transposed convolution), max_pool2d and
+// avg_pool2d (src/ops/conv.cc), each checked against float64 central differences of the
+// reference kernels on small random inputs: default attributes, stride 2, padding 1, unequal
+// per-dim attributes, groups and depthwise, several images and channels. Also that the other
+// backward ops are marked not differentiable.
 #include "gradcheck.h"
 
 namespace kiln {
@@ -43,6 +44,37 @@ TEST(ConvGrad, Conv2dUnequalAttributes) {
                       conv_attrs({2, 1}, {0, 1}));
 }
 
+TEST(ConvGrad, Conv2dGroups) {
+  // 2 groups of 2 input channels, 3 outputs each; stride 2 and padding 1.
+  Attributes attrs = conv_attrs({2, 2}, {1, 1});
+  attrs.set("groups", int64_t{2});
+  expect_op_gradients(Op::kConv2d, {rand64({2, 4, 5, 6}, 11), rand64({6, 2, 3, 3}, 12)}, attrs);
+}
+
+TEST(ConvGrad, Conv2dDepthwise) {
+  // groups = C: one filter per channel, and two per channel (a multiplier of 2), unequal
+  // attributes.
+  Attributes attrs = conv_attrs({1, 1}, {1, 1});
+  attrs.set("groups", int64_t{3});
+  expect_op_gradients(Op::kConv2d, {rand64({2, 3, 5, 4}, 13), rand64({3, 1, 3, 3}, 14)}, attrs);
+  attrs = conv_attrs({2, 1}, {1, 0});
+  attrs.set("groups", int64_t{2});
+  expect_op_gradients(Op::kConv2d, {rand64({2, 2, 6, 5}, 15), rand64({4, 1, 3, 2}, 16)}, attrs);
+}
+
+// conv2d_grad_input is the transposed convolution (ONNX's ConvTranspose), which trains.
+TEST(ConvGrad, Conv2dGradInput) {
+  Attributes attrs = conv_attrs({2, 2}, {1, 1});
+  attrs.set("input_shape", Ints{2, 2, 6, 7});
+  expect_op_gradients(Op::kConv2dGradInput, {rand64({2, 3, 3, 4}, 17), rand64({3, 2, 3, 3}, 18)},
+                      attrs);
+  attrs = conv_attrs({1, 2}, {0, 1});
+  attrs.set("groups", int64_t{2});
+  attrs.set("input_shape", Ints{1, 4, 5, 5});
+  expect_op_gradients(Op::kConv2dGradInput, {rand64({1, 2, 4, 3}, 19), rand64({2, 2, 2, 2}, 20)},
+                      attrs);
+}
+
 TEST(ConvGrad, MaxPool2d) {
   // Random values: ties (where the max is not differentiable) have probability 0.
   expect_op_gradients(Op::kMaxPool2d, {rand64({2, 3, 4, 6}, 20)}, pool_attrs({2, 2}));
@@ -65,12 +97,11 @@ TEST(ConvGrad, AvgPool2d) {
 }
 
 TEST(ConvGrad, BackwardOpsAreNotDifferentiable) {
-  for (Op op :
-       {Op::kConv2dGradInput, Op::kConv2dGradWeight, Op::kMaxPool2dGrad, Op::kAvgPool2dGrad}) {
+  for (Op op : {Op::kConv2dGradWeight, Op::kMaxPool2dGrad, Op::kAvgPool2dGrad}) {
     EXPECT_FALSE(op_def(op).differentiable) << op_name(op);
     EXPECT_FALSE(op_def(op).gradient) << op_name(op);
   }
-  for (Op op : {Op::kConv2d, Op::kMaxPool2d, Op::kAvgPool2d}) {
+  for (Op op : {Op::kConv2d, Op::kConv2dGradInput, Op::kMaxPool2d, Op::kAvgPool2d}) {
     EXPECT_TRUE(op_def(op).differentiable) << op_name(op);
     EXPECT_TRUE(op_def(op).gradient) << op_name(op);
   }

@@ -72,6 +72,42 @@ TEST(Conv2d, InfersGradientShapes) {
             f32({16, 3, 3, 3}));
 }
 
+TEST(Conv2d, InfersGroupedShapes) {
+  // groups = 2: w (O, C / 2, KH, KW).
+  EXPECT_EQ(infer(Op::kConv2d, {f32({2, 4, 6, 6}), f32({6, 2, 3, 3})},
+                  {{"padding", Ints{1, 1}}, {"groups", int64_t{2}}})[0],
+            f32({2, 6, 6, 6}));
+  // Depthwise, two filters per channel: w (2 C, 1, KH, KW).
+  EXPECT_EQ(infer(Op::kConv2d, {f32({1, 3, 5, 5}), f32({6, 1, 3, 3})},
+                  {{"stride", Ints{2, 2}}, {"groups", int64_t{3}}})[0],
+            f32({1, 6, 2, 2}));
+  EXPECT_EQ(infer(Op::kConv2dGradInput, {f32({1, 6, 2, 2}), f32({6, 1, 3, 3})},
+                  {{"stride", Ints{2, 2}}, {"groups", int64_t{3}}, {"input_shape", Ints{1, 3, 5, 5}}})[0],
+            f32({1, 3, 5, 5}));
+  EXPECT_EQ(infer(Op::kConv2dGradWeight, {f32({1, 3, 5, 5}), f32({1, 6, 2, 2})},
+                  {{"stride", Ints{2, 2}}, {"groups", int64_t{3}}, {"weight_shape", Ints{6, 1, 3, 3}}})[0],
+            f32({6, 1, 3, 3}));
+}
+
+TEST(Conv2d, RejectsBadGroups) {
+  // 3 groups do not divide 4 input channels, nor 2 groups 3 output channels.
+  EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 4, 5, 5}), f32({6, 1, 3, 3})}, {{"groups", int64_t{3}}}),
+                    "groups = 3 does not divide the channels", "(C = 4)", "(O = 6)");
+  EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 4, 5, 5}), f32({3, 2, 3, 3})}, {{"groups", int64_t{2}}}),
+                    "groups = 2 does not divide the channels", "(O = 3)");
+  // The weight must hold C / groups channels: 4 / 2 = 2, not 4.
+  EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 4, 5, 5}), f32({4, 4, 3, 3})}, {{"groups", int64_t{2}}}),
+                    "channels differ", "(C / groups = 4)", "C = 4 and groups = 2");
+  EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 4, 5, 5}), f32({4, 4, 3, 3})}, {{"groups", int64_t{0}}}),
+                    "attribute 'groups' is 0, expected at least 1");
+  EXPECT_KILN_ERROR(infer(Op::kConv2dGradInput, {f32({1, 4, 3, 3}), f32({4, 2, 3, 3})},
+                          {{"groups", int64_t{3}}, {"input_shape", Ints{1, 6, 5, 5}}}),
+                    "conv2d_grad_input", "groups = 3 does not divide the channels");
+  EXPECT_KILN_ERROR(infer(Op::kConv2dGradWeight, {f32({1, 6, 5, 5}), f32({1, 4, 3, 3})},
+                          {{"groups", int64_t{2}}, {"weight_shape", Ints{4, 2, 3, 3}}}),
+                    "conv2d_grad_weight", "channels differ", "(C / groups = 2)");
+}
+
 TEST(Pool2d, InfersShapes) {
   for (Op op : {Op::kMaxPool2d, Op::kAvgPool2d}) {
     SCOPED_TRACE(op_name(op));
@@ -99,7 +135,7 @@ TEST(Conv2d, RejectsBadInputs) {
   EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 3, 3}), f32({1, 3, 2, 2})}), "conv2d",
                     "x has shape (1, 3, 3) (rank 3), expected rank 4");
   EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 3, 3, 3}), f32({3, 2, 2})}),
-                    "w has shape (3, 2, 2) (rank 3), expected rank 4 (O, C, KH, KW)");
+                    "w has shape (3, 2, 2) (rank 3), expected rank 4 (O, C / groups, KH, KW)");
   EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 3, 5, 5}), f32({4, 2, 3, 3})}), "channels differ",
                     "(1, 3, 5, 5)", "(4, 2, 3, 3)");
   EXPECT_KILN_ERROR(infer(Op::kConv2d, {f32({1, 1, 2, 4}), f32({1, 1, 3, 3})}),
@@ -224,6 +260,37 @@ TEST(Conv2d, ReferenceMixesChannelsPerImage) {
   // Image 0: out0 = (6, 12), out1 = (19, 38); image 1: out0 = (18, 24), out1 = (57, 76).
   EXPECT_TRUE(all_close(run_reference(Op::kConv2d, {x, w})[0],
                         make(DType::kF32, {2, 2, 1, 2}, {6, 12, 19, 38, 18, 24, 57, 76}), 0, 0));
+}
+
+TEST(Conv2d, ReferenceGroupsSeeOnlyTheirChannels) {
+  // Two images, 4 channels in 2 groups, a 1x1 kernel, one output per group:
+  //   out0 = x0 + 2 x1 (group 0: channels 0, 1), out1 = 3 x2 - x3 (group 1: channels 2, 3).
+  Tensor x = make(DType::kF64, {2, 4, 1, 1}, {1, 10, 100, 1000, /* image 1 */ 2, 20, 200, 2000});
+  Tensor w = make(DType::kF64, {2, 2, 1, 1}, {1, 2, 3, -1});
+  // Image 0: 1 + 20 = 21, 300 - 1000 = -700; image 1: 2 + 40 = 42, 600 - 2000 = -1400.
+  EXPECT_TRUE(all_close(run_reference(Op::kConv2d, {x, w}, {{"groups", int64_t{2}}})[0],
+                        make(DType::kF64, {2, 2, 1, 1}, {21, -700, 42, -1400}), 0, 0));
+  // The input gradient: dx0 = dy0, dx1 = 2 dy0, dx2 = 3 dy1, dx3 = -dy1.
+  Tensor dy = make(DType::kF64, {2, 2, 1, 1}, {1, 5, -2, 4});
+  EXPECT_TRUE(all_close(run_reference(Op::kConv2dGradInput, {dy, w},
+                                      {{"groups", int64_t{2}}, {"input_shape", Ints{2, 4, 1, 1}}})[0],
+                        make(DType::kF64, {2, 4, 1, 1}, {1, 2, 15, -5, -2, -4, 12, -4}), 0, 0));
+  // The weight gradient: dw[o, k] = sum over images of dy[o] * x[group's channel k]:
+  //   dw00 = 1*1 + -2*2 = -3, dw01 = 1*10 + -2*20 = -30,
+  //   dw10 = 5*100 + 4*200 = 1300, dw11 = 5*1000 + 4*2000 = 13000.
+  EXPECT_TRUE(all_close(run_reference(Op::kConv2dGradWeight, {x, dy},
+                                      {{"groups", int64_t{2}}, {"weight_shape", Ints{2, 2, 1, 1}}})[0],
+                        make(DType::kF64, {2, 2, 1, 1}, {-3, -30, 1300, 13000}), 0, 0));
+  // Depthwise with two filters per channel: x3x3 as channel 0, 10 x3x3 as channel 1; filters
+  // w2x2 and -w2x2 on channel 0, w2x2 and 2 w2x2 on channel 1. Channel 0's outputs are
+  // (37, 47, 67, 77) and its negation (ReferenceSmallCases), channel 1's ten and twenty times
+  // them.
+  Tensor x2 = make(DType::kF64, {1, 2, 3, 3}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 30, 40, 50, 60, 70, 80, 90});
+  Tensor w4 = make(DType::kF64, {4, 1, 2, 2}, {1, 2, 3, 4, -1, -2, -3, -4, 1, 2, 3, 4, 2, 4, 6, 8});
+  EXPECT_TRUE(all_close(run_reference(Op::kConv2d, {x2, w4}, {{"groups", int64_t{2}}})[0],
+                        make(DType::kF64, {1, 4, 2, 2},
+                             {37, 47, 67, 77, -37, -47, -67, -77, 370, 470, 670, 770, 740, 940, 1340, 1540}),
+                        0, 0));
 }
 
 TEST(Conv2d, ReferenceGradientsSmallCases) {

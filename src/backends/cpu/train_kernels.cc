@@ -5,6 +5,8 @@
 //                               one fused pass over the elements, bias corrections computed once.
 //     reshape                   any dtype: a flat copy (the executor gives every value its own
 //                               buffer; a view would need aliasing support there).
+//     broadcast_to              any dtype: runs over the trailing dims, copied or filled (a
+//                               BatchNorm's per-channel gradients, (1, C, 1, 1) to (N, C, H, W)).
 //     transpose                 any dtype, any permutation. Size-1 axes are dropped and input
 //                               axes that stay adjacent are merged first, so (0, 2, 1, 3) of
 //                               (B, T, H, D) becomes "copy runs of D", and a last-two-axes swap
@@ -238,6 +240,61 @@ void copy_bytes(const void* src, void* dst, int64_t bytes) {
 void reshape_kernel(const KernelArgs& args) {
   copy_bytes(args.inputs[0].raw(), args.outputs[0].raw(),
              static_cast<int64_t>(args.outputs[0].bytes()));
+}
+
+// ---- broadcast_to ---------------------------------------------------------------------------
+
+// The output as runs over its trailing dims, each run copied from (when the input has those
+// dims whole) or filled with (when it has them as 1s) the input at the offset its outer index
+// gives (stride 0 on the broadcast outer dims): (1, C, 1, 1) to (N, C, H, W) is N * C fills of
+// H * W, (C,) to (B, T, C) is B * T copies of C.
+template <typename T>
+void broadcast_typed(const T* in, T* out, const Shape& in_shape, const Shape& out_shape) {
+  const size_t rank = out_shape.size();
+  Shape x(rank - in_shape.size(), 1);  // the input aligned to the output's rank
+  x.insert(x.end(), in_shape.begin(), in_shape.end());
+  const bool copy = x[rank - 1] == out_shape[rank - 1];
+  size_t first = rank;  // the run's dims: [first, rank)
+  int64_t run = 1;
+  while (first > 0 && (copy ? x[first - 1] == out_shape[first - 1] : x[first - 1] == 1)) {
+    --first;
+    run *= out_shape[first];
+  }
+  std::vector<int64_t> stride(first);  // the input's, 0 on broadcast dims
+  for (int64_t at = copy ? run : 1, d = static_cast<int64_t>(first) - 1; d >= 0; --d) {
+    stride[d] = x[d] == 1 ? 0 : at;
+    at *= x[d];
+  }
+  const int64_t runs = numel(out_shape) / run;
+  const int64_t grain = std::max<int64_t>(1, kGrainCopyBytes / (run * static_cast<int64_t>(sizeof(T))));
+  parallel_for(0, runs, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t offset = 0;
+      for (int64_t rest = r, d = static_cast<int64_t>(first) - 1; d >= 0; --d) {
+        offset += rest % out_shape[d] * stride[d];
+        rest /= out_shape[d];
+      }
+      T* dst = out + r * run;
+      if (copy)
+        std::copy(in + offset, in + offset + run, dst);
+      else
+        std::fill(dst, dst + run, in[offset]);
+    }
+  });
+}
+
+void broadcast_to_kernel(const KernelArgs& args) {
+  const Tensor& x = args.inputs[0];
+  Tensor& y = args.outputs[0];
+  if (y.numel() == 0) return;
+  if (x.numel() == y.numel()) {  // only 1s added or kept: the same bytes
+    copy_bytes(x.raw(), y.raw(), static_cast<int64_t>(y.bytes()));
+    return;
+  }
+  visit_dtype(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    broadcast_typed(x.data<T>(), y.data<T>(), x.shape(), y.shape());
+  });
 }
 
 // ---- transpose ------------------------------------------------------------------------------
@@ -688,6 +745,7 @@ void register_train_kernels(KernelRegistry& registry) {
   registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel, /*in_place_ok=*/true));
   registry.add(Op::kReshape, fast({}, reshape_kernel));
   registry.add(Op::kTranspose, fast({}, transpose_kernel));
+  registry.add(Op::kBroadcastTo, fast({}, broadcast_to_kernel));
   registry.add(Op::kAttention, openblas(attention_supported, attention_kernel));
   registry.add(Op::kAttentionGrad, openblas(attention_supported, attention_grad_kernel));
   registry.add(Op::kAttentionQkv, openblas(attention_qkv_supported, attention_qkv_kernel));

@@ -9,7 +9,10 @@
 //                       accumulated over the chunks (in f32 for 16-bit types when there are
 //                       several, cast to dW's type once at the end)
 // A 1x1 convolution with stride 1 and no padding needs no im2col: x[n] (C, H * W) is its own
-// column matrix, and dcol[n] is dx[n].
+// column matrix, and dcol[n] is dx[n]. Groups: group g's rows of W, of the column matrix and of
+// y are contiguous blocks, so each group is the same products on offsets (O / groups, K / groups);
+// a depthwise convolution (groups = C > 1) runs direct kernels instead (conv.cu), products of
+// one row per group being launch-bound.
 //   max_pool2d, avg_pool2d (+ their grads)   direct kernels (conv.cu), one thread per element
 // Scratch (column matrices, dy regrouped per channel, f32 accumulators) comes from the
 // stream-ordered allocator (scratch.cuh; legal inside the step's CUDA-graph capture, no host
@@ -61,23 +64,35 @@ std::byte* at(const Tensor& t, int64_t offset) {
   return t.raw() + offset * static_cast<int64_t>(dtype_size(t.dtype()));
 }
 
+// `p` advanced by `elements` of dtype t.
+const void* advance(const void* p, int64_t elements, DType t) {
+  return static_cast<const std::byte*>(p) + elements * static_cast<int64_t>(dtype_size(t));
+}
+void* advance(void* p, int64_t elements, DType t) {
+  return static_cast<std::byte*>(p) + elements * static_cast<int64_t>(dtype_size(t));
+}
+
 void fill_zeros(const Tensor& t, cudaStream_t stream) {
   if (t.bytes() > 0) KILN_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
 }
 
 // ---- convolution -----------------------------------------------------------------------------
 
-// A convolution node as products: x (N, C, H, W) (the input, or dx), w (O, C, KH, KW),
+// A convolution node as products: x (N, C, H, W) (the input, or dx), w (O, C / groups, KH, KW),
 // y (N, O, OH, OW) (the output, or dy).
 struct ConvShape {
   Window win;
   int64_t n, c, o;
   int64_t k;      // C * KH * KW: the column matrix's rows
   int64_t plane;  // OH * OW: an image's columns
+  int64_t groups;
   bool identity;  // 1x1, stride 1, no padding: x[n] (C, H * W) is its own column matrix
 
   int64_t x_image() const { return c * win.h * win.w; }
   int64_t y_image() const { return o * plane; }
+  int64_t group_k() const { return k / groups; }  // W's row length: C / groups * KH * KW
+  int64_t group_o() const { return o / groups; }  // output channels per group
+  bool depthwise() const { return groups > 1 && groups == c; }
 };
 
 ConvShape conv_shape(const Shape& x, const Shape& w, const Shape& y, const Attributes& attrs) {
@@ -95,6 +110,7 @@ ConvShape conv_shape(const Shape& x, const Shape& w, const Shape& y, const Attri
   s.o = w[0];
   s.k = s.c * s.win.kh * s.win.kw;
   s.plane = s.win.oh * s.win.ow;
+  s.groups = attrs.i("groups");
   s.identity = s.win.kh == 1 && s.win.kw == 1 && s.win.sh == 1 && s.win.sw == 1 &&
                s.win.ph == 0 && s.win.pw == 0;
   return s;
@@ -129,6 +145,8 @@ void conv2d_kernel(const KernelArgs& args) {
   if (y.numel() == 0) return;
   if (s.k == 0) return fill_zeros(y, stream);  // no input channels: an empty sum
   const DType t = x.dtype();
+  if (s.depthwise())
+    return conv::depthwise_conv(t, x.raw(), w.raw(), y.raw(), s.n, s.c, s.o / s.c, s.win, stream);
   const int64_t per_image = s.identity ? 0 : s.k * s.plane * dtype_size(t);
   const int64_t chunk = conv::images_per_chunk(per_image, s.n);
   std::optional<Scratch> col;
@@ -136,12 +154,14 @@ void conv2d_kernel(const KernelArgs& args) {
   for (int64_t first = 0; first < s.n; first += chunk) {
     const int64_t count = std::min(chunk, s.n - first);
     Gemm g = product(t, t);
-    g.m = s.o;
+    g.m = s.group_o();
     g.n = s.plane;
-    g.k = s.k;
+    g.k = s.group_k();
     g.batch = count;
     g.stride_a = 0;
+    g.stride_c = g.stride_d = s.y_image();  // a group's rows of each image
     const void* b = at(x, first * s.x_image());
+    int64_t b_group = g.k * s.plane;  // elements between the groups' blocks of B
     if (s.identity) {
       g.stride_b = s.x_image();
     } else {
@@ -149,8 +169,12 @@ void conv2d_kernel(const KernelArgs& args) {
       b = col->as<void>();
       g.ldb = count * s.plane;  // image n's block: columns [n * P, (n + 1) * P)
       g.stride_b = s.plane;
+      b_group = g.k * g.ldb;
     }
-    g.run(GemmOperands{w.raw(), b, nullptr, at(y, first * s.y_image())}, stream);
+    for (int64_t group = 0; group < s.groups; ++group)
+      g.run(GemmOperands{advance(w.raw(), group * g.m * g.k, t), advance(b, group * b_group, t),
+                         nullptr, at(y, first * s.y_image() + group * g.m * s.plane)},
+            stream);
   }
 }
 
@@ -161,7 +185,11 @@ void conv2d_grad_input_kernel(const KernelArgs& args) {
   const cudaStream_t stream = stream_of(args);
   if (dx.numel() == 0) return;
   if (s.o == 0) return fill_zeros(dx, stream);  // no output channels: nothing flows back
-  const DType t = dy.dtype(), col_t = s.identity ? t : wide(t);
+  const DType t = dy.dtype();
+  if (s.depthwise())
+    return conv::depthwise_conv_grad_input(t, dy.raw(), w.raw(), dx.raw(), s.n, s.c, s.o / s.c,
+                                           s.win, stream);
+  const DType col_t = s.identity ? t : wide(t);
   const int64_t per_image = s.identity ? 0 : s.k * s.plane * dtype_size(col_t);
   const int64_t chunk = conv::images_per_chunk(per_image, s.n);
   std::optional<Scratch> dcol;
@@ -169,20 +197,27 @@ void conv2d_grad_input_kernel(const KernelArgs& args) {
   for (int64_t first = 0; first < s.n; first += chunk) {
     const int64_t count = std::min(chunk, s.n - first);
     Gemm g = product(t, col_t);
-    g.m = s.k;
+    g.m = s.group_k();
     g.n = s.plane;
-    g.k = s.o;
+    g.k = s.group_o();
     g.transpose_a = true;  // W stored (O, K)
     g.batch = count;
     g.stride_a = 0;
     g.stride_b = s.y_image();
     void* d = at(dx, first * s.x_image());
+    g.stride_d = g.stride_c = s.x_image();  // C's layout must be D's (C is D, not read)
+    int64_t d_group = g.m * s.plane;         // elements between the groups' blocks of D
     if (!s.identity) {
       d = dcol->as<void>();
       g.ldd = g.ldc = count * s.plane;
-      g.stride_d = g.stride_c = s.plane;  // C's layout must be D's (C is D, not read)
+      g.stride_d = g.stride_c = s.plane;
+      d_group = g.m * g.ldd;
     }
-    g.run(GemmOperands{w.raw(), at(dy, first * s.y_image()), nullptr, d}, stream);
+    for (int64_t group = 0; group < s.groups; ++group)
+      g.run(GemmOperands{advance(w.raw(), group * g.k * g.m, t),
+                         at(dy, first * s.y_image() + group * g.k * s.plane), nullptr,
+                         advance(d, group * d_group, col_t)},
+            stream);
     if (!s.identity)
       conv::col2im(t, col_t, d, at(dx, first * s.x_image()), count, s.c, s.win, stream);
   }
@@ -213,6 +248,9 @@ void conv2d_grad_weight_kernel(const KernelArgs& args) {
   if (dw.numel() == 0) return;
   if (s.n == 0) return fill_zeros(dw, stream);  // no images: an empty sum
   const DType t = x.dtype();
+  if (s.depthwise())
+    return conv::depthwise_conv_grad_weight(t, x.raw(), dy.raw(), dw.raw(), s.n, s.c, s.o / s.c,
+                                            s.win, stream);
   const int64_t e = static_cast<int64_t>(dtype_size(t));
   // A chunk of several images needs both operands regrouped: col (K, count * P), dy (O, count * P).
   const int64_t chunk = conv::images_per_chunk((s.k + s.o) * s.plane * e, s.n);
@@ -237,12 +275,17 @@ void conv2d_grad_weight_kernel(const KernelArgs& args) {
       conv::im2col(t, b, col->as<void>(), count, s.c, s.win, stream);
       b = col->as<void>();
     }
+    // Both operands (rows, count * P): group g's rows are a block of each.
     Gemm g = product(t, d_t);
-    g.m = s.o;
-    g.n = s.k;
+    g.m = s.group_o();
+    g.n = s.group_k();
     g.k = count * s.plane;
     g.transpose_b = true;  // col stored (K, count * P)
-    g.run(GemmOperands{a, b, nullptr, d, 1.0, first == 0 ? 0.0 : 1.0}, stream);
+    for (int64_t group = 0; group < s.groups; ++group)
+      g.run(GemmOperands{advance(a, group * g.m * g.k, t), advance(b, group * g.n * g.k, t),
+                         nullptr, advance(d, group * g.m * g.n, d_t), 1.0,
+                         first == 0 ? 0.0 : 1.0},
+            stream);
   }
   if (d_t != t) movement::cast(d_t, t, d, dw.raw(), dw.numel(), stream);
 }

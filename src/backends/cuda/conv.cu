@@ -171,6 +171,96 @@ __global__ void col2im_kernel(const C* __restrict__ dcol, T* __restrict__ dx, Ge
   dx[item] = from_acc<T>(sum);
 }
 
+// ---- depthwise convolution -------------------------------------------------------------------
+
+// Item (image, o, i, j) of y: the sum over the taps inside the input.
+template <class T>
+__global__ void depthwise_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                                 T* __restrict__ y, Geom g, int64_t channels, int multiplier,
+                                 int64_t items) {
+  const int64_t item = item_index();
+  if (item >= items) return;
+  const int plane_out = g.oh * g.ow;
+  const int64_t plane = item / plane_out;  // image * O + o
+  const int pix = static_cast<int>(item - plane * plane_out);
+  const int i = pix / g.ow, j = pix - i * g.ow;
+  const int64_t outputs = channels * multiplier;
+  const int64_t image = plane / outputs, o = plane - image * outputs;
+  const T* src = x + (image * channels + o / multiplier) * g.h * g.w;
+  const T* taps = w + o * g.kh * g.kw;
+  const Clip c = clip(g, i, j);
+  const int top = i * g.sh - g.ph, left = j * g.sw - g.pw;
+  Acc<T> sum = 0;
+  for (int hh = c.h0; hh < c.h1; ++hh)
+    for (int ww = c.w0; ww < c.w1; ++ww)
+      sum += to_acc(src[hh * g.w + ww]) * to_acc(taps[(hh - top) * g.kw + (ww - left)]);
+  y[item] = from_acc<T>(sum);
+}
+
+// Item (image, c, hh, ww) of dx: over the channel's filters o and the outputs (i, j) whose
+// window covers (hh, ww) at tap (p, q), dy[image, o, i, j] * w[o, p, q].
+template <class T>
+__global__ void depthwise_grad_input_kernel(const T* __restrict__ dy, const T* __restrict__ w,
+                                            T* __restrict__ dx, Geom g, int64_t channels,
+                                            int multiplier, int64_t items) {
+  const int64_t item = item_index();
+  if (item >= items) return;
+  const int plane_in = g.h * g.w;
+  const int64_t plane = item / plane_in;  // image * C + c
+  const int pix = static_cast<int>(item - plane * plane_in);
+  const int hh = pix / g.w, ww = pix - hh * g.w;
+  const int64_t image = plane / channels, c = plane - image * channels;
+  const Span rows = covering(hh, g.ph, g.kh, g.sh, g.oh);
+  const Span cols = covering(ww, g.pw, g.kw, g.sw, g.ow);
+  Acc<T> sum = 0;
+  for (int k = 0; k < multiplier; ++k) {
+    const int64_t o = c * multiplier + k;
+    const T* grad = dy + (image * channels * multiplier + o) * g.oh * g.ow;
+    const T* taps = w + o * g.kh * g.kw;
+    for (int i = rows.lo; i <= rows.hi; ++i) {
+      const int p = hh + g.ph - i * g.sh;
+      for (int j = cols.lo; j <= cols.hi; ++j) {
+        const int q = ww + g.pw - j * g.sw;
+        sum += to_acc(grad[i * g.ow + j]) * to_acc(taps[p * g.kw + q]);
+      }
+    }
+  }
+  dx[item] = from_acc<T>(sum);
+}
+
+// Block (o, p, q) writes dw[o, 0, p, q]: its threads stride over the (image, i, j) positions,
+// then a tree in shared memory adds their partial sums in a fixed order.
+template <class T>
+__global__ void depthwise_grad_weight_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                             T* __restrict__ dw, Geom g, int64_t images,
+                                             int64_t channels, int multiplier) {
+  __shared__ Acc<T> partial[kThreads];
+  const int taps = g.kh * g.kw;
+  const int64_t o = blockIdx.x / taps;
+  const int tap = static_cast<int>(blockIdx.x - o * taps);
+  const int p = tap / g.kw, q = tap - p * g.kw;
+  const int64_t outputs = channels * multiplier, c = o / multiplier;
+  const int plane_out = g.oh * g.ow;
+  const int64_t positions = images * plane_out;
+  Acc<T> sum = 0;
+  for (int64_t at = threadIdx.x; at < positions; at += blockDim.x) {
+    const int64_t image = at / plane_out;
+    const int pix = static_cast<int>(at - image * plane_out);
+    const int i = pix / g.ow, j = pix - i * g.ow;
+    const int hh = i * g.sh - g.ph + p, ww = j * g.sw - g.pw + q;
+    if (hh < 0 || hh >= g.h || ww < 0 || ww >= g.w) continue;
+    sum += to_acc(dy[(image * outputs + o) * plane_out + pix]) *
+           to_acc(x[((image * channels + c) * g.h + hh) * g.w + ww]);
+  }
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dw[blockIdx.x] = from_acc<T>(partial[0]);
+}
+
 // ---- pooling ---------------------------------------------------------------------------------
 
 // Item (plane, i, j) of y.
@@ -243,6 +333,14 @@ __global__ void avg_pool_grad_kernel(const T* __restrict__ dy, T* __restrict__ d
   dx[item] = from_acc<T>(sum / static_cast<Acc<T>>(g.kh * g.kw));
 }
 
+// The depthwise launchers' common check: the filter count fits the kernels' indices.
+void check_depthwise(int64_t channels, int64_t multiplier) {
+  KILN_CHECK(multiplier >= 1 && multiplier <= INT_MAX && channels * multiplier <= INT_MAX,
+             "cuda-conv depthwise: {} channels x {} filters each, expected at least one filter "
+             "and fewer than 2^31 in all",
+             channels, multiplier);
+}
+
 // A 1-D grid with one thread per item.
 dim3 grid_of(int64_t items) { return dim3(static_cast<unsigned>((items + kThreads - 1) / kThreads)); }
 
@@ -298,6 +396,55 @@ void col2im(DType t, DType col_t, const void* dcol, void* dx, int64_t images, in
     } else {
       launch(Tag<float>{});
     }
+    KILN_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void depthwise_conv(DType t, const void* x, const void* w, void* y, int64_t images,
+                    int64_t channels, int64_t multiplier, const Window& win, cudaStream_t stream) {
+  const Geom g = geom_of(win);
+  check_depthwise(channels, multiplier);
+  const int64_t items = images * channels * multiplier * win.oh * win.ow;
+  if (items == 0) return;
+  visit_float(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    depthwise_kernel<T><<<grid_of(items), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), g, channels,
+        static_cast<int>(multiplier), items);
+    KILN_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void depthwise_conv_grad_input(DType t, const void* dy, const void* w, void* dx, int64_t images,
+                               int64_t channels, int64_t multiplier, const Window& win,
+                               cudaStream_t stream) {
+  const Geom g = geom_of(win);
+  check_depthwise(channels, multiplier);
+  const int64_t items = images * channels * win.h * win.w;
+  if (items == 0) return;
+  visit_float(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    depthwise_grad_input_kernel<T><<<grid_of(items), kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(w), static_cast<T*>(dx), g, channels,
+        static_cast<int>(multiplier), items);
+    KILN_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void depthwise_conv_grad_weight(DType t, const void* x, const void* dy, void* dw, int64_t images,
+                                int64_t channels, int64_t multiplier, const Window& win,
+                                cudaStream_t stream) {
+  const Geom g = geom_of(win);
+  check_depthwise(channels, multiplier);
+  const int64_t blocks = channels * multiplier * win.kh * win.kw;
+  if (blocks == 0) return;
+  KILN_CHECK(blocks <= INT_MAX, "cuda-conv depthwise weight gradient: {} filter taps, expected "
+             "fewer than 2^31", blocks);
+  visit_float(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    depthwise_grad_weight_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dw), g, images,
+        channels, static_cast<int>(multiplier));
     KILN_CUDA_CHECK(cudaGetLastError());
   });
 }

@@ -1,5 +1,5 @@
 // Launchers of the "cuda-conv" dialect (backends/cuda/conv.cu): the window kernels of the CNN
-// ops on NCHW planes. C++17-clean (nvcc compiles conv.cu as C++17): plain pointers, int64_t,
+// ops on NCHW planes (im2col, col2im, depthwise convolutions, pools). C++17-clean (nvcc compiles conv.cu as C++17): plain pointers, int64_t,
 // cudaStream_t and one POD struct. conv.cc maps KernelArgs onto these and runs the
 // convolutions' products through cuBLASLt (cublaslt.h): im2col, one GEMM, col2im.
 //
@@ -55,6 +55,21 @@ void im2col(DType t, const void* x, void* col, int64_t images, int64_t channels,
 // col) of dtype col_t (t, or the wider f32 the products accumulated in).
 void col2im(DType t, DType col_t, const void* dcol, void* dx, int64_t images, int64_t channels,
             const Window& win, cudaStream_t stream);
+
+// Depthwise convolution (groups = channels): x (images, channels, h, w), w (channels *
+// multiplier, 1, kh, kw), y (images, channels * multiplier, oh, ow); output channel o filters
+// input channel o / multiplier. Direct kernels: the forward one thread per y element, the input
+// gradient one per dx element (gathering from the outputs whose windows cover it, over the
+// channel's `multiplier` filters), the weight gradient one block per filter tap (a fixed-order
+// tree over the block's partial sums of images * oh * ow products: no atomics).
+void depthwise_conv(DType t, const void* x, const void* w, void* y, int64_t images,
+                    int64_t channels, int64_t multiplier, const Window& win, cudaStream_t stream);
+void depthwise_conv_grad_input(DType t, const void* dy, const void* w, void* dx, int64_t images,
+                               int64_t channels, int64_t multiplier, const Window& win,
+                               cudaStream_t stream);
+void depthwise_conv_grad_weight(DType t, const void* x, const void* dy, void* dw, int64_t images,
+                                int64_t channels, int64_t multiplier, const Window& win,
+                                cudaStream_t stream);
 
 // Pooling over `planes` (N * C) planes. max_pool: the first (row-major) maximum of each window
 // clipped to the input, NaN winning (as the reference). avg_pool: the window's sum divided by

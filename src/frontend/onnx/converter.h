@@ -68,7 +68,9 @@ class NodeContext {
 
   // ---- outputs
   int num_outputs() const { return node_.output_size(); }
-  bool wants_output(int i) const { return i < node_.output_size() && !node_.output(i).empty(); }
+  // Whether output i is named and read (by a later node or as a graph output): exporters name
+  // outputs nothing reads (PyTorch's Dropout mask in training mode).
+  bool wants_output(int i) const;
 
   // One-line errors that name the node.
   template <typename... Args>

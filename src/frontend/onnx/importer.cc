@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "frontend/onnx/converter.h"
 #include "ir/op_def.h"
@@ -205,6 +206,7 @@ class Importer {
     updates_.push_back(Update{target, value});
   }
   bool from_pytorch() const { return from_pytorch_; }
+  bool is_read(const std::string& name) const { return read_.count(name) > 0; }
   bool is_state(ValueId id) const {
     const int i = b_.graph().input_index(id);
     return i >= 0 && b_.graph().inputs[i].role == Role::kState;
@@ -235,6 +237,7 @@ class Importer {
   // user's and the model's own choice, and values known at import are shape arithmetic: neither
   // is tracked.
   std::unordered_map<ValueId, std::string> empty_causes_;
+  std::unordered_set<std::string> read_;  // value names some node or the graph's outputs read
 };
 
 void Importer::note_empty_outputs(const ::onnx::NodeProto& node, const std::string& where) {
@@ -394,6 +397,10 @@ NodeContext::NodeContext(Importer& importer, const ::onnx::NodeProto& node, int6
 
 Builder& NodeContext::b() const { return importer_.builder(); }
 
+bool NodeContext::wants_output(int i) const {
+  return i < node_.output_size() && !node_.output(i).empty() && importer_.is_read(node_.output(i));
+}
+
 std::string NodeContext::where() const {
   return node_.name().empty() ? fmt::format("node ({})", node_.op_type())
                               : fmt::format("node '{}' ({})", node_.name(), node_.op_type());
@@ -523,8 +530,9 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
                         unread.size() == 1 ? "is" : "are");
   for (int i = 0; i < node.output_size(); ++i) {
     if (node.output(i).empty()) continue;
-    if (i >= static_cast<int>(outputs.size()) || outputs[i].id() < 0)
-      context.unsupported("output {} ('{}') is not supported", i, node.output(i));
+    const bool made = i < static_cast<int>(outputs.size()) && outputs[i].id() >= 0;
+    if (!made && !is_read(node.output(i))) continue;  // an output nothing reads need not be made
+    if (!made) context.unsupported("output {} ('{}') is not supported", i, node.output(i));
     values_[node.output(i)] = outputs[i];
   }
   check_empty_inputs(first_node, context.where());
@@ -587,6 +595,9 @@ ImportedModel Importer::run(const ::onnx::ModelProto& model) {
   const ::onnx::GraphProto& graph = model.graph();
   if (!graph.name().empty()) b_.graph().name = kiln_name(graph.name());
   add_inputs(graph, out);
+  for (const auto& node : graph.node())
+    for (const std::string& input : node.input()) read_.insert(input);
+  for (const auto& output : graph.output()) read_.insert(output.name());
   for (const auto& node : graph.node()) convert(node, out.opset);
   KILN_CHECK(graph.output_size() > 0, "{}: the graph has no outputs", source_);
   for (const auto& output : graph.output()) b_.graph().outputs.push_back(value_of(output.name(), "graph output").id());

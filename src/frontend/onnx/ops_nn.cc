@@ -1,6 +1,7 @@
 // ONNX rules for the neural-network ops: MatMul and Gemm, softmax and friends, the norms
 // (LayerNormalization, BatchNormalization with its running statistics, InstanceNormalization),
-// convolution (groups, dilation and asymmetric pads as compositions around kiln's conv2d),
+// convolution (groups in conv2d itself; dilation and asymmetric pads as compositions around it),
+// ConvTranspose (conv2d_grad_input, the transposed convolution),
 // pooling (explicit pads and ceil mode as padding), and the losses.
 #include <cmath>
 #include <limits>
@@ -339,13 +340,15 @@ void add_nn_rules(RuleTable& r) {
     Expr x = c.in(0), w = c.in(1);
     require_float(c, x);
     const int spatial_rank = x.rank() - 2;
-    const Shape out_shape_rank = x.shape();
     const Shape w_shape = w.shape(), x_shape = x.shape();
     const Ints kernel(w_shape.begin() + 2, w_shape.end());
     if (c.has_attr("kernel_shape") && c.attr_ints("kernel_shape") != kernel)
       c.fail("kernel_shape {} differs from the weight's {}", to_string(c.attr_ints("kernel_shape")), to_string(kernel));
     Window win = window_of(c, Shape(x_shape.begin() + 2, x_shape.end()), kernel);
     const int64_t groups = c.attr_int("group", 1);
+    if (groups < 1 || x.dim(1) % groups != 0 || w.dim(0) % groups != 0 || w.dim(1) * groups != x.dim(1))
+      c.fail("group {} for {} input channels and a weight {}, expected a group dividing both channel "
+             "counts and a weight (M, C / group, ...)", groups, x.dim(1), to_string(w_shape));
     x = as_2d(c, x, spatial_rank);
     w = as_2d(c, w, spatial_rank);
     if (spatial_rank == 1)
@@ -358,17 +361,85 @@ void add_nn_rules(RuleTable& r) {
       win.kernel = {w.dim(2), w.dim(3)};
       x = pad_spatial(c.b(), x, win, scalar_like(x, 0.0));
     }
-    Expr y;
-    if (groups == 1) {
-      y = conv2d(x, w, win.strides, padding);
-    } else {
-      if (x.dim(1) % groups != 0 || w.dim(0) % groups != 0)
-        c.fail("{} groups do not divide {} input or {} output channels", groups, x.dim(1), w.dim(0));
-      std::vector<Expr> xs = split(x, Ints(groups, x.dim(1) / groups), 1);
-      std::vector<Expr> ws = split(w, Ints(groups, w.dim(0) / groups), 0);
-      std::vector<Expr> ys;
-      for (int64_t g = 0; g < groups; ++g) ys.push_back(conv2d(xs[g], ws[g], win.strides, padding));
-      y = concat(ys, 1);
+    // Groups stay one node: conv2d has them (a split and a conv per group made a depthwise
+    // network thousands of nodes).
+    Expr y = c.b().apply1(Op::kConv2d, {x, w}, {{"stride", win.strides}, {"padding", padding}, {"groups", groups}});
+    if (c.has_input(2)) y = y + per_channel(c.in(2), 4);
+    if (spatial_rank == 1) y = reshape(y, {y.dim(0), y.dim(1), y.dim(3)});
+    return std::vector<Expr>{y};
+  };
+
+  // ConvTranspose is the transpose of a convolution: kiln's conv2d_grad_input, x in the place
+  // of dy and ONNX's weight (C, M / group, KH, KW) as the convolution's (O, C / groups, KH, KW).
+  // Along one spatial dim, with the taps as placed unpadded (input i, tap k at i * s + k * d),
+  // data lies at [0, full), full = s * (in - 1) + (K - 1) * d + 1; the output is [b, b + out) of
+  // that line, zero past it, with b and out from pads, output_padding, output_shape and auto_pad
+  // as ONNX defines them. conv2d_grad_input with symmetric padding q and input size H gives
+  // [q, q + H), where H must lie in [full - 2q, full - 2q + s - 1] (the sizes whose convolution
+  // has `in` outputs); what that misses is a slice (and zeros padded past the data).
+  r["ConvTranspose"] = [](NodeContext& c) {
+    Expr x = c.in(0), w = c.in(1);
+    require_float(c, x);
+    const int spatial_rank = x.rank() - 2;
+    const size_t n = static_cast<size_t>(std::max(spatial_rank, 0));
+    x = as_2d(c, x, spatial_rank);
+    const Shape w_shape = w.shape(), x_shape = c.in(0).shape();
+    const Ints kernel(w_shape.begin() + 2, w_shape.end());
+    if (c.has_attr("kernel_shape") && c.attr_ints("kernel_shape") != kernel)
+      c.fail("kernel_shape {} differs from the weight's {}", to_string(c.attr_ints("kernel_shape")), to_string(kernel));
+    const int64_t groups = c.attr_int("group", 1);
+    if (groups < 1 || w.dim(0) != x.dim(1) || x.dim(1) % groups != 0)
+      c.fail("group {} for {} input channels and a weight {}, expected a weight (C, M / group, ...) with "
+             "C the input's channels and a group dividing it", groups, x.dim(1), to_string(w_shape));
+    const Ints strides = c.attr_ints("strides", Ints(n, 1)), dilations = c.attr_ints("dilations", Ints(n, 1));
+    const Ints pads = c.attr_ints("pads", Ints(2 * n, 0)), output_padding = c.attr_ints("output_padding", Ints(n, 0));
+    Ints output_shape = c.attr_ints("output_shape");
+    if (output_shape.size() == n + 2) output_shape.erase(output_shape.begin(), output_shape.begin() + 2);
+    if (strides.size() != n || dilations.size() != n || pads.size() != 2 * n || output_padding.size() != n ||
+        (!output_shape.empty() && output_shape.size() != n))
+      c.fail("strides, dilations, pads, output_padding or output_shape do not match {} spatial dims", n);
+    const std::string auto_pad = c.attr_string("auto_pad", "NOTSET");
+    if (auto_pad != "NOTSET" && auto_pad != "VALID" && auto_pad != "SAME_UPPER" && auto_pad != "SAME_LOWER")
+      c.unsupported("auto_pad '{}'", auto_pad);
+    // Per dim (height first; a 1-D input is height 1): where the output begins, its size.
+    Ints begin(2, 0), out(2, 1), stride(2, 1), full(2, 1);
+    w = as_2d(c, w, spatial_rank);
+    for (size_t d = 0; d < n; ++d) {
+      const size_t at = d + 2 - n;
+      const int64_t in = x_shape[2 + d], s = strides[d];
+      if (s < 1 || dilations[d] < 1) c.fail("strides {} and dilations {}, expected values >= 1", to_string(strides), to_string(dilations));
+      stride[at] = s;
+      full[at] = s * (in - 1) + (kernel[d] - 1) * dilations[d] + 1;
+      const int64_t natural = full[at] + output_padding[d];
+      int64_t pad_begin = pads[d], pad_end = pads[n + d];
+      if (!output_shape.empty() || auto_pad == "SAME_UPPER" || auto_pad == "SAME_LOWER") {
+        out[at] = output_shape.empty() ? in * s : output_shape[d];
+        const int64_t total = std::max<int64_t>(0, natural - out[at]);  // a larger output: zeros at the end
+        pad_begin = auto_pad == "SAME_UPPER" ? total / 2 : total - total / 2;
+      } else {
+        if (auto_pad == "VALID") pad_begin = pad_end = 0;
+        out[at] = natural - pad_begin - pad_end;
+      }
+      begin[at] = pad_begin;
+      if (out[at] < 1 || pad_begin < 0) c.fail("an output of {} along spatial dim {} (pads {}), expected at least 1", out[at], d, to_string(pads));
+    }
+    for (int d = 0; d < 2; ++d) w = dilate(c.b(), w, 2 + d, d + n < 2 ? 1 : dilations[d + n - 2]);
+    Ints padding(2), size(2);
+    for (int d = 0; d < 2; ++d) {
+      const int64_t b = begin[d], end = full[d] - (b + out[d]);  // end < 0: the output runs past the data
+      // q = b takes the output as it is when its size is one the convolution allows; otherwise
+      // the largest q that covers the data the output needs (q <= b, q <= end).
+      const bool exact = out[d] >= full[d] - 2 * b && out[d] <= full[d] - 2 * b + stride[d] - 1;
+      padding[d] = exact ? b : std::max<int64_t>(0, std::min(b, end));
+      size[d] = std::clamp(b + out[d] - padding[d], full[d] - 2 * padding[d], full[d] - 2 * padding[d] + stride[d] - 1);
+    }
+    Expr y = c.b().apply1(Op::kConv2dGradInput, {x, w},
+                          {{"stride", stride}, {"padding", padding}, {"groups", groups},
+                           {"input_shape", Ints{x.dim(0), w.dim(1) * groups, size[0], size[1]}}});
+    for (int d = 0; d < 2; ++d) {  // y covers [padding, padding + size) of the line
+      const int64_t first = begin[d] - padding[d], last = first + out[d];
+      if (last > y.dim(2 + d)) y = pad_axis(c.b(), y, 2 + d, 0, last - y.dim(2 + d), "constant", scalar_like(y, 0.0));
+      if (first > 0 || last < y.dim(2 + d)) y = slice_axis(y, 2 + d, first, last);
     }
     if (c.has_input(2)) y = y + per_channel(c.in(2), 4);
     if (spatial_rank == 1) y = reshape(y, {y.dim(0), y.dim(1), y.dim(3)});
