@@ -108,7 +108,7 @@ void add_resize_rules(RuleTable& rules);       // ops_resize.cc: Resize, Upsampl
 void add_indexing_rules(RuleTable& rules);     // ops_indexing.cc: ReverseSequence, Compress, MaxUnpool
 void add_signal_rules(RuleTable& rules);       // ops_signal.cc: window functions, mel filters
 void add_rnn_rules(RuleTable& rules);          // ops_rnn.cc: RNN, GRU, LSTM unrolled over time
-void add_quantize_rules(RuleTable& rules);     // ops_quantize.cc: (De)QuantizeLinear, DynamicQuantizeLinear
+void add_quantize_rules(RuleTable& rules);     // ops_quantize.cc: (De)QuantizeLinear, DynamicQuantizeLinear, integer matmuls
 void add_training_rules(RuleTable& rules);     // ops_training.cc: ai.onnx.preview.training's optimizers
 
 // Helpers the rule files share (importer.cc).

@@ -1,8 +1,10 @@
 // ONNX's linear quantization ops over kiln's integer dtypes (uint8, int32; kiln has no int8):
 // QuantizeLinear (round half to even, then saturate), DequantizeLinear, DynamicQuantizeLinear
-// (scale and zero point from the data's range, in the graph). Also the rounding helpers the rule
+// (scale and zero point from the data's range, in the graph), MatMulInteger and QLinearMatMul
+// (an exact f64 GEMM of the zero-point-shifted integers, then the requantization). Also the rounding helpers the rule
 // files share (converter.h), built from casts since kiln has no floor op.
 #include <limits>
+#include <optional>
 
 #include "frontend/onnx/converter.h"
 
@@ -82,9 +84,56 @@ std::vector<Expr> dynamic_quantize(NodeContext& c) {
   return {cast(y, DType::kU8), scale, cast(zero_point, DType::kU8)};
 }
 
+// (A - a_zero_point) @ (B - b_zero_point) of uint8 (or int32) matrices, exact: the products'
+// sums are integers below 2^53, so f64 holds them and the matmul is a GEMM. A's zero point is
+// one value or one per row of A (M), B's one value or one per column (N).
+Expr integer_product(NodeContext& c, int a_at, int a_zero_at, int b_at, int b_zero_at) {
+  Expr a = c.in(a_at), b = c.in(b_at);
+  if (a.rank() < 2 || b.rank() < 2) c.unsupported("vector operands (kiln multiplies matrices here)");
+  if (is_float(a.dtype()) || is_float(b.dtype())) c.fail("needs integer operands, got {} and {}", dtype_name(a.dtype()), dtype_name(b.dtype()));
+  Expr fa = cast(a, DType::kF64), fb = cast(b, DType::kF64);
+  auto zero_point = [&](int at, const Expr& of, bool per_row) -> std::optional<Expr> {
+    if (!c.has_input(at)) return std::nullopt;
+    Expr z = cast(c.in(at), DType::kF64);
+    if (z.type().numel() == 1) return reshape(z, {});
+    if (z.rank() != 1) c.unsupported("a zero point of {}", to_string(c.in(at).type()));
+    if (per_row) {
+      if (z.dim(0) != of.dim(-2)) c.fail("a_zero_point {} for {} rows", to_string(z.type()), of.dim(-2));
+      return reshape(z, {z.dim(0), 1});
+    }
+    if (z.dim(0) != of.dim(-1)) c.fail("b_zero_point {} for {} columns", to_string(z.type()), of.dim(-1));
+    return z;
+  };
+  if (auto z = zero_point(a_zero_at, a, true)) fa = fa - *z;
+  if (auto z = zero_point(b_zero_at, b, false)) fb = fb - *z;
+  return matmul(fa, fb);
+}
+
+std::vector<Expr> matmul_integer(NodeContext& c) {
+  return {cast(integer_product(c, 0, 2, 1, 3), DType::kI32)};
+}
+
+// The integer product requantized: saturate(round(product * a_scale * b_scale / y_scale) +
+// y_zero_point), the multiplier in f32 as the runtimes compute it.
+std::vector<Expr> qlinear_matmul(NodeContext& c) {
+  Expr product = cast(integer_product(c, 0, 2, 3, 5), DType::kF32);
+  auto scale = [&](int at) {
+    Expr s = cast_to(c.in(at), DType::kF32);
+    if (s.type().numel() != 1) c.unsupported("per-axis scales in QLinearMatMul");
+    return reshape(s, {});
+  };
+  const DType out = c.in(7).dtype();
+  const auto [low, high] = saturation(c, out);
+  Expr q = rounded_half_even(product * (scale(1) * scale(4) / scale(6)));
+  q = q + cast(reshape(c.in(7), {}), DType::kF32);
+  return {cast(minimum(maximum(q, scalar_like(q, low)), scalar_like(q, high)), out)};
+}
+
 }  // namespace
 
 void add_quantize_rules(RuleTable& r) {
+  r["MatMulInteger"] = matmul_integer;
+  r["QLinearMatMul"] = qlinear_matmul;
   r["QuantizeLinear"] = quantize;
   r["DequantizeLinear"] = dequantize;
   r["DynamicQuantizeLinear"] = dynamic_quantize;

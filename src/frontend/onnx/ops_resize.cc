@@ -1,11 +1,11 @@
-// ONNX's Resize (opsets 10 to 19), Upsample (7 to 9) and GridSample (16) as kiln ops. The scales or sizes are
+// ONNX's Resize (opsets 10 to 19), Upsample (7 to 9), GridSample (16) and RoiAlign as kiln ops. The scales or sizes are
 // known at import, so every output position's source positions and weights along an axis are
 // numbers computed here: an axis is resized by gathers at constant positions, each multiplied by
 // its constant weights and added (nearest: one gather, linear: two, cubic: four, antialiased: the
 // filter's width), one axis after the other. The gathers' gradient is scatter_add, so a resize
 // trains and runs on every backend with no op of its own.
 //
-// GridSample reads positions that come from the data (the grid): its taps' positions and
+// GridSample and RoiAlign read positions that come from the data (the grid): its taps' positions and
 // weights are computed in the graph (rounded down through casts, torch's grid_sample's padding and
 // reflection), the gathers read rows of the input at them, and the grid's gradient flows through
 // the weights.
@@ -398,9 +398,89 @@ std::vector<Expr> grid_sample(NodeContext& c) {
   return {transpose(y, {0, 3, 1, 2})};
 }
 
+// RoiAlign: each region of interest (x1, y1, x2, y2) of image batch_indices[r] cut into
+// output_height x output_width bins, each the mean (or max) of sampling_ratio^2 bilinear samples,
+// with the sampling rules of the runtimes (Caffe2's, torchvision's): samples past one pixel
+// outside the image read 0, others clamp to the edge. The regions may come from the data (the
+// samples' positions and weights are computed in the graph); an adaptive sampling_ratio (0)
+// needs them known, as it sets how many samples there are.
+std::vector<Expr> roi_align(NodeContext& c) {
+  Builder& b = c.b();
+  Expr x = c.in(0), rois = c.in(1), batch_index = cast_to(c.in(2), DType::kI64);
+  if (!is_float(x.dtype())) c.unsupported("needs float inputs, got {}", dtype_name(x.dtype()));
+  if (x.rank() != 4) c.fail("X must be (N, C, H, W), got {}", to_string(x.type()));
+  const int64_t n = x.dim(0), channels = x.dim(1), height = x.dim(2), width = x.dim(3);
+  if (rois.rank() != 2 || rois.dim(1) != 4) c.fail("rois must be (R, 4), got {}", to_string(rois.type()));
+  const int64_t regions = rois.dim(0);
+  if (batch_index.shape() != Shape{regions}) c.fail("batch_indices {} for {} rois", to_string(batch_index.type()), regions);
+  const std::string mode = c.attr_string("mode", "avg");
+  if (mode != "avg" && mode != "max") c.fail("mode '{}' (expected avg or max)", mode);
+  const std::string transform = c.attr_string("coordinate_transformation_mode", c.opset() >= 16 ? "half_pixel" : "output_half_pixel");
+  if (transform != "half_pixel" && transform != "output_half_pixel") c.fail("coordinate_transformation_mode '{}'", transform);
+  const int64_t out_h = c.attr_int("output_height", 1), out_w = c.attr_int("output_width", 1);
+  const int64_t ratio = c.attr_int("sampling_ratio", 0);
+  const double spatial_scale = c.attr_float("spatial_scale", 1.0);
+  if (ratio <= 0) c.unsupported("an adaptive sampling_ratio (0): the sample count depends on the regions");
+  rois = cast_to(rois, x.dtype());
+  const double offset = transform == "half_pixel" ? 0.5 : 0.0;
+  auto column = [&](int64_t k) { return reshape(slice_axis(rois, 1, k, k + 1), {regions, 1}); };  // (R, 1)
+  Expr x1 = column(0) * spatial_scale - offset, y1 = column(1) * spatial_scale - offset;
+  Expr w = column(2) * spatial_scale - offset - x1, h = column(3) * spatial_scale - offset - y1;
+  if (transform == "output_half_pixel") {  // the legacy mode makes a region at least one pixel
+    w = maximum(w, scalar_like(w, 1.0));
+    h = maximum(h, scalar_like(h, 1.0));
+  }
+  // Sample positions along one axis, (R, bins * ratio): start + (bin + (i + 0.5) / ratio) * size / bins.
+  auto samples = [&](const Expr& start, const Expr& size, int64_t bins) {
+    std::vector<double> unit(bins * ratio);
+    for (int64_t k = 0; k < bins * ratio; ++k)
+      unit[k] = (static_cast<double>(k / ratio) + (static_cast<double>(k % ratio) + 0.5) / static_cast<double>(ratio)) /
+                static_cast<double>(bins);
+    return start + b.constant({1, bins * ratio}, unit, x.dtype()) * size;
+  };
+  // Per axis: the sample's two taps and their weights, and whether it reads the image at all.
+  struct Taps {
+    Expr low, high, w_low, w_high, inside;
+  };
+  auto taps = [&](Expr p, int64_t size) {
+    const double last = static_cast<double>(size - 1);
+    Expr inside = cast(ge(p, scalar_like(p, -1.0)), p.dtype()) * cast(le(p, scalar_like(p, double(size))), p.dtype());
+    p = maximum(p, scalar_like(p, 0.0));
+    Expr low = rounded_down(p);
+    Expr at_end = ge(low, scalar_like(low, last));
+    low = where(at_end, scalar_like(low, last), low);
+    Expr high = where(at_end, scalar_like(low, last), low + 1.0);
+    p = where(at_end, low, p);
+    Expr frac = p - low;
+    return Taps{low, high, 1.0 - frac, frac, inside};
+  };
+  const Taps ty = taps(samples(y1, h, out_h), height), tx = taps(samples(x1, w, out_w), width);
+  const int64_t sh = out_h * ratio, sw = out_w * ratio;
+  // (R, SH, SW) grids of rows of X (N * H * W, C) to gather.
+  Expr rows = reshape(transpose(x, {0, 2, 3, 1}), {n * height * width, channels});
+  Expr base = reshape(batch_index, {regions, 1, 1}) * b.scalar(static_cast<double>(height * width), DType::kI64);
+  auto grid_y = [&](const Expr& v) { return reshape(v, {regions, sh, 1}); };
+  auto grid_x = [&](const Expr& v) { return reshape(v, {regions, 1, sw}); };
+  Expr inside = grid_y(ty.inside) * grid_x(tx.inside);
+  Expr y;
+  for (int a = 0; a < 2; ++a)
+    for (int d = 0; d < 2; ++d) {
+      Expr iy = a ? ty.high : ty.low, ix = d ? tx.high : tx.low;
+      Expr index = base + cast(grid_y(iy) * static_cast<double>(width) + grid_x(ix), DType::kI64);  // (R, SH, SW)
+      Expr weight = grid_y(a ? ty.w_high : ty.w_low) * grid_x(d ? tx.w_high : tx.w_low) * inside;
+      Expr term = gather(rows, index, 0) * reshape(weight, {regions, sh, sw, 1});  // (R, SH, SW, C)
+      // max mode takes the largest weighted tap (as the runtimes do), avg their sum.
+      y = y.id() < 0 ? term : mode == "avg" ? y + term : maximum(y, term);
+    }
+  Expr bins = reshape(y, {regions, out_h, ratio, out_w, ratio, channels});
+  Expr pooled = mode == "avg" ? sum(bins, {2, 4}) / static_cast<double>(ratio * ratio) : max(bins, {2, 4});
+  return {transpose(pooled, {0, 3, 1, 2})};
+}
+
 }  // namespace
 
 void add_resize_rules(RuleTable& r) {
+  r["RoiAlign"] = roi_align;
   r["Resize"] = resize_rule;
   r["Upsample"] = upsample_rule;
   r["GridSample"] = grid_sample;
