@@ -216,6 +216,7 @@ Operand contract(const Operand& a_in, const Operand& b_in, const std::set<int>& 
 }
 
 std::vector<Expr> einsum(NodeContext& c) {
+  if (!c.has_attr("equation")) c.fail("needs an equation");
   std::string equation;
   for (char ch : c.attr_string("equation", ""))
     if (ch != ' ') equation += ch;
