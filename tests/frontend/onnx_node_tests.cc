@@ -48,6 +48,15 @@ std::string compare(const Tensor& got, const Tensor& want, size_t index) {
   return "";
 }
 
+// The input an "its scales (input 2 'scales') ... kiln needs it known at import" error names.
+std::string input_needed_at_import(const std::string& message) {
+  if (message.find("known at import") == std::string::npos) return "";
+  const size_t input = message.find("(input ");
+  const size_t open = input == std::string::npos ? input : message.find('\'', input);
+  const size_t close = open == std::string::npos ? open : message.find('\'', open + 1);
+  return close == std::string::npos ? "" : message.substr(open + 1, close - open - 1);
+}
+
 }  // namespace
 
 std::vector<fs::path> onnx_node_test_cases(std::string* where) {
@@ -80,11 +89,21 @@ NodeTestResult run_onnx_node_test(const fs::path& dir, Device device) {
       model = onnx::import_onnx((dir / "model.onnx").string(), options);
     } catch (const onnx::OnnxUnsupported& e) {
       // A shape, axes or count given as an input: kiln needs it at import, as the given values
-      // of the integer inputs.
+      // of the integer inputs; then of each other input the error names (Resize's scales).
       if (std::string(e.what()).find("known at import") == std::string::npos) throw;
       for (const auto& [name, t] : inputs)
         if (is_integer(t.dtype())) options.input_values[name] = t;
-      model = onnx::import_onnx((dir / "model.onnx").string(), options);
+      for (;;) {
+        try {
+          model = onnx::import_onnx((dir / "model.onnx").string(), options);
+          break;
+        } catch (const onnx::OnnxUnsupported& again) {
+          const std::string name = input_needed_at_import(again.what());
+          auto given = std::find_if(inputs.begin(), inputs.end(), [&](const auto& in) { return in.first == name; });
+          if (given == inputs.end() || options.input_values.count(name)) throw;
+          options.input_values[name] = given->second;
+        }
+      }
     }
     if (!load_error.empty()) return {NodeTestOutcome::kUnsupported, load_error};
     std::map<std::string, Tensor> by_name(inputs.begin(), inputs.end());

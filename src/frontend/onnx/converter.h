@@ -107,6 +107,13 @@ using RuleTable = std::map<std::string, Rule>;
 void add_elementwise_rules(RuleTable& rules);  // ops_elementwise.cc: math, comparisons, logic, casts
 void add_tensor_rules(RuleTable& rules);       // ops_tensor.cc: shapes, indexing, constants, reductions
 void add_nn_rules(RuleTable& rules);           // ops_nn.cc: matmul, conv, pooling, norms, losses
+void add_einsum_rules(RuleTable& rules);       // ops_einsum.cc: Einsum as matmuls, sums, transposes
+void add_resize_rules(RuleTable& rules);       // ops_resize.cc: Resize, Upsample as constant gathers
+void add_indexing_rules(RuleTable& rules);     // ops_indexing.cc: ReverseSequence, Compress, MaxUnpool
+void add_signal_rules(RuleTable& rules);       // ops_signal.cc: window functions, mel filters
+void add_rnn_rules(RuleTable& rules);          // ops_rnn.cc: RNN, GRU, LSTM unrolled over time
+void add_quantize_rules(RuleTable& rules);     // ops_quantize.cc: (De)QuantizeLinear, DynamicQuantizeLinear, integer matmuls
+void add_training_rules(RuleTable& rules);     // ops_training.cc: ai.onnx.preview.training's optimizers
 
 // Helpers the rule files share (importer.cc).
 // A scalar of `like`'s dtype.
@@ -120,5 +127,20 @@ Expr pad_axis(Builder& b, Expr x, int64_t axis, int64_t before, int64_t after, c
               const Expr& value);
 // A constant tensor node holding `t`.
 Expr constant_of(Builder& b, const Tensor& t);
+// Pooling over any number of spatial dims with dilations, as one strided slice of the padded
+// input per kernel tap: the maximum (and with `indices` the flat input position of each
+// maximum, MaxPool's Indices; `column_major` for storage_order 1), or the mean over the taps
+// that count (pads_end includes ceil mode's extra pads, explicit_pads_end not; include_pad
+// counts the explicit ones). For what max_pool2d and avg_pool2d do not take (ops_pool.cc).
+struct PoolWindow {
+  std::vector<int64_t> kernel, strides, dilations, pads_begin, pads_end, explicit_pads_end;
+};
+std::vector<Expr> pool_by_taps(Builder& b, const Expr& x, const PoolWindow& window, bool is_max, bool include_pad,
+                               bool indices, bool column_major);
+// A float value rounded down, or to the nearest with halves to even (torch's nearbyint, ONNX's
+// Round), in the graph through an int64 cast (kiln has no floor op): exact where |x| < 2^52
+// (ops_quantize.cc).
+Expr rounded_down(const Expr& x);
+Expr rounded_half_even(const Expr& x);
 
 }  // namespace kiln::onnx

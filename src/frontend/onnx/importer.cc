@@ -38,6 +38,13 @@ const RuleTable& rules() {
     add_elementwise_rules(t);
     add_tensor_rules(t);
     add_nn_rules(t);
+    add_einsum_rules(t);
+    add_resize_rules(t);
+    add_indexing_rules(t);
+    add_signal_rules(t);
+    add_rnn_rules(t);
+    add_quantize_rules(t);
+    add_training_rules(t);
     return t;
   }();
   return table;
@@ -506,9 +513,12 @@ bool NodeContext::from_pytorch() const { return importer_.from_pytorch(); }
 
 void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
   NodeContext context(*this, node, opset);
-  if (!node.domain().empty() && node.domain() != "ai.onnx")
-    context.unsupported("domain '{}' is not supported (only the default ONNX domain)", node.domain());
-  auto it = rules().find(node.op_type());
+  // Rules of other domains than the default one are keyed "domain:Op" (ops_training.cc's).
+  const bool default_domain = node.domain().empty() || node.domain() == "ai.onnx";
+  auto it = rules().find(default_domain ? node.op_type() : node.domain() + ":" + node.op_type());
+  if (it == rules().end() && !default_domain)
+    context.unsupported("op {} of domain '{}' is not supported (the default ONNX domain, and the optimizers of "
+                        "ai.onnx.preview.training)", node.op_type(), node.domain());
   if (it == rules().end()) context.unsupported("op {} is not supported", node.op_type());
   for (const auto& a : node.attribute())
     if (a.type() == ::onnx::AttributeProto::GRAPH || a.type() == ::onnx::AttributeProto::GRAPHS)

@@ -124,56 +124,6 @@ void add_elementwise_rules(RuleTable& r) {
   r["CastLike"] = [](NodeContext& c) { return std::vector<Expr>{cast_to(c.in(0), c.in(1).dtype())}; };
   r["Identity"] = [](NodeContext& c) { return std::vector<Expr>{c.in(0)}; };
 
-  // Linear (de)quantization to and from u8 (kiln's one 8-bit integer), per tensor or per slice
-  // along `axis`: y = (x - zero_point) * scale, y = saturate(round(x / scale) + zero_point).
-  const auto along_axis = [](NodeContext& c, const Expr& v, const Expr& like) {
-    if (v.rank() == 0) return v;
-    const int64_t axis = c.attr_int("axis", 1);
-    const int64_t a = axis < 0 ? axis + like.rank() : axis;
-    if (v.rank() != 1 || a < 0 || a >= like.rank() || v.dim(0) != like.dim(int(a)))
-      c.fail("scale {} is neither one value nor one per entry of axis {} of {}", to_string(v.type()), axis,
-             to_string(like.type()));
-    Shape shape(like.rank(), 1);
-    shape[a] = v.dim(0);
-    return reshape(v, shape);
-  };
-  const auto no_blocks = [](NodeContext& c) {
-    if (c.attr_int("block_size", 0) != 0) c.unsupported("blocked quantization (block_size)");
-  };
-  r["DequantizeLinear"] = [along_axis, no_blocks](NodeContext& c) {
-    no_blocks(c);
-    Expr x = c.in(0), scale = c.in(1);
-    if (x.dtype() != DType::kU8 && x.dtype() != DType::kI32) c.unsupported("x of {}", dtype_name(x.dtype()));
-    Expr y = cast(x, scale.dtype());
-    if (c.has_input(2)) y = y - along_axis(c, cast(c.in(2), scale.dtype()), x);
-    return std::vector<Expr>{y * along_axis(c, scale, x)};
-  };
-  r["QuantizeLinear"] = [along_axis, no_blocks](NodeContext& c) {
-    no_blocks(c);
-    Expr x = c.in(0), scale = c.in(1);
-    const DType out = c.has_input(2) ? c.in(2).dtype() : DType::kU8;
-    if (out != DType::kU8) c.unsupported("quantizing to {} (kiln has u8)", dtype_name(out));
-    if (c.has_attr("saturate")) c.ignore_attr("saturate");  // float8 only
-    Expr q = c.b().apply1(Op::kRound, {x / along_axis(c, cast_to(scale, x.dtype()), x)});
-    if (c.has_input(2)) q = q + along_axis(c, cast(c.in(2), x.dtype()), x);
-    q = minimum(maximum(q, scalar_like(q, 0.0)), scalar_like(q, 255.0));
-    return std::vector<Expr>{cast(q, DType::kU8)};
-  };
-  // The same to u8 with the scale and zero point of x's own range (widened to take 0).
-  r["DynamicQuantizeLinear"] = [](NodeContext& c) {
-    Expr x = c.in(0);
-    if (!is_float(x.dtype())) c.unsupported("needs a float input, got {}", dtype_name(x.dtype()));
-    const auto saturate = [](const Expr& v) {
-      return minimum(maximum(v, scalar_like(v, 0.0)), scalar_like(v, 255.0));
-    };
-    const auto round = [&c](const Expr& v) { return c.b().apply1(Op::kRound, {v}); };
-    Expr low = minimum(-max(-x), scalar_like(x, 0.0)), high = maximum(max(x), scalar_like(x, 0.0));
-    Expr scale = (high - low) / 255.0;
-    Expr zero_point = saturate(round(-low / scale));
-    Expr y = saturate(round(x / scale) + zero_point);
-    return std::vector<Expr>{cast(y, DType::kU8), scale, cast(zero_point, DType::kU8)};
-  };
-
   r["Clip"] = [](NodeContext& c) {
     Expr x = c.in(0);
     if (c.opset() < 11) {

@@ -223,6 +223,22 @@ void add_nn_rules(RuleTable& r) {
   r["LogSoftmax"] = softmax_like("log_softmax");
   r["Hardmax"] = softmax_like("hardmax");
 
+  // Local response normalization over channels: x / (bias + alpha / size * sum of x^2 over the
+  // size channels around c)^beta, the sum as shifted slices of the squares padded with zeros.
+  r["LRN"] = [](NodeContext& c) {
+    Expr x = c.in(0);
+    require_float(c, x);
+    const double alpha = c.attr_float("alpha", 1e-4), beta = c.attr_float("beta", 0.75), bias = c.attr_float("bias", 1.0);
+    const int64_t size = c.attr_int("size", 0);
+    if (size < 1) c.fail("size {} (expected >= 1)", size);
+    if (x.rank() < 3) c.fail("needs (N, C, D1, ...), got {}", to_string(x.type()));
+    const int64_t channels = x.dim(1), before = (size - 1) / 2, after = size - 1 - before;
+    Expr padded = pad_axis(c.b(), square(x), 1, before, after, "constant", scalar_like(x, 0.0));
+    Expr sums = slice_axis(padded, 1, 0, channels);
+    for (int64_t k = 1; k < size; ++k) sums = sums + slice_axis(padded, 1, k, k + channels);
+    return std::vector<Expr>{x * pow(sums * (alpha / static_cast<double>(size)) + bias, -beta)};
+  };
+
   r["LayerNormalization"] = [](NodeContext& c) {
     Expr x = c.in(0), scale = c.in(1);
     require_float(c, x);
@@ -275,48 +291,6 @@ void add_nn_rules(RuleTable& r) {
     c.add_update(mean_in, running_mean);
     c.add_update(var_in, running_var);
     return std::vector<Expr>{y, running_mean, running_var};
-  };
-  // Local response normalization across channels: x / (bias + alpha / size * s)^beta, s the sum
-  // of squares over the channels from c - floor((size - 1) / 2) to c + ceil((size - 1) / 2).
-  r["LRN"] = [](NodeContext& c) {
-    Expr x = c.in(0);
-    if (!is_float(x.dtype()) || x.rank() < 2) c.unsupported("needs a float (N, C, ...) input, got {}", to_string(x.type()));
-    const int64_t size = c.attr_int("size", 0);
-    if (size < 1) c.fail("size {} must be >= 1", size);
-    const double alpha = c.attr_float("alpha", 1e-4), beta = c.attr_float("beta", 0.75), bias = c.attr_float("bias", 1.0);
-    const int64_t channels = x.dim(1);
-    Expr squares = pad_axis(c.b(), square(x), 1, (size - 1) / 2, size / 2, "constant", scalar_like(x, 0.0));
-    Expr window = slice_axis(squares, 1, 0, channels);
-    for (int64_t i = 1; i < size; ++i) window = window + slice_axis(squares, 1, i, i + channels);
-    return std::vector<Expr>{x / pow(window * (alpha / static_cast<double>(size)) + bias, beta)};
-  };
-  // Each value written at its flat position (MaxPool's Indices, positions in the unpooled shape
-  // the pooling window implies) into zeros of that shape: a scatter_elements over it flat. A
-  // larger output_shape pads the result at the end of each spatial dim (as ONNX's reference).
-  r["MaxUnpool"] = [](NodeContext& c) {
-    Expr x = c.in(0), indices = c.in(1);
-    const Ints kernel = c.attr_ints("kernel_shape");
-    const int spatial = x.rank() - 2;
-    if (spatial < 1 || static_cast<int>(kernel.size()) != spatial) c.fail("kernel_shape {} for x {}", to_string(kernel), to_string(x.type()));
-    const Ints strides = c.attr_ints("strides", Ints(spatial, 1)), pads = c.attr_ints("pads", Ints(2 * spatial, 0));
-    Shape unpooled = {x.dim(0), x.dim(1)};
-    for (int d = 0; d < spatial; ++d)
-      unpooled.push_back((x.dim(2 + d) - 1) * strides[d] - pads[d] - pads[spatial + d] + kernel[d]);
-    const int64_t n = x.type().numel();
-    Expr zeros = c.b().full({numel(unpooled)}, 0.0, x.dtype());
-    Expr flat = c.b().apply1(Op::kScatterElements, {zeros, reshape(cast_to(indices, DType::kI64), {n}), reshape(x, {n})},
-                             {{"axis", int64_t{0}}, {"reduction", std::string("none")}});
-    Expr y = reshape(flat, unpooled);
-    if (c.has_input(2)) {
-      const Shape out = c.ints(2, "output_shape");
-      if (out.size() != unpooled.size() || out[0] != unpooled[0] || out[1] != unpooled[1])
-        c.fail("output_shape {} does not fit the unpooled {}", to_string(out), to_string(unpooled));
-      for (int d = 2; d < x.rank(); ++d) {
-        if (out[d] < unpooled[d]) c.fail("output_shape {} is smaller than the unpooled {}", to_string(out), to_string(unpooled));
-        y = pad_axis(c.b(), y, d, 0, out[d] - unpooled[d], "constant", scalar_like(y, 0.0));
-      }
-    }
-    return std::vector<Expr>{y};
   };
   r["InstanceNormalization"] = [](NodeContext& c) {
     Expr x = c.in(0), scale = c.in(1), bias = c.in(2);
@@ -449,20 +423,25 @@ void add_nn_rules(RuleTable& r) {
   auto pool = [](bool is_max) {
     return [is_max](NodeContext& c) {
       Expr x = c.in(0);
-      require_float(c, x);
-      if (c.wants_output(1)) c.unsupported("the Indices output");
+      // Max pooling also takes uint8 and int32 (the pads' least value is exact in a double fill).
+      if (!is_max || (x.dtype() != DType::kU8 && x.dtype() != DType::kI32)) require_float(c, x);
+      const bool indices = is_max && c.wants_output(1);
       const int spatial_rank = x.rank() - 2;
       const Ints kernel = c.attr_ints("kernel_shape");
       const bool ceil_mode = c.attr_int("ceil_mode", 0) != 0;
-      if (is_max && c.attr_int("storage_order", 0) != 0) c.unsupported("storage_order 1");
+      const bool column_major = is_max && c.attr_int("storage_order", 0) != 0;  // of the Indices
       const bool include_pad = !is_max && c.attr_int("count_include_pad", 0) != 0;
       const Shape x_shape = x.shape();
       const Shape spatial(x_shape.begin() + 2, x_shape.end());
       if (static_cast<int>(kernel.size()) != spatial_rank) c.fail("kernel_shape {} for {} spatial dims", to_string(kernel), spatial_rank);
       Window explicit_pads = window_of(c, spatial, kernel, false);
       Window win = window_of(c, spatial, kernel, ceil_mode);
-      for (int64_t d : win.dilations)
-        if (d != 1) c.unsupported("dilations other than 1");
+      bool dilated = false;
+      for (int64_t d : win.dilations) dilated = dilated || d != 1;
+      if (dilated || spatial_rank > 2 || indices || !is_float(x.dtype())) {  // beyond max_pool2d and avg_pool2d
+        const PoolWindow taps{win.kernel, win.strides, win.dilations, win.pads_begin, win.pads_end, explicit_pads.pads_end};
+        return pool_by_taps(c.b(), x, taps, is_max, include_pad, indices, column_major);
+      }
       x = as_2d(c, x, spatial_rank);
       if (spatial_rank == 1)
         for (Window* wp : {&win, &explicit_pads})

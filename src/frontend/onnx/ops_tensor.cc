@@ -4,7 +4,6 @@
 // need it known.
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 #include <numeric>
 
 #include "frontend/onnx/converter.h"
@@ -529,52 +528,6 @@ void add_tensor_rules(RuleTable& r) {
                      {"reverse", c.attr_int("reverse", 0) != 0}};
     return std::vector<Expr>{c.b().apply1(Op::kCumsum, {x}, attrs)};
   };
-  // Window functions of a known size: constants, computed at import in double. Each is
-  // w[n] = sum_k (-1)^k a_k cos(2 pi k n / N), N the size (periodic) or the size - 1 (symmetric).
-  const auto window = [](std::vector<double> a) -> Rule {
-    return [a](NodeContext& c) {
-      const auto size = static_cast<int64_t>(c.scalar(0, "size"));
-      if (size < 0) c.fail("size {} is negative", size);
-      const bool periodic = c.attr_int("periodic", 1) != 0;
-      const DType dtype = dtype_of(static_cast<int>(c.attr_int("output_datatype", 1)),
-                                   c.where() + " attribute 'output_datatype'");
-      const double period = static_cast<double>(periodic ? size : size - 1);
-      std::vector<double> w;
-      for (int64_t n = 0; n < size; ++n) {
-        double v = 0;
-        for (size_t k = 0; k < a.size(); ++k)
-          v += (k % 2 ? -a[k] : a[k]) * (period > 0 ? std::cos(2 * std::numbers::pi * static_cast<double>(k * n) / period) : 1.0);
-        w.push_back(v);
-      }
-      return std::vector<Expr>{c.b().constant({size}, w, dtype)};
-    };
-  };
-  r["HannWindow"] = window({0.5, 0.5});
-  r["HammingWindow"] = window({25.0 / 46.0, 21.0 / 46.0});
-  r["BlackmanWindow"] = window({0.42, 0.5, 0.08});
-  // Each batch entry's first sequence_lens[b] steps reversed: a gather_elements along the time
-  // axis at positions built at import, so the lengths must be known there.
-  r["ReverseSequence"] = [](NodeContext& c) {
-    Expr x = c.in(0);
-    const Ints lens = c.ints(1, "sequence_lens");
-    const int64_t batch_axis = axis_in(c, c.attr_int("batch_axis", 1), x.rank());
-    const int64_t time_axis = axis_in(c, c.attr_int("time_axis", 0), x.rank());
-    if (batch_axis == time_axis || static_cast<int64_t>(lens.size()) != x.dim(int(batch_axis)))
-      c.fail("batch_axis {}, time_axis {} and {} sequence_lens do not fit x {}", batch_axis, time_axis,
-             lens.size(), to_string(x.type()));
-    const Shape shape = x.shape();
-    const std::vector<int64_t> strides = strides_of(shape);
-    std::vector<double> index(numel(shape));
-    for (int64_t i = 0; i < numel(shape); ++i) {
-      const int64_t b = i / strides[batch_axis] % shape[batch_axis], t = i / strides[time_axis] % shape[time_axis];
-      if (lens[b] < 0 || lens[b] > shape[time_axis]) c.fail("sequence_lens[{}] = {} is out of 0..{}", b, lens[b], shape[time_axis]);
-      index[i] = static_cast<double>(t < lens[b] ? lens[b] - 1 - t : t);
-    }
-    return std::vector<Expr>{c.b().apply1(Op::kGatherElements, {x, c.b().constant(shape, index, DType::kI64)},
-                                          {{"axis", time_axis}})};
-  };
-  // kiln's topk always lists the values best first (ties to the lower index), an order that
-  // sorted = 0 (any order) allows too.
   r["TopK"] = [](NodeContext& c) {
     Expr x = c.in(0);
     int64_t k = 0;
