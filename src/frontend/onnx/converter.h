@@ -137,9 +137,9 @@ struct PoolWindow {
 };
 std::vector<Expr> pool_by_taps(Builder& b, const Expr& x, const PoolWindow& window, bool is_max, bool include_pad,
                                bool indices, bool column_major);
-// A float value rounded down, or to the nearest with halves to even (torch's nearbyint, ONNX's
-// Round), in the graph through an int64 cast (kiln has no floor op): exact where |x| < 2^52
-// (ops_quantize.cc).
+// A float value rounded down, in the graph through an int64 cast (kiln has no floor op): exact
+// where |x| < 2^52; or to the nearest with halves to even (kiln's round op, as ONNX's Round and
+// torch's nearbyint) (ops_quantize.cc).
 Expr rounded_down(const Expr& x);
 Expr rounded_half_even(const Expr& x);
 
