@@ -212,8 +212,9 @@ std::vector<Expr> gather_gradient(const GradContext& c) {
   Expr dy = c.dy();
   if (c.attrs().has("padding_index")) {
     // dy's rows read at padding_index are dropped: indices (as dy's rank, 1 elsewhere) != it.
+    const Shape index_shape = indices.shape();
     Shape mask_shape(static_cast<size_t>(axis), 1);
-    mask_shape.insert(mask_shape.end(), indices.shape().begin(), indices.shape().end());
+    mask_shape.insert(mask_shape.end(), index_shape.begin(), index_shape.end());
     mask_shape.resize(static_cast<size_t>(dy.rank()), 1);
     Expr padding = c.builder.full({}, static_cast<double>(c.attrs().i("padding_index")), indices.dtype());
     Expr keep = reshape(ne(indices, padding), mask_shape);
