@@ -251,6 +251,12 @@ class Step:
         self._session.synchronize()
 
     @property
+    def aten_ops(self):
+        """The ATen ops of a module captured through torch.export that kiln lowered (None for
+        the other paths)."""
+        return self._record.get("aten_ops")
+
+    @property
     def steps_done(self):
         return self._session.steps_done
 
@@ -425,7 +431,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         kwargs, inputs = dict(example_inputs), ()
     else:
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    module_tensors, input_names, aliases = {}, None, {}
+    module_tensors, input_names, aliases, aten_ops = {}, None, {}, None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if loss not in (None, "cross_entropy"):
@@ -441,7 +447,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         names = {n: program.onnx_names.get(n, n) for n, role, _, _ in program.inputs if role != "data"}
         what, framework = f"ONNX model {path}", framework_of(inputs, "numpy")
     elif is_module and _use_export(capture):
-        program, names, module_tensors, input_names, aliases = _capture_module(model, inputs, kwargs, loss)
+        program, names, module_tensors, input_names, aliases, aten_ops = _capture_module(model, inputs, kwargs, loss)
         what, framework = f"module {type(model).__name__}", "torch"
     elif is_module:
         if kwargs:
@@ -474,11 +480,15 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         record["input_names"] = list(input_names)
     if aliases:
         record["aliases"] = aliases
+    if aten_ops is not None:
+        record["aten_ops"] = aten_ops  # the ATen ops torch.export gave and kiln lowered
     session = _session(program, optimizer, amp, kind, index, record, shard, group)
     sharded = set(session.sharded)
     for n, tensor in module_tensors.items():
         if n not in sharded:
             session.adopt(n, tensor.detach(), tensor)
+        elif aten_ops is not None:  # parsed IR has no initial values: this rank's shard is copied in
+            session.copy_into(n, tensor.detach().contiguous())
     for n, tensor in copies.items():
         session.copy_into(n, tensor.detach().to(here).contiguous())
     step = Step(session, names, module_tensors, framework, kind, index, record, input_names)
@@ -521,15 +531,16 @@ def _capture_module(model, inputs, kwargs, loss):
     move = lambda x: x.to(where) if torch.is_tensor(x) and str(x.device) != where else x  # noqa: E731
     inputs = tuple(move(x) for x in inputs)
     kwargs = {k: move(v) for k, v in kwargs.items()}
-    captured = _capture.capture(module, inputs, kwargs, type(model).__name__)
+    # Positional inputs keep the forward's parameter names (as the ONNX path's), the target last.
+    data_names = None if kwargs else _input_names(model, len(inputs), loss is not None)
+    captured = _capture.capture(module, inputs, kwargs, type(model).__name__, data_names=data_names)
     program = _kiln.parse_program(captured.ir)
     strip = lambda n: n[len(prefix):] if n.startswith(prefix) else n  # noqa: E731
     names = {k: strip(u) for k, u in captured.names.items()}
     aliases = {k: [strip(u) for u in us if strip(u) != names[k]] for k, us in captured.aliases.items()}
     input_names = captured.input_names
-    if not kwargs:  # positional inputs keep the forward's parameter names (as the ONNX path's)
-        input_names = _input_names(model, len(input_names), loss is not None)
-    return program, names, captured.tensors, input_names, {k: v for k, v in aliases.items() if v}
+    return program, names, captured.tensors, input_names, {k: v for k, v in aliases.items() if v}, \
+        sorted(captured.aten_ops)
 
 
 def _torch_dtype(torch, name):

@@ -13,7 +13,7 @@ into kiln.Error naming the ATen op and the user's source line. In-place variants
 listed. Ops whose inputs are all constants never reach the table: torch computes them."""
 import math
 
-from .ir import Dtype, Unsupported, Value, bool_dtype
+from .ir import Dtype, Unsupported, Value
 
 ATEN = {}
 
@@ -220,6 +220,11 @@ def _transpose(c, x, d0, d1):
     d0, d1 = _axis(d0, x.rank), _axis(d1, x.rank)
     perm[d0], perm[d1] = perm[d1], perm[d0]
     return c.b.transpose(x, perm)
+
+
+@aten("broadcast_tensors.default")
+def _broadcast_tensors(c, tensors):
+    return [c.b.broadcast(t, out[1]) for t, out in zip(tensors, c.outs)]
 
 
 @aten("t.default")
@@ -740,15 +745,53 @@ def _conv(c, x, weight, bias=None, stride=1, padding=0, dilation=1, *rest):
         raise Unsupported(f"convolution of a {x.rank}-D input (kiln has 1-D and 2-D)")
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     if any(d != 1 for d in dilation):
-        raise Unsupported(f"convolution with dilation {dilation}")
+        weight = _dilated(c, weight, dilation)
     n, _, h, w = x.shape
     o, _, kh, kw = weight.shape
     oh, ow = (h + 2 * padding[0] - kh) // stride[0] + 1, (w + 2 * padding[1] - kw) // stride[1] + 1
-    y = c.b.op("conv2d", [x, weight], x.dtype, (n, o, oh, ow), stride=stride if stride != [1, 1] else None,
-               padding=padding if padding != [0, 0] else None, groups=groups if groups != 1 else None)
+    attrs = {"stride": stride if stride != [1, 1] else None, "padding": padding if padding != [0, 0] else None}
+    if groups == 1 or _conv_has_groups():
+        y = c.b.op("conv2d", [x, weight], x.dtype, (n, o, oh, ow), groups=groups if groups != 1 else None, **attrs)
+    else:  # a kiln without grouped conv2d: one conv2d per group
+        cg, og = x.shape[1] // groups, o // groups
+        xs = c.b.emit("split", [x], {"axis": 1, "sizes": [cg] * groups}, [(x.dtype, (n, cg, h, w))] * groups)
+        ws = c.b.emit("split", [weight], {"axis": 0, "sizes": [og] * groups},
+                      [(weight.dtype, (og,) + weight.shape[1:])] * groups)
+        y = c.b.concat([c.b.op("conv2d", [xg, wg], x.dtype, (n, og, oh, ow), **attrs) for xg, wg in zip(xs, ws)], 1)
     if bias is not None:
         y = c.b.binary("add", y, c.b.reshape(bias, (1, o, 1, 1)))
     return c.b.reshape(y, c.out[1]) if one_d else y
+
+
+def _dilated(c, weight, dilation):
+    """The kernel with dilation - 1 zeros between its taps (a dilated convolution is the plain
+    one over it; the gradient reaches the taps through the reshapes and slices)."""
+    for axis, d in ((2, dilation[0]), (3, dilation[1])):
+        k = weight.shape[axis]
+        if d == 1 or k == 1:
+            continue
+        shape = weight.shape
+        spread = c.b.reshape(weight, shape[:axis + 1] + (1,) + shape[axis + 1:])
+        zeros = c.b.full(0.0, weight.dtype, shape[:axis + 1] + (d - 1,) + shape[axis + 1:])
+        spread = c.b.concat([spread, zeros], axis + 1)
+        spread = c.b.reshape(spread, shape[:axis] + (k * d,) + shape[axis + 1:])
+        weight = c.b.slice(spread, axis, 0, (k - 1) * d + 1)
+    return weight
+
+
+_CAPABILITIES = {}  # what this kiln build parses, probed once
+
+
+def _conv_has_groups():
+    if "conv_groups" not in _CAPABILITIES:
+        from .ir import _kiln
+        try:
+            _kiln.parse_program("graph @g(%x: f32[1,2,3,3] data, %w: f32[2,1,1,1] data) {\n"
+                                "  %0 = conv2d(%x, %w) {groups=2}\n  return %0\n}\n")
+            _CAPABILITIES["conv_groups"] = True
+        except _kiln.Error:
+            _CAPABILITIES["conv_groups"] = False
+    return _CAPABILITIES["conv_groups"]
 
 
 def _pool_args(kernel, stride, padding):

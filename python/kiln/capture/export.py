@@ -34,6 +34,8 @@ VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default
 # Ops with no output value, only checks of the export's assumptions.
 CHECKS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range.default",
           "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"}
+# Ops that update BatchNorm's running statistics (arguments 3 and 4) when argument 5 (training) is set.
+_WRITES_STATISTICS = {"aten.batch_norm.default", "aten._batch_norm_impl_index.default"}
 # Frozen tensors above this many elements stay tensors (state inputs without an update)
 # instead of becoming constants written into the IR text.
 _LARGEST_CONSTANT = 1 << 16
@@ -58,11 +60,13 @@ class Captured:
         self.aliases = {}        # kiln input name -> every module name of that tensor (tied ones)
         self.tensors = {}        # kiln input name -> the module's tensor (adopted: trained in place)
         self.input_names = []    # the data inputs, in the order the step takes them
+        self.aten_ops = set()    # the ATen ops lowered through the table (not folded by torch)
         self.seconds = {}        # "export", "lower"
 
 
-def capture(module, args, kwargs, name, options=None):
-    """Captured of `module` called as module(*args, **kwargs) (training mode, non-strict export)."""
+def capture(module, args, kwargs, name, options=None, data_names=None):
+    """Captured of `module` called as module(*args, **kwargs) (training mode, non-strict export);
+    `data_names`: the names of the tensor inputs in order (else the export's)."""
     import time
 
     import torch
@@ -83,7 +87,7 @@ def capture(module, args, kwargs, name, options=None):
                 b.copy_(saved[n])
         torch.random.set_rng_state(rng)
     exported = time.perf_counter()
-    out = Lowering(program, module, name, options or {}).run()
+    out = Lowering(program, module, name, options or {}, data_names).run()
     out.seconds = {"export": exported - clock, "lower": time.perf_counter() - exported}
     return out
 
@@ -95,10 +99,15 @@ def _first_lines(text, count=6):
 
 def _hint(e):
     text = str(e)
+    hint = ""
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', text) if "/torch/" not in f[0]]
+    if frames:
+        path, line, function, code = frames[-1]
+        hint = f"\nat {path}:{line} in {function}: {code.strip()}"
     if "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__ or "Could not guard" in text:
-        return ("\n(kiln compiles one static graph: control flow on tensor values, such as `if x.sum() > 0`, "
-                "cannot be captured; compute both branches and select with torch.where)")
-    return ""
+        hint += ("\n(kiln compiles one static graph: control flow on tensor values, such as `if x.sum() > 0`, "
+                 "cannot be captured; compute both branches and select with torch.where)")
+    return hint
 
 
 def _source_line(node):
@@ -147,8 +156,9 @@ def _outputs_of(node):
 
 
 class Lowering:
-    def __init__(self, program, module, name, options):
+    def __init__(self, program, module, name, options, data_names=None):
         self.program = program
+        self.data_names = list(data_names or [])
         self.module = module
         self.options = options
         self.b = Builder(re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "module")
@@ -190,13 +200,17 @@ class Lowering:
                 continue
             if str(node.target) in VIEWS and isinstance(node.args[0], torch.fx.Node):
                 views[node] = node.args[0]
-            for i, arg in enumerate(node.target._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    target = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                    while target in views:
-                        target = views[target]
-                    if isinstance(target, torch.fx.Node):
-                        roots.add(target)
+            written = [i for i, arg in enumerate(node.target._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+            if str(node.target) in _WRITES_STATISTICS and len(node.args) > 5 and node.args[5]:
+                written = [3, 4]  # batch_norm in training: its schema hides the running statistics' update
+            for i in written:
+                arg = node.target._schema.arguments[i]
+                target = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                while target in views:
+                    target = views[target]
+                if isinstance(target, torch.fx.Node):
+                    roots.add(target)
         return roots
 
     def _bind_inputs(self, graph, mutated):
@@ -216,11 +230,13 @@ class Lowering:
                 if not isinstance(val, torch.Tensor):
                     self.env[node] = val
                     continue
-                name = self._unique(node.name)
+                count = len(self.out.input_names)
+                user = self.data_names[count] if count < len(self.data_names) else node.name
+                name = self._unique(user)
                 if node in mutated:
-                    raise _kiln.Error(f"the module writes its input '{node.name}' in place: kiln's inputs are read-only")
+                    raise _kiln.Error(f"the module writes its input '{user}' in place: kiln's inputs are read-only")
                 value = self.b.input(name, val.dtype, val.shape, "data")
-                self.out.input_names.append(node.name)
+                self.out.input_names.append(user)
                 self.inputs[node], self.roles[node] = value, "data"
                 self._bind(node, value)
                 continue
@@ -344,6 +360,7 @@ class Lowering:
         if row is None:
             raise Unsupported("kiln has no lowering for it (docs/python.md lists the ATen ops kiln takes)")
         context = _Context(self, node, name)
+        self.out.aten_ops.add(name)
         return row(context, *args, **kwargs)
 
     def _functional_row(self, name):
