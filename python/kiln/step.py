@@ -431,7 +431,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         kwargs, inputs = dict(example_inputs), ()
     else:
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    module_tensors, input_names, aliases, aten_ops = {}, None, {}, None
+    module_tensors, input_names, aliases, aten_ops, seconds = {}, None, {}, None, {}
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if loss not in (None, "cross_entropy"):
@@ -447,7 +447,8 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         names = {n: program.onnx_names.get(n, n) for n, role, _, _ in program.inputs if role != "data"}
         what, framework = f"ONNX model {path}", framework_of(inputs, "numpy")
     elif is_module and _use_export(capture):
-        program, names, module_tensors, input_names, aliases, aten_ops = _capture_module(model, inputs, kwargs, loss)
+        program, names, module_tensors, input_names, aliases, aten_ops, seconds = \
+            _capture_module(model, inputs, kwargs, loss)
         what, framework = f"module {type(model).__name__}", "torch"
     elif is_module:
         if kwargs:
@@ -482,6 +483,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         record["aliases"] = aliases
     if aten_ops is not None:
         record["aten_ops"] = aten_ops  # the ATen ops torch.export gave and kiln lowered
+        record["capture_seconds"] = seconds  # {"export": torch.export, "lower": the table}
     session = _session(program, optimizer, amp, kind, index, record, shard, group)
     sharded = set(session.sharded)
     for n, tensor in module_tensors.items():
@@ -540,7 +542,7 @@ def _capture_module(model, inputs, kwargs, loss):
     aliases = {k: [strip(u) for u in us if strip(u) != names[k]] for k, us in captured.aliases.items()}
     input_names = captured.input_names
     return program, names, captured.tensors, input_names, {k: v for k, v in aliases.items() if v}, \
-        sorted(captured.aten_ops)
+        sorted(captured.aten_ops), captured.seconds
 
 
 def _torch_dtype(torch, name):

@@ -141,7 +141,9 @@ def test_trains_as_torch(name):
         worst = max(worst, difference / scale if scale else difference)
         if difference > 1e-3 * scale:
             failures.append(f"{n}: max difference {difference:.3g} at scale {scale:.3g}")
-    print(f"\n{name}: compile {seconds:.2f} s; losses {kiln_losses[0]:.5f} -> {kiln_losses[-1]:.5f}, "
+    parts = step._record["capture_seconds"]
+    print(f"\n{name}: compile {seconds:.2f} s (torch.export {parts['export']:.2f}, lowering {parts['lower']:.2f}, "
+          f"kiln {seconds - parts['export'] - parts['lower']:.2f}); losses {kiln_losses[0]:.5f} -> {kiln_losses[-1]:.5f}, "
           f"max loss rel. difference {relative:.2e}, max param difference {worst:.2e} of its largest entry")
     assert not failures, "; ".join(failures)
     assert kiln_losses == pytest.approx(torch_losses, rel=1e-5)

@@ -568,12 +568,21 @@ def _sdpa(c, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
     scale_attr = float(scale) if scale is not None else None
     if general is not None:
         return _attention_decomposed(c, q, k, v, causal, scale, general if general is not None else key_bias)
+    # q, k, v made (..., H, T, D) from (..., T, H, D) by a transpose (Hugging Face's and GPT-2's
+    # head split): kiln's attention reads them where they are ("bthd", as src/models/gpt.cc), and
+    # the transpose back after it cancels the one the module applies to the output.
+    r = q.rank
+    swap = list(range(r - 3)) + [r - 2, r - 3, r - 1]
+    sources = [c.b.transposed_from(x, swap) for x in (q, k, v)]
+    layout = None
+    if all(x is not None for x in sources):
+        q, k, v = sources
+        layout = "bthd"
     inputs = [q, k, v] + ([key_bias] if key_bias is not None else [])
-    lse_shape = q.shape[:-1]
-    out, _ = c.b.emit("attention", inputs, {"causal": causal or None, "scale": scale_attr},
-                      [(q.dtype, q.shape[:-1] + (v.shape[-1],)), (torch.float32 if q.dtype != torch.float64 else q.dtype,
-                                                                  lse_shape)])
-    return out
+    lse = (torch.float32 if q.dtype != torch.float64 else q.dtype, q.shape[:-1])
+    out, _ = c.b.emit("attention", inputs, {"causal": causal or None, "scale": scale_attr, "layout": layout},
+                      [(q.dtype, q.shape[:-1] + (v.shape[-1],)), lse])
+    return c.b.transpose(out, swap) if layout else out
 
 
 def _mask_kind(c, mask, q, k):

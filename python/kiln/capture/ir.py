@@ -95,7 +95,7 @@ class Builder:
         self.updates = []  # "update %target = %value"
         self._count = 0
         self.seed = 0      # dropout seeds, one per dropout node
-        self.producer = {}  # name -> (op, source Value) of reshape and broadcast_to nodes (attention masks)
+        self.producer = {}  # name -> (op, source Value[, perm]) of reshape, broadcast_to and transpose nodes
 
     # ---- inputs and nodes ----
     def input(self, name, dtype, shape, role):
@@ -200,11 +200,24 @@ class Builder:
 
     def transpose(self, v, perm):
         perm = [int(p) for p in perm]
+        if v.name in self.producer and self.producer[v.name][0] == "transpose":
+            # A transpose of a transpose is one (the identity cancels: attention's layouts).
+            inner, source = self.producer[v.name][2], self.producer[v.name][1]
+            perm, v = [inner[p] for p in perm], source
         if perm == list(range(len(perm))):
             return v
         if v.const is not None:
             return self.const(v.const.permute(perm).contiguous())
-        return self.op("transpose", [v], v.dtype, tuple(v.shape[p] for p in perm), perm=perm)
+        out = self.op("transpose", [v], v.dtype, tuple(v.shape[p] for p in perm), perm=perm)
+        self.producer[out.name] = ("transpose", v, perm)
+        return out
+
+    def transposed_from(self, v, perm):
+        """The value that `v` is transpose(perm) of, else None."""
+        entry = self.producer.get(v.name)
+        if entry is not None and entry[0] == "transpose" and entry[2] == list(perm):
+            return entry[1]
+        return None
 
     def slice(self, v, axis, start, end, step=1):
         """v[start:end:step] along `axis` (bounds already clamped, as torch clamps them)."""
