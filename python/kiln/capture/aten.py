@@ -202,8 +202,7 @@ def _not(c, x):
 # ---- copies, casts and views (kiln's values are immutable: a view is a reshape/transpose/slice) ----
 
 @aten("clone.default", "contiguous.default", "alias.default", "detach.default", "lift_fresh_copy.default",
-      "_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default",
-      "_assert_tensor_metadata.default")
+      "_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default")
 def _copy(c, x, *args, **kwargs):
     return c.b.cast(x, c.out[0])
 
@@ -793,7 +792,7 @@ _CAPABILITIES = {}  # what this kiln build parses, probed once
 
 def _conv_has_groups():
     if "conv_groups" not in _CAPABILITIES:
-        from .ir import _kiln
+        from .. import _kiln
         try:
             _kiln.parse_program("graph @g(%x: f32[1,2,3,3] data, %w: f32[2,1,1,1] data) {\n"
                                 "  %0 = conv2d(%x, %w) {groups=2}\n  return %0\n}\n")

@@ -7,8 +7,6 @@ kiln op reads them, as a `full` or a `constant` node. Node outputs get numeric n
 the parser treats as positional labels, so they never clash with the module's names."""
 import math
 
-from .. import _kiln
-
 _DTYPES = {}  # torch dtype -> kiln dtype name, filled on first use (torch is imported late)
 
 
@@ -283,5 +281,3 @@ def broadcast_shape(a, b):
         out.append(y if x == 1 else x)
     return tuple(reversed(out))
 
-
-Error = _kiln.Error
