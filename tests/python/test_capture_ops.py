@@ -281,3 +281,22 @@ def test_onnx_path_stays():
     step = kiln.compile(model, (x, y), loss="cross_entropy", capture="onnx")
     assert step.aten_ops is None
     assert math.isfinite(float(step(x, y)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or kiln._kiln.cuda_device_count() == 0, reason="no GPU here")
+def test_step_runs_where_the_module_is():
+    """A module on the GPU and inputs on the CPU: the capture moves the example, the step runs on
+    the GPU (the module's own tensors, trained in place), and the loss comes back to the CPU."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).cuda()
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    step = kiln.compile(model, (x, y), loss="cross_entropy", optimizer=kiln.SGD(lr=0.1))
+    loss = step(x, y)
+    assert loss.device.type == "cpu"
+    want = F.cross_entropy(reference(x), y)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    want.backward()
+    with torch.no_grad():
+        expected = reference[0].weight - 0.1 * reference[0].weight.grad
+    assert torch.allclose(model[0].weight.cpu(), expected, rtol=1e-4, atol=1e-6)
