@@ -72,4 +72,26 @@ if ! python3 -c "import importlib.metadata as m; m.distribution('nvidia-cudnn-fr
     python3 -m pip install -q --break-system-packages nvidia-cudnn-frontend ||
     echo "install-deps: warning: could not pip install nvidia-cudnn-frontend; the cudnn dialect is left out"
 fi
+# PyTorch 2.x for the Python package (kiln.compile's torch.export capture) and its tests, in a
+# virtual environment of Debian's python3 (/usr/bin/python3: the same interpreter, so one build of
+# kiln._kiln serves both; --system-site-packages keeps Debian's numpy, onnx, pytest and
+# nanobind). PyPI's torch is a CUDA build: without a GPU it needs only the CUDA libraries it links,
+# which the CUDA 13.0 toolkit in /usr/local/cuda has except three and a new enough NCCL, installed as wheels by name
+# (--no-deps: the rest of its dependencies, cuDNN, cuBLAS and triton among them, are GPU-only or
+# the toolkit's). torch 2.14.1 is the release built against CUDA 13.0, and torchvision 0.29.2 its
+# match. About 1.1 GB to download, 1.9 GB on disk, 1-2 minutes here (docs/python.md).
+# transformers (Hugging Face) is for the model tests only. pip then warns that the GPU wheels
+# torch names are missing: they are left out on purpose.
+KILN_VENV=${KILN_VENV:-/opt/kiln-venv}
+torch_check="import torch, torchvision, transformers; assert torch.__version__.startswith('2.14.1'); assert transformers.__version__ >= '5'"
+if [[ -x /usr/bin/python3 ]] && ! "$KILN_VENV/bin/python" -c "$torch_check" 2>/dev/null; then
+  echo "install-deps: PyTorch 2.14.1 into $KILN_VENV (about 1.1 GB from PyPI)"
+  { /usr/bin/python3 -m venv --system-site-packages "$KILN_VENV" &&
+    "$KILN_VENV/bin/python" -m pip install -q --no-deps torch==2.14.1 torchvision==0.29.2 \
+      nvidia-nccl-cu13==2.30.7 nvidia-cusparselt-cu13==0.8.1 nvidia-nvshmem-cu13==3.4.5 "nvidia-cufile==1.15.1.6.*" &&
+    "$KILN_VENV/bin/python" -m pip install -q "typing-extensions>=4.10" "setuptools>=77.0.3" "sympy>=1.13.3" \
+      "networkx>=2.5.1" "fsspec>=0.8.5" jinja2 filelock pillow "transformers>=5,<6" &&
+    "$KILN_VENV/bin/python" -c "$torch_check"; } ||
+    echo "install-deps: warning: could not install PyTorch 2.14.1 into $KILN_VENV; the Python tests use Debian's torch 1.13 (ONNX path only)"
+fi
 echo "install-deps: ok"

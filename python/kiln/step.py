@@ -1,11 +1,14 @@
 """kiln.compile: a torch module or an ONNX file to a compiled training step (kiln.Step), and
 kiln.load: a step back from a checkpoint that Step.save wrote.
 
-A torch module reaches kiln as an ONNX export made in-process (docs/onnx.md: training mode, no
-constant folding, so BatchNorm keeps batch statistics and every weight stays an initializer under
-its state_dict name). kiln then trains the module's own tensors in place: its parameters and
-BatchNorm's running statistics are the step's memory, so after `step(x, y)` the module holds the
-updated weights, with no copy either way (zero3's params excepted: each rank holds a shard).
+A torch module reaches kiln through torch.export (PyTorch >= 2.5: kiln.capture lowers its ATen
+graph into kiln's IR, docs/python.md), or, with an older torch or capture="onnx", as an ONNX export
+made in-process (docs/onnx.md: training mode, no constant folding, so BatchNorm keeps batch
+statistics and every weight stays an initializer under its state_dict name). kiln then trains the
+module's own tensors in place: its parameters and BatchNorm's running statistics are the step's
+memory, so after `step(x, y)` the module holds the updated weights, with no copy either way
+(zero3's params excepted: each rank holds a shard; and a step on another device than the module's
+tensors, device=..., trains copies of them).
 
 Sharded data parallelism (shard="dp" | "zero1" | "zero2" | "zero3" | "auto"): the process is one
 rank of a job launched by torchrun or `kiln launch` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
@@ -18,7 +21,7 @@ import os
 import struct
 import warnings
 
-from . import _kiln
+from . import _kiln, capture as _capture
 from ._tensors import framework_of, from_kiln, is_torch, to_kiln, torch_module
 from .optim import AdamW, _from_config
 
@@ -184,9 +187,10 @@ def _import(data, source, frozen, loss, labels, tensors):
 class Step:
     """A compiled training step (kiln.compile, kiln.load): `loss = step(*inputs)`."""
 
-    def __init__(self, session, names, module_tensors, framework, device, index, record):
+    def __init__(self, session, names, module_tensors, framework, device, index, record, input_names=None):
         self._session = session
         self._names = names                  # kiln name -> the user's name (torch's or ONNX's)
+        self._aliases = record.get("aliases", {})  # kiln name -> the other names of a tied tensor
         self._module_tensors = module_tensors  # kiln name -> the module's tensor (trained in place unless gathered)
         self._gathered = set(module_tensors) & set(session.sharded)  # zero3's params: state_dict() gathers them
         self._framework = framework          # "torch" or "numpy": what comes back
@@ -199,31 +203,35 @@ class Step:
             torch = torch_module()
             self._stream = torch.cuda.ExternalStream(session.stream, device=f"cuda:{index}")
         inputs = [(n, dtype, shape) for n, role, dtype, shape in session.program.inputs if role == "data"]
-        self.input_names = [n for n, _, _ in inputs]
+        self.input_names = list(input_names or record.get("input_names") or [n for n, _, _ in inputs])
         self.input_types = [f"{dtype}{list(shape)}" for _, dtype, shape in inputs]
 
     # ---- running ----
-    def __call__(self, *inputs):
-        """One training step (forward, backward, optimizer update) on `inputs`; returns the loss
-        (computed before the update) as a 0-dim tensor, without waiting for the device."""
+    def __call__(self, *inputs, **named):
+        """One training step (forward, backward, optimizer update) on `inputs` (positional, or by
+        the names of the example's keyword inputs); returns the loss (computed before the update)
+        as a 0-dim tensor on the inputs' device, without waiting for the step's device."""
+        inputs = self._ordered(inputs, named)
         data = self._data(inputs)
         if self._device == "cpu":
-            return from_kiln(self._session.step(data), framework_of(inputs, self._framework))
+            return self._back(from_kiln(self._session.step(data), framework_of(inputs, self._framework)), inputs)
         torch = torch_module()
         loss = torch.empty((), dtype=_torch_dtype(torch, self._session.loss_dtype), device=f"cuda:{self._index}")
         self._enter(data + [loss])
         self._session.step(data, loss)
         self._leave()
-        return loss
+        return self._back(loss, inputs)
 
-    def evaluate(self, *inputs):
+    def evaluate(self, *inputs, **named):
         """The forward's outputs (the loss first) on `inputs` with the current parameters, no
-        update; tensors on the step's device, without waiting for it. One output is returned as
-        it is, several as a tuple. In a group every rank must call it (the loss is the ranks'
-        mean, as the step's)."""
+        update; tensors on the inputs' device, without waiting for the step's. One output is
+        returned as it is, several as a tuple. In a group every rank must call it (the loss is
+        the ranks' mean, as the step's)."""
+        inputs = self._ordered(inputs, named)
         data = self._data(inputs)
         if self._device == "cpu":
-            outputs = [from_kiln(a, framework_of(inputs, self._framework)) for a in self._session.evaluate(data)]
+            outputs = [self._back(from_kiln(a, framework_of(inputs, self._framework)), inputs)
+                       for a in self._session.evaluate(data)]
         else:
             torch = torch_module()
             outputs = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=f"cuda:{self._index}")
@@ -231,6 +239,7 @@ class Step:
             self._enter(data + outputs)
             self._session.evaluate(data, outputs)
             self._leave()
+            outputs = [self._back(o, inputs) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def losses(self):
@@ -240,6 +249,12 @@ class Step:
     def synchronize(self):
         """Waits until every step issued so far is done."""
         self._session.synchronize()
+
+    @property
+    def aten_ops(self):
+        """The ATen ops of a module captured through torch.export that kiln lowered (None for
+        the other paths)."""
+        return self._record.get("aten_ops")
 
     @property
     def steps_done(self):
@@ -284,13 +299,17 @@ class Step:
                 with torch_module().no_grad():
                     tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
             out[user_name] = tensor.detach()
+        for kiln_name, names in self._aliases.items():  # tied tensors: one storage under every name
+            for name in names:
+                out.setdefault(name, out[self._names[kiln_name]])
         return out
 
     def load_state_dict(self, state_dict, strict=True):
         """Copies the values of `state_dict` (names as state_dict() has them) into the step."""
         by_user = {u: k for k, u in self._names.items()}
-        unknown = [n for n in state_dict if n not in by_user]
         missing = [n for n in by_user if n not in state_dict]
+        by_user.update({a: k for k, names in self._aliases.items() for a in names})
+        unknown = [n for n in state_dict if n not in by_user]
         if strict and (unknown or missing):
             raise _kiln.Error("load_state_dict: " + "; ".join(
                 part for part in (f"unexpected {', '.join(unknown)}" if unknown else "",
@@ -321,12 +340,38 @@ class Step:
         return f"<kiln.Step {self._record['what']} ({inputs}) on {self._device}, {self.steps_done} steps done>"
 
     # ---- helpers ----
+    def _ordered(self, inputs, named):
+        """The inputs in the step's order, from positional ones followed by named ones."""
+        if not named:
+            return inputs
+        unknown = [n for n in named if n not in self.input_names[len(inputs):]]
+        if unknown:
+            raise _kiln.Error(f"the step has no input {', '.join(repr(n) for n in unknown)} after the "
+                              f"{len(inputs)} positional ones: its inputs are {', '.join(self.input_names)}")
+        missing = [n for n in self.input_names[len(inputs):] if n not in named]
+        if missing:
+            raise _kiln.Error(f"the step's input {', '.join(repr(n) for n in missing)} is not given")
+        return tuple(inputs) + tuple(named[n] for n in self.input_names[len(inputs):])
+
     def _data(self, inputs):
         if len(inputs) != len(self.input_names):
             raise _kiln.Error(f"the step takes {len(self.input_names)} inputs "
                               f"({', '.join(f'{n}: {t}' for n, t in zip(self.input_names, self.input_types))}), "
                               f"{len(inputs)} given")
+        here = "cpu" if self._device == "cpu" else f"cuda:{self._index}"
+        # torch tensors on another device than the step's move to it (and results come back).
+        inputs = [x.to(here) if is_torch(x) and str(x.device) != here and
+                  not (here == "cpu" and x.device.type == "cpu") else x for x in inputs]
         return [to_kiln(x, f"input '{n}'") for x, n in zip(inputs, self.input_names)]
+
+    def _back(self, result, inputs):
+        """`result` on the device of the torch tensors among `inputs` (the step's where none is)."""
+        devices = {x.device for x in inputs if is_torch(x)}
+        if len(devices) == 1 and is_torch(result):
+            device = devices.pop()
+            if result.device != device:
+                return result.to(device)
+        return result
 
     def _enter(self, tensors):
         """CUDA: kiln's stream waits for torch's current one. The tensors kiln reads need no
@@ -344,37 +389,55 @@ class Step:
             torch_module().cuda.current_stream(self._index).wait_stream(self._stream)
 
 
-def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp="off", shard=None,
-            memory_budget=None, *, labels="labels", disable_passes=(), dialects=()):
-    """Compiles the training step of `model`: a torch.nn.Module (exported in-process to ONNX in
-    training mode; kiln trains its own tensors in place) or the path of an ONNX file.
+def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="off", shard=None,
+            memory_budget=None, *, labels="labels", disable_passes=(), dialects=(), capture="auto"):
+    """Compiles the training step of `model`: a torch.nn.Module (captured in-process, in training
+    mode; kiln trains its own tensors in place) or the path of an ONNX file.
 
-    example_inputs: the step's inputs (a tuple of tensors; their shapes and dtypes are the step's).
+    example_inputs: the step's inputs: a tuple of tensors, or a dict of keyword inputs (a Hugging
+        Face model's input_ids=..., labels=...); their shapes and dtypes are the step's, and the
+        step is called the same way (step(x, y) or step(input_ids=..., labels=...)).
     loss: None (the model returns its loss first), "cross_entropy", or a callable
         (output, target) -> loss for a torch module; the target is then the last input.
         For an ONNX file, "cross_entropy" trains the logits it returns against input `labels`.
     optimizer: kiln.AdamW(...) (default) or kiln.SGD(...).
-    device: "cpu", "cuda" or "cuda:N". amp: "off", "bf16" or "f16" (mixed precision, f32 master
-    weights). memory_budget: bytes (or "2GiB") the step's activations may take (rematerialization).
+    device: "cpu", "cuda" or "cuda:N"; None: where the module's parameters are (the CPU for an
+    ONNX file). Inputs on another device are moved to it, and results come back to theirs.
+    amp: "off", "bf16" or "f16" (mixed precision, f32 master weights).
+    memory_budget: bytes (or "2GiB") the step's activations may take (rematerialization).
     shard: None (this process alone), or "dp", "zero1", "zero2", "zero3", "auto" (as kiln train
         --shard): data parallelism over the ranks of a job launched by torchrun or kiln launch.
         Each rank compiles the same model and passes its own rows of the global batch (its
         example_inputs have the per-rank shape); the loss is the mean over all ranks.
+    capture: how a torch module becomes kiln's graph: "export" (torch.export, PyTorch >= 2.5),
+        "onnx" (the TorchScript ONNX exporter, then kiln's ONNX import), or "auto" (export where
+        this torch has it, else onnx).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not hasattr(optimizer, "_config"):
         raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...) or kiln.SGD(...)")
     if amp not in ("off", "bf16", "f16"):
         raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16' or 'f16'")
+    if capture not in ("auto", "export", "onnx"):
+        raise _kiln.Error(f"capture '{capture}': expected 'auto', 'export' or 'onnx'")
+    torch = torch_module()
+    is_module = torch is not None and isinstance(model, torch.nn.Module)
+    if device is None:
+        device = _module_device(model) if is_module else "cpu"
     shard, group = _group(shard, device)
     kind, index = _device(device, group)
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    torch = torch_module()
-    module_tensors = {}
+    kwargs = {}
+    if isinstance(example_inputs, dict):
+        kwargs, inputs = dict(example_inputs), ()
+    else:
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    module_tensors, input_names, aliases, aten_ops, seconds = {}, None, {}, None, {}
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if loss not in (None, "cross_entropy"):
             raise _kiln.Error(f"loss {loss!r} for an ONNX file: expected None or 'cross_entropy'")
+        if kwargs:
+            raise _kiln.Error("example_inputs for an ONNX file: expected a tuple of tensors in the model's input order")
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -383,7 +446,14 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
         program = _import(data, path, [], loss or "", labels, None)
         names = {n: program.onnx_names.get(n, n) for n, role, _, _ in program.inputs if role != "data"}
         what, framework = f"ONNX model {path}", framework_of(inputs, "numpy")
-    elif torch is not None and isinstance(model, torch.nn.Module):
+    elif is_module and _use_export(capture):
+        program, names, module_tensors, input_names, aliases, aten_ops, seconds = \
+            _capture_module(model, inputs, kwargs, loss)
+        what, framework = f"module {type(model).__name__}", "torch"
+    elif is_module:
+        if kwargs:
+            raise _kiln.Error("keyword example_inputs need capture='export' (PyTorch >= 2.5); the ONNX path takes a "
+                              "tuple of tensors")
         data, input_names, tensors, frozen, prefix = _export(model, inputs, loss)
         program = _import(data, type(model).__name__, frozen, "", labels, tensors)
         names, module_tensors = {}, {}
@@ -393,26 +463,86 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
             onnx_name = program.onnx_names.get(n, n)
             names[n] = onnx_name[len(prefix):] if onnx_name.startswith(prefix) else onnx_name
             module_tensors[n] = tensors[onnx_name]
+        input_names = None
         what, framework = f"module {type(model).__name__}", "torch"
     else:
         raise _kiln.Error(f"model is a {type(model).__name__}: expected a torch.nn.Module or an ONNX file's path")
-    if module_tensors:
-        wrong = sorted({str(t.device) for t in module_tensors.values()} - {kind if kind == "cpu" else f"cuda:{index}"})
-        if wrong:
-            raise _kiln.Error(f"the module's tensors are on {', '.join(wrong)} and the step on {kind}"
-                              f"{f':{index}' if kind == 'cuda' else ''}: kiln trains the module's own tensors in "
-                              f"place, so move the module first (model.to('{device}'))")
+    here = kind if kind == "cpu" else f"cuda:{index}"
+    # The module's tensors are the step's memory where they are on the step's device; elsewhere
+    # (device= another one) the step starts from copies of them, and state_dict() gives its own.
+    copies = {}
+    if module_tensors and any(str(t.device) != here for t in module_tensors.values()):
+        copies, module_tensors = module_tensors, {}
     record = {"format": _FORMAT, "what": what, "ir": program.ir, "names": names,
               "optimizer": {"name": optimizer._config().name, **{k: v for k, v in vars(optimizer).items()}},
               "amp": amp, "memory_budget": _memory_budget(memory_budget), "disable_passes": list(disable_passes),
               "dialects": list(dialects)}
+    if input_names:
+        record["input_names"] = list(input_names)
+    if aliases:
+        record["aliases"] = aliases
+    if aten_ops is not None:
+        record["aten_ops"] = aten_ops  # the ATen ops torch.export gave and kiln lowered
+        record["capture_seconds"] = seconds  # {"export": torch.export, "lower": the table}
     session = _session(program, optimizer, amp, kind, index, record, shard, group)
     sharded = set(session.sharded)
     for n, tensor in module_tensors.items():
         if n not in sharded:
             session.adopt(n, tensor.detach(), tensor)
-    step = Step(session, names, module_tensors, framework, kind, index, record)
+        elif aten_ops is not None:  # parsed IR has no initial values: this rank's shard is copied in
+            session.copy_into(n, tensor.detach().contiguous())
+    for n, tensor in copies.items():
+        session.copy_into(n, tensor.detach().to(here).contiguous())
+    step = Step(session, names, module_tensors, framework, kind, index, record, input_names)
     return step
+
+
+def _module_device(model):
+    """The device of the module's first parameter (or buffer); the CPU for one with none."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return str(tensor.device)
+    return "cpu"
+
+
+def _use_export(capture):
+    if capture == "onnx":
+        return False
+    if _capture.available():
+        return True
+    if capture == "export":
+        raise _kiln.Error(f"capture='export' needs PyTorch >= 2.5 (torch.export); this is torch "
+                          f"{torch_module().__version__}: use capture='onnx', or install a newer torch "
+                          f"(docs/python.md)")
+    return False
+
+
+def _capture_module(model, inputs, kwargs, loss):
+    """(Program, kiln name -> module name, kiln name -> module tensor, the data inputs' names,
+    tied names) of a module captured through torch.export."""
+    torch = torch_module()
+    if isinstance(loss, str):
+        if loss != "cross_entropy":
+            raise _kiln.Error(f"loss '{loss}': expected 'cross_entropy' or a callable (output, target) -> loss")
+        loss = torch.nn.functional.cross_entropy
+    if loss is not None and kwargs:
+        raise _kiln.Error("loss= with keyword example_inputs: give the inputs as a tuple, the target last")
+    module = _WithLoss.make(model, loss) if loss is not None else model
+    prefix = "model." if loss is not None else ""
+    # The export runs on the module's device: example inputs elsewhere are moved there.
+    where = _module_device(model)
+    move = lambda x: x.to(where) if torch.is_tensor(x) and str(x.device) != where else x  # noqa: E731
+    inputs = tuple(move(x) for x in inputs)
+    kwargs = {k: move(v) for k, v in kwargs.items()}
+    # Positional inputs keep the forward's parameter names (as the ONNX path's), the target last.
+    data_names = None if kwargs else _input_names(model, len(inputs), loss is not None)
+    captured = _capture.capture(module, inputs, kwargs, type(model).__name__, data_names=data_names)
+    program = _kiln.parse_program(captured.ir)
+    strip = lambda n: n[len(prefix):] if n.startswith(prefix) else n  # noqa: E731
+    names = {k: strip(u) for k, u in captured.names.items()}
+    aliases = {k: [strip(u) for u in us if strip(u) != names[k]] for k, us in captured.aliases.items()}
+    input_names = captured.input_names
+    return program, names, captured.tensors, input_names, {k: v for k, v in aliases.items() if v}, \
+        sorted(captured.aten_ops), captured.seconds
 
 
 def _torch_dtype(torch, name):

@@ -6,7 +6,9 @@
 //     the end; output dim = ceil((end - start) / step).
 //   concat {axis = 0}: 1+ inputs joined along axis.
 //   split {axis = 0, sizes}: one output per entry of sizes, which sum to the dim.
-//   gather(table, indices) {axis = 0}: table.shape[:axis] + indices.shape + table.shape[axis+1:].
+//   gather(table, indices) {axis = 0, padding_index (optional)}: table.shape[:axis] +
+//     indices.shape + table.shape[axis+1:]; rows read at padding_index get no gradient (torch's
+//     embedding padding_idx: the padding row is read, never trained by what reads it).
 //   scatter_add(base, indices, updates) {axis = 0}: base with updates summed into the rows that
 //     indices name (gather's transpose: the embedding gradient).
 //   one_hot(indices) {depth, dtype = f32}: indices.shape + [depth].
@@ -205,9 +207,21 @@ std::vector<Expr> split_gradient(const GradContext& c) {
 
 std::vector<Expr> gather_gradient(const GradContext& c) {
   // Each gathered row's gradient is summed into the row it came from (repeats add up).
-  const Expr& table = c.x(0);
+  const Expr &table = c.x(0), &indices = c.x(1);
+  const int axis = normalize_axis(c.attrs().i("axis"), table.rank());
+  Expr dy = c.dy();
+  if (c.attrs().has("padding_index")) {
+    // dy's rows read at padding_index are dropped: indices (as dy's rank, 1 elsewhere) != it.
+    const Shape index_shape = indices.shape();
+    Shape mask_shape(static_cast<size_t>(axis), 1);
+    mask_shape.insert(mask_shape.end(), index_shape.begin(), index_shape.end());
+    mask_shape.resize(static_cast<size_t>(dy.rank()), 1);
+    Expr padding = c.builder.full({}, static_cast<double>(c.attrs().i("padding_index")), indices.dtype());
+    Expr keep = reshape(ne(indices, padding), mask_shape);
+    dy = where(keep, dy, c.builder.full({}, 0.0, dy.dtype()));
+  }
   Expr zeros = c.builder.full(table.shape(), 0.0, table.dtype());
-  return {scatter_add(zeros, c.x(1), c.dy(), c.attrs().i("axis")), Expr()};
+  return {scatter_add(zeros, indices, dy, axis), Expr()};
 }
 
 std::vector<Expr> scatter_add_gradient(const GradContext& c) {
@@ -405,7 +419,7 @@ void define_shape_ops(OpRegistry& registry) {
       split_gradient});
 
   registry.define(Op::kGather, OpDef{
-      {with_default("axis", int64_t{0})},
+      {with_default("axis", int64_t{0}), optional("padding_index", AttrKind::kInt)},
       [](std::span<const TensorType> in, const Attributes& a) {
         const TensorType &table = in[0], &indices = in[1];
         int axis = axis_of(a, table.shape, "table");

@@ -2,6 +2,7 @@
 // differences of the reference kernels on small random inputs, plus the structure of the
 // backward graphs where it matters (a strided slice scatters, a plain one pads).
 #include <map>
+#include <tuple>
 
 #include "gradcheck.h"
 #include "ir/builder.h"
@@ -155,6 +156,26 @@ TEST(ShapeGrad, GatherTableGradientCountsRepeats) {
   Tensor dt = Executor(r.graph).run(
       std::vector<Tensor>{rand64({3, 2}, 31), make(DType::kI64, {3}, {2, 0, 2})})[0];
   EXPECT_TRUE(testing::all_close(dt, make(DType::kF64, {3, 2}, {1, 1, 0, 0, 2, 2}), 0, 0));
+}
+
+TEST(ShapeGrad, GatherPaddingIndexRowGetsNoGradient) {
+  // torch's embedding padding_idx: rows read at padding_index are read, not trained. Along axis 0
+  // (an embedding) and axis 1 (columns): d sum(gather) counts the reads of every other index.
+  for (const auto& [axis, table_shape, indices, want] :
+       std::vector<std::tuple<int64_t, Shape, std::vector<double>, std::vector<double>>>{
+           {0, {3, 2}, {2, 0, 2, 1}, {1, 1, 1, 1, 0, 0}},
+           {1, {2, 4}, {1, 3, 1, 0}, {1, 2, 0, 0, 1, 2, 0, 0}}}) {
+    Builder b("embed");
+    Expr table = b.data("table", table_shape, DType::kF64);
+    Expr idx = b.data("idx", {4}, DType::kI64);
+    const int64_t padding = axis == 0 ? 2 : 3;
+    Graph g = b.finish({sum(b.apply1(Op::kGather, {table, idx}, {{"axis", axis}, {"padding_index", padding}}))});
+    AutodiffResult r = autodiff(g, g.outputs[0], {g.inputs[0].value});
+    r.graph.outputs = r.gradients;
+    Tensor dt = Executor(r.graph).run(
+        std::vector<Tensor>{rand64(table_shape, 36), make(DType::kI64, {4}, indices)})[0];
+    EXPECT_TRUE(testing::all_close(dt, make(DType::kF64, table_shape, want), 0, 0)) << "axis " << axis;
+  }
 }
 
 TEST(ShapeGrad, ScatterAdd) {
