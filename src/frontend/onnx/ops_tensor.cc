@@ -361,10 +361,16 @@ void add_tensor_rules(RuleTable& r) {
     for (int d = 0; d < x.rank(); ++d) whole = whole && lo[d] == 0 && hi[d] == x.dim(d) && step[d] == 1;
     return std::vector<Expr>{whole ? x : slice(x, lo, hi, step)};
   };
+  // ONNX counts a negative index from the end. PyTorch's embedding lookup (aten::embedding, its
+  // exporter's one Gather without an axis attribute; its indexing and index_select write one)
+  // refuses a negative id instead: from PyTorch such a lookup keeps its ids as they are, so that
+  // the gather's range check refuses a negative one as torch does (a kiln::Error), where wrapping
+  // would silently read a row from the end of the table.
   r["Gather"] = [](NodeContext& c) {
     Expr x = c.in(0), indices = c.in(1);
+    const bool torch_embedding = c.from_pytorch() && !c.has_attr("axis");
     const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
-    return std::vector<Expr>{gather(x, wrap_indices(indices, x.dim(int(axis))), axis)};
+    return std::vector<Expr>{gather(x, torch_embedding ? indices : wrap_indices(indices, x.dim(int(axis))), axis)};
   };
   // out[i][j][k] = data[index[i][j][k]][j][k] (axis 0): a gather from the flat data at flat
   // positions built from the indices and each other axis's position (iota).
