@@ -117,10 +117,23 @@ def _input_names(module, count, with_target):
     return names
 
 
+def _tied_names(module, tensors):
+    """Each tensor of `tensors` that the module holds under further names (tied parameters:
+    GPT-2's lm_head.weight is transformer.wte.weight) -> those names. named_parameters() and the
+    export name a tied tensor once; its state_dict names it under every name."""
+    first = {id(t): n for n, t in tensors.items()}
+    tied = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first and first[id(t)] != name:
+            tied.setdefault(first[id(t)], []).append(name)
+    return tied
+
+
 def _export(model, inputs, loss):
     """ONNX bytes of `model` (with `loss` on its output), its input names, its tensors by the
-    names the export gives them, and the names to keep fixed (buffers that are no BatchNorm
-    statistics, parameters that need no gradient)."""
+    names the export gives them, the names to keep fixed (buffers that are no BatchNorm
+    statistics, parameters that need no gradient), the prefix of the module's names, and the
+    further names of tied tensors (_tied_names)."""
     torch = torch_module()
     if isinstance(loss, str):
         if loss != "cross_entropy":
@@ -158,7 +171,7 @@ def _export(model, inputs, loss):
             for n, b in module.named_buffers():
                 b.copy_(saved[n])
         torch.random.set_rng_state(rng)
-    return data.getvalue(), names, tensors, frozen, prefix
+    return data.getvalue(), names, tensors, frozen, prefix, _tied_names(module, tensors)
 
 
 def _import(data, source, frozen, loss, labels, tensors):
@@ -187,6 +200,7 @@ class Step:
     def __init__(self, session, names, module_tensors, framework, device, index, record):
         self._session = session
         self._names = names                  # kiln name -> the user's name (torch's or ONNX's)
+        self._tied = record.get("tied", {})  # the user's name -> the module's further names for that tensor
         self._module_tensors = module_tensors  # kiln name -> the module's tensor (trained in place unless gathered)
         self._gathered = set(module_tensors) & set(session.sharded)  # zero3's params: state_dict() gathers them
         self._framework = framework          # "torch" or "numpy": what comes back
@@ -229,7 +243,7 @@ class Step:
             outputs = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=f"cuda:{self._index}")
                        for dtype, shape in self._session.output_types]
             self._enter(data + outputs)
-            self._session.evaluate(data, outputs)
+            self._session.evaluate(data, [to_kiln(o, f"output buffer {i}") for i, o in enumerate(outputs)])
             self._leave()
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -271,31 +285,50 @@ class Step:
         their full shapes, over the step's own memory (no copies): they change with every step.
         A module's step returns the module's own tensors. Sharded: every rank must call it; a
         tensor held as shards (zero3's params) is gathered from every rank, into the module's
-        tensor for a module (which the steps do not update in place) or a new one."""
+        tensor for a module (which the steps do not update in place) or a new one. A tied tensor
+        (GPT-2's lm_head.weight is transformer.wte.weight) is there under each of its names, the
+        same tensor each time."""
         self._leave()
         arrays = self._session.tensors(True)
         out = {}
         for kiln_name, user_name in self._names.items():
             tensor = self._module_tensors.get(kiln_name)
             if tensor is None:
-                out[user_name] = from_kiln(arrays[kiln_name], self._framework)
-                continue
-            if kiln_name in self._gathered:  # zero3: the module's tensor takes the gathered value
-                with torch_module().no_grad():
-                    tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
-            out[user_name] = tensor.detach()
+                value = from_kiln(arrays[kiln_name], self._framework)
+            else:
+                if kiln_name in self._gathered:  # zero3: the module's tensor takes the gathered value
+                    with torch_module().no_grad():
+                        tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
+                value = tensor.detach()
+            out[user_name] = value
+        for user_name, further in self._tied.items():  # after the others, as a tied head is in torch's
+            out.update({name: out[user_name] for name in further})
         return out
 
     def load_state_dict(self, state_dict, strict=True):
-        """Copies the values of `state_dict` (names as state_dict() has them) into the step."""
+        """Copies the values of `state_dict` (names as state_dict() has them) into the step. A tied
+        tensor takes its value from any of its names (a torch state_dict has them all); two of
+        its names with different values are an error, and nothing is copied."""
         by_user = {u: k for k, u in self._names.items()}
+        for name, further in self._tied.items():
+            by_user.update({t: by_user[name] for t in further})
         unknown = [n for n in state_dict if n not in by_user]
-        missing = [n for n in by_user if n not in state_dict]
+        given = {by_user[n] for n in state_dict if n in by_user}
+        missing = [u for k, u in self._names.items() if k not in given]
         if strict and (unknown or missing):
             raise _kiln.Error("load_state_dict: " + "; ".join(
                 part for part in (f"unexpected {', '.join(unknown)}" if unknown else "",
                                   f"missing {', '.join(missing)}" if missing else "") if part))
-        values = {by_user[n]: to_kiln(v, f"'{n}'") for n, v in state_dict.items() if n in by_user}
+        named = {}  # kiln name -> (the first of its names given, the value)
+        for n, v in state_dict.items():
+            if n not in by_user:
+                continue
+            k = by_user[n]
+            if k in named and not _same_values(named[k][1], v):
+                raise _kiln.Error(f"load_state_dict: '{named[k][0]}' and '{n}' are one tied tensor of the model, "
+                                  f"and the state dict gives them different values")
+            named.setdefault(k, (n, v))
+        values = {k: to_kiln(v, f"'{n}'") for k, (n, v) in named.items()}
         self._enter(list(values.values()))
         for kiln_name, value in values.items():
             self._session.copy_into(kiln_name, value)
@@ -383,16 +416,19 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
         program = _import(data, path, [], loss or "", labels, None)
         names = {n: program.onnx_names.get(n, n) for n, role, _, _ in program.inputs if role != "data"}
         what, framework = f"ONNX model {path}", framework_of(inputs, "numpy")
+        tied_names = {}
     elif torch is not None and isinstance(model, torch.nn.Module):
-        data, input_names, tensors, frozen, prefix = _export(model, inputs, loss)
+        data, input_names, tensors, frozen, prefix, tied = _export(model, inputs, loss)
         program = _import(data, type(model).__name__, frozen, "", labels, tensors)
-        names, module_tensors = {}, {}
+        names, module_tensors, tied_names = {}, {}, {}
         for n, role, _, _ in program.inputs:
             if role == "data":
                 continue
             onnx_name = program.onnx_names.get(n, n)
             names[n] = onnx_name[len(prefix):] if onnx_name.startswith(prefix) else onnx_name
             module_tensors[n] = tensors[onnx_name]
+            if onnx_name in tied:
+                tied_names[names[n]] = [t[len(prefix):] if t.startswith(prefix) else t for t in tied[onnx_name]]
         what, framework = f"module {type(model).__name__}", "torch"
     else:
         raise _kiln.Error(f"model is a {type(model).__name__}: expected a torch.nn.Module or an ONNX file's path")
@@ -402,7 +438,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
             raise _kiln.Error(f"the module's tensors are on {', '.join(wrong)} and the step on {kind}"
                               f"{f':{index}' if kind == 'cuda' else ''}: kiln trains the module's own tensors in "
                               f"place, so move the module first (model.to('{device}'))")
-    record = {"format": _FORMAT, "what": what, "ir": program.ir, "names": names,
+    record = {"format": _FORMAT, "what": what, "ir": program.ir, "names": names, "tied": tied_names,
               "optimizer": {"name": optimizer._config().name, **{k: v for k, v in vars(optimizer).items()}},
               "amp": amp, "memory_budget": _memory_budget(memory_budget), "disable_passes": list(disable_passes),
               "dialects": list(dialects)}
@@ -413,6 +449,17 @@ def compile(model, example_inputs, loss=None, optimizer=None, device="cpu", amp=
             session.adopt(n, tensor.detach(), tensor)
     step = Step(session, names, module_tensors, framework, kind, index, record)
     return step
+
+
+def _same_values(a, b):
+    """Whether tensors or arrays `a` and `b` hold the same shape and values."""
+    if a is b:
+        return True
+    if is_torch(a) and is_torch(b):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch_module().equal(a.detach(), b.detach().to(a.device)))
+    import numpy
+    as_numpy = lambda x: x.detach().cpu().numpy() if is_torch(x) else numpy.asarray(x)  # noqa: E731
+    return bool(numpy.array_equal(as_numpy(a), as_numpy(b)))
 
 
 def _torch_dtype(torch, name):
