@@ -343,8 +343,10 @@ void add_tensor_rules(RuleTable& r) {
     else if (c.opset() < 13 && c.has_attr("split")) sizes = c.attr_ints("split");
     else {
       const int64_t n = c.has_attr("num_outputs") ? c.attr_int("num_outputs", 1) : c.num_outputs();
+      if (n < 1 || (dim > 0 && n > dim)) c.fail("{} outputs for a dim of {}", n, dim);
       const int64_t each = (dim + n - 1) / n;
-      for (int64_t i = 0, left = dim; i < n; ++i, left -= each) sizes.push_back(std::min(each, left));
+      for (int64_t i = 0, left = dim; i < n; ++i, left -= each)
+        sizes.push_back(std::clamp<int64_t>(left, 0, each));  // the last chunks smaller (or empty)
     }
     return split(x, sizes, axis);
   };
