@@ -167,11 +167,19 @@ void add_every_op(std::vector<Case>& c) {
   c.push_back({"dropout_offset", Op::kDropout, kFloats,
                {uniform({7, 61}), values(DType::kI64, {}, {5})}, {{"p", 0.5}, {"seed", 11}}});
   // Sources.
-  c.push_back({"full", Op::kFull, kAll, {}, {{"shape", Ints{3, 5}}, {"value", 2.5}}, 1, true});
+  // Integer and bool sources hold integers of their dtype (a fraction there is an error).
+  const std::vector<DType> kIntegers = {DType::kI32, DType::kI64, DType::kU8};
+  c.push_back({"full", Op::kFull, kFloats, {}, {{"shape", Ints{3, 5}}, {"value", 2.5}}, 1, true});
+  c.push_back({"full_integer", Op::kFull, kIntegers, {}, {{"shape", Ints{3, 5}}, {"value", 7.0}}, 1, true});
+  c.push_back({"full_bool", Op::kFull, {DType::kBool}, {}, {{"shape", Ints{3, 5}}, {"value", 1.0}}, 1, true});
   c.push_back({"iota", Op::kIota, kArith, {}, {{"shape", Ints{3, 4, 5}}, {"axis", 1}}, 1, true});
-  c.push_back({"constant", Op::kConstant, kAll, {},
+  c.push_back({"constant", Op::kConstant, kFloats, {},
                {{"shape", Ints{2, 3}}, {"values", std::vector<double>{1, -2, 3.5, 0, 7, 1}}}, 1,
                true});
+  c.push_back({"constant_integer", Op::kConstant, kIntegers, {},
+               {{"shape", Ints{2, 3}}, {"values", Ints{1, 200, 3, 0, 7, 1}}}, 1, true});
+  c.push_back({"constant_bool", Op::kConstant, {DType::kBool}, {},
+               {{"shape", Ints{2, 3}}, {"values", Ints{1, 0, 1, 0, 0, 1}}}, 1, true});
   // Shape ops.
   c.push_back({"reshape", Op::kReshape, kAll, {uniform({4, 6})}, {{"shape", Ints{2, -1, 3}}}});
   c.push_back({"transpose", Op::kTranspose, kAll, {uniform({2, 3, 4, 5})},

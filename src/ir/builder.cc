@@ -74,6 +74,10 @@ Expr Builder::constant(Shape shape, std::vector<double> values, DType dtype) {
   return apply1(Op::kConstant, {}, {{"dtype", dtype}, {"shape", shape}, {"values", values}});
 }
 
+Expr Builder::constant_ints(Shape shape, std::vector<int64_t> values, DType dtype) {
+  return apply1(Op::kConstant, {}, {{"dtype", dtype}, {"shape", shape}, {"values", values}});
+}
+
 Expr Builder::iota(Shape shape, int64_t axis, DType dtype) {
   return apply1(Op::kIota, {}, {{"dtype", dtype}, {"shape", shape}, {"axis", axis}});
 }

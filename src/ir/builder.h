@@ -65,6 +65,8 @@ class Builder {
   Expr full(Shape shape, double value, DType dtype = DType::kF32);
   Expr scalar(double value, DType dtype = DType::kF32) { return full({}, value, dtype); }
   Expr constant(Shape shape, std::vector<double> values, DType dtype = DType::kF32);
+  // Integer (or bool) constant, exact for every int64 (a double list is not above 2^53).
+  Expr constant_ints(Shape shape, std::vector<int64_t> values, DType dtype = DType::kI64);
   Expr iota(Shape shape, int64_t axis = 0, DType dtype = DType::kI64);
 
   // Sets the outputs, verifies and returns the graph (the builder is left empty).

@@ -28,6 +28,10 @@ struct AttrSpec {
   // Value used when the attribute is absent. No default and not optional: required.
   std::optional<AttrValue> default_value = std::nullopt;
   bool optional = false;  // may be absent, with no default (e.g. attention's scale)
+  // A number list (kind kFloats) that holds ints where the node's `dtype` attribute is an
+  // integer or bool dtype, so that int64 values stay exact (constant's values): normalization
+  // converts an integral float list to ints there, and ints to floats for float dtypes.
+  bool ints_for_integer_dtype = false;
 };
 
 // Arguments of a kernel call: the node's attributes, its input tensors, and its output tensors,
@@ -81,7 +85,8 @@ bool has_op_def(Op op);
 
 // Checks `attrs` against the op's schema: unknown names, wrong kinds and missing required
 // attributes throw kiln::Error; absent defaults are filled in; an int given for a float (and
-// an empty list for either list kind) is converted.
+// an empty list for either list kind) is converted; a list marked ints_for_integer_dtype takes
+// the kind its dtype asks for (a float that is not an integer there throws).
 Attributes normalize_attributes(Op op, Attributes attrs);
 // Checks the input count, then runs the op's inference. Error messages name the op.
 // `body`: the node's body (Node::body); required for `fused`, refused for every other op.

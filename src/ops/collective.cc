@@ -122,7 +122,7 @@ void define_collective_ops(OpRegistry& registry) {
         // The memory plan makes the wait a view of the collective's output; where it cannot
         // (the wait's value is a graph output), a copy.
         if (k.inputs[0].raw() == k.outputs[0].raw()) return;
-        for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].set(i, k.inputs[0].get(i));
+        for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].copy_element(i, k.inputs[0], i);
       },
       [](const GradContext& c) { return std::vector<Expr>{c.dy()}; }});
 
@@ -134,7 +134,7 @@ void define_collective_ops(OpRegistry& registry) {
       [](const KernelArgs& k) {
         const int64_t n = k.outputs[0].numel();
         const int64_t start = n * communicator_of(k, "local_shard").rank();
-        for (int64_t i = 0; i < n; ++i) k.outputs[0].set(i, k.inputs[0].get(start + i));
+        for (int64_t i = 0; i < n; ++i) k.outputs[0].copy_element(i, k.inputs[0], start + i);
       },
       nullptr, false});
 }

@@ -29,25 +29,6 @@ inline Shape shape_attr(const Attributes& attrs, const std::string& name = "shap
   return Shape(dims);
 }
 
-// Stores `value` at element `index`; for integer tensors an out-of-range result wraps modulo
-// 2^bits (as integer hardware and numpy do) instead of hitting the undefined behavior of
-// converting an out-of-range double. Integer-typed results are integers, so fmod is exact.
-inline void set_wrapped(Tensor& t, int64_t index, double value) {
-  if (is_integer(t.dtype())) {
-    if (!std::isfinite(value)) value = 0.0;  // unreachable from integer arithmetic
-    double modulus = std::ldexp(1.0, 8 * static_cast<int>(dtype_size(t.dtype())));
-    value = std::fmod(value, modulus);
-    if (t.dtype() == DType::kU8) {
-      if (value < 0) value += modulus;
-    } else if (value >= modulus / 2) {
-      value -= modulus;
-    } else if (value < -modulus / 2) {
-      value += modulus;
-    }
-  }
-  t.set(index, value);
-}
-
 // Calls fn(out_index, offsets) for every element of `out_shape`, where offsets[k] is the flat
 // index into input k, whose shape broadcasts to out_shape. The reference kernels' loop.
 template <typename Fn>

@@ -12,9 +12,11 @@
 // any dtype, bool output.
 //
 // Integer semantics (the reference kernels are the oracle, so they are spelled out here):
-// integer results wrap modulo 2^bits; integer div truncates toward zero and throws on a zero
-// divisor; cast float->int truncates toward zero and saturates at the type's range, NaN -> 0
-// (what CUDA's cvt.rzi does by default), int->int wraps, anything->bool is x != 0.
+// integer lines compute in int64, never through double (which does not hold every int64);
+// integer results wrap modulo 2^bits; integer div truncates toward zero (like C and ONNX) and
+// throws on a zero divisor; cast float->int truncates toward zero and saturates at the type's
+// range, NaN -> 0 (what CUDA's cvt.rzi does by default), int->int wraps, int->float rounds once
+// to nearest, anything->bool is x != 0.
 // Bool is not an arithmetic type here: arithmetic ops reject it (cast it first); comparisons,
 // where and cast accept it. maximum and minimum propagate NaN, like numpy and torch.
 //
@@ -85,7 +87,7 @@ void set_saturated(Tensor& t, int64_t index, double value) {
 }
 
 // The reference kernels' primitives for the lines of ops/elementwise_math.h: double precision
-// through the C library (integers too compute in double; set_wrapped wraps the result).
+// through the C library, for float dtypes.
 struct ReferenceMath {
   static double abs(double x) { return std::abs(x); }
   static double exp(double x) { return std::exp(x); }
@@ -100,6 +102,49 @@ struct ReferenceMath {
   static double pow(double a, double b) { return std::pow(a, b); }
   static double select(bool c, double a, double b) { return c ? a : b; }
 };
+
+// The compute type of the integer lines (their T): an int64, which holds every value of every
+// integer dtype and of bool. +, -, * wrap modulo 2^64, computed in uint64 because signed
+// overflow is undefined in C++; Tensor::set_int then wraps the result to the output's width,
+// the same bits as computing in that width. Division truncates toward zero and refuses a zero
+// divisor; INT64_MIN / -1 wraps (to INT64_MIN) like the other overflows.
+struct Wrapping {
+  int64_t v = 0;
+  constexpr Wrapping(int64_t value = 0) : v(value) {}  // implicit: the lines' T(0), T(1)
+
+  static Wrapping from_bits(uint64_t bits) { return Wrapping(static_cast<int64_t>(bits)); }
+  friend Wrapping operator+(Wrapping a, Wrapping b) {
+    return from_bits(static_cast<uint64_t>(a.v) + static_cast<uint64_t>(b.v));
+  }
+  friend Wrapping operator-(Wrapping a, Wrapping b) {
+    return from_bits(static_cast<uint64_t>(a.v) - static_cast<uint64_t>(b.v));
+  }
+  friend Wrapping operator*(Wrapping a, Wrapping b) {
+    return from_bits(static_cast<uint64_t>(a.v) * static_cast<uint64_t>(b.v));
+  }
+  friend Wrapping operator-(Wrapping a) { return from_bits(uint64_t{0} - static_cast<uint64_t>(a.v)); }
+  friend Wrapping operator/(Wrapping a, Wrapping b) {
+    if (b.v == 0) fail("div: integer division by zero ({} / 0)", a.v);
+    if (b.v == -1) return -a;  // INT64_MIN / -1 overflows: wraps
+    return Wrapping(a.v / b.v);  // C++ truncates toward zero
+  }
+  friend bool operator==(Wrapping a, Wrapping b) { return a.v == b.v; }
+  friend bool operator!=(Wrapping a, Wrapping b) { return a.v != b.v; }
+  friend bool operator<(Wrapping a, Wrapping b) { return a.v < b.v; }
+  friend bool operator<=(Wrapping a, Wrapping b) { return a.v <= b.v; }
+  friend bool operator>(Wrapping a, Wrapping b) { return a.v > b.v; }
+  friend bool operator>=(Wrapping a, Wrapping b) { return a.v >= b.v; }
+};
+
+// The primitives the integer lines (kArithmetic, kCompare) use.
+struct IntegerMath {
+  static Wrapping abs(Wrapping x) { return x.v < 0 ? -x : x; }  // abs(INT64_MIN) wraps
+  static Wrapping select(bool c, Wrapping a, Wrapping b) { return c ? a : b; }
+};
+
+// Stores an integer line's result: a bool (comparisons) or a Wrapping.
+void store_int(Tensor& out, int64_t index, bool value) { out.set_int(index, value ? 1 : 0); }
+void store_int(Tensor& out, int64_t index, Wrapping value) { out.set_int(index, value.v); }
 
 // ---- gradient rules of the math lines --------------------------------------------------------
 
@@ -247,46 +292,44 @@ Shape binary_shape(std::span<const TensorType> in, math::Domain domain) {
   return broadcast_shapes(in[0].shape, in[1].shape);
 }
 
-// Runs fn over the broadcast inputs; `fn(a, b)` returns the output element as a double.
-template <typename Fn>
-void binary_loop(const KernelArgs& k, Fn&& fn) {
-  const Tensor &a = k.inputs[0], &b = k.inputs[1];
-  Tensor& out = k.outputs[0];
-  for_each_broadcast(out.shape(), {a.shape(), b.shape()},
-                     [&](int64_t i, std::span<const int64_t> at) {
-                       set_wrapped(out, i, fn(a.get(at[0]), b.get(at[1])));
-                     });
-}
-
-// Integer division truncating toward zero, in int64 so it is exact; the one overflowing case
-// (min / -1) wraps like the other integer results.
-double integer_divide(double a, double b) {
-  auto x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
-  if (y == 0) fail("div: integer division by zero ({} / 0)", x);
-  if (y == -1) return -a;  // avoids INT64_MIN / -1; set_wrapped wraps the i32 case
-  return static_cast<double>(x / y);
-}
-
-// The reference kernel of line F: F in double (bool results as 0 and 1), stored with
-// set_wrapped. Integer division is its own (div's line divides doubles).
+// The reference kernel of line F. Float inputs: F in double (bool results as 0 and 1), stored
+// rounded to the output dtype. Integer and bool inputs (the lines that take them): F in int64
+// (Wrapping), stored exactly.
 template <class F>
 KernelFn line_reference() {
-  if constexpr (F::arity() == 1) {
-    return [](const KernelArgs& k) {
-      for (int64_t i = 0; i < k.outputs[0].numel(); ++i)
-        set_wrapped(k.outputs[0], i, F::template apply<ReferenceMath>(k.inputs[0].get(i)));
-    };
-  } else {
-    return [](const KernelArgs& k) {
-      if (std::is_same_v<F, math::Div> && is_integer(k.outputs[0].dtype())) {
-        binary_loop(k, integer_divide);
-      } else {
-        binary_loop(k, [](double a, double b) -> double {
-          return F::template apply<ReferenceMath>(a, b);
-        });
+  return [](const KernelArgs& k) {
+    const Tensor& a = k.inputs[0];
+    Tensor& out = k.outputs[0];
+    const bool integers = !is_float(a.dtype());
+    if constexpr (F::arity() == 1) {
+      if constexpr (F::domain() != math::Domain::kFloat) {
+        if (integers) {
+          for (int64_t i = 0; i < out.numel(); ++i)
+            store_int(out, i, F::template apply<IntegerMath>(Wrapping(a.get_int(i))));
+          return;
+        }
       }
-    };
-  }
+      for (int64_t i = 0; i < out.numel(); ++i)
+        out.set(i, F::template apply<ReferenceMath>(a.get(i)));
+    } else {
+      const Tensor& b = k.inputs[1];
+      if constexpr (F::domain() != math::Domain::kFloat) {
+        if (integers) {
+          for_each_broadcast(out.shape(), {a.shape(), b.shape()},
+                             [&](int64_t i, std::span<const int64_t> at) {
+                               store_int(out, i, F::template apply<IntegerMath>(
+                                                     Wrapping(a.get_int(at[0])),
+                                                     Wrapping(b.get_int(at[1]))));
+                             });
+          return;
+        }
+      }
+      for_each_broadcast(out.shape(), {a.shape(), b.shape()},
+                         [&](int64_t i, std::span<const int64_t> at) {
+                           out.set(i, F::template apply<ReferenceMath>(a.get(at[0]), b.get(at[1])));
+                         });
+    }
+  };
 }
 
 // Defines the op of line F: inference from its arity and domain, its reference kernel, and its
@@ -338,13 +381,15 @@ void cast_reference(const KernelArgs& k) {
   const Tensor& x = k.inputs[0];
   Tensor& out = k.outputs[0];
   for (int64_t i = 0; i < out.numel(); ++i) {
+    if (!is_float(x.dtype())) {
+      out.set_int(i, x.get_int(i));  // exact: wraps to integers, != 0 to bool, rounds to floats
+      continue;
+    }
     double v = x.get(i);
     if (out.dtype() == DType::kBool || is_float(out.dtype())) {
       out.set(i, v);  // bool: v != 0; floats: round to nearest even
-    } else if (is_float(x.dtype())) {
-      set_saturated(out, i, v);
     } else {
-      set_wrapped(out, i, v);
+      set_saturated(out, i, v);
     }
   }
 }
@@ -406,7 +451,8 @@ void define_other_ops(OpRegistry& registry) {
               Tensor& out = k.outputs[0];
               for_each_broadcast(out.shape(), {cond.shape(), a.shape(), b.shape()},
                                  [&](int64_t i, std::span<const int64_t> at) {
-                                   out.set(i, cond.get(at[0]) != 0 ? a.get(at[1]) : b.get(at[2]));
+                                   if (cond.get_int(at[0]) != 0) out.copy_element(i, a, at[1]);
+                                   else out.copy_element(i, b, at[2]);
                                  });
             },
             where_gradient});

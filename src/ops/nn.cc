@@ -441,7 +441,7 @@ Shape check_cross_entropy_inputs(const TensorType& logits, const TensorType& lab
 // Label of row r, checked against the vocabulary unless it is ignore_index (kernel-time error).
 int64_t checked_label(const char* op, const Tensor& labels, int64_t r, int64_t vocab,
                       int64_t ignore_index) {
-  const int64_t label = static_cast<int64_t>(labels.get(r));
+  const int64_t label = labels.get_int(r);
   if (label != ignore_index && (label < 0 || label >= vocab))
     fail("{}: label {} (row {}) is out of range [0, {}) and is not ignore_index {}", op, label, r,
          vocab, ignore_index);
@@ -1099,7 +1099,7 @@ void define_nn_ops(OpRegistry& registry) {
             ++counted;
         for (int64_t r = 0; r < rows; ++r) {
           auto at = [&](int64_t c) { return r * vocab + c; };
-          const int64_t label = static_cast<int64_t>(labels.get(r));
+          const int64_t label = labels.get_int(r);
           if (label == ignore_index) {  // contributes nothing to the loss
             for (int64_t c = 0; c < vocab; ++c) dlogits.set(at(c), 0.0);
             continue;

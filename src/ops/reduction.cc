@@ -78,10 +78,30 @@ std::vector<TensorType> infer_reduce(Reduce kind, const TensorType& x, const Att
   return {{x.dtype, reduced_shape(x.shape, reduced, a.b("keepdims"))}};
 }
 
+// Integer sum and max, in int64 (never through double, which does not hold every int64): the
+// sum wraps modulo 2^64 (computed in uint64), set_int wraps it to the output's width.
+void reduce_integers(Reduce kind, const Tensor& x, Tensor& out, const std::vector<bool>& reduced) {
+  std::vector<uint64_t> sum(out.numel(), 0);
+  std::vector<int64_t> best(out.numel(), 0);
+  std::vector<bool> seen(out.numel(), false);
+  for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
+    const int64_t v = x.get_int(i);
+    sum[o] += static_cast<uint64_t>(v);
+    if (!seen[o] || v > best[o]) best[o] = v;
+    seen[o] = true;
+  });
+  for (int64_t o = 0; o < out.numel(); ++o)
+    out.set_int(o, kind == Reduce::kMax ? best[o] : static_cast<int64_t>(sum[o]));
+}
+
 void reduce_reference(Reduce kind, const KernelArgs& k) {
   const Tensor& x = k.inputs[0];
   Tensor& out = k.outputs[0];
   std::vector<bool> reduced = reduced_axes(x.type(), k.attrs.ints("axes"));
+  if (is_integer(x.dtype())) {
+    reduce_integers(kind, x, out, reduced);
+    return;
+  }
   std::vector<double> acc(out.numel(), kind == Reduce::kMax ? -INFINITY : 0.0);
   for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
     double v = x.get(i);
@@ -93,7 +113,7 @@ void reduce_reference(Reduce kind, const KernelArgs& k) {
   });
   double count = out.numel() == 0 ? 0.0 : static_cast<double>(x.numel() / out.numel());
   for (int64_t o = 0; o < out.numel(); ++o)
-    set_wrapped(out, o, kind == Reduce::kMean ? acc[o] / count : acc[o]);
+    out.set(o, kind == Reduce::kMean ? acc[o] / count : acc[o]);
 }
 
 // ---- gradient rules ----
@@ -167,17 +187,25 @@ void argmax_reference(const KernelArgs& k) {
   int64_t stride = strides_of(x.shape())[axis];
   // Elements along the axis arrive in increasing index order, so a strict > keeps the first
   // maximum; once the best is NaN nothing replaces it.
+  // Integers compare exactly as int64 (two i64 values above 2^53 may be one double).
+  const bool integers = !is_float(x.dtype());
   std::vector<double> best(out.numel(), -INFINITY);
+  std::vector<int64_t> best_int(out.numel(), 0);
   std::vector<int64_t> best_index(out.numel(), -1);
   for_each_reduced(x.shape(), reduced, [&](int64_t i, int64_t o) {
-    double v = x.get(i);
-    bool better = best_index[o] < 0 || (!std::isnan(best[o]) && (std::isnan(v) || v > best[o]));
-    if (better) {
-      best[o] = v;
-      best_index[o] = (i / stride) % x.shape()[axis];
+    bool better;
+    if (integers) {
+      const int64_t v = x.get_int(i);
+      better = best_index[o] < 0 || v > best_int[o];
+      if (better) best_int[o] = v;
+    } else {
+      const double v = x.get(i);
+      better = best_index[o] < 0 || (!std::isnan(best[o]) && (std::isnan(v) || v > best[o]));
+      if (better) best[o] = v;
     }
+    if (better) best_index[o] = (i / stride) % x.shape()[axis];
   });
-  for (int64_t o = 0; o < out.numel(); ++o) out.set(o, static_cast<double>(best_index[o]));
+  for (int64_t o = 0; o < out.numel(); ++o) out.set_int(o, best_index[o]);
 }
 
 void define_argmax(OpRegistry& registry) {

@@ -1,5 +1,7 @@
 #include "ops/registry.h"
 
+#include <cmath>
+
 #include "support/error.h"
 #include "tensor/tensor.h"
 
@@ -69,8 +71,23 @@ Attributes normalize_attributes(Op op, Attributes attrs) {
     }
     AttrValue value = attrs.get(spec.name);
     AttrKind kind = attr_kind(value);
-    if (kind == spec.kind) continue;
-    if (spec.kind == AttrKind::kFloat && kind == AttrKind::kInt) {
+    AttrKind wanted = spec.kind;
+    if (spec.ints_for_integer_dtype && attrs.has("dtype")) {
+      const DType* dtype = std::get_if<DType>(&attrs.get("dtype"));
+      if (dtype && !is_float(*dtype)) wanted = AttrKind::kInts;
+    }
+    if (kind == wanted) continue;
+    if (wanted == AttrKind::kInts && kind == AttrKind::kFloats) {
+      // Old text and float-minded callers write integers as floats; each must be one exactly.
+      std::vector<int64_t> ints;
+      for (double v : std::get<std::vector<double>>(value)) {
+        if (std::trunc(v) != v || v < -std::ldexp(1.0, 63) || v >= std::ldexp(1.0, 63))
+          fail("{}: attribute '{}' holds {}, expected integers for dtype {}", op_name(op),
+               spec.name, v, dtype_name(attrs.dtype("dtype")));
+        ints.push_back(static_cast<int64_t>(v));
+      }
+      attrs.set(spec.name, std::move(ints));
+    } else if (spec.kind == AttrKind::kFloat && kind == AttrKind::kInt) {
       attrs.set(spec.name, static_cast<double>(std::get<int64_t>(value)));
     } else if (spec.kind == AttrKind::kFloats && kind == AttrKind::kInts) {
       const auto& ints = std::get<std::vector<int64_t>>(value);
@@ -80,7 +97,7 @@ Attributes normalize_attributes(Op op, Attributes attrs) {
       attrs.set(spec.name, std::vector<int64_t>{});
     } else {
       fail("{}: attribute '{}' is {} {}, expected {}", op_name(op), spec.name,
-           attr_kind_name(kind), to_string(value), attr_kind_name(spec.kind));
+           attr_kind_name(kind), to_string(value), attr_kind_name(wanted));
     }
   }
   return attrs;

@@ -10,11 +10,13 @@
 //   scatter_add(base, indices, updates) {axis = 0}: base with updates summed into the rows that
 //     indices name (gather's transpose: the embedding gradient).
 //   one_hot(indices) {depth, dtype = f32}: indices.shape + [depth].
-// Reference kernels go element by element through Tensor::get/set; they are the test oracle.
+// Reference kernels copy element by element, exactly for every dtype (Tensor::copy_element, the
+// integer accessors for indices); they are the test oracle.
 // Gradient rules are each op's adjoint: reshape/transpose undo themselves, broadcast_to sums,
 // slice scatters into zeros, concat and split swap, gather and scatter_add swap. one_hot has an
 // integer input and no gradient.
 #include <algorithm>
+#include <cstring>
 
 #include "ir/builder.h"
 #include "ops/common.h"
@@ -75,8 +77,7 @@ Shape gathered_shape(const Shape& table, int axis, const Shape& indices) {
 
 // Reads index `p` of `indices` and checks it against [0, dim); kernel-time data error otherwise.
 int64_t checked_index(const char* op, const Tensor& indices, int64_t p, int64_t dim, int axis) {
-  double raw = indices.get(p);
-  int64_t index = static_cast<int64_t>(raw);
+  const int64_t index = indices.get_int(p);
   if (index < 0 || index >= dim)
     fail("{}: index {} (at position {} of indices) is out of range for axis {} of dim {} "
          "(expected 0..{})",
@@ -182,10 +183,9 @@ std::vector<Expr> slice_gradient(const GradContext& c) {
       if (dim - start - count > 0) pieces.push_back(zeros(dim - start - count));
       g = concat(pieces, d);
     } else {
-      std::vector<double> positions;
-      for (int64_t i = 0; i < count; ++i)
-        positions.push_back(static_cast<double>(start + i * step));
-      g = scatter_add(zeros(dim), b.constant({count}, positions, DType::kI64), g, d);
+      std::vector<int64_t> positions;
+      for (int64_t i = 0; i < count; ++i) positions.push_back(start + i * step);
+      g = scatter_add(zeros(dim), b.constant_ints({count}, positions), g, d);
     }
   }
   return {g};
@@ -255,7 +255,7 @@ void define_shape_ops(OpRegistry& registry) {
       },
       [](const KernelArgs& k) {
         // Row-major order is the same before and after: a flat copy.
-        for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].set(i, k.inputs[0].get(i));
+        std::memcpy(k.outputs[0].raw(), k.inputs[0].raw(), k.outputs[0].bytes());
       },
       reshape_gradient});
 
@@ -276,7 +276,7 @@ void define_shape_ops(OpRegistry& registry) {
           Ints index = unravel(i, y.shape());  // output axis d is input axis perm[d]
           int64_t offset = 0;
           for (size_t d = 0; d < perm.size(); ++d) offset += index[d] * x_strides[perm[d]];
-          y.set(i, x.get(offset));
+          y.copy_element(i, x, offset);
         }
       },
       transpose_gradient});
@@ -297,7 +297,7 @@ void define_shape_ops(OpRegistry& registry) {
       [](const KernelArgs& k) {
         for_each_broadcast(k.outputs[0].shape(), {k.inputs[0].shape()},
                            [&](int64_t i, std::span<const int64_t> offsets) {
-                             k.outputs[0].set(i, k.inputs[0].get(offsets[0]));
+                             k.outputs[0].copy_element(i, k.inputs[0], offsets[0]);
                            });
       },
       broadcast_to_gradient});
@@ -318,7 +318,7 @@ void define_shape_ops(OpRegistry& registry) {
           int64_t offset = 0;
           for (size_t d = 0; d < index.size(); ++d)
             offset += (b.starts[d] + index[d] * b.steps[d]) * x_strides[d];
-          y.set(i, x.get(offset));
+          y.copy_element(i, x, offset);
         }
       },
       slice_gradient});
@@ -355,8 +355,8 @@ void define_shape_ops(OpRegistry& registry) {
           for (int64_t o = 0; o < v.outer; ++o)
             for (int64_t a = 0; a < v.dim; ++a)
               for (int64_t i = 0; i < v.inner; ++i)
-                y.set((o * out.dim + axis_offset + a) * out.inner + i,
-                      x.get((o * v.dim + a) * v.inner + i));
+                y.copy_element((o * out.dim + axis_offset + a) * out.inner + i, x,
+                               (o * v.dim + a) * v.inner + i);
           axis_offset += v.dim;
         }
       },
@@ -397,8 +397,8 @@ void define_shape_ops(OpRegistry& registry) {
           for (int64_t o = 0; o < v.outer; ++o)
             for (int64_t a = 0; a < v.dim; ++a)
               for (int64_t i = 0; i < v.inner; ++i)
-                y.set((o * v.dim + a) * v.inner + i,
-                      x.get((o * in.dim + axis_offset + a) * in.inner + i));
+                y.copy_element((o * v.dim + a) * v.inner + i, x,
+                               (o * in.dim + axis_offset + a) * in.inner + i);
           axis_offset += v.dim;
         }
       },
@@ -423,7 +423,7 @@ void define_shape_ops(OpRegistry& registry) {
           int64_t row = checked_index("gather", indices, p, t.dim, axis);
           for (int64_t o = 0; o < t.outer; ++o)
             for (int64_t i = 0; i < t.inner; ++i)
-              y.set((o * n + p) * t.inner + i, table.get((o * t.dim + row) * t.inner + i));
+              y.copy_element((o * n + p) * t.inner + i, table, (o * t.dim + row) * t.inner + i);
         }
       },
       gather_gradient});
@@ -449,14 +449,20 @@ void define_shape_ops(OpRegistry& registry) {
         Tensor& y = k.outputs[0];
         int axis = normalize_axis(k.attrs.i("axis"), base.rank());
         AxisView b = view_around(base.shape(), axis);
-        for (int64_t i = 0; i < y.numel(); ++i) y.set(i, base.get(i));
+        std::memcpy(y.raw(), base.raw(), y.bytes());
+        const bool integers = !is_float(y.dtype());
         const int64_t n = indices.numel();
         for (int64_t p = 0; p < n; ++p) {
           int64_t row = checked_index("scatter_add", indices, p, b.dim, axis);
           for (int64_t o = 0; o < b.outer; ++o)
             for (int64_t i = 0; i < b.inner; ++i) {
               int64_t dst = (o * b.dim + row) * b.inner + i;
-              y.set(dst, y.get(dst) + updates.get((o * n + p) * b.inner + i));
+              const int64_t from = (o * n + p) * b.inner + i;
+              if (integers)  // exact, wrapping like the elementwise add
+                y.set_int(dst, static_cast<int64_t>(static_cast<uint64_t>(y.get_int(dst)) +
+                                                    static_cast<uint64_t>(updates.get_int(from))));
+              else
+                y.set(dst, y.get(dst) + updates.get(from));
             }
         }
       },
@@ -480,7 +486,7 @@ void define_shape_ops(OpRegistry& registry) {
         Tensor& y = k.outputs[0];
         const int64_t depth = k.attrs.i("depth");
         for (int64_t p = 0; p < indices.numel(); ++p) {
-          int64_t index = static_cast<int64_t>(indices.get(p));
+          const int64_t index = indices.get_int(p);
           for (int64_t c = 0; c < depth; ++c) y.set(p * depth + c, c == index ? 1.0 : 0.0);
         }
       },

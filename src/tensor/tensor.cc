@@ -76,6 +76,60 @@ Tensor Tensor::from_f64(TensorType type, std::span<const double> values) {
   return t;
 }
 
+int64_t Tensor::get_int(int64_t index) const {
+  if (device_ != Device::kCpu) check_host();
+  return visit_dtype(type_.dtype, [&](auto tag) -> int64_t {
+    using T = decltype(tag);
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<int64_t>(reinterpret_cast<const T*>(raw())[index]);
+    } else {
+      fail("tensor of {} read as integers: its elements are floats (read them with get)",
+           to_string(type_));
+    }
+  });
+}
+
+void Tensor::set_int(int64_t index, int64_t value) {
+  if (device_ != Device::kCpu) check_host();
+  visit_dtype(type_.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* data = reinterpret_cast<T*>(raw());
+    if constexpr (std::is_same_v<T, bool>) {
+      data[index] = value != 0;
+    } else if constexpr (std::is_integral_v<T>) {
+      data[index] = static_cast<T>(value);  // modulo 2^bits (C++20)
+    } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      data[index] = static_cast<T>(value);  // one rounding, not two through double
+    } else {
+      data[index] = from_double<T>(static_cast<double>(static_cast<float>(value)));
+    }
+  });
+}
+
+std::vector<int64_t> Tensor::to_i64() const {
+  std::vector<int64_t> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) out[i] = get_int(i);
+  return out;
+}
+
+Tensor Tensor::from_i64(TensorType type, std::span<const int64_t> values) {
+  Tensor t(std::move(type));
+  KILN_CHECK(static_cast<int64_t>(values.size()) == t.numel(),
+             "{} values given for a tensor of {}", values.size(), to_string(t.type()));
+  for (int64_t i = 0; i < t.numel(); ++i) t.set_int(i, values[i]);
+  return t;
+}
+
+void Tensor::copy_element(int64_t index, const Tensor& src, int64_t from) {
+  if (device_ != Device::kCpu) check_host();
+  if (src.device_ != Device::kCpu) src.check_host();
+  KILN_CHECK(src.dtype() == dtype(), "copying an element of {} into a tensor of {}",
+             to_string(src.type()), to_string(type_));
+  const size_t size = dtype_size(type_.dtype);
+  std::memcpy(raw() + static_cast<size_t>(index) * size,
+              src.raw() + static_cast<size_t>(from) * size, size);
+}
+
 Tensor Tensor::clone() const {
   check_host();
   Tensor t(type_);
@@ -113,6 +167,11 @@ Tensor random_tensor(const TensorType& type, uint64_t seed, double low, double h
 double max_scaled_error(const Tensor& a, const Tensor& b, double atol, double rtol) {
   KILN_CHECK(a.shape() == b.shape(), "comparing tensors of shapes {} and {}",
              to_string(a.shape()), to_string(b.shape()));
+  if (!is_float(a.dtype()) && !is_float(b.dtype())) {  // integers and bools: exact or nothing
+    for (int64_t i = 0; i < a.numel(); ++i)
+      if (a.get_int(i) != b.get_int(i)) return INFINITY;
+    return 0.0;
+  }
   double worst = 0.0;
   for (int64_t i = 0; i < a.numel(); ++i) {
     double x = a.get(i), y = b.get(i);

@@ -47,11 +47,25 @@ class Tensor {
     return reinterpret_cast<T*>(raw());
   }
 
-  // Element access through double, for any dtype (the reference kernels' path).
+  // Element access through double, for any dtype (the reference kernels' path for floats).
+  // A double does not hold every int64 (2^53 + 1 is not one): integer values go through the
+  // exact accessors below.
   double get(int64_t index) const;
   void set(int64_t index, double value);
   std::vector<double> to_f64() const;
   static Tensor from_f64(TensorType type, std::span<const double> values);
+
+  // Exact element access for integer and bool dtypes (an int64 holds every value of i32, i64,
+  // u8 and bool). get_int refuses float dtypes (kiln::Error: no silent truncation). set_int
+  // stores into integer dtypes modulo 2^bits (wrapping like the hardware), into bool as
+  // value != 0, into float dtypes rounded to nearest.
+  int64_t get_int(int64_t index) const;
+  void set_int(int64_t index, int64_t value);
+  std::vector<int64_t> to_i64() const;
+  static Tensor from_i64(TensorType type, std::span<const int64_t> values);
+  // Copies element `from` of `src`, which has this tensor's dtype, to element `index`: the
+  // exact copy of data-movement kernels (gather, slice, concat, transpose), whatever the dtype.
+  void copy_element(int64_t index, const Tensor& src, int64_t from);
 
   Tensor clone() const;
   // Same storage, another shape with the same element count (and dtype).

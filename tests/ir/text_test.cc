@@ -304,6 +304,62 @@ TEST(IrText, NonCanonicalAttributeSpellingsAreNormalized) {
             "}\n");
 }
 
+// Integer and bool constants hold ints: int64 values a double does not hold (2^62 + 1, the
+// extremes) print and parse back exactly, and old text that wrote them as floats still parses.
+TEST(IrText, IntegerConstantsRoundTripExactly) {
+  std::string_view text =
+      "graph @ints() {\n"
+      "  %0 = constant() {dtype=i64, shape=[4], values=[4611686018427387905, -9223372036854775808, "
+      "9223372036854775807, 9007199254740993]} : i64[4]\n"
+      "  %1 = constant() {dtype=i32, shape=[2], values=[-2147483648, 2147483647]} : i32[2]\n"
+      "  %2 = constant() {dtype=bool, shape=[3], values=[1, 0, 1]} : bool[3]\n"
+      "  %3 = constant() {dtype=u8, shape=[2], values=[0, 255]} : u8[2]\n"
+      "  %4 = constant() {dtype=i64, shape=[0], values=[]} : i64[0]\n"
+      "  return %0, %1, %2, %3, %4\n"
+      "}\n";
+  Graph g = parse(text);
+  EXPECT_EQ(print(g), text);
+  EXPECT_EQ(g.nodes[0].attrs.ints("values"),
+            (Ints{(int64_t{1} << 62) + 1, INT64_MIN, INT64_MAX, (int64_t{1} << 53) + 1}));
+  EXPECT_EQ(g.nodes[2].attrs.ints("values"), (Ints{1, 0, 1}));
+
+  // Float spellings of integers normalize to ints.
+  Graph old = parse(
+      "graph @g() {\n"
+      "  %0 = constant() {dtype=bool, shape=[2], values=[0.0, 1.0]}\n"
+      "  %1 = constant() {dtype=i64, shape=[2], values=[3.0, -4.0]}\n"
+      "  return %0, %1\n"
+      "}\n");
+  EXPECT_EQ(old.nodes[0].attrs.ints("values"), (Ints{0, 1}));
+  EXPECT_EQ(print(old),
+            "graph @g() {\n"
+            "  %0 = constant() {dtype=bool, shape=[2], values=[0, 1]} : bool[2]\n"
+            "  %1 = constant() {dtype=i64, shape=[2], values=[3, -4]} : i64[2]\n"
+            "  return %0, %1\n"
+            "}\n");
+}
+
+TEST(IrText, IntegerConstantsRefuseWhatTheirDtypeCannotHold) {
+  auto error_of = [](const std::string& constant) {
+    try {
+      parse("graph @g() {\n  %0 = " + constant + "\n  return %0\n}\n");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of("constant() {dtype=i64, shape=[1], values=[1.5]}").find("expected integers for dtype i64"),
+            std::string::npos);
+  EXPECT_NE(error_of("constant() {dtype=u8, shape=[1], values=[256]}").find("out of range for u8"),
+            std::string::npos);
+  EXPECT_NE(error_of("constant() {dtype=bool, shape=[1], values=[2]}").find("out of range for bool"),
+            std::string::npos);
+  EXPECT_NE(error_of("constant() {dtype=i32, shape=[1], values=[2147483648]}").find("out of range for i32"),
+            std::string::npos);
+  EXPECT_NE(error_of("full() {dtype=i64, shape=[1], value=0.5}").find("not an integer of i64"),
+            std::string::npos);
+}
+
 TEST(IrText, TrickyFloatAttributesRoundTripBitForBit) {
   std::string_view text =
       "graph @floats() {\n"

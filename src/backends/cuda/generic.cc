@@ -49,18 +49,18 @@ void add(KernelRegistry& registry, Op op, KernelFn kernel, Supports supports = n
                               std::move(checked), std::move(kernel), in_place_ok});
 }
 
-// The values of a constant of `type`, in page-locked memory that lives as long as the process
-// (one copy per distinct constant, looked up by its type and values).
-const Tensor& constant_values(const TensorType& type, const std::vector<double>& values) {
+// The values of a constant of `type` (its `values` attribute), in page-locked memory that lives
+// as long as the process (one copy per distinct constant, looked up by its type and the values'
+// exact text). The constant's reference kernel converts them: exact for every dtype.
+const Tensor& constant_values(const TensorType& type, const Attributes& attrs) {
   static std::mutex mutex;
-  static auto* cache = new std::map<std::pair<std::string, std::vector<double>>, Tensor>();
+  static auto* cache = new std::map<std::pair<std::string, std::string>, Tensor>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto key = std::make_pair(to_string(type), values);
+  auto key = std::make_pair(to_string(type), to_string(attrs.get("values")));
   auto it = cache->find(key);
   if (it == cache->end()) {
-    const Tensor converted = Tensor::from_f64(type, values);
     Tensor pinned = pinned_tensor(type);
-    std::memcpy(pinned.raw(), converted.raw(), converted.bytes());
+    op_def(Op::kConstant).reference(KernelArgs{attrs, {}, std::span<Tensor>(&pinned, 1)});
     it = cache->emplace(std::move(key), std::move(pinned)).first;
   }
   return it->second;
@@ -205,14 +205,14 @@ void register_shape(KernelRegistry& registry) {
                           [](const KernelArgs& a) {
                             Tensor& out = a.outputs[0];
                             if (out.bytes() == 0) return;
-                            const Tensor& host = constant_values(out.type(), a.attrs.floats("values"));
+                            const Tensor& host = constant_values(out.type(), a.attrs);
                             KILN_CUDA_CHECK(cudaMemcpyAsync(out.raw(), host.raw(), out.bytes(),
                                                             cudaMemcpyHostToDevice, stream_of(a)));
                           },
                           false,
                           [](const NodeView& node) {
                             if (node.output_types[0].bytes() > 0)
-                              constant_values(node.output_types[0], node.node.attrs.floats("values"));
+                              constant_values(node.output_types[0], node.node.attrs);
                           }});
   add(registry, Op::kIota, [](const KernelArgs& a) {
     Tensor& out = a.outputs[0];

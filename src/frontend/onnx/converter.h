@@ -48,7 +48,9 @@ class NodeContext {
   // The known value, or OnnxUnsupported naming `what` ("shape") when it depends on the model's
   // inputs or params.
   Tensor constant(int i, const std::string& what) const;
+  // Integer inputs read exactly (int64, never through double); ints refuses a float input.
   std::vector<int64_t> ints(int i, const std::string& what) const;
+  int64_t int_scalar(int i, const std::string& what) const;
   double scalar(int i, const std::string& what) const;
 
   // ---- attributes (each read marks the attribute as honoured).

@@ -150,7 +150,7 @@ Tensor tensor_of(const ::onnx::TensorProto& proto, const std::string& base_dir, 
       break;
     }
     default:  // i32, bool, u8: int32_data
-      for (int64_t i = 0; i < n; ++i) t.set(i, proto.int32_data(static_cast<int>(i)));
+      for (int64_t i = 0; i < n; ++i) t.set_int(i, proto.int32_data(static_cast<int>(i)));
       break;
   }
   return t;
@@ -161,6 +161,13 @@ Expr scalar_like(const Expr& like, double value) { return like.builder().scalar(
 Expr cast_to(const Expr& e, DType dtype) { return e.dtype() == dtype ? e : cast(e, dtype); }
 
 Expr constant_of(Builder& b, const Tensor& t) {
+  if (!is_float(t.dtype())) {  // integers stay exact: int64 values, never through double
+    std::vector<int64_t> values = t.to_i64();
+    bool uniform = !values.empty() && std::abs(static_cast<double>(values[0])) <= std::ldexp(1.0, 53);
+    for (size_t i = 1; i < values.size() && uniform; ++i) uniform = values[i] == values[0];
+    if (uniform) return b.full(t.shape(), static_cast<double>(values[0]), t.dtype());
+    return b.constant_ints(t.shape(), std::move(values), t.dtype());
+  }
   if (t.numel() > 0) {
     // A tensor whose elements are all equal is a `full` (short in the text, cheap to fold).
     const double first = t.get(0);
@@ -210,6 +217,8 @@ class Importer {
   Shape input_shape(const ::onnx::ValueInfoProto& info);
   void prune();
   void add_loss();
+  void note_empty_outputs(const ::onnx::NodeProto& node, const std::string& where);
+  void check_empty_inputs(size_t first_node, const std::string& where);
 
   const ImportOptions& options_;
   std::string base_dir_, source_;
@@ -219,7 +228,56 @@ class Importer {
   size_t folded_nodes_ = 0;                       // nodes of the graph fold() has looked at
   std::vector<Update> updates_;
   bool from_pytorch_ = false;
+  // Values the model made empty (a 0 dim) from inputs that all hold elements, with the node that
+  // did it: a slice past the end, a split of size 0. They may flow to outputs and through ops
+  // that keep them empty, but no op may compute a value that holds elements from one (a sum, a
+  // product, a loss of nothing would train silently). Empty graph inputs and constants are the
+  // user's and the model's own choice, and values known at import are shape arithmetic: neither
+  // is tracked.
+  std::unordered_map<ValueId, std::string> empty_causes_;
 };
+
+void Importer::note_empty_outputs(const ::onnx::NodeProto& node, const std::string& where) {
+  std::vector<std::string> inputs;
+  for (int i = 0; i < node.input_size(); ++i) {
+    if (node.input(i).empty()) continue;
+    const Expr e = value_of(node.input(i), where);
+    if (e.type().numel() == 0) return;  // made empty by an empty input: tracked there, or not ours
+    std::string text = to_string(e.type());
+    if (std::optional<Tensor> t = known(e.id()); t && !is_float(t->dtype()) && t->numel() <= 16)
+      text += fmt::format(" = [{}]", fmt::join(t->to_i64(), ", "));
+    inputs.push_back(std::move(text));
+  }
+  if (inputs.empty()) return;  // a constant: empty by the model's own word
+  for (int i = 0; i < node.output_size(); ++i) {
+    auto it = values_.find(node.output(i));
+    if (node.output(i).empty() || it == values_.end() || it->second.type().numel() > 0) continue;
+    if (known(it->second.id())) continue;  // shape arithmetic, folded at import: nothing trains on it
+    empty_causes_.emplace(it->second.id(), fmt::format("{} gives the empty {} from its inputs {}", where,
+                                                       to_string(it->second.type()), fmt::join(inputs, ", ")));
+  }
+}
+
+void Importer::check_empty_inputs(size_t first_node, const std::string& where) {
+  const Graph& g = b_.graph();
+  for (size_t n = first_node; n < g.nodes.size(); ++n) {
+    const Node& node = g.nodes[n];
+    auto cause = empty_causes_.end();
+    for (ValueId in : node.inputs)
+      if (cause == empty_causes_.end()) cause = empty_causes_.find(in);
+    if (cause == empty_causes_.end()) continue;
+    const std::string why = cause->second;
+    for (ValueId out : node.outputs) {
+      if (g.type(out).numel() == 0) {
+        empty_causes_.emplace(out, why);
+      } else if (node.op != Op::kConcat) {  // concat: the other pieces, as ONNX Concat allows
+        fail("{}: {} computes {} from the empty {}, a value made of no elements (a loss or product of "
+             "nothing would train silently); {}",
+             where, op_name(node.op), to_string(g.type(out)), to_string(g.type(cause->first)), why);
+      }
+    }
+  }
+}
 
 void Importer::fold() {
   Graph& g = b_.graph();
@@ -362,9 +420,18 @@ Tensor NodeContext::constant(int i, const std::string& what) const {
 
 std::vector<int64_t> NodeContext::ints(int i, const std::string& what) const {
   Tensor t = constant(i, what);
-  std::vector<int64_t> out;
-  for (int64_t k = 0; k < t.numel(); ++k) out.push_back(static_cast<int64_t>(t.get(k)));
-  return out;
+  // Exact: PyTorch writes x[:, k:] with an end of INT64_MAX, which a double rounds to 2^63.
+  if (is_float(t.dtype())) fail("its {} (input {}) must be integers, got {}", what, i, to_string(t.type()));
+  return t.to_i64();
+}
+
+int64_t NodeContext::int_scalar(int i, const std::string& what) const {
+  Tensor t = constant(i, what);
+  if (t.numel() != 1) fail("its {} (input {}) must be one value, got {}", what, i, to_string(t.type()));
+  if (!is_float(t.dtype())) return t.get_int(0);
+  const double v = t.get(0);  // a float count (OneHot's depth may be one): truncated, as ONNX casts
+  if (!(std::abs(v) < std::ldexp(1.0, 63))) fail("its {} (input {}) is {}, not an integer", what, i, v);
+  return static_cast<int64_t>(v);
 }
 
 double NodeContext::scalar(int i, const std::string& what) const {
@@ -440,6 +507,7 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
     if (a.type() == ::onnx::AttributeProto::GRAPH || a.type() == ::onnx::AttributeProto::GRAPHS)
       context.unsupported("subgraph attribute '{}' (control flow) is not supported", a.name());
   std::vector<Expr> outputs;
+  const size_t first_node = b_.graph().nodes.size();
   try {
     outputs = it->second(context);
   } catch (const OnnxUnsupported&) {
@@ -459,6 +527,8 @@ void Importer::convert(const ::onnx::NodeProto& node, int64_t opset) {
       context.unsupported("output {} ('{}') is not supported", i, node.output(i));
     values_[node.output(i)] = outputs[i];
   }
+  check_empty_inputs(first_node, context.where());
+  note_empty_outputs(node, context.where());
 }
 
 // --loss cross_entropy: the loss of the first output (logits) against the labels.
@@ -480,7 +550,9 @@ void Importer::add_loss() {
   KILN_CHECK(labels.shape() == label_shape && is_integer(labels.dtype()),
              "--labels {} is {}, expected integers of shape {} for logits {}", options_.labels,
              to_string(labels.type()), to_string(label_shape), to_string(logits.type()));
+  const size_t first_node = g.nodes.size();
   Expr loss = cross_entropy(logits, cast_to(labels, DType::kI64));
+  check_empty_inputs(first_node, "--loss cross_entropy");
   g.outputs.insert(g.outputs.begin(), loss.id());
 }
 

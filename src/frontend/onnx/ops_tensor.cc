@@ -13,14 +13,16 @@ namespace {
 
 using Ints = std::vector<int64_t>;
 
+// Range's output is built at import: at most this many elements.
+constexpr int64_t kMaxRangeElements = int64_t{1} << 28;
+
 int64_t axis_in(NodeContext& c, int64_t axis, int rank) {
   if (axis < -rank || axis >= std::max(rank, 1)) c.fail("axis {} is out of range for rank {}", axis, rank);
   return axis < 0 ? axis + rank : axis;
 }
 
 Expr const_i64(Builder& b, const Ints& values) {
-  std::vector<double> v(values.begin(), values.end());
-  return b.constant({static_cast<int64_t>(values.size())}, v, DType::kI64);
+  return b.constant_ints({static_cast<int64_t>(values.size())}, values, DType::kI64);
 }
 
 // Gathers positions `index` (constant) of x along `axis`.
@@ -184,13 +186,13 @@ void add_tensor_rules(RuleTable& r) {
     } else if (c.has_attr("value_float")) {
       t = Tensor::from_f64({DType::kF32, {}}, std::vector<double>{c.attr_float("value_float", 0)});
     } else if (c.has_attr("value_int")) {
-      t = Tensor::from_f64({DType::kI64, {}}, std::vector<double>{double(c.attr_int("value_int", 0))});
+      t = Tensor::from_i64({DType::kI64, {}}, Ints{c.attr_int("value_int", 0)});
     } else if (c.has_attr("value_floats")) {
       std::vector<double> v = c.attr_floats("value_floats");
       t = Tensor::from_f64({DType::kF32, {int64_t(v.size())}}, v);
     } else if (c.has_attr("value_ints")) {
       Ints v = c.attr_ints("value_ints");
-      t = Tensor::from_f64({DType::kI64, {int64_t(v.size())}}, std::vector<double>(v.begin(), v.end()));
+      t = Tensor::from_i64({DType::kI64, {int64_t(v.size())}}, v);
     } else {
       c.unsupported("only tensor, float and int values are supported");
     }
@@ -209,21 +211,41 @@ void add_tensor_rules(RuleTable& r) {
   };
   r["ConstantOfShape"] = [](NodeContext& c) {
     const Ints shape = c.ints(0, "shape");
-    double value = 0;
-    DType dtype = DType::kF32;
-    if (c.has_attr("value")) {
-      Tensor v = c.attr_tensor("value");
-      if (v.numel() != 1) c.fail("its value must hold one element, got {}", to_string(v.type()));
-      value = v.get(0);
-      dtype = v.dtype();
-    }
-    return std::vector<Expr>{c.b().full(shape, value, dtype)};
+    for (int64_t d : shape)
+      if (d < 0) c.fail("shape {} has a negative dim", to_string(shape));
+    if (!c.has_attr("value")) return std::vector<Expr>{c.b().full(shape, 0.0, DType::kF32)};
+    const Tensor v = c.attr_tensor("value");
+    if (v.numel() != 1) c.fail("its value must hold one element, got {}", to_string(v.type()));
+    // full's value is a double: an integer it does not hold exactly is a constant (exact).
+    if (is_float(v.dtype()) || std::abs(static_cast<double>(v.get_int(0))) <= std::ldexp(1.0, 53))
+      return std::vector<Expr>{c.b().full(shape, v.get(0), v.dtype())};
+    Tensor filled(TensorType{v.dtype(), shape});
+    for (int64_t i = 0; i < filled.numel(); ++i) filled.copy_element(i, v, 0);
+    return std::vector<Expr>{constant_of(c.b(), filled)};
   };
   r["Range"] = [](NodeContext& c) {
     const Tensor start = c.constant(0, "start"), limit = c.constant(1, "limit"), delta = c.constant(2, "delta");
+    for (const Tensor* t : {&start, &limit, &delta})
+      if (t->numel() != 1) c.fail("start, limit and delta must be scalars, got {}", to_string(t->type()));
+    if (!is_float(start.dtype())) {
+      // Integers in int64, exactly: n = ceil((limit - start) / delta), in 128 bits so that no
+      // difference of two int64 overflows.
+      const int64_t s = start.get_int(0), l = limit.get_int(0), d = delta.get_int(0);
+      if (d == 0) c.fail("delta is 0");
+      const __int128 span = static_cast<__int128>(l) - s;
+      __int128 n = span / d;
+      if (n * d != span && (span > 0) == (d > 0)) ++n;  // ceil of a positive quotient
+      n = std::max<__int128>(n, 0);
+      if (n > kMaxRangeElements) c.fail("gives {} elements, more than kiln folds", static_cast<int64_t>(n));
+      Ints values(static_cast<size_t>(n));
+      for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) values[i] = s + i * d;
+      return std::vector<Expr>{constant_of(c.b(), Tensor::from_i64({start.dtype(), {int64_t(n)}}, values))};
+    }
     const double s = start.get(0), l = limit.get(0), d = delta.get(0);
     if (d == 0) c.fail("delta is 0");
-    const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((l - s) / d)));
+    const double count = std::max(0.0, std::ceil((l - s) / d));
+    if (!(count <= kMaxRangeElements)) c.fail("gives {} elements, more than kiln folds", count);
+    const int64_t n = static_cast<int64_t>(count);
     std::vector<double> values(n);
     for (int64_t i = 0; i < n; ++i) values[i] = s + static_cast<double>(i) * d;
     Tensor t = Tensor::from_f64({start.dtype(), {n}}, values);
@@ -294,7 +316,17 @@ void add_tensor_rules(RuleTable& r) {
     std::vector<Expr> xs;
     for (int i = 0; i < c.num_inputs(); ++i)
       if (c.has_input(i)) xs.push_back(c.in(i));
+    if (xs.empty()) c.fail("needs at least one input");
     const int64_t axis = axis_in(c, c.attr_int("axis", 0), xs.at(0).rank());
+    // ONNX lets a piece be empty, but only with the other pieces' rank and dims off the axis:
+    // an empty piece of another shape is an error, never silently dropped.
+    for (size_t i = 1; i < xs.size(); ++i) {
+      bool same = xs[i].rank() == xs[0].rank() && xs[i].dtype() == xs[0].dtype();
+      for (int d = 0; same && d < xs[0].rank(); ++d) same = d == axis || xs[i].dim(d) == xs[0].dim(d);
+      if (!same)
+        c.fail("input {} is {}, expected {} like input 0 on every axis but {}", i, to_string(xs[i].type()),
+               to_string(xs[0].type()), axis);
+    }
     // Empty pieces change nothing (kiln's concat takes only real ones).
     std::vector<Expr> parts;
     for (const Expr& x : xs)
@@ -311,8 +343,10 @@ void add_tensor_rules(RuleTable& r) {
     else if (c.opset() < 13 && c.has_attr("split")) sizes = c.attr_ints("split");
     else {
       const int64_t n = c.has_attr("num_outputs") ? c.attr_int("num_outputs", 1) : c.num_outputs();
+      if (n < 1 || (dim > 0 && n > dim)) c.fail("{} outputs for a dim of {}", n, dim);
       const int64_t each = (dim + n - 1) / n;
-      for (int64_t i = 0, left = dim; i < n; ++i, left -= each) sizes.push_back(std::min(each, left));
+      for (int64_t i = 0, left = dim; i < n; ++i, left -= each)
+        sizes.push_back(std::clamp<int64_t>(left, 0, each));  // the last chunks smaller (or empty)
     }
     return split(x, sizes, axis);
   };
@@ -334,9 +368,16 @@ void add_tensor_rules(RuleTable& r) {
     if (steps.empty()) steps.assign(starts.size(), 1);
     if (ends.size() != starts.size() || axes.size() != starts.size() || steps.size() != starts.size())
       c.fail("starts, ends, axes and steps have different lengths");
+    // Bounds as numpy clamps them (ONNX's reference is numpy slicing, and PyTorch exports
+    // x[:, k:] with an end of INT64_MAX): a negative bound counts from the end, then a positive
+    // step clamps both to [0, dim], a negative one to [-1, dim - 1] (-1: before the first
+    // element). All in int64: INT64_MIN + dim and the clamps cannot overflow.
     Ints lo(x.rank(), 0), hi = x.shape(), step(x.rank(), 1);
+    std::vector<bool> sliced(x.rank(), false);
     for (size_t i = 0; i < starts.size(); ++i) {
       const int64_t a = axis_in(c, axes[i], x.rank()), dim = x.dim(int(a));
+      if (sliced[a]) c.fail("axes {} name axis {} twice", to_string(axes), a);
+      sliced[a] = true;
       int64_t s = starts[i], e = ends[i];
       const int64_t st = steps[i];
       if (st == 0) c.fail("step 0 on axis {}", a);
@@ -429,7 +470,7 @@ void add_tensor_rules(RuleTable& r) {
   r["Trilu"] = [](NodeContext& c) {
     Expr x = c.in(0);
     const bool upper = c.attr_int("upper", 1) != 0;
-    const int64_t k = c.has_input(1) ? static_cast<int64_t>(c.scalar(1, "k")) : 0;
+    const int64_t k = c.has_input(1) ? c.int_scalar(1, "k") : 0;
     if (x.rank() < 2) c.fail("needs rank >= 2");
     const int64_t rows = x.dim(-2), cols = x.dim(-1);
     Tensor mask(TensorType{DType::kBool, {rows, cols}});
@@ -439,7 +480,7 @@ void add_tensor_rules(RuleTable& r) {
   };
   r["OneHot"] = [](NodeContext& c) {
     Expr indices = cast_to(c.in(0), DType::kI64);
-    const int64_t depth = static_cast<int64_t>(c.scalar(1, "depth"));
+    const int64_t depth = c.int_scalar(1, "depth");
     Expr values = c.in(2);
     const int64_t axis = axis_in(c, c.attr_int("axis", -1), indices.rank() + 1);
     Expr off = reshape(slice_axis(values, 0, 0, 1), {}), on = reshape(slice_axis(values, 0, 1, 2), {});
@@ -474,8 +515,16 @@ void add_tensor_rules(RuleTable& r) {
       for (int d = 0; d < x.rank(); ++d) axes.push_back(d);
     if (pads.size() != 2 * axes.size()) c.fail("{} pads for {} axes", pads.size(), axes.size());
     Expr fill = scalar_like(x, value);
-    for (size_t i = 0; i < axes.size(); ++i)
-      x = pad_axis(c.b(), x, axis_in(c, axes[i], x.rank()), pads[i], pads[i + axes.size()], mode, fill);
+    for (size_t i = 0; i < axes.size(); ++i) {
+      const int64_t axis = axis_in(c, axes[i], x.rank()), before = pads[i], after = pads[i + axes.size()];
+      // The padded dim in 128 bits (pads are int64 and may be anything): cropped past nothing,
+      // padded within what a tensor can hold.
+      const __int128 dim = static_cast<__int128>(x.dim(int(axis))) + before + after;
+      if (dim < 0 || dim > (__int128{1} << 40))
+        c.fail("pads {} and {} on axis {} of {} give a dim of {}", before, after, axis, to_string(x.type()),
+               dim < 0 ? "less than 0" : "more than 2^40");
+      x = pad_axis(c.b(), x, axis, before, after, mode, fill);
+    }
     return std::vector<Expr>{x};
   };
   r["Dropout"] = [](NodeContext& c) {

@@ -28,16 +28,26 @@ std::optional<std::vector<Tensor>> evaluate(const Graph& graph, const Node& node
   return outputs;
 }
 
-// The source node that produces `t` as value `out`: full when all elements share their bits.
+// The source node that produces `t` as value `out`: full when all elements share their bits
+// (and, for integers, when a double holds the value exactly: full's value is a double), else a
+// constant (integer values as ints: exact).
 std::optional<Node> source_node(const Tensor& t, ValueId out) {
+  Attributes attrs{{"dtype", t.dtype()}, {"shape", t.shape()}};
+  if (!is_float(t.dtype())) {
+    std::vector<int64_t> values = t.to_i64();
+    bool splat = !values.empty() && std::abs(static_cast<double>(values[0])) <= std::ldexp(1.0, 53);
+    for (int64_t v : values) splat = splat && v == values[0];
+    if (splat) {
+      attrs.set("value", static_cast<double>(values[0]));
+      return Node{Op::kFull, {}, {out}, normalize_attributes(Op::kFull, std::move(attrs))};
+    }
+    attrs.set("values", std::move(values));
+    return Node{Op::kConstant, {}, {out}, normalize_attributes(Op::kConstant, std::move(attrs))};
+  }
   std::vector<double> values = t.to_f64();
-  const bool is_i64 = t.dtype() == DType::kI64;
-  for (double v : values)
-    if (is_i64 && std::abs(v) > std::ldexp(1.0, 53)) return std::nullopt;
   bool splat = !values.empty();
   for (double v : values)
     splat = splat && std::bit_cast<uint64_t>(v) == std::bit_cast<uint64_t>(values[0]);
-  Attributes attrs{{"dtype", t.dtype()}, {"shape", t.shape()}};
   if (splat) {
     attrs.set("value", values[0]);
     return Node{Op::kFull, {}, {out}, normalize_attributes(Op::kFull, std::move(attrs))};

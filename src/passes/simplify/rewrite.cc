@@ -123,6 +123,16 @@ namespace {
 
 constexpr int kMaxFactDepth = 8;  // producer chains followed; keeps every query O(1)
 
+// A constant's values as doubles, for facts that compare them with small numbers (x * 1, ranges
+// of indices): integer values (ints) convert, those above 2^53 rounded, which moves no fact
+// about small numbers. Fold exact values with the reference kernels, not these.
+std::vector<double> constant_values(const Node& node) {
+  const AttrValue& values = node.attrs.get("values");
+  if (const auto* ints = std::get_if<std::vector<int64_t>>(&values))
+    return std::vector<double>(ints->begin(), ints->end());
+  return std::get<std::vector<double>>(values);
+}
+
 std::optional<double> splat_at(const Rewriter& rewriter, ValueId id, int depth) {
   const Node* node = rewriter.producer(id);
   if (node == nullptr || depth > kMaxFactDepth) return std::nullopt;
@@ -130,6 +140,14 @@ std::optional<double> splat_at(const Rewriter& rewriter, ValueId id, int depth) 
     case Op::kFull:
       return node->attrs.f("value");
     case Op::kConstant: {
+      if (const auto* ints = std::get_if<std::vector<int64_t>>(&node->attrs.get("values"))) {
+        // Exactly equal, and a value a double holds exactly.
+        if (ints->empty() || std::abs(static_cast<double>((*ints)[0])) > std::ldexp(1.0, 53))
+          return std::nullopt;
+        for (int64_t v : *ints)
+          if (v != (*ints)[0]) return std::nullopt;
+        return static_cast<double>((*ints)[0]);
+      }
       const std::vector<double>& values = node->attrs.floats("values");
       if (values.empty()) return std::nullopt;
       const uint64_t first = std::bit_cast<uint64_t>(values[0]);
@@ -167,7 +185,7 @@ IntRange range_at(const Rewriter& rewriter, ValueId id, int depth) {
       // outside the dtype (which would wrap) or NaN leave the whole range.
       std::vector<double> values = node->op == Op::kFull
                                        ? std::vector<double>{node->attrs.f("value")}
-                                       : node->attrs.floats("values");
+                                       : constant_values(*node);
       if (values.empty() || rewriter.type(id).dtype == DType::kBool) break;
       double low = values[0], high = values[0];
       for (double v : values) {

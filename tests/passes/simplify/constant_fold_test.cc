@@ -47,8 +47,24 @@ TEST(ConstantFold, DistinctValuesBecomeAConstantAndNamesStay) {
       "  return %row\n"
       "}\n");
   EXPECT_TRUE(testing::contains(
-      r.text, "%row = constant() {dtype=i64, shape=[2, 3], values=[0.0, 10.0, 20.0, 0.0, "
-              "10.0, 20.0]} : i64[2,3]\n"));
+      r.text, "%row = constant() {dtype=i64, shape=[2, 3], values=[0, 10, 20, 0, 10, 20]} : i64[2,3]\n"));
+}
+
+// Integers fold in int64: 2^62 + 1 (which a double rounds to 2^62) stays itself through add and
+// sub, and the result is a constant of ints.
+TEST(ConstantFold, Int64AboveTwoToThe53FoldsExactly) {
+  ConstantFolding pass;
+  testing::PassOnText r = run_on_text(pass,
+      "graph @g() {\n"
+      "  %0 = constant() {dtype=i64, shape=[2], values=[4611686018427387905, 3]} : i64[2]\n"
+      "  %1 = full() {dtype=i64, shape=[], value=4.0} : i64[]\n"
+      "  %2 = add(%0, %1) : i64[2]\n"
+      "  %3 = full() {dtype=i64, shape=[], value=3.0} : i64[]\n"
+      "  %out = sub(%2, %3) : i64[2]\n"
+      "  return %out\n"
+      "}\n");
+  EXPECT_TRUE(testing::contains(
+      r.text, "%out = constant() {dtype=i64, shape=[2], values=[4611686018427387906, 4]} : i64[2]\n"));
 }
 
 TEST(ConstantFold, RoundsLikeTheReferenceKernel) {
@@ -116,16 +132,19 @@ TEST(ConstantFold, NoFoldWhenTheKernelThrows) {
       "}\n");
 }
 
-TEST(ConstantFold, NoFoldWhenI64ResultExceedsDoublePrecision) {
-  // 2^62 + 1 is an exact i64 but not a double: a constant attribute would round it.
+TEST(ConstantFold, I64ResultAboveDoublePrecisionFoldsToAConstantNotAFull) {
+  // 2^62 + 1 is an exact i64 but not a double: a full's value would round it, a constant of
+  // ints holds it.
   ConstantFolding pass;
-  expect_unchanged(pass,
+  testing::PassOnText r = run_on_text(pass,
       "graph @g() {\n"
       "  %0 = full() {dtype=i64, shape=[], value=4.611686018427388e+18} : i64[]\n"
       "  %1 = full() {dtype=i64, shape=[], value=1.0} : i64[]\n"
       "  %2 = add(%0, %1) : i64[]\n"
       "  return %2\n"
       "}\n");
+  EXPECT_TRUE(testing::contains(
+      r.text, "%2 = constant() {dtype=i64, shape=[], values=[4611686018427387905]} : i64[]\n"));
 }
 
 TEST(ConstantFold, FoldedGraphComputesTheSame) {

@@ -84,10 +84,18 @@ void mutate(Graph& g, std::mt19937& rng) {
       if (is_float(n.attrs.dtype("dtype"))) n.attrs.set("value", value());
       break;
     case Op::kConstant: {
+      if (!is_float(n.attrs.dtype("dtype"))) {  // integer and bool values are ints
+        std::vector<int64_t> ints = n.attrs.ints("values");
+        if (ints.empty()) break;
+        int64_t& i = ints[rng() % ints.size()];
+        i = n.attrs.dtype("dtype") == DType::kBool ? 1 - i : i + 1;
+        n.attrs.set("values", ints);
+        break;
+      }
       std::vector<double> values = n.attrs.floats("values");
       if (values.empty()) break;
       double& v = values[rng() % values.size()];
-      v = n.attrs.dtype("dtype") == DType::kBool ? 1.0 - v : rng() % 2 ? value() : v * (1 + 1e-3);
+      v = rng() % 2 ? value() : v * (1 + 1e-3);
       n.attrs.set("values", values);
       break;
     }
