@@ -62,6 +62,18 @@ if [[ -x /usr/bin/python3 ]] && ! /usr/bin/python3 -c "import nanobind, scikit_b
     /usr/bin/python3 -m pip install -q --break-system-packages nanobind scikit-build-core ||
     echo "install-deps: warning: could not pip install nanobind; the Python package is not built"
 fi
+# Hugging Face transformers, for Debian's python3 (its torch is 1.13; transformers 4.45 runs on
+# it), only for tests that build its models from configs (no weights are downloaded): the GPT-2
+# of tests/frontend/torch_step_test.py and tests/python. Without it those models are skipped,
+# each saying so. About 20 MB from PyPI (with tokenizers, huggingface-hub, safetensors, regex),
+# 20 s here.
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c "import torch" 2>/dev/null &&
+  ! /usr/bin/python3 -c "import transformers" 2>/dev/null; then
+  echo "install-deps: pip installing transformers for /usr/bin/python3"
+  /usr/bin/python3 -m pip install -q "transformers==4.45.*" 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.45.*" ||
+    echo "install-deps: warning: could not pip install transformers; the tests of its models skip"
+fi
 # The cuDNN frontend (header-only C++ graph API over cuDNN) for the "cudnn" attention dialect:
 # its pip package installs the headers under <site-packages>/include; CMake asks python3 where.
 # Presence is checked through the distribution's metadata: `import cudnn` would load the GPU

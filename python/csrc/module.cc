@@ -384,6 +384,16 @@ NB_MODULE(_kiln, m) {
   m.def("cuda_device_count", [] { return device_availability(Device::kCuda).count; });
   // The zero-copy bridge both ways: an array -> a kiln Tensor -> an array, over the same bytes.
   m.def("dlpack_view", [](const Array& array) { return to_array(from_array(array, "the array")); }, "array"_a.noconvert());
+  // The same bytes as another dtype of their size, kept alive by `owner` (bool <-> u8: tensors.h).
+  m.def("view_as",
+        [](const Array& array, const std::string& dtype, const std::string& what, nb::handle owner) {
+          const std::optional<DType> d = parse_dtype(dtype);
+          KILN_CHECK(d.has_value(), "view_as: '{}' is no kiln dtype", dtype);
+          return viewed_as(array, *d, what, owner);
+        },
+        "array"_a.noconvert(), "dtype"_a, "what"_a, "owner"_a);
+  m.def("dtype_of", [](const Array& array) { return std::string(dtype_name(from_array(array, "the array").dtype())); },
+        "array"_a.noconvert());
 
   nb::class_<OptimizerConfig>(m, "OptimizerConfig")
       .def(nb::init<>())

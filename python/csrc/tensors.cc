@@ -79,14 +79,30 @@ Tensor from_array(const Array& array, const std::string& what) {
   return Tensor(type, std::move(storage), 0, device);
 }
 
-nb::object to_array(const Tensor& tensor, int device_id) {
+namespace {
+
+// An array over `tensor`'s bytes as `dtype`, kept alive by `owner`.
+nb::object array_over(const Tensor& tensor, DType dtype, int device_id, nb::handle owner) {
   std::vector<size_t> shape(tensor.shape().begin(), tensor.shape().end());
+  const int device_type = tensor.device() == Device::kCuda ? kDlpackCuda : kDlpackCpu;
+  nb::ndarray<nb::array_api> array(tensor.raw(), shape.size(), shape.data(), owner, nullptr, dlpack_dtype(dtype),
+                                   device_type, tensor.device() == Device::kCuda ? device_id : 0);
+  return nb::cast(array);
+}
+
+}  // namespace
+
+nb::object to_array(const Tensor& tensor, int device_id) {
   // The capsule owns a Tensor sharing the storage: the bytes live while the array does.
   nb::capsule owner(new Tensor(tensor), [](void* p) noexcept { delete static_cast<Tensor*>(p); });
-  const int device_type = tensor.device() == Device::kCuda ? kDlpackCuda : kDlpackCpu;
-  nb::ndarray<nb::array_api> array(tensor.raw(), shape.size(), shape.data(), owner, nullptr, dlpack_dtype(tensor.dtype()), device_type,
-              tensor.device() == Device::kCuda ? device_id : 0);
-  return nb::cast(array);
+  return array_over(tensor, tensor.dtype(), device_id, owner);
+}
+
+nb::object viewed_as(const Array& array, DType dtype, const std::string& what, nb::handle owner) {
+  const Tensor tensor = from_array(array, what);
+  KILN_CHECK(dtype_size(tensor.dtype()) == dtype_size(dtype), "{} ({}) cannot be viewed as {}: the sizes differ",
+             what, to_string(tensor.type()), dtype_name(dtype));
+  return array_over(tensor, dtype, array.device_id(), owner);
 }
 
 }  // namespace kiln::python

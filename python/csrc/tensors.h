@@ -29,4 +29,10 @@ Tensor from_array(const Array& array, const std::string& what);
 // on device `device_id`.
 nanobind::object to_array(const Tensor& tensor, int device_id = 0);
 
+// `array`'s bytes seen as `dtype`, of the same element size (bool <-> u8), a view that keeps
+// `owner` (the Python object that owns the bytes) alive. Why: DLPack producers that have no bool
+// (torch 1.13, numpy) pass a bool tensor as its u8 view, and kiln gives a bool tensor to them as
+// u8; the bytes of a bool are 0 or 1 either way.
+nanobind::object viewed_as(const Array& array, DType dtype, const std::string& what, nanobind::handle owner);
+
 }  // namespace kiln::python

@@ -120,10 +120,23 @@ def _input_names(module, count, with_target):
     return names
 
 
+def _tied_names(module, tensors):
+    """Each tensor of `tensors` that the module holds under further names (tied parameters:
+    GPT-2's lm_head.weight is transformer.wte.weight) -> those names. named_parameters() and the
+    export name a tied tensor once; its state_dict names it under every name."""
+    first = {id(t): n for n, t in tensors.items()}
+    tied = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first and first[id(t)] != name:
+            tied.setdefault(first[id(t)], []).append(name)
+    return tied
+
+
 def _export(model, inputs, loss):
     """ONNX bytes of `model` (with `loss` on its output), its input names, its tensors by the
-    names the export gives them, and the names to keep fixed (buffers that are no BatchNorm
-    statistics, parameters that need no gradient)."""
+    names the export gives them, the names to keep fixed (buffers that are no BatchNorm
+    statistics, parameters that need no gradient), the prefix of the module's names, and the
+    further names of tied tensors (_tied_names)."""
     torch = torch_module()
     if isinstance(loss, str):
         if loss != "cross_entropy":
@@ -161,7 +174,7 @@ def _export(model, inputs, loss):
             for n, b in module.named_buffers():
                 b.copy_(saved[n])
         torch.random.set_rng_state(rng)
-    return data.getvalue(), names, tensors, frozen, prefix
+    return data.getvalue(), names, tensors, frozen, prefix, _tied_names(module, tensors)
 
 
 def _import(data, source, frozen, loss, labels, tensors):
@@ -237,7 +250,7 @@ class Step:
             outputs = [torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=f"cuda:{self._index}")
                        for dtype, shape in self._session.output_types]
             self._enter(data + outputs)
-            self._session.evaluate(data, outputs)
+            self._session.evaluate(data, [to_kiln(o, f"output buffer {i}") for i, o in enumerate(outputs)])
             self._leave()
             outputs = [self._back(o, inputs) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -286,35 +299,49 @@ class Step:
         their full shapes, over the step's own memory (no copies): they change with every step.
         A module's step returns the module's own tensors. Sharded: every rank must call it; a
         tensor held as shards (zero3's params) is gathered from every rank, into the module's
-        tensor for a module (which the steps do not update in place) or a new one."""
+        tensor for a module (which the steps do not update in place) or a new one. A tied tensor
+        (GPT-2's lm_head.weight is transformer.wte.weight) is there under each of its names, the
+        same tensor each time."""
         self._leave()
         arrays = self._session.tensors(True)
         out = {}
         for kiln_name, user_name in self._names.items():
             tensor = self._module_tensors.get(kiln_name)
             if tensor is None:
-                out[user_name] = from_kiln(arrays[kiln_name], self._framework)
-                continue
-            if kiln_name in self._gathered:  # zero3: the module's tensor takes the gathered value
-                with torch_module().no_grad():
-                    tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
-            out[user_name] = tensor.detach()
-        for kiln_name, names in self._aliases.items():  # tied tensors: one storage under every name
-            for name in names:
-                out.setdefault(name, out[self._names[kiln_name]])
+                value = from_kiln(arrays[kiln_name], self._framework)
+            else:
+                if kiln_name in self._gathered:  # zero3: the module's tensor takes the gathered value
+                    with torch_module().no_grad():
+                        tensor.copy_(from_kiln(arrays[kiln_name], "torch"))
+                value = tensor.detach()
+            out[user_name] = value
+        for kiln_name, further in self._aliases.items():  # tied: one storage under every name, after
+            out.update({name: out[self._names[kiln_name]] for name in further})  # the others, as in torch's
         return out
 
     def load_state_dict(self, state_dict, strict=True):
-        """Copies the values of `state_dict` (names as state_dict() has them) into the step."""
+        """Copies the values of `state_dict` (names as state_dict() has them) into the step. A tied
+        tensor takes its value from any of its names (a torch state_dict has them all); two of
+        its names with different values are an error, and nothing is copied."""
         by_user = {u: k for k, u in self._names.items()}
-        missing = [n for n in by_user if n not in state_dict]
         by_user.update({a: k for k, names in self._aliases.items() for a in names})
         unknown = [n for n in state_dict if n not in by_user]
+        given = {by_user[n] for n in state_dict if n in by_user}
+        missing = [u for k, u in self._names.items() if k not in given]
         if strict and (unknown or missing):
             raise _kiln.Error("load_state_dict: " + "; ".join(
                 part for part in (f"unexpected {', '.join(unknown)}" if unknown else "",
                                   f"missing {', '.join(missing)}" if missing else "") if part))
-        values = {by_user[n]: to_kiln(v, f"'{n}'") for n, v in state_dict.items() if n in by_user}
+        named = {}  # kiln name -> (the first of its names given, the value)
+        for n, v in state_dict.items():
+            if n not in by_user:
+                continue
+            k = by_user[n]
+            if k in named and not _same_values(named[k][1], v):
+                raise _kiln.Error(f"load_state_dict: '{named[k][0]}' and '{n}' are one tied tensor of the model, "
+                                  f"and the state dict gives them different values")
+            named.setdefault(k, (n, v))
+        values = {k: to_kiln(v, f"'{n}'") for k, (n, v) in named.items()}
         self._enter(list(values.values()))
         for kiln_name, value in values.items():
             self._session.copy_into(kiln_name, value)
@@ -454,7 +481,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         if kwargs:
             raise _kiln.Error("keyword example_inputs need capture='export' (PyTorch >= 2.5); the ONNX path takes a "
                               "tuple of tensors")
-        data, input_names, tensors, frozen, prefix = _export(model, inputs, loss)
+        data, input_names, tensors, frozen, prefix, tied = _export(model, inputs, loss)
         program = _import(data, type(model).__name__, frozen, "", labels, tensors)
         names, module_tensors = {}, {}
         for n, role, _, _ in program.inputs:
@@ -463,6 +490,8 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
             onnx_name = program.onnx_names.get(n, n)
             names[n] = onnx_name[len(prefix):] if onnx_name.startswith(prefix) else onnx_name
             module_tensors[n] = tensors[onnx_name]
+            if onnx_name in tied:
+                aliases[n] = [t[len(prefix):] if t.startswith(prefix) else t for t in tied[onnx_name]]
         input_names = None
         what, framework = f"module {type(model).__name__}", "torch"
     else:
@@ -543,6 +572,17 @@ def _capture_module(model, inputs, kwargs, loss):
     input_names = captured.input_names
     return program, names, captured.tensors, input_names, {k: v for k, v in aliases.items() if v}, \
         sorted(captured.aten_ops), captured.seconds
+
+
+def _same_values(a, b):
+    """Whether tensors or arrays `a` and `b` hold the same shape and values."""
+    if a is b:
+        return True
+    if is_torch(a) and is_torch(b):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch_module().equal(a.detach(), b.detach().to(a.device)))
+    import numpy
+    as_numpy = lambda x: x.detach().cpu().numpy() if is_torch(x) else numpy.asarray(x)  # noqa: E731
+    return bool(numpy.array_equal(as_numpy(a), as_numpy(b)))
 
 
 def _torch_dtype(torch, name):

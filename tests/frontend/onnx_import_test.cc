@@ -14,6 +14,8 @@
 
 #include "frontend/onnx/onnx_import.h"
 #include "ir/text.h"
+#include "test_util.h"
+#include "train/trainer.h"
 
 namespace kiln::testing {
 namespace {
@@ -208,6 +210,100 @@ TEST(OnnxImport, UnsupportedOpIsOneLineNamingTheNodeAndOp) {
     EXPECT_NE(message.find("(Det): op Det is not supported"), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
   }
+}
+
+#ifdef KILN_HAVE_ONNX
+// A model whose loss is the sum of the rows of `table` (5, 3) (an initializer, so a param) at
+// `ids` (i64 (4,), the data): Gather then ReduceSum, written by `producer`, the Gather's axis 0
+// given as an attribute or left to its default.
+std::string lookup_model(const std::string& producer, bool axis_given, const std::vector<float>& table) {
+  ::onnx::ModelProto model;
+  model.set_ir_version(8);
+  model.set_producer_name(producer);
+  model.add_opset_import()->set_version(17);
+  ::onnx::GraphProto* g = model.mutable_graph();
+  g->set_name("lookup");
+  ::onnx::TensorProto* init = g->add_initializer();
+  init->set_name("table");
+  init->set_data_type(::onnx::TensorProto::FLOAT);
+  init->add_dims(5);
+  init->add_dims(3);
+  for (float v : table) init->add_float_data(v);
+  auto value_info = [](::onnx::ValueInfoProto* info, const char* name, int type, std::vector<int64_t> dims) {
+    info->set_name(name);
+    auto* tensor = info->mutable_type()->mutable_tensor_type();
+    tensor->set_elem_type(type);
+    auto* shape = tensor->mutable_shape();
+    for (int64_t d : dims) shape->add_dim()->set_dim_value(d);
+  };
+  value_info(g->add_input(), "ids", ::onnx::TensorProto::INT64, {4});
+  value_info(g->add_output(), "loss", ::onnx::TensorProto::FLOAT, {});
+  ::onnx::NodeProto* gather = g->add_node();
+  gather->set_op_type("Gather");
+  gather->set_name("/embed/Gather");
+  gather->add_input("table");
+  gather->add_input("ids");
+  gather->add_output("rows");
+  if (axis_given) {
+    ::onnx::AttributeProto* axis = gather->add_attribute();
+    axis->set_name("axis");
+    axis->set_type(::onnx::AttributeProto::INT);
+    axis->set_i(0);
+  }
+  ::onnx::NodeProto* sum = g->add_node();
+  sum->set_op_type("ReduceSum");
+  sum->set_name("/ReduceSum");
+  sum->add_input("rows");
+  sum->add_output("loss");
+  ::onnx::AttributeProto* keepdims = sum->add_attribute();
+  keepdims->set_name("keepdims");
+  keepdims->set_type(::onnx::AttributeProto::INT);
+  keepdims->set_i(0);
+  return model.SerializeAsString();
+}
+#endif
+
+// ONNX counts a negative Gather index from the end; PyTorch's embedding (exported as a Gather
+// without an axis attribute) refuses a negative id. From PyTorch such a lookup is a kiln::Error
+// naming the id, and the step changes nothing (params, optimizer state, step count); ONNX's
+// Gather (another producer, or PyTorch's indexing, which gives the axis) still wraps.
+TEST(OnnxImport, TorchEmbeddingRefusesNegativeIdsWhereOnnxGatherCountsFromTheEnd) {
+#ifdef KILN_HAVE_ONNX
+  if (!onnx::onnx_available()) GTEST_SKIP() << "no ONNX front end";
+  const Tensor table_values = rand(DType::kF32, {5, 3}, 71);
+  std::vector<float> table(15);
+  for (int i = 0; i < 15; ++i) table[i] = static_cast<float>(table_values.get(i));
+  const Tensor ids = make(DType::kI64, {4}, {0, 4, -1, 2});
+  for (const auto& [producer, axis_given, wraps] :
+       {std::tuple{"pytorch", false, false}, std::tuple{"pytorch", true, true},
+        std::tuple{"backend-test", false, true}}) {
+    SCOPED_TRACE(fmt::format("producer {}, axis {}", producer, axis_given ? "given" : "default"));
+    onnx::ImportedModel m = onnx::import_onnx_bytes(lookup_model(producer, axis_given, table), ".", {}, "lookup");
+    ASSERT_EQ(m.initial_values.count("table"), 1u);
+    train::Trainer trainer(m.graph, OptimizerConfig{}, {m.initial_values.at("table")});
+    if (wraps) {
+      // -1 is row 4: rows 0, 4, 4, 2.
+      double want = 0;
+      for (int row : {0, 4, 4, 2})
+        for (int c = 0; c < 3; ++c) want += table[row * 3 + c];
+      EXPECT_NEAR(trainer.step({ids})[0].get(0), want, 1e-5);
+      continue;
+    }
+    const std::map<std::string, Tensor> before = trainer.named_tensors();
+    std::map<std::string, Tensor> copies;
+    for (const auto& [name, t] : before) copies[name] = t.clone();
+    EXPECT_KILN_ERROR(trainer.step({ids}), "gather: index -1 (at position 2 of indices)", "expected 0..4");
+    EXPECT_KILN_ERROR(trainer.step({make(DType::kI64, {4}, {0, 5, 1, 2})}), "gather: index 5 ", "expected 0..4");
+    EXPECT_EQ(trainer.steps_done(), 0);
+    for (const auto& [name, t] : trainer.named_tensors())
+      EXPECT_TRUE(all_close(t, copies.at(name), 0, 0)) << name << " changed";
+    // In range, the same step trains.
+    EXPECT_NO_THROW(trainer.step({make(DType::kI64, {4}, {0, 4, 3, 2})}));
+    EXPECT_EQ(trainer.steps_done(), 1);
+  }
+#else
+  GTEST_SKIP() << "no ONNX front end";
+#endif
 }
 
 }  // namespace

@@ -86,7 +86,10 @@ Expr nll(NodeContext& c, const Expr& lp, const Expr& labels, const Expr* weights
   Expr safe = where(valid, index, b.scalar(0, DType::kI64));
   Expr picked = sum(last * one_hot(safe, classes, lp.dtype()), {-1});
   Expr w = cast(valid, lp.dtype());
-  if (weights) w = w * gather(*weights, safe, 0);
+  // A label outside [0, C) that is not ignore_index is an error, as in cross_entropy (and torch),
+  // where one_hot alone would give its row no loss: a gather at the labels (of the weights, or
+  // of ones) carries the gather's range check.
+  w = w * gather(weights ? *weights : b.full({classes}, 1, lp.dtype()), safe, 0);
   Expr loss = -(picked * w);
   if (reduction == "none") return loss;
   if (reduction == "sum") return sum(loss);

@@ -382,8 +382,10 @@ void add_tensor_rules(RuleTable& r) {
     else if (c.opset() < 13 && c.has_attr("split")) sizes = c.attr_ints("split");
     else {
       const int64_t n = c.has_attr("num_outputs") ? c.attr_int("num_outputs", 1) : c.num_outputs();
+      if (n < 1 || (dim > 0 && n > dim)) c.fail("{} outputs for a dim of {}", n, dim);
       const int64_t each = (dim + n - 1) / n;
-      for (int64_t i = 0, left = dim; i < n; ++i, left -= each) sizes.push_back(std::min(each, left));
+      for (int64_t i = 0, left = dim; i < n; ++i, left -= each)
+        sizes.push_back(std::clamp<int64_t>(left, 0, each));  // the last chunks smaller (or empty)
     }
     return split(x, sizes, axis);
   };
@@ -439,10 +441,16 @@ void add_tensor_rules(RuleTable& r) {
     for (int d = 0; d < x.rank(); ++d) whole = whole && lo[d] == 0 && hi[d] == x.dim(d) && step[d] == 1;
     return std::vector<Expr>{whole ? x : slice(x, lo, hi, step)};
   };
+  // ONNX counts a negative index from the end. PyTorch's embedding lookup (aten::embedding, its
+  // exporter's one Gather without an axis attribute; its indexing and index_select write one)
+  // refuses a negative id instead: from PyTorch such a lookup keeps its ids as they are, so that
+  // the gather's range check refuses a negative one as torch does (a kiln::Error), where wrapping
+  // would silently read a row from the end of the table.
   r["Gather"] = [](NodeContext& c) {
     Expr x = c.in(0), indices = c.in(1);
+    const bool torch_embedding = c.from_pytorch() && !c.has_attr("axis");
     const int64_t axis = axis_in(c, c.attr_int("axis", 0), x.rank());
-    return std::vector<Expr>{gather(x, wrap_indices(indices, x.dim(int(axis))), axis)};
+    return std::vector<Expr>{gather(x, torch_embedding ? indices : wrap_indices(indices, x.dim(int(axis))), axis)};
   };
   // out[i][j][k] = data[index[i][j][k]][j][k] (axis 0): kiln's gather_elements.
   r["GatherElements"] = [](NodeContext& c) {
