@@ -248,10 +248,10 @@ TEST(CudaCnn, ImportedOnnxCnnStepNodesHaveCudaKernels) {
   for (const char* amp : {"off", "bf16"}) {
     OptimizerConfig optimizer;
     optimizer.amp = amp;
-    // Three conv2d (the grouped one is one per group), their weight gradients, the second's
+    // Two conv2d (the grouped one is one node with groups), their weight gradients, the second's
     // input gradient (the first's input is data), the two pools and their gradients (the
     // average pool's divisors, a pool of constants, are folded at compile time).
-    EXPECT_EQ(expect_every_node_has_a_cuda_kernel(m->graph, optimizer), 3 + 3 + 1 + 4) << amp;
+    EXPECT_EQ(expect_every_node_has_a_cuda_kernel(m->graph, optimizer), 2 + 2 + 1 + 4) << amp;
   }
 }
 
