@@ -100,25 +100,8 @@ def _gradients_match(name):
             f"{name}: gradient of {n}: max difference {(got - want).abs().max().item():.3g} at scale {scale:.3g}"
 
 
-def _kiln_has(op_text):
-    """Whether this kiln parses `op_text` (ops and attributes that other branches add)."""
-    try:
-        kiln._kiln.parse_program(op_text)
-        return True
-    except kiln.Error:
-        return False
-
-
-# What a model needs from kiln that is not on every branch yet.
-NEEDS = {"mobilenet_v2": ("grouped conv2d (branch conv)",
-                          "graph @g(%x: f32[1,4,3,3] data, %w: f32[4,1,3,3] data) {\n"
-                          "  %0 = conv2d(%x, %w) {groups=4}\n  return %0\n}\n")}
-
-
 @pytest.mark.parametrize("name", list(capture_models.MODELS))
 def test_trains_as_torch(name):
-    if name in NEEDS and not _kiln_has(NEEDS[name][1]):
-        pytest.skip(f"{name} needs {NEEDS[name][0]}")
     model, data = _make(name)
     reference = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}

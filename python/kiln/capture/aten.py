@@ -758,14 +758,7 @@ def _conv(c, x, weight, bias=None, stride=1, padding=0, dilation=1, *rest):
     o, _, kh, kw = weight.shape
     oh, ow = (h + 2 * padding[0] - kh) // stride[0] + 1, (w + 2 * padding[1] - kw) // stride[1] + 1
     attrs = {"stride": stride if stride != [1, 1] else None, "padding": padding if padding != [0, 0] else None}
-    if groups == 1 or _conv_has_groups():
-        y = c.b.op("conv2d", [x, weight], x.dtype, (n, o, oh, ow), groups=groups if groups != 1 else None, **attrs)
-    else:  # a kiln without grouped conv2d: one conv2d per group
-        cg, og = x.shape[1] // groups, o // groups
-        xs = c.b.emit("split", [x], {"axis": 1, "sizes": [cg] * groups}, [(x.dtype, (n, cg, h, w))] * groups)
-        ws = c.b.emit("split", [weight], {"axis": 0, "sizes": [og] * groups},
-                      [(weight.dtype, (og,) + weight.shape[1:])] * groups)
-        y = c.b.concat([c.b.op("conv2d", [xg, wg], x.dtype, (n, og, oh, ow), **attrs) for xg, wg in zip(xs, ws)], 1)
+    y = c.b.op("conv2d", [x, weight], x.dtype, (n, o, oh, ow), groups=groups if groups != 1 else None, **attrs)
     if bias is not None:
         y = c.b.binary("add", y, c.b.reshape(bias, (1, o, 1, 1)))
     return c.b.reshape(y, c.out[1]) if one_d else y
@@ -785,21 +778,6 @@ def _dilated(c, weight, dilation):
         spread = c.b.reshape(spread, shape[:axis] + (k * d,) + shape[axis + 1:])
         weight = c.b.slice(spread, axis, 0, (k - 1) * d + 1)
     return weight
-
-
-_CAPABILITIES = {}  # what this kiln build parses, probed once
-
-
-def _conv_has_groups():
-    if "conv_groups" not in _CAPABILITIES:
-        from .. import _kiln
-        try:
-            _kiln.parse_program("graph @g(%x: f32[1,2,3,3] data, %w: f32[2,1,1,1] data) {\n"
-                                "  %0 = conv2d(%x, %w) {groups=2}\n  return %0\n}\n")
-            _CAPABILITIES["conv_groups"] = True
-        except _kiln.Error:
-            _CAPABILITIES["conv_groups"] = False
-    return _CAPABILITIES["conv_groups"]
 
 
 def _pool_args(kernel, stride, padding):
