@@ -1,7 +1,9 @@
 """`kiln step` agrees with PyTorch: each model of examples/onnx/torch_models.py (MLP, CNN with
 BatchNorm, MobileNet-style depthwise CNN with a grouped ConvTranspose, tiny BERT-style encoder at opsets 17 and 14 and
 with its padding mask as a masked_fill, tiny LLaMA-style decoder with grouped-query attention, a head over in-place slice
-assignments, cumsum, topk, sort and gather) is exported to ONNX, and one training step of kiln (AdamW) is compared
+assignments, cumsum, topk, sort and gather) and Hugging Face's GPT2LMHeadModel called with labels= (gpt2-hf: from a small
+config, random weights, its lm_head tied to its embedding; skipped, saying so, without transformers) is exported to ONNX,
+and one training step of kiln (AdamW) is compared
 with torch's own: the loss (relative 1e-4), every parameter's gradient (1e-3 of the tensor's
 largest magnitude), the parameters after the update and BatchNorm's running statistics. The step
 must run kiln's composite ops (attention, norms, GELU, ...) where the export decomposed them.
@@ -15,12 +17,14 @@ Needs an interpreter with torch and onnx (Debian's python3-torch, python3-onnx):
 has none, it runs itself under /usr/bin/python3 if that has them, else it skips (exit code 77).
 """
 import argparse
+import inspect
 import json
 import os
 import struct
 import subprocess
 import sys
 import tempfile
+import warnings
 
 SKIP = 77
 
@@ -79,6 +83,55 @@ def load_safetensors(path):
     return out
 
 
+class Gpt2WithLabels(torch.nn.Module):
+    """transformers' GPT2LMHeadModel (2 layers, n_embd 64, 4 heads, vocab 128, 32 positions; no
+    dropout, so that torch and kiln draw nothing) called with labels=: the loss is its own,
+    logits[..., :-1, :] against labels[..., 1:] (open-ended slices in the export)."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels, return_dict=False)[0]
+
+    def example(self, g):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        return ids, ids.clone()
+
+
+# Models of this test alone (they need what examples/onnx does not): name -> (class, input names).
+EXTRA_MODELS = {"gpt2-hf": (Gpt2WithLabels, ["ids", "labels"])}
+
+
+def have_transformers():
+    try:
+        import transformers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def export(name, path, seed=0):
+    """(model, example inputs, input names) of model `name`, exported to `path` as torch_models.export does."""
+    if name not in EXTRA_MODELS:
+        return torch_models.export(name, path, seed)
+    cls, names = EXTRA_MODELS[name]
+    torch.manual_seed(seed)
+    model = cls()
+    inputs = model.example(torch.Generator().manual_seed(seed + 1))
+    model.train()
+    legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+    with warnings.catch_warnings():  # the tracer's notes on transformers' Python-level checks
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, inputs, path, input_names=names, output_names=["loss"], opset_version=17,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, **legacy)
+    return model, inputs, names
+
+
 def torch_step(model, inputs, lr, betas, eps, weight_decay):
     """Loss, gradients, params after AdamW and buffers after the step, by name."""
     model.train()
@@ -110,6 +163,9 @@ COMPOSITE_OPS = {
     "llama": {"attention": 2, "attention_grad": 2, "rms_norm": 5, "rms_norm_grad": 5, "rotary_embedding": 8,
               "silu": 4},
     "indexing": {},
+    # Hugging Face's GPT-2: its tanh GELU and LayerNorms. Its eager attention (scores divided by
+    # sqrt(d), the causal mask a where over a bool buffer with finfo.min) is not recognized yet.
+    "gpt2-hf": {"gelu": 2, "gelu_grad": 2, "layer_norm": 5},
 }
 
 
@@ -127,7 +183,7 @@ def composite_ops(kiln, path):
 
 def check_model(name, kiln, work, device="cpu"):
     path = os.path.join(work, name + ".onnx")
-    model, inputs, names = torch_models.export(name, path)
+    model, inputs, names = export(name, path)
     initial = {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
     lr, betas, eps, wd = 1e-2, (0.9, 0.95), 1e-6, 0.01
     loss, grads, params, buffers = torch_step(model, inputs, lr, betas, eps, wd)
@@ -248,13 +304,16 @@ def main():
     parser.add_argument("--kiln", required=True)
     parser.add_argument("--keep", help="write the models and files here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where kiln's step runs")
-    parser.add_argument("models", nargs="*", default=list(torch_models.MODELS))
+    parser.add_argument("models", nargs="*", default=list(torch_models.MODELS) + list(EXTRA_MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = args.keep or tempfile.mkdtemp(prefix="kiln_torch_step_")
     os.makedirs(work, exist_ok=True)
     problems = []
     for name in args.models:
+        if name == "gpt2-hf" and not have_transformers():
+            print(f"SKIP {name}: this Python has no transformers (scripts/install-deps.sh installs it)")
+            continue
         problems += check_model(name, args.kiln, work, args.device)
     if set(args.models) >= {"cnn", "bert", "llama"} and args.device == "cpu":
         problems += check_commands(args.kiln, work)
