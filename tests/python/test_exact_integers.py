@@ -272,5 +272,7 @@ def test_torch_empty_slice_into_a_loss_is_an_error():
         def forward(self, x):
             return self.fc(x)[:, 7:].square().sum()  # torch: 0, and no gradient
 
+    # Through ONNX the empty value is an error naming the Slice; torch.export's capture (PyTorch
+    # >= 2.5) sees torch's own program, whose loss of an empty slice is torch's 0.
     with pytest.raises(kiln.Error, match=r"empty f32\[3,0\].*\(Slice\)"):
-        kiln.compile(EmptySum(), (torch.randn(3, 6),))
+        kiln.compile(EmptySum(), (torch.randn(3, 6),), capture="onnx")

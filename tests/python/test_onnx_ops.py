@@ -31,8 +31,9 @@ F = torch.nn.functional
 
 def kiln_forward_and_grads(model, inputs):
     """(kiln's outputs after the loss, kiln's gradients by parameter name) of a module whose
-    forward returns (loss, output)."""
-    step = kiln.compile(model, inputs, optimizer=kiln.SGD(lr=1.0))
+    forward returns (loss, output). Through ONNX (capture="onnx"): these tests are of the ONNX
+    import rules (Einsum, Resize, GridSample, the RNNs)."""
+    step = kiln.compile(model, inputs, optimizer=kiln.SGD(lr=1.0), capture="onnx")
     outputs = step.evaluate(*inputs)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     step(*inputs)

@@ -342,12 +342,17 @@ def _index(c, x, indices):
     return c.b.reshape(_gather_rows(c, flat, c.b.const(linear), first), c.out[1])
 
 
-def _gather_rows(c, table, idx, axis, padding_index=None):
+def _gather_rows(c, table, idx, axis, padding_index=None, wrap=True):
+    """Rows `idx` of `table` along `axis`. wrap: a negative index counts from the end, as torch's
+    indexing and index_select do (below -dim the kernel refuses it); embedding does not wrap."""
     torch = _torch()
     if idx.dtype not in (torch.int64, torch.int32):
         idx = c.b.cast(idx, torch.int64)
-    if idx.const is not None and bool((idx.const < 0).any()):
+    if idx.const is not None and wrap and bool((idx.const < 0).any()):
         idx = c.b.const(idx.const % table.shape[axis])
+    elif idx.const is None and wrap:
+        dim = c.b.scalar(table.shape[axis], idx.dtype)
+        idx = c.b.where(c.b.binary("lt", idx, c.b.scalar(0, idx.dtype)), c.b.binary("add", idx, dim), idx)
     shape = table.shape[:axis] + idx.shape + table.shape[axis + 1:]
     return c.b.op("gather", [table, idx], table.dtype, shape, axis=axis or None, padding_index=padding_index)
 
@@ -357,17 +362,50 @@ def _index_select(c, x, dim, index):
     return _gather_rows(c, x, index, _axis(dim, x.rank))
 
 
+@aten("cumsum.default")
+def _cumsum(c, x, dim, dtype=None):
+    if dtype is not None:
+        x = c.b.cast(x, dtype)
+    return c.b.op("cumsum", [x], x.dtype, x.shape, axis=_axis(dim, x.rank))
+
+
+@aten("topk.default")
+def _topk(c, x, k, dim=-1, largest=True, sorted=True):
+    """Values best first, ties to the lower index (torch leaves tie order unspecified)."""
+    axis = _axis(dim, x.rank)
+    shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
+    return c.b.emit("topk", [x], {"k": k, "axis": axis, "largest": bool(largest)},
+                    [(x.dtype, shape), (_torch().int64, shape)])
+
+
+@aten("sort.default", "sort.stable")
+def _sort(c, x, *args, **kwargs):
+    """torch.sort as a topk over the whole axis (ties to the lower index: a stable sort)."""
+    if c.name == "aten.sort.stable":  # sort.stable(x, *, stable, dim, descending)
+        args = ()
+    dim = kwargs.get("dim", args[0] if args else -1)
+    descending = kwargs.get("descending", args[1] if len(args) > 1 else False)
+    axis = _axis(dim, x.rank)
+    return _topk(c, x, x.shape[axis], axis, bool(descending))
+
+
 @aten("embedding.default")
 def _embedding(c, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if scale_grad_by_freq:
         raise Unsupported("embedding with scale_grad_by_freq")
     padding = padding_idx if padding_idx is not None and padding_idx >= 0 else None
-    return _gather_rows(c, weight, indices, 0, padding)  # the padding row: read, never trained by this
+    return _gather_rows(c, weight, indices, 0, padding, wrap=False)  # padding row: read, never trained
 
 
 @aten("gather.default")
 def _torch_gather(c, x, dim, index, sparse_grad=False):
-    raise Unsupported("torch.gather along an axis with per-element indices (kiln gathers whole rows)")
+    """kiln's gather_elements: out[..., i, ...] = x[..., index[..., i, ...], ...] along dim; its kernel
+    refuses an index outside [0, dim), as torch does."""
+    if index.rank != x.rank:
+        raise Unsupported(f"torch.gather with an index of rank {index.rank} for an input of rank {x.rank}")
+    if index.dtype != _torch().int64:
+        index = c.b.cast(index, _torch().int64)
+    return c.b.op("gather_elements", [x, index], x.dtype, index.shape, axis=_axis(dim, x.rank))
 
 
 # ---- reductions ----
@@ -701,12 +739,12 @@ def _nll_loss(c, logp, target, weight=None, reduction=1, ignore_index=-100):
         loss = _cross_entropy(c, source, target, None, reduction, ignore_index)
     else:
         rows, labels = _class_last(c, logp, target)
-        depth = rows.shape[-1]
-        # one_hot gives an all-zero row for an index outside [0, depth): the ignored ones too,
-        # unless ignore_index is a class; those are masked explicitly.
-        picked = c.b.reduce("sum", c.b.binary("mul", rows, c.b.op("one_hot", [labels], rows.dtype,
-                                                                   labels.shape + (depth,), depth=depth,
-                                                                   dtype=Dtype(rows.dtype))), [1], False)
+        # The picked score per row, read by gather_elements, whose kernel refuses a label outside
+        # [0, classes) as torch does; ignored rows read class 0 and are masked below.
+        ignored = c.b.binary("eq", labels, c.b.scalar(int(ignore_index), labels.dtype))
+        safe = c.b.reshape(c.b.where(ignored, c.b.scalar(0, labels.dtype), labels), labels.shape + (1,))
+        picked = c.b.reshape(c.b.op("gather_elements", [rows, safe], rows.dtype, labels.shape + (1,), axis=1),
+                             labels.shape)
         keep = c.b.cast(c.b.binary("ne", labels, c.b.scalar(int(ignore_index), labels.dtype)), rows.dtype)
         per_row = c.b.binary("mul", c.b.unary("neg", picked), keep)
         if red == "none":
