@@ -30,6 +30,7 @@
 #include <numeric>
 
 #include "ir/builder.h"
+#include "ops/checked_index.h"
 #include "ops/common.h"
 #include "ops/gradient.h"
 
@@ -103,15 +104,6 @@ struct ElementsGeometry {
     return offset;
   }
 };
-
-int64_t checked_index(const char* op, const Tensor& indices, int64_t q, int64_t dim, int axis) {
-  const int64_t index = indices.get_int(q);
-  if (index < 0 || index >= dim)
-    fail("{}: index {} (at position {} of indices) is out of range for axis {} of dim {} "
-         "(expected 0..{})",
-         op, index, q, axis, dim, dim - 1);
-  return index;
-}
 
 void gather_elements_reference(const KernelArgs& k) {
   const Tensor &x = k.inputs[0], &indices = k.inputs[1];

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "ir/builder.h"
+#include "ops/checked_index.h"
 #include "ops/common.h"
 #include "ops/gradient.h"
 #include "ops/slice.h"
@@ -75,16 +76,6 @@ Shape gathered_shape(const Shape& table, int axis, const Shape& indices) {
   out.insert(out.end(), indices.begin(), indices.end());
   out.insert(out.end(), table.begin() + axis + 1, table.end());
   return out;
-}
-
-// Reads index `p` of `indices` and checks it against [0, dim); kernel-time data error otherwise.
-int64_t checked_index(const char* op, const Tensor& indices, int64_t p, int64_t dim, int axis) {
-  const int64_t index = indices.get_int(p);
-  if (index < 0 || index >= dim)
-    fail("{}: index {} (at position {} of indices) is out of range for axis {} of dim {} "
-         "(expected 0..{})",
-         op, index, p, axis, dim, dim - 1);
-  return index;
 }
 
 // ---- reshape ----
@@ -230,6 +221,16 @@ std::vector<Expr> scatter_add_gradient(const GradContext& c) {
 }
 
 }  // namespace
+
+// Reads index `p` of `indices` and checks it against [0, dim); kernel-time data error otherwise.
+int64_t checked_index(const char* op, const Tensor& indices, int64_t p, int64_t dim, int axis) {
+  const int64_t index = indices.get_int(p);
+  if (index < 0 || index >= dim)
+    fail("{}: index {} (at position {} of indices) is out of range for axis {} of dim {} "
+         "(expected 0..{})",
+         op, index, p, axis, dim, dim - 1);
+  return index;
+}
 
 SliceBounds slice_bounds(const Shape& in, const Attributes& attrs) {
   const int rank = static_cast<int>(in.size());
