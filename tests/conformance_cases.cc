@@ -138,7 +138,7 @@ void add_every_op(std::vector<Case>& c) {
                           {"reciprocal", Op::kReciprocal}})
     c.push_back({name, op, kFloats, {positive(s)}});
   for (auto [name, op] : {std::pair{"abs", Op::kAbs}, {"neg", Op::kNeg}, {"relu", Op::kRelu},
-                          {"square", Op::kSquare}})
+                          {"square", Op::kSquare}, {"stop_gradient", Op::kStopGradient}})
     c.push_back({name, op, kArith, {uniform(s)}});
   c.push_back({"gelu", Op::kGelu, kFloats, {uniform(s, -4, 4)}});
   c.push_back({"gelu_tanh", Op::kGelu, kFloats, {uniform(s, -4, 4)}, {{"approximate", std::string("tanh")}}});

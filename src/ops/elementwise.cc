@@ -253,6 +253,14 @@ std::vector<Expr> gradient<Op::kRound>(const GradContext& c) {
   return {c.builder.full(c.x().shape(), 0.0, c.x().dtype())};
 }
 
+// stop_gradient (torch's detach, jax's stop_gradient): the value passes, its gradient does not
+// (an empty Expr: autodiff adds nothing to the input). The simplifier removes the node after
+// autodiff, so no kernel ever runs it in a compiled step.
+template <>
+std::vector<Expr> gradient<Op::kStopGradient>(const GradContext&) {
+  return {Expr()};
+}
+
 // Binary lines broadcast: each operand's gradient is summed back to its own shape
 // (reduce_to_shape), since broadcasting read it more than once.
 template <>

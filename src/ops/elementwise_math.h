@@ -59,6 +59,7 @@
   X(Sin, 1, kFloat, M::sin(x))                               \
   X(Sqrt, 1, kFloat, M::sqrt(x))                             \
   X(Square, 1, kArithmetic, x * x)                           \
+  X(StopGradient, 1, kArithmetic, x)                         \
   X(Sub, 2, kArithmetic, a - b)                              \
   X(Tanh, 1, kFloat, M::tanh(x))
 // NaN notes: relu is x < 0 rather than max(x, 0) so that NaN propagates; maximum and minimum

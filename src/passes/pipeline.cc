@@ -1,5 +1,6 @@
 #include "passes/pipeline.h"
 
+#include "passes/align_matmul.h"
 #include "passes/classifier.h"
 #include "passes/classifier_chunks.h"
 #include "passes/distributed/bucketing.h"
@@ -36,6 +37,7 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   mixed_precision.low = options.low_precision;
   std::vector<std::unique_ptr<Pass>> passes;
   passes.push_back(std::make_unique<RecognizeOps>());
+  passes.push_back(std::make_unique<AlignMatmul>());
   passes.push_back(std::make_unique<MixedPrecisionPass>(mixed_precision));
   passes.push_back(std::make_unique<ClassifierPass>());
   passes.push_back(std::make_unique<ClassifierChunksPass>(options.logits_chunk_bytes));
@@ -75,7 +77,7 @@ namespace {
 
 // The names of the forward pipeline's passes: --disable-pass and --print-after name passes of
 // both pipelines, and each manager checks the names it is given.
-bool is_forward_pass(const std::string& name) { return name == "recognize"; }
+bool is_forward_pass(const std::string& name) { return name == "recognize" || name == "align-matmul"; }
 
 // `names` without (forward = false) or with only (forward = true) the forward passes; "all"
 // stays in both.
@@ -89,12 +91,15 @@ std::set<std::string> names_of(const std::set<std::string>& names, bool forward)
 }  // namespace
 
 PassManager forward_pipeline(PassOptions options) {
+  const Device target = options.target;
   options.disabled = names_of(options.disabled, true);
   options.print_after = names_of(options.print_after, true);
   PassManager pm(std::move(options));
   // The decomposed norms, activations, rotary embeddings and attention an export writes, as
   // kiln's composite ops: before autodiff, so the backward uses their gradient rules.
   pm.add(std::make_unique<RecognizeOps>());
+  // After recognize (whose patterns read the plain products); CUDA only (align_matmul.h).
+  if (target == Device::kCuda) pm.add(std::make_unique<AlignMatmul>());
   return pm;
 }
 

@@ -12,10 +12,12 @@
 // two roundings may land one ulp apart).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/device_errors.h"
@@ -373,6 +375,29 @@ TEST(CudaNn, ScatterAdd) {
   Tensor updates = rand(DType::kF32, {3, 2, 11, 5}, 106);
   expect_matches(Op::kScatterAdd, {base, indices, updates}, {{"axis", int64_t{1}}}, DType::kF32,
                  "axis 1");
+}
+
+// Runs of equal indices far longer than the kernel's chunks (a token-type embedding: the whole
+// batch names row 0), runs crossing chunk boundaries at every offset, out-of-range rows' neighbours,
+// and a leading axis (outer > 1).
+TEST(CudaNn, ScatterAddLongRuns) {
+  KILN_REQUIRE_GPU();
+  std::vector<double> same(5000, 1.0), mixed;
+  std::mt19937 rng(7);
+  for (int64_t row = 0; mixed.size() < 3000; ++row)
+    mixed.insert(mixed.end(), std::uniform_int_distribution<int>(1, 150)(rng), static_cast<double>(row % 40));
+  std::shuffle(mixed.begin(), mixed.end(), rng);
+  for (const auto& [what, ids] : {std::pair{"one run", same}, std::pair{"mixed runs", mixed}}) {
+    const int64_t n = static_cast<int64_t>(ids.size());
+    Tensor indices = testing::make(DType::kI64, {n}, ids);
+    Tensor base = rand(DType::kF32, {40, 96}, 111);
+    Tensor updates = rand(DType::kF32, {n, 96}, 112);
+    expect_matches(Op::kScatterAdd, {base, indices, updates}, {}, DType::kF32, what);
+    Tensor base3 = rand(DType::kF32, {2, 40, 33}, 113);
+    Tensor updates3 = rand(DType::kF32, {2, n, 33}, 114);
+    expect_matches(Op::kScatterAdd, {base3, indices, updates3}, {{"axis", int64_t{1}}}, DType::kF32,
+                   std::string(what) + ", axis 1");
+  }
 }
 
 TEST(CudaNn, ScatterAddIsDeterministic) {

@@ -25,10 +25,11 @@ TEST(Pipeline, EveryPipelinePassIsMadeByItsName) {
 TEST(Pipeline, PassNamesAreUniqueAndKebabCase) {
   const std::vector<std::string> names = pass_names();
   EXPECT_EQ(std::set<std::string>(names.begin(), names.end()).size(), names.size());
-  // The passes on the forward graph come first: recognize, then mixed precision.
-  ASSERT_GE(names.size(), 2u);
+  // The passes on the forward graph come first: recognize and align-matmul, then mixed precision.
+  ASSERT_GE(names.size(), 3u);
   EXPECT_EQ(names[0], "recognize");
-  EXPECT_EQ(names[1], "mixed-precision");
+  EXPECT_EQ(names[1], "align-matmul");
+  EXPECT_EQ(names[2], "mixed-precision");
   for (const std::string& name : names)
     for (char c : name) EXPECT_TRUE((c >= 'a' && c <= 'z') || c == '-') << name;
 }

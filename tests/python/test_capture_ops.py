@@ -71,6 +71,8 @@ CASES = {
     "aten.__or__.Tensor": (lambda x, m, n: torch.where(m | n, x, -x), [f(3, 4), b(3, 4), b(3, 4)]),
     "aten.logical_not.default": (lambda x, m: torch.where(torch.logical_not(m), x, -x), [f(3, 4), b(3, 4)]),
     "aten.clone.default": (lambda x: x.clone() * 2, [f(3)]),
+    # x * x.detach(): the gradient is x, not 2x (the value passes, its gradient does not).
+    "aten.detach.default": (lambda x, y: x * x.detach() + y * y.detach().exp(), [f(3, 4), f(4)]),
     "aten.to.dtype": (lambda x: x.to(torch.float64).sum().to(torch.float32) + x, [f(3)]),
     "aten.view.default": (lambda x: x.view(6, 2) * torch.arange(2.0), [f(3, 4)]),
     "aten.reshape.default": (lambda x: x.t().reshape(12) * torch.arange(12.0), [f(3, 4)]),
@@ -209,6 +211,59 @@ def test_embedding_padding_row_gets_no_gradient():
     grad = before - model.params[0].detach()
     assert torch.equal(grad[2], torch.zeros(4))
     assert torch.allclose(grad, reference.params[0].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_and_autocast_blocks():
+    """`with torch.no_grad()` and `with torch.autocast(..., enabled=False)` inside a forward: the
+    export keeps them as calls of submodules, which kiln lowers in place; what a no-grad block
+    computes carries no gradient (k is not trained; torch leaves its grad None)."""
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.l(x)
+            with torch.no_grad():
+                t = self.k(x).tanh()
+            with torch.autocast("cpu", enabled=False):
+                u = h * 2
+            return ((u - t) ** 2).mean() + (h * t).sum()
+
+    torch.manual_seed(0)
+    model = Blocks()
+    reference = Blocks()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = kiln.compile(model, (x,), optimizer=kiln.SGD(lr=1.0))
+    loss = step(x)
+    want = reference(x)
+    want.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    for n, p in reference.named_parameters():
+        grad = before[n] - dict(model.named_parameters())[n].detach()
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-6), n
+    assert reference.k.weight.grad is None
+
+
+def test_one_tensor_given_for_two_inputs():
+    """Compiled with (x, x), as a language model is with (ids, ids) for inputs and labels: the two
+    inputs stay two, so a later step given different tensors reads each."""
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, a, b):
+            return (a * self.w).sum() + (b * self.w).square().sum()
+
+    model = Two()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    want = float(model(x, y))
+    step = kiln.compile(model, (x, x), optimizer=kiln.SGD(lr=0.0))
+    assert float(step(x, y)) == pytest.approx(want, rel=1e-6)
 
 
 def test_tied_parameters_are_one_tensor():

@@ -201,7 +201,13 @@ def _not(c, x):
 
 # ---- copies, casts and views (kiln's values are immutable: a view is a reshape/transpose/slice) ----
 
-@aten("clone.default", "contiguous.default", "alias.default", "detach.default", "lift_fresh_copy.default",
+@aten("detach.default")
+def _detach(c, x):
+    """x.detach(): the value, without its gradient (kiln's stop_gradient)."""
+    return c.b.unary("stop_gradient", x) if x.dtype.is_floating_point else x
+
+
+@aten("clone.default", "contiguous.default", "alias.default", "lift_fresh_copy.default",
       "_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default")
 def _copy(c, x, *args, **kwargs):
     return c.b.cast(x, c.out[0])

@@ -36,6 +36,9 @@ CHECKS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
           "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"}
 # Ops that update BatchNorm's running statistics (arguments 3 and 4) when argument 5 (training) is set.
 _WRITES_STATISTICS = {"aten.batch_norm.default", "aten._batch_norm_impl_index.default"}
+# Higher-order ops that run a submodule (argument `lead`) on the arguments after it: the
+# export's form of `with torch.no_grad()` and `with torch.autocast(...)` inside a forward.
+_REGIONS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
 # Frozen tensors above this many elements stay tensors (state inputs without an update)
 # instead of becoming constants written into the IR text.
 _LARGEST_CONSTANT = 1 << 16
@@ -75,6 +78,19 @@ def capture(module, args, kwargs, name, options=None, data_names=None):
     rng = torch.random.get_rng_state()
     training = module.training
     module.train()
+    # The same tensor given for two inputs (a language model's (ids, ids) as inputs and labels)
+    # would be one input of the export's graph, read for both: later steps given two different
+    # tensors would then compute with one of them. Each input gets its own tensor.
+    seen = set()
+
+    def distinct(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+    args = tuple(distinct(a) for a in args)
+    kwargs = {k: distinct(v) for k, v in (kwargs or {}).items()}
     try:
         program = torch.export.export(module, tuple(args), dict(kwargs or {}), strict=False)
     except Exception as e:  # torch's own errors, data-dependent control flow among them
@@ -170,6 +186,7 @@ class Lowering:
         self.out = Captured()
         self.inputs = {}          # placeholder node -> its input Value (role param/state/data)
         self.roles = {}           # placeholder node -> "param" | "state" | "data" | "constant"
+        self.modules = [program.graph_module]  # whose attributes get_attr reads (regions nest)
 
     # ---- the walk ----
     def run(self):
@@ -325,6 +342,9 @@ class Lowering:
                 return
             if name in CHECKS:
                 return
+            if name in _REGIONS:
+                self._bind(node, self._region(node, name))
+                return
             if not isinstance(node.target, torch._ops.OpOverload):
                 raise Unsupported("not an ATen op")
             if name in VIEWS and isinstance(node.args[0], torch.fx.Node):
@@ -352,6 +372,41 @@ class Lowering:
             raise
         except Exception as e:  # a bug of the lowering: named, never a crash
             raise _kiln.Error(f"lowering {name} failed ({type(e).__name__}: {e}); at {_source_line(node)}") from e
+
+    def _region(self, node, name):
+        """A `with torch.no_grad()` / `torch.autocast(...)` block of the forward, which the export
+        keeps as a call of a submodule: its nodes lowered in place. No-grad outputs are
+        stop_gradient (torch's detach); autocast is kiln's own amp's business, so its settings
+        are not replayed (a region that disables it computes in the captured dtypes)."""
+        lead = _REGIONS[name]
+        grad_enabled = node.args[0] if name == "wrap_with_set_grad_enabled" else True
+        module = self.modules[-1]
+        sub = getattr(module, node.args[lead].target)
+        args = node.args[lead + 1:]
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(args):
+            raise Unsupported(f"a region of {len(placeholders)} inputs called with {len(args)}")
+        import torch
+        for ph, arg in zip(placeholders, args):
+            if isinstance(arg, torch.fx.Node):
+                self.view_base[ph] = arg  # an alias: a write inside writes the caller's tensor
+                self._bind(ph, self._read(arg))
+            else:
+                self.env[ph] = arg
+        self.modules.append(sub)
+        try:
+            result = None
+            for n in sub.graph.nodes:
+                if n.op == "call_function":
+                    self._lower(n)
+                elif n.op == "output":
+                    result = [self._read(a) if isinstance(a, torch.fx.Node) else a for a in n.args[0]]
+        finally:
+            self.modules.pop()
+        if not grad_enabled:
+            result = [self.b.unary("stop_gradient", v) if isinstance(v, Value) and v.const is None and
+                      v.dtype.is_floating_point else v for v in result]
+        return result
 
     def _table_row(self, node, name, args, kwargs, writes):
         row = table.ATEN.get(name)

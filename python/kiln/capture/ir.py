@@ -94,6 +94,7 @@ class Builder:
         self._count = 0
         self.seed = 0      # dropout seeds, one per dropout node
         self.producer = {}  # name -> (op, source Value[, perm]) of reshape, broadcast_to and transpose nodes
+        self.constants = {}  # (dtype, shape, digest of the bytes) -> the Value of its node
 
     # ---- inputs and nodes ----
     def input(self, name, dtype, shape, role):
@@ -126,8 +127,19 @@ class Builder:
         return v.name
 
     def _constant(self, tensor):
+        """The node of a constant; one node for equal constants (every layer of a LLaMA folds the
+        same rotary tables: written once, not once per layer)."""
+        import hashlib
+
         import torch
-        t = tensor.detach().cpu()
+        t = tensor.detach().cpu().contiguous()
+        key = (t.dtype, tuple(t.shape), hashlib.sha1(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+        if key not in self.constants:
+            self.constants[key] = self._constant_node(t)
+        return self.constants[key]
+
+    def _constant_node(self, t):
+        import torch
         shape = list(t.shape)
         flat = t.reshape(-1)
         if flat.numel() > 0 and bool((flat == flat[0]).all()):

@@ -954,25 +954,59 @@ __global__ void scatter_keys_kernel(const void* indices, bool indices64, int64_t
   positions[p] = static_cast<uint32_t>(p);
 }
 
-// Block i handles sorted entry i when it starts a run of equal keys: out[o, key, :] = base +
-// the run's update rows in position order (the sort is stable).
+// The sorted entries in chunks of `chunk`, one block each, so that no block sums more than one
+// chunk of rows however long a run of equal keys is (a type-id embedding's whole batch is one
+// run). A run inside one chunk is summed here and written: out = base + its rows, in position
+// order (the sort is stable). A run that crosses a chunk boundary leaves each chunk's part of
+// it in `partial` instead: slot 0 the part continuing a run from the chunk before, slot 1 the
+// part starting one that continues into the next; scatter_crossing_kernel adds them up in
+// order. So the result is deterministic.
 template <typename T>
-__global__ void scatter_runs_kernel(const T* __restrict__ base, const T* __restrict__ updates,
-                                    const uint32_t* __restrict__ keys,
-                                    const uint32_t* __restrict__ positions, T* __restrict__ out,
-                                    int64_t outer, int64_t dim, int64_t inner, int64_t n) {
-  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-    const uint32_t key = keys[i];
-    if (key >= dim || (i > 0 && keys[i - 1] == key)) continue;
-    int64_t end = i + 1;
-    while (end < n && keys[end] == key) ++end;
-    for (int64_t e = threadIdx.x; e < outer * inner; e += blockDim.x) {
-      const int64_t o = e / inner, c = e % inner;
-      const int64_t dst = (o * dim + key) * inner + c;
-      float acc = to_f(base[dst]);
-      for (int64_t k = i; k < end; ++k) acc += to_f(updates[(o * n + positions[k]) * inner + c]);
-      out[dst] = from_f<T>(acc);
+__global__ void scatter_chunks_kernel(const T* __restrict__ base, const T* __restrict__ updates,
+                                      const uint32_t* __restrict__ keys,
+                                      const uint32_t* __restrict__ positions, T* __restrict__ out,
+                                      float* __restrict__ partial, int64_t outer, int64_t dim,
+                                      int64_t inner, int64_t n, int64_t chunk) {
+  const int64_t begin = blockIdx.x * chunk, end = min(begin + chunk, n), width = outer * inner;
+  for (int64_t s = begin, e; s < end; s = e) {
+    const uint32_t key = keys[s];
+    for (e = s + 1; e < end && keys[e] == key;) ++e;
+    if (key >= dim) continue;  // out of range: recorded by scatter_keys_kernel
+    const bool from_before = s == begin && begin > 0 && keys[begin - 1] == key;
+    const bool into_next = e == end && end < n && keys[end] == key;
+    for (int64_t x = threadIdx.x; x < width; x += blockDim.x) {
+      const int64_t o = x / inner, c = x % inner;
+      float acc = 0.f;
+      for (int64_t k = s; k < e; ++k) acc += to_f(updates[(o * n + positions[k]) * inner + c]);
+      if (from_before || into_next) {
+        partial[(blockIdx.x * 2 + (from_before ? 0 : 1)) * width + x] = acc;
+      } else {
+        const int64_t dst = (o * dim + key) * inner + c;
+        out[dst] = from_f<T>(to_f(base[dst]) + acc);
+      }
     }
+  }
+}
+
+// Block b - 1 takes the run crossing the boundary before chunk b when the run starts in chunk
+// b - 1 (so each crossing run has one block): base + its parts, chunk by chunk.
+template <typename T>
+__global__ void scatter_crossing_kernel(const T* __restrict__ base, const uint32_t* __restrict__ keys,
+                                        T* __restrict__ out, const float* __restrict__ partial,
+                                        int64_t outer, int64_t dim, int64_t inner, int64_t n,
+                                        int64_t chunk) {
+  const int64_t b = blockIdx.x + 1, first = b * chunk, previous = first - chunk, width = outer * inner;
+  const uint32_t key = keys[first];
+  if (key >= dim || keys[first - 1] != key) return;          // no run crosses this boundary
+  if (previous > 0 && keys[previous - 1] == key) return;    // it started before chunk b - 1
+  for (int64_t x = threadIdx.x; x < width; x += blockDim.x) {
+    float acc = partial[((b - 1) * 2 + 1) * width + x];
+    for (int64_t c = b;; ++c) {
+      acc += partial[c * 2 * width + x];
+      if ((c + 1) * chunk >= n || keys[(c + 1) * chunk] != key) break;
+    }
+    const int64_t o = x / inner, col = x % inner, dst = (o * dim + key) * inner + col;
+    out[dst] = from_f<T>(to_f(base[dst]) + acc);
   }
 }
 
@@ -1303,10 +1337,18 @@ void scatter_add(DType t, const void* base, DType index_t, const void* indices, 
                                                     stream));
     const int threads =
         static_cast<int>(std::min<int64_t>(256, ceil_div(outer * inner, kWarp) * kWarp));
-    scatter_runs_kernel<T>
-        <<<static_cast<unsigned>(std::min<int64_t>(n, 1 << 20)), threads, 0, stream>>>(
-            static_cast<const T*>(base), static_cast<const T*>(updates), keys, pos,
-            static_cast<T*>(out), outer, dim, inner, n);
+    // Chunks of 32 entries, fewer (longer) past 2048 chunks, which bounds the partial sums.
+    const int64_t chunk = std::max<int64_t>(32, ceil_div(n, 2048)), chunks = ceil_div(n, chunk);
+    Scratch partial(static_cast<size_t>(chunks * 2 * outer * inner) * sizeof(float), stream);
+    scatter_chunks_kernel<T><<<static_cast<unsigned>(chunks), threads, 0, stream>>>(
+        static_cast<const T*>(base), static_cast<const T*>(updates), keys, pos,
+        static_cast<T*>(out), partial.as<float>(), outer, dim, inner, n, chunk);
+    KILN_CUDA_CHECK(cudaGetLastError());
+    if (chunks > 1) {
+      scatter_crossing_kernel<T><<<static_cast<unsigned>(chunks - 1), threads, 0, stream>>>(
+          static_cast<const T*>(base), keys, static_cast<T*>(out), partial.as<float>(), outer,
+          dim, inner, n, chunk);
+    }
     KILN_CUDA_CHECK(cudaGetLastError());
   });
 }

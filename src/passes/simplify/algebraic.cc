@@ -84,6 +84,11 @@ Replacement neg_neg(Rewriter& rw, const Node& n) {
   return {inner->inputs[0]};
 }
 
+Replacement stop_gradient(Rewriter&, const Node& n) {
+  if (n.op != Op::kStopGradient) return {};
+  return {n.inputs[0]};
+}
+
 Replacement transpose_identity(Rewriter& rw, const Node& n) {
   if (n.op != Op::kTranspose || !is_identity(transpose_perm(n, rw.type(n.inputs[0]).rank()))) return {};
   return {n.inputs[0]};
@@ -324,6 +329,8 @@ const std::array kRules = {
     RewriteRule{"mul-by-zero", mul_by_zero},
     // neg(neg(x)) -> x: exact (integers wrap both ways).
     RewriteRule{"neg-neg", neg_neg},
+    // stop_gradient(x) -> x: its only effect, on autodiff, is over (this pass runs after it).
+    RewriteRule{"stop-gradient", stop_gradient},
     // transpose with the identity permutation -> x.
     RewriteRule{"transpose-identity", transpose_identity},
     // transpose(transpose(x)) -> one transpose with the composed permutation (x if identity).

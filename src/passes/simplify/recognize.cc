@@ -167,6 +167,47 @@ Replacement matmul_transpose(Rewriter& rw, const Node& n) {
   return {};
 }
 
+// x (..., K) when `id` is x reshaped to rows (M, K), M the product of x's leading dims, x of
+// rank 3 or more; -1 otherwise.
+ValueId rows_of(const Rewriter& rw, ValueId id) {
+  const Node* r = producer_of(rw, id, Op::kReshape);
+  if (r == nullptr) return -1;
+  const Shape& rows = rw.type(id).shape;
+  const Shape& x = rw.type(r->inputs[0]).shape;
+  if (rows.size() != 2 || x.size() < 3 || x.back() != rows[1] || numel(x) != numel(rows)) return -1;
+  return r->inputs[0];
+}
+
+// matmul(reshape(x, (M, K)), w) -> reshape(matmul(x, w), (M, N)) for x (..., K) and a matrix w:
+// a linear layer written over flattened rows (Hugging Face's Conv1D: view, addmm, view) as one
+// over x itself, so the reshapes meet and cancel, and the product's epilogue (bias, activation,
+// the next norm) fuses with it as for a plain linear layer.
+Replacement matmul_rows(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kMatmul || n.attrs.b("transpose_a") || rw.type(n.inputs[1]).rank() != 2) return {};
+  const ValueId x = rows_of(rw, n.inputs[0]);
+  if (x < 0) return {};
+  const ValueId y = rw.emit(Op::kMatmul, {x, n.inputs[1]}, n.attrs);
+  return {rw.emit(Op::kReshape, {y}, {{"shape", rw.type(n.outputs[0]).shape}})};
+}
+
+// add(reshape(y, (M, N)), b) with b a bias of (N,) or a scalar -> reshape(add(y, b), (M, N)): the
+// bias of a linear layer over flattened rows, moved to the rows' own shape (after matmul-rows).
+Replacement bias_rows(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kAdd) return {};
+  const TensorType out = rw.type(n.outputs[0]);
+  for (int i : {0, 1}) {
+    const ValueId y = rows_of(rw, n.inputs[static_cast<size_t>(i)]);
+    const TensorType b = rw.type(n.inputs[static_cast<size_t>(1 - i)]);
+    if (y < 0 || rw.type(n.inputs[static_cast<size_t>(i)]) != out || b.rank() > 1 ||
+        (b.rank() == 1 && b.shape[0] != out.shape[1] && b.shape[0] != 1))
+      continue;
+    std::vector<ValueId> inputs = n.inputs;
+    inputs[static_cast<size_t>(i)] = y;
+    return {rw.emit(Op::kReshape, {rw.emit(Op::kAdd, inputs)}, {{"shape", out.shape}})};
+  }
+  return {};
+}
+
 // ---- norms ----
 
 // A mean over the last axis only, keeping it.
@@ -738,11 +779,30 @@ Replacement attention(Rewriter& rw, const Node& n) {
   return {out[0]};
 }
 
+std::string layout_of(const Node& n) { return n.attrs.has("layout") ? n.attrs.s("layout") : "bhtd"; }
+
+// attention (bhtd) over k and v whose heads the graph repeated (an export's repeat_kv before an
+// attention it wrote whole, as torch's scaled_dot_product_attention) -> attention over the
+// unrepeated k and v: grouped-query attention reads each kv head for its group of q heads.
+Replacement attention_heads(Rewriter& rw, const Node& n) {
+  if (n.op != Op::kAttention || layout_of(n) != "bhtd") return {};
+  const ValueId k = unrepeated_heads(rw, n.inputs[1]), v = unrepeated_heads(rw, n.inputs[2]);
+  if (k == n.inputs[1] || v == n.inputs[2]) return {};  // both, or the heads would disagree
+  std::vector<ValueId> inputs = n.inputs;
+  inputs[1] = k;
+  inputs[2] = v;
+  return rw.emit_node(Op::kAttention, inputs, n.attrs);
+}
+
 // THE table, tried in this order on each node.
 const std::array kRules = {
     // matmul(a, transpose(b)) -> matmul(a, b) with transpose_b flipped (and for a): the
     // transpose of the last two axes read by the GEMM in place.
     RewriteRule{"matmul-transpose", matmul_transpose},
+    // matmul(reshape(x) to rows, w) -> reshape(matmul(x, w)); add(that, bias) likewise: a
+    // linear layer over flattened rows as one over x, its epilogue then fused as usual.
+    RewriteRule{"matmul-rows", matmul_rows},
+    RewriteRule{"bias-rows", bias_rows},
     // x * sigmoid(x) -> silu(x).
     RewriteRule{"silu", silu},
     // x * 0.5 * (1 + erf(x / sqrt 2)) -> gelu(x) (exact form).
@@ -763,6 +823,8 @@ const std::array kRules = {
     // softmax(q k^T scale, no mask or causal) v -> attention(q, k, v), k and v with their own
     // (fewer) heads where the graph repeated them.
     RewriteRule{"attention", attention},
+    // attention over repeated kv heads -> attention over the kv heads themselves (GQA).
+    RewriteRule{"attention-heads", attention_heads},
 };
 
 }  // namespace

@@ -19,6 +19,8 @@
 //   padding mask (one row of Tk per batch entry, broadcast over heads and queries: + M, or
 //   where(pad, NEG, .)), k and v with fewer heads repeated (unsqueeze, expand, reshape)
 //                                                    -> attention(q, k, v [, key_bias])
+//   attention(q, repeated k, repeated v), the attention an export wrote whole over kv heads it
+//   repeated first                                   -> attention(q, k, v) (grouped-query)
 // Exact: a rule fires only where the one op computes what the pattern computes: the axes (the
 // last, with keepdims), the constants (sqrt 2, 0.5, 1, sqrt(2/pi), 0.044715 within the rounding
 // of the graph's dtype), the scale (a positive scalar), the mask (a known value: -inf, or <=
