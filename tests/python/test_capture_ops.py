@@ -248,6 +248,16 @@ def test_no_grad_and_autocast_blocks():
     assert reference.k.weight.grad is None
 
 
+def test_docs_list_the_table():
+    """docs/python.md's list of ATen ops is the table's."""
+    import os
+    import re
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
+    text = open(path).read().split("The ATen ops of the table")[1].split("\n\n")[0]
+    listed = set(re.findall(r"`([a-z_0-9]+\.[A-Za-z_0-9]+)`", text))
+    assert listed == {op.replace("aten.", "") for op in capture.supported_ops()}
+
+
 def test_one_tensor_given_for_two_inputs():
     """Compiled with (x, x), as a language model is with (ids, ids) for inputs and labels: the two
     inputs stay two, so a later step given different tensors reads each."""
