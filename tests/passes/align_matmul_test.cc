@@ -1,6 +1,6 @@
 // align-matmul (passes/align_matmul.h): a product of 1030 output columns becomes one of 1032 and a
 // slice, for either weight layout; the loss and every gradient (autodiff of the rewritten graph)
-// are those of the original graph (reference kernels, f64); narrow, aligned and integer products
+// are those of the original graph (reference kernels, f64); narrow and aligned products
 // are left alone; the CUDA forward pipeline runs it and the CPU's does not.
 #include "passes/align_matmul.h"
 
@@ -65,16 +65,11 @@ TEST(AlignMatmul, PadsTheColumnsAndKeepsLossAndGradients) {
   }
 }
 
-TEST(AlignMatmul, LeavesNarrowAlignedAndIntegerProductsAlone) {
+TEST(AlignMatmul, LeavesNarrowAndAlignedProductsAlone) {
   AlignMatmul pass;
   expect_unchanged(pass, head(1000, true));   // below 1024 columns
   expect_unchanged(pass, head(1032, true));   // aligned already
   expect_unchanged(pass, head(2048, false));
-  expect_unchanged(pass,
-                   "graph @g(%x: i64[3,16] data, %w: i64[16,1030] data) {\n"
-                   "  %y = matmul(%x, %w) : i64[3,1030]\n"
-                   "  return %y\n"
-                   "}\n");
 }
 
 TEST(AlignMatmul, RunsInTheForwardPipelineOnCudaOnly) {

@@ -30,7 +30,7 @@ std::string simplify(const std::string& params, const std::string& body,
 TEST(Algebraic, TableHasUniqueNames) {
   std::set<std::string> names;
   for (const RewriteRule& rule : algebraic_rules()) EXPECT_TRUE(names.insert(rule.name).second);
-  EXPECT_EQ(names.size(), 18u);
+  EXPECT_EQ(names.size(), 19u);
 }
 
 TEST(Algebraic, MulByOne) {
@@ -162,6 +162,19 @@ TEST(Algebraic, NoFoldFloatMulByZeroSinceInfTimesZeroIsNan) {
       {testing::make(DType::kF32, {2}, {std::numeric_limits<double>::infinity(), -2.0})});
   EXPECT_TRUE(std::isnan(out[0].get(0)));
   EXPECT_TRUE(std::signbit(out[0].get(1)));  // -2 * 0 = -0.0, not the zeros a rule would make
+}
+
+// After autodiff, stop_gradient has done its work: the value it passes is read directly.
+TEST(Algebraic, StopGradientIsItsInput) {
+  std::string t = simplify("%x: f32[2] data",
+                           "  %0 = stop_gradient(%x) : f32[2]\n"
+                           "  %1 = mul(%0, %x) : f32[2]\n"
+                           "  return %1\n");
+  EXPECT_EQ(t,
+            "graph @g(%x: f32[2] data) {\n"
+            "  %0 = mul(%x, %x) : f32[2]\n"
+            "  return %0\n"
+            "}\n");
 }
 
 TEST(Algebraic, NegNegReachesAFixedPoint) {
