@@ -1,0 +1,198 @@
+// Reading a checkpoint written by a group of any size into a rank of another (reshard.h).
+#include "train/checkpoint/reshard.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include "support/error.h"
+#include "train/checkpoint/safetensors.h"
+
+namespace kiln::train {
+namespace {
+
+std::string meta(const std::map<std::string, std::string>& metadata, const char* key, std::string fallback = "") {
+  auto it = metadata.find(key);
+  return it == metadata.end() ? fallback : it->second;
+}
+
+std::optional<int64_t> parse_int(const std::string& text) {
+  int64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+int64_t steps_of(const std::string& path, const std::map<std::string, std::string>& metadata) {
+  const std::string steps = meta(metadata, "kiln.steps_done");
+  KILN_CHECK(!steps.empty(), "checkpoint '{}' has no kiln.steps_done metadata", path);
+  std::optional<int64_t> value = parse_int(steps);
+  KILN_CHECK(value.has_value(), "checkpoint '{}': kiln.steps_done is '{}', expected an integer", path, steps);
+  return *value;
+}
+
+// The group a file's metadata says wrote it: (world size, rank); a single process's or a
+// consolidated file is (1, 0).
+std::pair<int, int> group_of(const std::string& path, const std::map<std::string, std::string>& metadata) {
+  if (meta(metadata, "kiln.consolidated") == "1") return {1, 0};
+  std::optional<int64_t> world = parse_int(meta(metadata, "kiln.world_size", "1"));
+  std::optional<int64_t> rank = parse_int(meta(metadata, "kiln.rank", "0"));
+  KILN_CHECK(world && rank && *world >= 1 && *rank >= 0 && *rank < *world,
+             "checkpoint '{}': kiln.world_size '{}' and kiln.rank '{}' are not a rank of a group", path,
+             meta(metadata, "kiln.world_size"), meta(metadata, "kiln.rank"));
+  return {static_cast<int>(*world), static_cast<int>(*rank)};
+}
+
+// Checks the headers are of one checkpoint: files of a group of N (each rank's at most once, all
+// at one step), or one file of a group of 1. Returns N and each file's rank.
+std::pair<int, std::vector<int>> check_group(const std::vector<std::string>& paths,
+                                             const std::vector<SafetensorsHeader>& headers) {
+  KILN_CHECK(!paths.empty(), "no checkpoint files given");
+  const int world = group_of(paths[0], headers[0].metadata).first;
+  const int64_t steps = steps_of(paths[0], headers[0].metadata);
+  std::vector<int> ranks;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const auto [written_by, rank] = group_of(paths[i], headers[i].metadata);
+    KILN_CHECK(written_by == world, "checkpoint files of two groups: '{}' is of {} rank{}, '{}' of {}", paths[0], world,
+               world == 1 ? "" : "s", paths[i], written_by);
+    KILN_CHECK(std::find(ranks.begin(), ranks.end(), rank) == ranks.end(), "checkpoint files '{}' and '{}' are both rank {}'s",
+               paths[std::find(ranks.begin(), ranks.end(), rank) - ranks.begin()], paths[i], rank);
+    const int64_t file_steps = steps_of(paths[i], headers[i].metadata);
+    KILN_CHECK(file_steps == steps,
+               "checkpoint files disagree: '{}' is at step {}, '{}' at step {} (a save was cut short?)", paths[0],
+               steps, paths[i], file_steps);
+    ranks.push_back(rank);
+  }
+  return {world, ranks};
+}
+
+// How file `path` of a group of `world` holds a tensor of full type `full`: whole, or as its
+// shard of ceil(n / world) elements.
+bool holds_shard(const std::string& path, const std::string& name, const TensorType& stored, const TensorType& full,
+                 int world) {
+  if (stored == full) return false;
+  const int64_t shard = (full.numel() + world - 1) / world;
+  KILN_CHECK(world > 1 && stored.dtype == full.dtype && stored.rank() == 1 && stored.shape[0] == shard,
+             "checkpoint '{}': '{}' is {}, the model needs {}{}", path, name, to_string(stored), to_string(full),
+             world > 1 ? fmt::format(" (or its shard of {} ranks, {} elements)", world, shard) : "");
+  return true;
+}
+
+}  // namespace
+
+std::string checkpoint_path(const std::string& dir, int rank, int world_size) {
+  const std::filesystem::path d = dir;
+  return (world_size == 1 ? d / "last.safetensors" : d / fmt::format("last.rank{}-of-{}.safetensors", rank, world_size))
+      .string();
+}
+
+std::string consolidated_path(const std::string& dir) {
+  return (std::filesystem::path(dir) / "consolidated.safetensors").string();
+}
+
+std::optional<CheckpointFiles> find_checkpoint(const std::string& dir, int world_size) {
+  if (!std::filesystem::is_directory(dir)) return std::nullopt;
+  // Candidate checkpoints by world size (0: consolidated), and why a set was passed over.
+  std::map<int, std::vector<std::string>> sets;
+  static const std::regex rank_file(R"(last\.rank(\d+)-of-(\d+)\.safetensors)");
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    std::smatch match;
+    if (name == "last.safetensors") sets[1] = {entry.path().string()};
+    else if (name == "consolidated.safetensors") sets[0] = {entry.path().string()};
+    else if (std::regex_match(name, match, rank_file)) sets[std::stoi(match[2])];
+  }
+  std::optional<CheckpointFiles> best;
+  std::vector<std::string> passed_over;
+  for (auto& [world, paths] : sets) {
+    if (world > 1)
+      for (int rank = 0; rank < world; ++rank) paths.push_back(checkpoint_path(dir, rank, world));
+    CheckpointFiles candidate;
+    try {
+      std::vector<SafetensorsHeader> headers;
+      for (const std::string& path : paths) {
+        KILN_CHECK(std::filesystem::exists(path), "'{}' is missing", path);
+        headers.push_back(load_safetensors_header(path));
+      }
+      candidate.world_size = check_group(paths, headers).first;
+      KILN_CHECK(candidate.world_size == static_cast<int>(paths.size()), "'{}' is of a group of {}, not {}", paths[0],
+                 candidate.world_size, paths.size());
+      candidate.steps_done = steps_of(paths[0], headers[0].metadata);
+      candidate.shard = meta(headers[0].metadata, "kiln.shard", "none");
+      candidate.paths = paths;
+    } catch (const Error& error) {
+      passed_over.push_back(error.what());
+      continue;
+    }
+    const auto rank_of = [&](const CheckpointFiles& c) { return std::pair(c.steps_done, c.world_size == world_size); };
+    if (!best || rank_of(candidate) > rank_of(*best)) best = candidate;
+  }
+  KILN_CHECK(best || passed_over.empty(), "no complete checkpoint in '{}': {}", dir, fmt::join(passed_over, "; "));
+  return best;
+}
+
+CheckpointRead read_checkpoint(const std::vector<std::string>& paths, const std::map<std::string, TensorPart>& want) {
+  std::vector<SafetensorsHeader> headers;
+  for (const std::string& path : paths) headers.push_back(load_safetensors_header(path));
+  const auto [world, ranks] = check_group(paths, headers);
+  // Which files each wanted part is read from, checked before any data is: a whole tensor from
+  // one file, a sharded one from the files of the old shards that overlap the part.
+  std::map<std::string, bool> sharded;  // by name: held as shards by the old group
+  std::vector<bool> needed(paths.size(), false);
+  for (const auto& [name, part] : want) {
+    for (size_t i = 0; i < paths.size(); ++i) {
+      auto it = headers[i].types.find(name);
+      KILN_CHECK(it != headers[i].types.end(), "checkpoint '{}' has no tensor '{}'", paths[i], name);
+      const bool shard = holds_shard(paths[i], name, it->second, part.full, world);
+      KILN_CHECK(i == 0 || shard == sharded[name], "checkpoint '{}' holds '{}' {} while '{}' holds it {}", paths[i],
+                 name, shard ? "as a shard" : "whole", paths[0], shard ? "whole" : "as a shard");
+      sharded[name] = shard;
+    }
+    const int64_t end = std::min(part.begin + part.stored.numel(), part.full.numel());
+    if (!sharded[name] || part.begin >= end) continue;
+    const int64_t k = (part.full.numel() + world - 1) / world;
+    for (int64_t rank = part.begin / k; rank <= (end - 1) / k; ++rank) {
+      auto at = std::find(ranks.begin(), ranks.end(), rank);
+      KILN_CHECK(at != ranks.end(),
+                 "checkpoint '{}' is of a group of {}: this rank's part of '{}' is in rank {}'s file, not given (read "
+                 "every rank's last.rank*-of-{}.safetensors)",
+                 paths[0], world, name, rank, world);
+      needed[at - ranks.begin()] = true;
+    }
+  }
+  // Whole tensors come from a file read anyway, else the first.
+  const size_t whole_source = std::find(needed.begin(), needed.end(), true) - needed.begin();
+  const size_t source = whole_source < needed.size() ? whole_source : 0;
+  needed[source] = true;
+
+  CheckpointRead out;
+  out.metadata = headers[source].metadata;
+  for (const auto& [name, part] : want) {
+    Tensor t(part.stored);
+    std::memset(t.raw(), 0, t.bytes());
+    out.tensors.emplace(name, std::move(t));
+  }
+  // File `i` holds elements [first, first + count) of a tensor's flat whole (all of a whole
+  // one); copy what of them falls in each wanted part. One file in memory at a time.
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if (!needed[i]) continue;
+    SafetensorsFile file = load_safetensors(paths[i]);
+    for (const auto& [name, part] : want) {
+      if (!sharded[name] && i != source) continue;
+      const Tensor& from = file.tensors.at(name);
+      const int64_t first = sharded[name] ? from.numel() * ranks[i] : 0;
+      const int64_t begin = std::max(first, part.begin);
+      const int64_t end = std::min({first + from.numel(), part.begin + part.stored.numel(), part.full.numel()});
+      if (begin >= end) continue;
+      const size_t element = dtype_size(part.full.dtype);
+      Tensor& to = out.tensors.at(name);
+      std::memcpy(to.raw() + static_cast<size_t>(begin - part.begin) * element,
+                  from.raw() + static_cast<size_t>(begin - first) * element, static_cast<size_t>(end - begin) * element);
+    }
+  }
+  return out;
+}
+
+}  // namespace kiln::train
