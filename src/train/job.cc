@@ -26,6 +26,7 @@
 #include "train/data/loader.h"
 #include "train/data/text.h"
 #include "train/checkpoint/reshard.h"
+#include "train/checkpoint/safetensors.h"
 #include "train/trainer.h"
 
 namespace kiln::train {
@@ -501,6 +502,20 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   Task task = from_onnx                              ? onnx_task(o, place)
               : models::is_language_model(o.model) ? language_model_task(o, place)
                                                    : classification_task(o, place);
+  if (!o.init_from.empty()) {
+    // Params by name (kiln import-hf writes such a file; any checkpoint's params do too).
+    const SafetensorsFile file = load_safetensors(o.init_from);
+    size_t p = 0;
+    for (const GraphInput& in : task.forward.inputs) {
+      if (in.role != Role::kParam) continue;
+      const Value& v = task.forward.value(in.value);
+      auto it = file.tensors.find(v.name);
+      KILN_CHECK(it != file.tensors.end(), "--init '{}' has no param '{}' of model {}", o.init_from, v.name, o.model);
+      KILN_CHECK(it->second.type() == v.type, "--init '{}': '{}' is {}, model {} needs {}", o.init_from, v.name,
+                 to_string(it->second.type()), o.model, to_string(v.type));
+      task.init.at(p++) = it->second;
+    }
+  }
   int64_t param_count = 0;
   for (const Tensor& t : task.init) param_count += t.numel();
   // A group that its launcher restarted after a failure (kiln launch --max-restarts, torchrun)
@@ -569,7 +584,11 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   auto save = [&] {
     if (checkpoint.empty()) return;
     const Stopwatch saving;
-    const std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
+    std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
+    if (o.model.rfind("llama", 0) == 0) {  // what the params' shapes do not say (kiln export-hf reads them)
+      metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : models::llama_config(o.model).heads);
+      metadata["kiln.seq"] = std::to_string(models::language_model_info(o.model, sizes_of(o.sizes, o.seq)).seq);
+    }
     trainer.save(checkpoint, metadata);
     if (o.consolidate) trainer.save_consolidated(consolidated, metadata);
     result.checkpoint_seconds += saving.seconds();
