@@ -589,6 +589,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
       metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : models::llama_config(o.model).heads);
       metadata["kiln.seq"] = std::to_string(models::language_model_info(o.model, sizes_of(o.sizes, o.seq)).seq);
     }
+    keep_previous_checkpoint(o.checkpoint_dir, place.rank, place.world);
     trainer.save(checkpoint, metadata);
     if (o.consolidate) trainer.save_consolidated(consolidated, metadata);
     result.checkpoint_seconds += saving.seconds();

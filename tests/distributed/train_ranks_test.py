@@ -184,6 +184,11 @@ def max_scaled_error(want, got):
     return worst
 
 
+def node_env(device, node):
+    """On GPUs the two "nodes" share one machine: node R takes GPUs 2R and 2R+1 (LOCAL_RANK 0, 1)."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES=f"{2 * node},{2 * node + 1}") if device == "cuda" else None
+
+
 def check_nodes(kiln, device):
     model, steps, batch = "llama-tiny", 6, 8
     with tempfile.TemporaryDirectory() as one_node, tempfile.TemporaryDirectory() as two_nodes:
@@ -200,7 +205,8 @@ def check_nodes(kiln, device):
                                    "127.0.0.1", "--master-port", port, "-n", "2", "--"] +
                                   train_args(model, steps, batch, device, ["--shard", "zero3", "--checkpoint-dir",
                                                                            two_nodes, "--consolidate"]),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=node_env(device, node)) for node in (0, 1)]
         outputs = [n.communicate(timeout=300) for n in nodes]
         if any(n.returncode != 0 for n in nodes):
             for out, err in outputs:

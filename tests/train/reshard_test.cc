@@ -68,7 +68,26 @@ TEST(FindCheckpoint, TakesTheNewestCompleteSet) {
   testing::TempDir broken;
   write_group(broken, 2, 3, 1);
   EXPECT_KILN_ERROR(find_checkpoint(broken.path().string(), 2), "no complete checkpoint in");
-  EXPECT_KILN_ERROR(find_checkpoint(broken.path().string(), 2), "last.rank0-of-2.safetensors' is missing");
+  EXPECT_KILN_ERROR(find_checkpoint(broken.path().string(), 2), "the files of 2 ranks have no step that every rank's");
+}
+
+TEST(FindCheckpoint, ASaveCutShortLeavesThePreviousGenerationWhole) {
+  testing::TempDir dir;
+  const std::string d = dir.path().string();
+  write_group(dir, 2, 3);
+  // Rank 0 has written step 5, rank 1 died before it did.
+  keep_previous_checkpoint(d, 0, 2);
+  write_group(dir, 2, 5, 0);
+  std::optional<CheckpointFiles> found = find_checkpoint(d, 2);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->steps_done, 3);
+  EXPECT_EQ(found->paths, (std::vector<std::string>{checkpoint_path(d, 0, 2, true), checkpoint_path(d, 1, 2)}));
+  // Rank 1 catches up: step 5, from the last files.
+  keep_previous_checkpoint(d, 1, 2);
+  write_group(dir, 2, 5, 1);
+  found = find_checkpoint(d, 2);
+  EXPECT_EQ(found->steps_done, 5);
+  EXPECT_EQ(found->paths, (std::vector<std::string>{checkpoint_path(d, 0, 2), checkpoint_path(d, 1, 2)}));
 }
 
 TEST(ReadCheckpoint, AssemblesEachRanksPartFromAnotherGroupsShards) {

@@ -82,9 +82,11 @@ bool holds_shard(const std::string& path, const std::string& name, const TensorT
 
 }  // namespace
 
-std::string checkpoint_path(const std::string& dir, int rank, int world_size) {
+std::string checkpoint_path(const std::string& dir, int rank, int world_size, bool previous) {
   const std::filesystem::path d = dir;
-  return (world_size == 1 ? d / "last.safetensors" : d / fmt::format("last.rank{}-of-{}.safetensors", rank, world_size))
+  const char* generation = previous ? "prev" : "last";
+  return (world_size == 1 ? d / fmt::format("{}.safetensors", generation)
+                          : d / fmt::format("{}.rank{}-of-{}.safetensors", generation, rank, world_size))
       .string();
 }
 
@@ -92,42 +94,60 @@ std::string consolidated_path(const std::string& dir) {
   return (std::filesystem::path(dir) / "consolidated.safetensors").string();
 }
 
+void keep_previous_checkpoint(const std::string& dir, int rank, int world_size) {
+  const std::string last = checkpoint_path(dir, rank, world_size);
+  if (world_size > 1 && std::filesystem::exists(last))
+    std::filesystem::rename(last, checkpoint_path(dir, rank, world_size, /*previous=*/true));
+}
+
 std::optional<CheckpointFiles> find_checkpoint(const std::string& dir, int world_size) {
   if (!std::filesystem::is_directory(dir)) return std::nullopt;
-  // Candidate checkpoints by world size (0: consolidated), and why a set was passed over.
-  std::map<int, std::vector<std::string>> sets;
-  static const std::regex rank_file(R"(last\.rank(\d+)-of-(\d+)\.safetensors)");
+  // Every file a checkpoint can start from, by the group that wrote it (its metadata's world size
+  // and rank; a single process's and a consolidated file are rank 0 of 1), with its step.
+  struct File {
+    std::string path;
+    int64_t steps;
+    std::string shard;
+  };
+  std::map<int, std::map<int, std::vector<File>>> groups;  // world size -> rank -> files
+  std::vector<std::string> passed_over;
+  static const std::regex name_pattern(R"((last|prev)(\.rank\d+-of-\d+)?\.safetensors|consolidated\.safetensors)");
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
-    std::smatch match;
-    if (name == "last.safetensors") sets[1] = {entry.path().string()};
-    else if (name == "consolidated.safetensors") sets[0] = {entry.path().string()};
-    else if (std::regex_match(name, match, rank_file)) sets[std::stoi(match[2])];
-  }
-  std::optional<CheckpointFiles> best;
-  std::vector<std::string> passed_over;
-  for (auto& [world, paths] : sets) {
-    if (world > 1)
-      for (int rank = 0; rank < world; ++rank) paths.push_back(checkpoint_path(dir, rank, world));
-    CheckpointFiles candidate;
+    if (!std::regex_match(name, name_pattern)) continue;
     try {
-      std::vector<SafetensorsHeader> headers;
-      for (const std::string& path : paths) {
-        KILN_CHECK(std::filesystem::exists(path), "'{}' is missing", path);
-        headers.push_back(load_safetensors_header(path));
-      }
-      candidate.world_size = check_group(paths, headers).first;
-      KILN_CHECK(candidate.world_size == static_cast<int>(paths.size()), "'{}' is of a group of {}, not {}", paths[0],
-                 candidate.world_size, paths.size());
-      candidate.steps_done = steps_of(paths[0], headers[0].metadata);
-      candidate.shard = meta(headers[0].metadata, "kiln.shard", "none");
-      candidate.paths = paths;
+      const SafetensorsHeader header = load_safetensors_header(entry.path().string());
+      const auto [world, rank] = group_of(entry.path().string(), header.metadata);
+      groups[world][rank].push_back(
+          File{entry.path().string(), steps_of(entry.path().string(), header.metadata), meta(header.metadata, "kiln.shard", "none")});
     } catch (const Error& error) {
       passed_over.push_back(error.what());
+    }
+  }
+  // Per group, the newest step that every rank has a file of (a save cut short on some ranks
+  // leaves the previous generation whole).
+  std::optional<CheckpointFiles> best;
+  for (const auto& [world, ranks] : groups) {
+    std::optional<CheckpointFiles> newest;
+    for (const File& file : ranks.begin()->second) {
+      if (newest && newest->steps_done >= file.steps) continue;
+      CheckpointFiles candidate{{}, file.steps, world, file.shard};
+      for (int rank = 0; rank < world; ++rank) {
+        auto files = ranks.find(rank);
+        if (files == ranks.end()) break;
+        auto at = std::find_if(files->second.begin(), files->second.end(), [&](const File& f) { return f.steps == file.steps; });
+        if (at == files->second.end()) break;
+        candidate.paths.push_back(at->path);
+      }
+      if (static_cast<int>(candidate.paths.size()) == world) newest = candidate;
+    }
+    if (!newest) {
+      passed_over.push_back(fmt::format("the files of {} rank{} have no step that every rank's file is at (a file "
+                                        "missing, or a save cut short)", world, world == 1 ? "" : "s"));
       continue;
     }
-    const auto rank_of = [&](const CheckpointFiles& c) { return std::pair(c.steps_done, c.world_size == world_size); };
-    if (!best || rank_of(candidate) > rank_of(*best)) best = candidate;
+    const auto order = [&](const CheckpointFiles& c) { return std::pair(c.steps_done, c.world_size == world_size); };
+    if (!best || order(*newest) > order(*best)) best = newest;
   }
   KILN_CHECK(best || passed_over.empty(), "no complete checkpoint in '{}': {}", dir, fmt::join(passed_over, "; "));
   return best;

@@ -3,7 +3,8 @@
 //
 // A checkpoint is one file (a single process's last.safetensors, or a group's
 // consolidated.safetensors: every tensor whole) or the N files of a group of N ranks,
-// last.rank{r}-of-{N}.safetensors, each holding rank r's tensors: whole where the rank held them
+// last.rank{r}-of-{N}.safetensors (and the generation before, prev.*), each holding rank r's
+// tensors: whole where the rank held them
 // whole, else its shard, the flat slice [r*k, (r+1)*k) of the tensor zero-padded to N*k elements
 // (k = ceil(n/N): passes/sharding.h). A rank of a new group reads from them the part it keeps:
 // a tensor whole, or its own shard of it, assembled from whichever old shards overlap it. Each
@@ -28,16 +29,22 @@ struct CheckpointFiles {
   std::string shard = "none";  // its --shard mode
 };
 
-// The file rank `rank` of a group of `world_size` writes in `dir` (last.safetensors alone).
-std::string checkpoint_path(const std::string& dir, int rank, int world_size);
+// The file rank `rank` of a group of `world_size` writes in `dir` (last.safetensors alone), or
+// with `previous` the one it wrote before (prev.rankR-of-N.safetensors).
+std::string checkpoint_path(const std::string& dir, int rank, int world_size, bool previous = false);
 // consolidated.safetensors in `dir`.
 std::string consolidated_path(const std::string& dir);
+// Before a rank of a group writes its file: the one it wrote last becomes the previous one. A
+// group's N files cannot be replaced at once; until every rank has written its new file, the
+// previous ones are still a complete checkpoint. (A single process's file is replaced
+// atomically: it keeps none.)
+void keep_previous_checkpoint(const std::string& dir, int rank, int world_size);
 
-// The newest complete checkpoint in `dir` (the most steps done): last.safetensors, a complete
-// set of rank files of one world size (every rank's file, all at one step), or
+// The newest complete checkpoint in `dir` (the most steps done): last.safetensors, a set of one
+// group's rank files at one step (each rank's last file or its previous one), or
 // consolidated.safetensors; at a tie, the set of `world_size` ranks (the cheapest to read).
-// nullopt when `dir` holds none. A set with a missing file or whose files disagree on the step
-// (a save cut short) is passed over; when nothing else is left, kiln::Error says why.
+// nullopt when `dir` holds none. When no group's files make a complete set (a file missing),
+// kiln::Error says why.
 std::optional<CheckpointFiles> find_checkpoint(const std::string& dir, int world_size);
 
 // What a rank keeps of one tensor: `stored` == `full` for the whole tensor, else a 1-D shard of
