@@ -368,6 +368,10 @@ void Trainer::save(const std::string& path, std::map<std::string, std::string> m
     metadata["kiln.world_size"] = std::to_string(world_size());
     metadata["kiln.rank"] = std::to_string(rank());
     metadata["kiln.shard"] = std::string(shard_mode_name(sharding_.mode));
+    // Which tensors are shards (a 1-element tensor's shard has the tensor's own shape).
+    std::vector<std::string> names;
+    for (const auto& [name, type] : sharded_) names.push_back(name);
+    metadata["kiln.sharded"] = fmt::format("{}", fmt::join(names, "\n"));
   }
   save_safetensors(path, host_tensors(), metadata);
 }

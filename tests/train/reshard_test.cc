@@ -120,6 +120,27 @@ TEST(ReadCheckpoint, AssemblesEachRanksPartFromAnotherGroupsShards) {
   EXPECT_EQ(read.tensors.at("a").get(1), kFull.get(3));
 }
 
+// A 1-element tensor's shard has the tensor's own shape: the kiln.sharded list says which it is,
+// and the value is rank 0's (rank 1's file holds padding).
+TEST(ReadCheckpoint, AOneElementShardIsReadFromRankZero) {
+  testing::TempDir dir;
+  const std::string d = dir.path().string();
+  const Tensor value = random_tensor(TensorType{DType::kF32, {1}}, 13, 0.5, 1.5);
+  for (int rank = 0; rank < 2; ++rank) {
+    Tensor held(value.type());
+    held.set(0, rank == 0 ? value.get(0) : 0.0);
+    save_safetensors(checkpoint_path(d, rank, 2), {{"c", held}, {"b", kWhole}},
+                     {{"kiln.steps_done", "1"}, {"kiln.world_size", "2"}, {"kiln.rank", std::to_string(rank)},
+                      {"kiln.sharded", "c"}});
+  }
+  const TensorType whole = kWhole.type();
+  // Rank 1's file first: the whole 'b' may come from it, 'c' must not.
+  const CheckpointRead read = read_checkpoint({checkpoint_path(d, 1, 2), checkpoint_path(d, 0, 2)},
+                                              {{"c", TensorPart{value.type(), 0, value.type()}}, {"b", TensorPart{whole, 0, whole}}});
+  EXPECT_EQ(read.tensors.at("c").get(0), value.get(0));
+  EXPECT_EQ(max_scaled_error(read.tensors.at("b"), kWhole, 0, 0), 0.0);
+}
+
 TEST(ReadCheckpoint, RefusesWhatIsNotOneCheckpointOfTheModel) {
   testing::TempDir dir;
   const std::string d = dir.path().string();

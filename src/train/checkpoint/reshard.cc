@@ -68,16 +68,28 @@ std::pair<int, std::vector<int>> check_group(const std::vector<std::string>& pat
   return {world, ranks};
 }
 
-// How file `path` of a group of `world` holds a tensor of full type `full`: whole, or as its
-// shard of ceil(n / world) elements.
-bool holds_shard(const std::string& path, const std::string& name, const TensorType& stored, const TensorType& full,
-                 int world) {
-  if (stored == full) return false;
-  const int64_t shard = (full.numel() + world - 1) / world;
-  KILN_CHECK(world > 1 && stored.dtype == full.dtype && stored.rank() == 1 && stored.shape[0] == shard,
-             "checkpoint '{}': '{}' is {}, the model needs {}{}", path, name, to_string(stored), to_string(full),
-             world > 1 ? fmt::format(" (or its shard of {} ranks, {} elements)", world, shard) : "");
-  return true;
+// Whether file `path` of a group of `world` holds tensor `name` (of full type `full`) as its shard
+// of ceil(n / world) elements rather than whole: as its metadata's kiln.sharded list says (kiln
+// writes one), else as its stored type says. Throws when the stored type is neither.
+bool holds_shard(const std::string& path, const std::map<std::string, std::string>& metadata, const std::string& name,
+                 const TensorType& stored, const TensorType& full, int world) {
+  const int64_t k = (full.numel() + world - 1) / world;
+  const TensorType shard{full.dtype, {k}};
+  auto listed = metadata.find("kiln.sharded");
+  bool is_shard = stored != full;
+  if (listed != metadata.end()) {
+    std::string_view names = listed->second;
+    is_shard = false;
+    while (!names.empty() && !is_shard) {
+      const size_t end = names.find('\n');
+      is_shard = names.substr(0, end) == name;
+      names = end == std::string_view::npos ? std::string_view() : names.substr(end + 1);
+    }
+  }
+  KILN_CHECK(is_shard ? world > 1 && stored == shard : stored == full, "checkpoint '{}': '{}' is {}, the model needs {}{}",
+             path, name, to_string(stored), to_string(full),
+             world > 1 ? fmt::format(" (or its shard of {} ranks, {} elements)", world, k) : "");
+  return is_shard;
 }
 
 }  // namespace
@@ -165,7 +177,7 @@ CheckpointRead read_checkpoint(const std::vector<std::string>& paths, const std:
     for (size_t i = 0; i < paths.size(); ++i) {
       auto it = headers[i].types.find(name);
       KILN_CHECK(it != headers[i].types.end(), "checkpoint '{}' has no tensor '{}'", paths[i], name);
-      const bool shard = holds_shard(paths[i], name, it->second, part.full, world);
+      const bool shard = holds_shard(paths[i], headers[i].metadata, name, it->second, part.full, world);
       KILN_CHECK(i == 0 || shard == sharded[name], "checkpoint '{}' holds '{}' {} while '{}' holds it {}", paths[i],
                  name, shard ? "as a shard" : "whole", paths[0], shard ? "whole" : "as a shard");
       sharded[name] = shard;
