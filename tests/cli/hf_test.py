@@ -31,22 +31,20 @@ def kiln(*args, ok=True):
     return result
 
 
-def params_of(path):
-    return {k: v for k, v in load_file(path).items() if not k.startswith("opt.")}
 
 
 def check_round_trip(checkpoint_arg, checkpoint_file, d):
     kiln("export-hf", checkpoint_arg, os.path.join(d, "hf"))
     hf = load_file(os.path.join(d, "hf", "model.safetensors"))
-    want = params_of(checkpoint_file)
+    want = load_file(checkpoint_file)  # the params and the optimizer's state
     assert np.array_equal(hf["lm_head.weight"], want["head.weight"].T), "lm_head is head.weight transposed"
     assert np.array_equal(hf["model.layers.1.self_attn.k_proj.weight"], want["h1.k.weight"].T)
     assert np.array_equal(hf["model.embed_tokens.weight"], want["emb.weight"])
     out = kiln("import-hf", os.path.join(d, "hf"), os.path.join(d, "init.safetensors")).stdout
     back = load_file(os.path.join(d, "init.safetensors"))
-    assert sorted(back) == sorted(want), (sorted(back), sorted(want))
-    for name, value in want.items():
-        assert np.array_equal(back[name], value), name
+    assert len(back) == 3 + 9 * 2, sorted(back)  # emb, norm, head and 9 a layer
+    for name, value in back.items():
+        assert np.array_equal(value, want[name]), name
     # The command import-hf prints trains from the imported params.
     command = out.splitlines()[-1].split()
     assert command[:2] == ["kiln", "train"], out

@@ -12,6 +12,9 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging
+
+logging.disable_progress_bar()  # the test's output stays its own
 
 
 def logits_of(model, idx_path, out_path):

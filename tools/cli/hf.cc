@@ -37,8 +37,7 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t he
   if (seq == 0) seq = metadata_int(saved.metadata, "kiln.seq");
   train::LlamaWeights weights;
   weights.config = train::llama_config_of(saved.tensors, heads, seq);
-  for (auto& [name, tensor] : saved.tensors)
-    if (name.rfind("opt.", 0) != 0) weights.params[name] = tensor;  // the params, not the optimizer's state
+  weights.params = std::move(saved.tensors);  // the export takes the params by name, not the optimizer's state
   train::export_hf_llama(weights, out);
   const models::LlamaConfig& c = weights.config;
   fmt::print("{}: LlamaForCausalLM, {} layers, d_model {}, {} heads ({} key/value), hidden {}, vocab {} -> {}\n", file,

@@ -39,8 +39,9 @@ std::string hf_llama_config_json(const models::LlamaConfig& config);
 // llama does not compute (another model_type, rope scaling, biases, tied embeddings, ...).
 models::LlamaConfig llama_config_from_hf_json(const std::string& text, const std::string& source);
 
-// kiln's params (every one of `config`'s, each (in, out)) to transformers' names and layouts, and
-// back. Throws kiln::Error naming a missing tensor or one of another shape.
+// kiln's params (every one of `config`'s, each (in, out); other tensors, such as a checkpoint's
+// optimizer state, are left out) to transformers' names and layouts, and back. Throws kiln::Error
+// naming a missing tensor or one of another shape.
 std::map<std::string, Tensor> to_hf_llama(const models::LlamaConfig& config, const std::map<std::string, Tensor>& params);
 std::map<std::string, Tensor> from_hf_llama(const models::LlamaConfig& config, const std::map<std::string, Tensor>& hf);
 
