@@ -77,6 +77,13 @@ std::optional<DistEnv> torchrun_env(const Lookup& lookup, int world_size) {
   KILN_CHECK(env.world_size == 1 || lookup("MASTER_PORT") != nullptr,
              "WORLD_SIZE={} but MASTER_PORT is not set (rank 0's rendezvous port) {}", env.world_size, kLaunchHint);
   read_master(lookup, env);
+  // torchrun's agent serves its own store (torch's TCPStore) at MASTER_PORT: kiln's listens at
+  // the next port.
+  if (const char* agent_store = lookup("TORCHELASTIC_USE_AGENT_STORE"); agent_store && std::string_view(agent_store) == "True") {
+    KILN_CHECK(env.master_port < 65535, "MASTER_PORT={} leaves no next port for kiln's store beside torchrun's",
+               env.master_port);
+    ++env.master_port;
+  }
   env.restart_count = integer_variable(lookup, "TORCHELASTIC_RESTART_COUNT").value_or(0);
   KILN_CHECK(env.restart_count >= 0, "TORCHELASTIC_RESTART_COUNT={} is negative", env.restart_count);
   return env;

@@ -38,7 +38,9 @@ struct DistEnv {
 // value: not an integer, RANK missing or not in [0, WORLD_SIZE), LOCAL_RANK not in [0,
 // LOCAL_WORLD_SIZE), MASTER_ADDR or MASTER_PORT missing while WORLD_SIZE > 1, a port outside
 // 1..65535. LOCAL_WORLD_SIZE defaults to WORLD_SIZE (one machine) and LOCAL_RANK to RANK %
-// LOCAL_WORLD_SIZE; MASTER_ADDR/PORT default to 127.0.0.1:29500 for WORLD_SIZE=1.
+// LOCAL_WORLD_SIZE; MASTER_ADDR/PORT default to 127.0.0.1:29500 for WORLD_SIZE=1. Under torchrun
+// (TORCHELASTIC_USE_AGENT_STORE=True) its agent's own store holds MASTER_PORT: kiln's rendezvous
+// takes MASTER_PORT + 1.
 //
 // Slurm's: RANK = SLURM_PROCID, WORLD_SIZE = SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID,
 // LOCAL_WORLD_SIZE = SLURM_NTASKS_PER_NODE, else this node's count in SLURM_TASKS_PER_NODE

@@ -74,6 +74,14 @@ TEST(DistEnv, BadValuesNameTheVariable) {
   EXPECT_KILN_ERROR(parse(with("MASTER_PORT", "0")), "MASTER_PORT=0 is not a TCP port");
 }
 
+TEST(DistEnv, UnderTorchrunsAgentStoreKilnsStoreTakesTheNextPort) {
+  EXPECT_EQ(parse(with("TORCHELASTIC_USE_AGENT_STORE", "True"))->master_port, 29512);
+  EXPECT_EQ(parse(with("TORCHELASTIC_USE_AGENT_STORE", "False"))->master_port, 29511);
+  std::map<std::string, std::string> vars = with("TORCHELASTIC_USE_AGENT_STORE", "True");
+  vars["MASTER_PORT"] = "65535";
+  EXPECT_KILN_ERROR(parse(vars), "MASTER_PORT=65535 leaves no next port for kiln's store beside torchrun's");
+}
+
 TEST(DistEnv, RestartCountIsTorchElastics) {
   EXPECT_EQ(parse(kFourRanks)->restart_count, 0);
   EXPECT_EQ(parse(with("TORCHELASTIC_RESTART_COUNT", "2"))->restart_count, 2);

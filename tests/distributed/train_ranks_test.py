@@ -8,6 +8,9 @@
             and the last checkpoint stays whole.
   nodes     2 nodes x 2 processes (two kiln launch --nnodes 2 --node-rank R on this machine) end
             with the losses and params of 4 processes of one node.
+  launchers the same run started by kiln launch, by torchrun (--no-python; skipped without it) and
+            as Slurm's srun starts tasks (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...; no
+            torchrun variables): the same losses and params, bit for bit.
   restart   kiln launch --max-restarts 1 with a rank killed mid-run: the group restarts from its
             last checkpoint and ends with the params of a run never interrupted, bit for bit; with
             --min-nproc 1 (the killed rank's slot left out, the run goes on alone) those of 2
@@ -223,6 +226,70 @@ def check_nodes(kiln, device):
         return 0 if ok else 1
 
 
+TORCHRUN = "/opt/kiln-venv/bin/torchrun"
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT")
+
+
+def check_launchers(kiln, device):
+    model, steps, batch = "llama-tiny", 6, 8
+    args = lambda d: train_args(model, steps, batch, device, ["--shard", "zero2", "--checkpoint-dir", d,
+                                                              "--consolidate"])
+    # One OpenMP thread a rank in every run (torchrun's default): CPU kernels sum in the same order.
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    clean["OMP_NUM_THREADS"] = "1"
+    runs = {}
+    with tempfile.TemporaryDirectory() as d:
+        p, _ = run([kiln, "launch", "-n", "2", "--"] + args(d), env=clean)
+        runs["kiln launch"] = (p, d)
+        if p.returncode == 0:
+            want = load_file(os.path.join(d, "consolidated.safetensors"))
+    if runs["kiln launch"][0].returncode != 0:
+        p = runs["kiln launch"][0]
+        print(p.stdout[-2000:], p.stderr[-2000:])
+        print("FAIL: kiln launch -n 2")
+        return 1
+    want_losses = losses_of(runs["kiln launch"][0].stdout)
+    failures = 0
+    for name in ("torchrun", "srun"):
+        with tempfile.TemporaryDirectory() as d:
+            if name == "torchrun":
+                if not os.path.exists(TORCHRUN):
+                    print(f"skip torchrun: no {TORCHRUN}")
+                    continue
+                p, _ = run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", kiln] +
+                           args(d), env=clean)
+                output = p.stdout
+                ok_exit = p.returncode == 0
+            else:
+                # What srun gives each task of `srun -N1 -n2` on this host.
+                port = free_port()
+                tasks = [subprocess.Popen([kiln] + args(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=dict(clean, SLURM_PROCID=str(rank), SLURM_NTASKS="2",
+                                                   SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
+                                                   SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost",
+                                                   SLURM_JOB_ID=str(port - 29500) if port > 29500 else "0",
+                                                   MASTER_PORT=str(port)))
+                         for rank in (0, 1)]
+                outs = [t.communicate(timeout=300) for t in tasks]
+                output = outs[0][0]
+                ok_exit = all(t.returncode == 0 for t in tasks)
+                p = subprocess.CompletedProcess([], tasks[0].returncode, outs[0][0], outs[0][1] + outs[1][1])
+            if not ok_exit:
+                print(p.stdout[-2000:], p.stderr[-2000:])
+                print(f"FAIL: {name}: exit {p.returncode}")
+                failures += 1
+                continue
+            got = load_file(os.path.join(d, "consolidated.safetensors"))
+            same = all(np.array_equal(want[k], got[k]) for k in want)
+            losses = losses_of(output)
+            ok = same and losses == want_losses and "2 ranks" in output
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: losses {'equal' if losses == want_losses else 'DIFFER'}, params "
+                  f"{'bit for bit' if same else 'DIFFER'} as kiln launch -n 2")
+            failures += 0 if ok else 1
+    return failures
+
+
 def rank_pid(launcher, rank):
     """The pid of the launcher's child whose environment says RANK=rank."""
     for pid in os.listdir("/proc"):
@@ -322,7 +389,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--models", default="mlp,gpt2-tiny")
     ap.add_argument("--modes", default="dp,zero1,zero2,zero3")
-    ap.add_argument("--checks", default="match,disagree,fault,nodes,restart")
+    ap.add_argument("--checks", default="match,disagree,fault,nodes,launchers,restart")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
                     help="params: |got - want| <= tol + 1e-5 |want| (losses, printed to 4 places: within 2e-4)")
     ap.add_argument("--amp", default=AMP)
@@ -338,6 +405,8 @@ def main():
         failures += check_fault(a.kiln, a.device)
     if "nodes" in checks:
         failures += check_nodes(a.kiln, a.device)
+    if "launchers" in checks:
+        failures += check_launchers(a.kiln, a.device)
     if "restart" in checks:
         failures += check_restart(a.kiln, a.device)
     print("all passed" if failures == 0 else f"{failures} FAILED")
