@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "device/communicator.h"
@@ -368,10 +369,10 @@ void Trainer::save(const std::string& path, std::map<std::string, std::string> m
     metadata["kiln.world_size"] = std::to_string(world_size());
     metadata["kiln.rank"] = std::to_string(rank());
     metadata["kiln.shard"] = std::string(shard_mode_name(sharding_.mode));
-    // Which tensors are shards (a 1-element tensor's shard has the tensor's own shape).
-    std::vector<std::string> names;
-    for (const auto& [name, type] : sharded_) names.push_back(name);
-    metadata["kiln.sharded"] = fmt::format("{}", fmt::join(names, "\n"));
+    // Which tensors are shards, and their whole shapes (checkpoint/reshard.h reads them).
+    nlohmann::json sharded = nlohmann::json::object();
+    for (const auto& [name, type] : sharded_) sharded[name] = type.shape;
+    metadata["kiln.sharded"] = sharded.dump();
   }
   save_safetensors(path, host_tensors(), metadata);
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`kiln export-hf` and `kiln import-hf` (tools/cli/hf.cc) as a user runs them: a llama-tiny run's
-checkpoint (one process, and 2 ranks' consolidated one) exported to a LlamaForCausalLM directory
+checkpoint (one process; 2 ranks' consolidated file, and their rank files) exported to a LlamaForCausalLM directory
 and imported back gives the checkpoint's params bit for bit; `kiln train --init` starts from
 them; transformers loads the directory (when a Python with transformers is found); what cannot
 be exported is refused in one line. (tests/train/hf_llama_test.cc compares the logits.)
@@ -84,14 +84,19 @@ def main():
         check_round_trip(os.path.join(d, "ck"), os.path.join(d, "ck", "consolidated.safetensors"), d)
         print("ok  2 ranks (zero3), consolidated")
     with tempfile.TemporaryDirectory() as d:
-        kiln("launch", "-n", "2", "--", *TRAIN, "--shard", "zero3", "--checkpoint-dir", os.path.join(d, "ck"))
-        result = kiln("export-hf", os.path.join(d, "ck"), os.path.join(d, "hf"), ok=False)
-        assert result.returncode != 0 and "2 ranks' shards; export reads whole tensors" in result.stderr and \
+        # Rank files alone (no --consolidate): export gathers the shards; the same weights as the
+        # consolidated file of the same run.
+        ck = os.path.join(d, "ck")
+        kiln("launch", "-n", "2", "--", *TRAIN, "--shard", "zero3", "--checkpoint-dir", ck, "--consolidate")
+        os.rename(os.path.join(ck, "consolidated.safetensors"), os.path.join(d, "whole.safetensors"))
+        check_round_trip(ck, os.path.join(d, "whole.safetensors"), d)
+        result = kiln("export-hf", os.path.join(ck, "last.rank0-of-2.safetensors"), os.path.join(d, "hf1"), ok=False)
+        assert result.returncode != 0 and "in rank 1's file, not given" in result.stderr and \
             len(result.stderr.splitlines()) == 1, result.stderr
-        result = kiln(*TRAIN, "--init", os.path.join(d, "ck", "last.rank0-of-2.safetensors"), ok=False)
+        result = kiln(*TRAIN, "--init", os.path.join(ck, "last.rank0-of-2.safetensors"), ok=False)
         assert result.returncode != 0 and "'emb.weight' is f32[8192], model llama-tiny needs f32[256,64]" in \
             result.stderr, result.stderr
-        print("ok  rank files: export-hf and train --init refuse them in one line")
+        print("ok  2 ranks (zero3), rank files; one rank's file alone refused in one line (export-hf, train --init)")
 
 
 if __name__ == "__main__":

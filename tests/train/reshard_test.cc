@@ -120,8 +120,8 @@ TEST(ReadCheckpoint, AssemblesEachRanksPartFromAnotherGroupsShards) {
   EXPECT_EQ(read.tensors.at("a").get(1), kFull.get(3));
 }
 
-// A 1-element tensor's shard has the tensor's own shape: the kiln.sharded list says which it is,
-// and the value is rank 0's (rank 1's file holds padding).
+// A 1-element tensor's shard has the tensor's own shape: the kiln.sharded list (names and whole
+// shapes) says which it is, and the value is rank 0's (rank 1's file holds padding).
 TEST(ReadCheckpoint, AOneElementShardIsReadFromRankZero) {
   testing::TempDir dir;
   const std::string d = dir.path().string();
@@ -131,8 +131,10 @@ TEST(ReadCheckpoint, AOneElementShardIsReadFromRankZero) {
     held.set(0, rank == 0 ? value.get(0) : 0.0);
     save_safetensors(checkpoint_path(d, rank, 2), {{"c", held}, {"b", kWhole}},
                      {{"kiln.steps_done", "1"}, {"kiln.world_size", "2"}, {"kiln.rank", std::to_string(rank)},
-                      {"kiln.sharded", "c"}});
+                      {"kiln.sharded", R"({"c": [1]})"}});
   }
+  EXPECT_EQ(checkpoint_types({checkpoint_path(d, 0, 2)}),
+            (std::map<std::string, TensorType>{{"b", kWhole.type()}, {"c", value.type()}}));
   const TensorType whole = kWhole.type();
   // Rank 1's file first: the whole 'b' may come from it, 'c' must not.
   const CheckpointRead read = read_checkpoint({checkpoint_path(d, 1, 2), checkpoint_path(d, 0, 2)},

@@ -18,30 +18,35 @@ int64_t metadata_int(const std::map<std::string, std::string>& metadata, const c
 }
 
 void export_hf(const std::string& checkpoint, const std::string& out, int64_t heads, int64_t seq) {
-  // A directory: its newest checkpoint, which must hold whole tensors.
-  std::string file = checkpoint;
+  // A directory: its newest checkpoint (a group's rank files too, whose shards are gathered).
+  std::vector<std::string> files = {checkpoint};
   if (std::filesystem::is_directory(checkpoint)) {
     const std::optional<train::CheckpointFiles> found = train::find_checkpoint(checkpoint, 1);
     KILN_CHECK(found.has_value(), "export-hf: no checkpoint in '{}'", checkpoint);
-    KILN_CHECK(found->world_size == 1,
-               "export-hf: the newest checkpoint in '{}' is {} ranks' shards; export reads whole tensors: "
-               "consolidated.safetensors (kiln train --consolidate) or a single process's last.safetensors",
-               checkpoint, found->world_size);
-    file = found->paths[0];
+    files = found->paths;
   }
-  train::SafetensorsFile saved = train::load_safetensors(file);
-  KILN_CHECK(saved.metadata.count("kiln.world_size") == 0 || saved.metadata.count("kiln.consolidated"),
-             "export-hf: '{}' is one rank's shards; export consolidated.safetensors (kiln train --consolidate)", file);
+  // The params, whole (not the optimizer's state).
+  const std::map<std::string, TensorType> types = train::checkpoint_types(files);
+  int64_t layers = 0;
+  while (types.count(fmt::format("h{}.q.weight", layers))) ++layers;
+  std::map<std::string, train::TensorPart> whole;
+  for (const std::string& name : train::llama_param_names(layers)) {
+    auto it = types.find(name);
+    KILN_CHECK(it != types.end(), "export-hf: '{}' has no '{}': not a checkpoint of kiln's llama", files[0], name);
+    whole[name] = train::TensorPart{it->second, 0, it->second};
+  }
+  train::CheckpointRead saved = train::read_checkpoint(files, whole);
   if (heads == 0) heads = metadata_int(saved.metadata, "kiln.heads");
-  KILN_CHECK(heads > 0, "export-hf: '{}' does not say its number of heads: give --heads", file);
+  KILN_CHECK(heads > 0, "export-hf: '{}' does not say its number of heads: give --heads", files[0]);
   if (seq == 0) seq = metadata_int(saved.metadata, "kiln.seq");
   train::LlamaWeights weights;
   weights.config = train::llama_config_of(saved.tensors, heads, seq);
-  weights.params = std::move(saved.tensors);  // the export takes the params by name, not the optimizer's state
+  weights.params = std::move(saved.tensors);
   train::export_hf_llama(weights, out);
   const models::LlamaConfig& c = weights.config;
-  fmt::print("{}: LlamaForCausalLM, {} layers, d_model {}, {} heads ({} key/value), hidden {}, vocab {} -> {}\n", file,
-             c.layers, c.d_model, c.heads, c.kv_heads, c.hidden, c.vocab, out);
+  fmt::print("{}{}: LlamaForCausalLM, {} layers, d_model {}, {} heads ({} key/value), hidden {}, vocab {} -> {}\n",
+             files[0], files.size() > 1 ? fmt::format(" and {} more", files.size() - 1) : "", c.layers, c.d_model,
+             c.heads, c.kv_heads, c.hidden, c.vocab, out);
 }
 
 void import_hf(const std::string& dir, const std::string& out) {
@@ -68,7 +73,7 @@ void add_hf_commands(CLI::App& app) {
   auto heads = std::make_shared<int64_t>(0);
   auto seq = std::make_shared<int64_t>(0);
   out->add_option("CHECKPOINT", *checkpoint,
-                  "A checkpoint file with whole tensors, or a --checkpoint-dir (its newest such checkpoint)")
+                  "A checkpoint file with whole tensors, or a --checkpoint-dir (its newest checkpoint, rank files too)")
       ->required();
   out->add_option("OUT_DIR", *out_dir, "The directory to write")->required();
   out->add_option("--heads", *heads, "Attention heads (default: the checkpoint's kiln.heads)");

@@ -175,6 +175,12 @@ std::map<std::string, Tensor> from_hf_llama(const models::LlamaConfig& config, c
   return convert(config, hf, /*to_hf=*/false);
 }
 
+std::vector<std::string> llama_param_names(int64_t layers) {
+  std::vector<std::string> names;
+  for (const NamePair& pair : name_pairs(layers)) names.push_back(pair.kiln);
+  return names;
+}
+
 void export_hf_llama(const LlamaWeights& weights, const std::string& dir) {
   const std::map<std::string, Tensor> hf = to_hf_llama(weights.config, weights.params);
   std::filesystem::create_directories(dir);

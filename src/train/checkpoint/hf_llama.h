@@ -21,6 +21,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "models/models.h"
 #include "tensor/tensor.h"
@@ -44,6 +45,9 @@ models::LlamaConfig llama_config_from_hf_json(const std::string& text, const std
 // naming a missing tensor or one of another shape.
 std::map<std::string, Tensor> to_hf_llama(const models::LlamaConfig& config, const std::map<std::string, Tensor>& params);
 std::map<std::string, Tensor> from_hf_llama(const models::LlamaConfig& config, const std::map<std::string, Tensor>& hf);
+
+// kiln's names of a llama's params with `layers` blocks.
+std::vector<std::string> llama_param_names(int64_t layers);
 
 // `dir`/model.safetensors and `dir`/config.json (the directory is made).
 void export_hf_llama(const LlamaWeights& weights, const std::string& dir);

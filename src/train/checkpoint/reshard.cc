@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <regex>
 
 #include "support/error.h"
@@ -68,24 +69,32 @@ std::pair<int, std::vector<int>> check_group(const std::vector<std::string>& pat
   return {world, ranks};
 }
 
+// The tensors a file's metadata lists as shards (kiln.sharded: {name: whole shape}), by name;
+// nullopt for a file without the list (written before kiln wrote it).
+std::optional<std::map<std::string, Shape>> sharded_list(const std::string& path,
+                                                          const std::map<std::string, std::string>& metadata) {
+  auto it = metadata.find("kiln.sharded");
+  if (it == metadata.end()) return std::nullopt;
+  const nlohmann::json list = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  KILN_CHECK(list.is_object(), "checkpoint '{}': kiln.sharded is not a JSON object of shapes", path);
+  std::map<std::string, Shape> shapes;
+  for (const auto& [name, shape] : list.items()) {
+    KILN_CHECK(shape.is_array(), "checkpoint '{}': kiln.sharded's '{}' is not a shape", path, name);
+    shapes[name] = shape.get<Shape>();
+  }
+  return shapes;
+}
+
 // Whether file `path` of a group of `world` holds tensor `name` (of full type `full`) as its shard
-// of ceil(n / world) elements rather than whole: as its metadata's kiln.sharded list says (kiln
-// writes one), else as its stored type says. Throws when the stored type is neither.
+// of ceil(n / world) elements rather than whole: as its metadata's kiln.sharded list says, else
+// as its stored type says (a 1-element tensor's shard has the whole's shape: the list tells
+// them apart). Throws when the stored type is neither.
 bool holds_shard(const std::string& path, const std::map<std::string, std::string>& metadata, const std::string& name,
                  const TensorType& stored, const TensorType& full, int world) {
   const int64_t k = (full.numel() + world - 1) / world;
   const TensorType shard{full.dtype, {k}};
-  auto listed = metadata.find("kiln.sharded");
-  bool is_shard = stored != full;
-  if (listed != metadata.end()) {
-    std::string_view names = listed->second;
-    is_shard = false;
-    while (!names.empty() && !is_shard) {
-      const size_t end = names.find('\n');
-      is_shard = names.substr(0, end) == name;
-      names = end == std::string_view::npos ? std::string_view() : names.substr(end + 1);
-    }
-  }
+  const std::optional<std::map<std::string, Shape>> listed = sharded_list(path, metadata);
+  const bool is_shard = listed ? listed->count(name) > 0 : stored != full;
   KILN_CHECK(is_shard ? world > 1 && stored == shard : stored == full, "checkpoint '{}': '{}' is {}, the model needs {}{}",
              path, name, to_string(stored), to_string(full),
              world > 1 ? fmt::format(" (or its shard of {} ranks, {} elements)", world, k) : "");
@@ -163,6 +172,16 @@ std::optional<CheckpointFiles> find_checkpoint(const std::string& dir, int world
   }
   KILN_CHECK(best || passed_over.empty(), "no complete checkpoint in '{}': {}", dir, fmt::join(passed_over, "; "));
   return best;
+}
+
+std::map<std::string, TensorType> checkpoint_types(const std::vector<std::string>& paths) {
+  KILN_CHECK(!paths.empty(), "no checkpoint files given");
+  const SafetensorsHeader header = load_safetensors_header(paths[0]);
+  std::map<std::string, TensorType> types = header.types;
+  if (const std::optional<std::map<std::string, Shape>> listed = sharded_list(paths[0], header.metadata))
+    for (const auto& [name, shape] : *listed)
+      if (auto it = types.find(name); it != types.end()) it->second.shape = shape;
+  return types;
 }
 
 CheckpointRead read_checkpoint(const std::vector<std::string>& paths, const std::map<std::string, TensorPart>& want) {

@@ -55,6 +55,10 @@ struct TensorPart {
   TensorType stored;
 };
 
+// Every tensor's whole type in the checkpoint `paths` (a sharded one's from the metadata's
+// kiln.sharded list, which kiln writes): what read_checkpoint reads whole, as an export does.
+std::map<std::string, TensorType> checkpoint_types(const std::vector<std::string>& paths);
+
 struct CheckpointRead {
   std::map<std::string, Tensor> tensors;        // by name, each of its TensorPart::stored type
   std::map<std::string, std::string> metadata;  // the first file's
