@@ -15,6 +15,7 @@
 
 #include "device/device_runtime.h"
 #include "distributed/comm_profile.h"
+#include "distributed/env.h"
 #include "distributed/process_group.h"
 #include "ir/text.h"
 #include "models/models.h"
@@ -24,6 +25,8 @@
 #include "train/data/fashion_mnist.h"
 #include "train/data/loader.h"
 #include "train/data/text.h"
+#include "train/checkpoint/reshard.h"
+#include "train/checkpoint/safetensors.h"
 #include "train/trainer.h"
 
 namespace kiln::train {
@@ -499,11 +502,31 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   Task task = from_onnx                              ? onnx_task(o, place)
               : models::is_language_model(o.model) ? language_model_task(o, place)
                                                    : classification_task(o, place);
+  if (!o.init_from.empty()) {
+    // Params by name (kiln import-hf writes such a file; any checkpoint's params do too).
+    const SafetensorsFile file = load_safetensors(o.init_from);
+    size_t p = 0;
+    for (const GraphInput& in : task.forward.inputs) {
+      if (in.role != Role::kParam) continue;
+      const Value& v = task.forward.value(in.value);
+      auto it = file.tensors.find(v.name);
+      KILN_CHECK(it != file.tensors.end(), "--init '{}' has no param '{}' of model {}", o.init_from, v.name, o.model);
+      KILN_CHECK(it->second.type() == v.type, "--init '{}': '{}' is {}, model {} needs {}", o.init_from, v.name,
+                 to_string(it->second.type()), o.model, to_string(v.type));
+      task.init.at(p++) = it->second;
+    }
+  }
   int64_t param_count = 0;
   for (const Tensor& t : task.init) param_count += t.numel();
+  // A group that its launcher restarted after a failure (kiln launch --max-restarts, torchrun)
+  // resumes from its last checkpoint, if it wrote one before it failed; restarted on fewer
+  // processes (--min-nproc) it may be down to one, where a shard mode means nothing.
+  const std::optional<DistEnv> env = dist_env_from_environment();
+  const int restart = env ? env->restart_count : 0;
   std::string shard_note;
   const std::string shard = choose_shard_mode(
-      o.shard, place.world, param_count, on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30, &shard_note);
+      place.world == 1 && restart > 0 ? "none" : o.shard, place.world, param_count,
+      on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30, &shard_note);
   if (place.world > 1)
     fmt::print(o.out, "  {} ranks ({} on each), global batch {} ({} a rank), shard {}\n", place.world,
                group->communicator()->engine(), o.batch, o.batch / place.world, shard_note);
@@ -528,26 +551,29 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
     group->check_agreement("the compiled step (model, batch, flags, build)",
                            step_fingerprint(trainer, fmt::format("{} {} {} {} {}", o.model, o.batch, o.seq, sizes_text(o.sizes), o.seed)));
   // Checkpoints: one file alone; in a group one per rank (its shards), named for the group's
-  // size, and on request a consolidated one that any group size (or one process) resumes from.
-  const std::filesystem::path dir = o.checkpoint_dir;
+  // size, and on request a consolidated one. A group of any size and mode resumes from any of
+  // them (checkpoint/reshard.h).
   const std::string checkpoint =
-      o.checkpoint_dir.empty() ? ""
-      : place.world == 1       ? (dir / "last.safetensors").string()
-                               : (dir / fmt::format("last.rank{}-of-{}.safetensors", place.rank, place.world)).string();
-  const std::string consolidated = o.checkpoint_dir.empty() ? "" : (dir / "consolidated.safetensors").string();
+      o.checkpoint_dir.empty() ? "" : checkpoint_path(o.checkpoint_dir, place.rank, place.world);
+  const std::string consolidated = o.checkpoint_dir.empty() ? "" : consolidated_path(o.checkpoint_dir);
   KILN_CHECK(!o.consolidate || !o.checkpoint_dir.empty(), "--consolidate needs --checkpoint-dir");
   if (!checkpoint.empty()) std::filesystem::create_directories(o.checkpoint_dir);
-  if (o.resume) {
-    KILN_CHECK(!checkpoint.empty(), "--resume needs --checkpoint-dir");
-    std::string from = checkpoint;
-    if (!std::filesystem::exists(from) && std::filesystem::exists(consolidated)) from = consolidated;
-    KILN_CHECK(std::filesystem::exists(from),
-               "--resume: no checkpoint at '{}' (a group of another size resumes from consolidated.safetensors, "
-               "written with --consolidate)",
-               checkpoint);
-    auto metadata = trainer.load(from);
-    KILN_CHECK(metadata["kiln.model"] == o.model, "checkpoint '{}' is of model '{}', not '{}'", from,
-               metadata["kiln.model"], o.model);
+  KILN_CHECK(!o.resume || !checkpoint.empty(), "--resume needs --checkpoint-dir");
+  if (o.resume || (restart > 0 && !checkpoint.empty())) {
+    const std::optional<CheckpointFiles> from = find_checkpoint(o.checkpoint_dir, place.world);
+    KILN_CHECK(from || !o.resume, "--resume: no checkpoint in '{}' (last.safetensors, last.rank*-of-N.safetensors or "
+               "consolidated.safetensors)", o.checkpoint_dir);
+    if (from) {
+      auto metadata = trainer.load(from->paths);
+      KILN_CHECK(metadata["kiln.model"] == o.model, "checkpoint '{}' is of model '{}', not '{}'", from->paths[0],
+                 metadata["kiln.model"], o.model);
+      fmt::print(o.out, "  {}resumed from {} at step {} (written by {} rank{}, shard {})\n",
+                 restart > 0 ? fmt::format("restart {}: ", restart) : "",
+                 from->world_size == 1 ? from->paths[0] : fmt::format("{} rank files", from->world_size),
+                 from->steps_done, from->world_size, from->world_size == 1 ? "" : "s", from->shard);
+    } else {
+      fmt::print(o.out, "  restart {}: no checkpoint in '{}' yet: starting over\n", restart, o.checkpoint_dir);
+    }
   }
   result.compile_seconds = phase.lap();
   std::ofstream metrics;
@@ -558,7 +584,12 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   auto save = [&] {
     if (checkpoint.empty()) return;
     const Stopwatch saving;
-    const std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
+    std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
+    if (o.model.rfind("llama", 0) == 0) {  // what the params' shapes do not say (kiln export-hf reads them)
+      metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : models::llama_config(o.model).heads);
+      metadata["kiln.seq"] = std::to_string(models::language_model_info(o.model, sizes_of(o.sizes, o.seq)).seq);
+    }
+    keep_previous_checkpoint(o.checkpoint_dir, place.rank, place.world);
     trainer.save(checkpoint, metadata);
     if (o.consolidate) trainer.save_consolidated(consolidated, metadata);
     result.checkpoint_seconds += saving.seconds();
@@ -655,7 +686,10 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
              1e3 * result.step_seconds / static_cast<double>(o.steps - first), result.eval_seconds, result.evaluations,
              result.eval_batches, trainer.eval_compile_seconds(), result.checkpoint_seconds);
   if (!checkpoint.empty())
-    fmt::print(o.out, "checkpoint: {}{}\n", place.world == 1 ? checkpoint : (dir / "last.rank*.safetensors").string(),
+    fmt::print(o.out, "checkpoint: {}{}\n",
+               place.world == 1 ? checkpoint
+                                : (std::filesystem::path(o.checkpoint_dir) /
+                                   fmt::format("last.rank*-of-{}.safetensors", place.world)).string(),
                o.consolidate ? fmt::format(" and {}", consolidated) : "");
   return result;
 }

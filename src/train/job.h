@@ -43,9 +43,10 @@ struct JobOptions {
   // Under a launcher (kiln launch, torchrun: WORLD_SIZE set) this process is one rank of a
   // data-parallel group; `batch` is the global batch, of which each rank trains its rows.
   std::string shard = "auto";         // dp | zero1 | zero2 | zero3 | auto (choose_shard_mode)
+  std::string init_from = "";         // params by name from this safetensors file (kiln import-hf's) instead of random
   std::string checkpoint_dir = "";    // "" = no checkpoints (in a group: one file per rank)
   bool consolidate = false;           // in a group, also write checkpoint_dir/consolidated.safetensors
-  bool resume = false;                // continue from checkpoint_dir/last.safetensors
+  bool resume = false;                // continue from checkpoint_dir's newest checkpoint (any world size)
   int64_t eval_every = 0;             // 0 = only at the end
   int64_t log_every = 50;             // plain log line interval (not on a terminal); on cuda
                                       // also how often the loss is read back from the device

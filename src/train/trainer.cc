@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "device/communicator.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
+#include "train/checkpoint/reshard.h"
 #include "train/checkpoint/safetensors.h"
 
 namespace kiln::train {
@@ -367,6 +369,10 @@ void Trainer::save(const std::string& path, std::map<std::string, std::string> m
     metadata["kiln.world_size"] = std::to_string(world_size());
     metadata["kiln.rank"] = std::to_string(rank());
     metadata["kiln.shard"] = std::string(shard_mode_name(sharding_.mode));
+    // Which tensors are shards, and their whole shapes (checkpoint/reshard.h reads them).
+    nlohmann::json sharded = nlohmann::json::object();
+    for (const auto& [name, type] : sharded_) sharded[name] = type.shape;
+    metadata["kiln.sharded"] = sharded.dump();
   }
   save_safetensors(path, host_tensors(), metadata);
 }
@@ -422,50 +428,18 @@ void Trainer::assign(const std::string& name, const Tensor& value) {
   stream_->synchronize();
 }
 
-std::map<std::string, std::string> Trainer::load(const std::string& path) {
-  SafetensorsFile file = load_safetensors(path);
+std::map<std::string, std::string> Trainer::load(const std::vector<std::string>& paths) {
   std::map<std::string, Tensor> mine = named_tensors();
-  auto meta = [&](const char* key) {
-    auto it = file.metadata.find(key);
-    return it == file.metadata.end() ? std::string() : it->second;
-  };
-  const bool consolidated = meta("kiln.consolidated") == "1";
-  if (!consolidated) {
-    // A rank's file: only the same place in a group of the same size and mode reads it.
-    const std::string ranks = meta("kiln.world_size").empty() ? "1" : meta("kiln.world_size");
-    const std::string mode = meta("kiln.shard").empty() ? "none" : meta("kiln.shard");
-    const std::string want_mode(shard_mode_name(sharding_.mode));
-    const bool same_group = ranks == std::to_string(world_size()) &&
-                            (mode == want_mode || (world_size() == 1 && !sharding_.shards_optimizer()));
-    KILN_CHECK(same_group,
-               "checkpoint '{}' was written by {} rank{} ({}), this run has {} ({}): resume with as many "
-               "ranks (kiln launch -n) and the same --shard, or from a consolidated checkpoint (kiln train --consolidate)",
-               path, ranks, ranks == "1" ? "" : "s", mode, world_size(), want_mode);
-    KILN_CHECK(meta("kiln.rank").empty() || meta("kiln.rank") == std::to_string(rank()),
-               "checkpoint '{}' is rank {}'s, this process is rank {}", path, meta("kiln.rank"), rank());
-  }
-  // Check everything first, so a mismatched checkpoint leaves the trainer untouched. A
-  // consolidated file holds full tensors: a rank takes its shard of a sharded one.
-  for (auto& [name, tensor] : mine) {
-    auto it = file.tensors.find(name);
-    KILN_CHECK(it != file.tensors.end(), "checkpoint '{}' has no tensor '{}'", path, name);
+  // This rank's part of each tensor: whole, or its shard of the flat value.
+  std::map<std::string, TensorPart> want;
+  for (const auto& [name, tensor] : mine) {
     auto sharded = sharded_.find(name);
-    const TensorType& want = consolidated && sharded != sharded_.end() ? sharded->second : tensor.type();
-    KILN_CHECK(it->second.type() == want, "checkpoint '{}': '{}' is {}, the model needs {}", path,
-               name, to_string(it->second.type()), to_string(want));
+    want[name] = sharded == sharded_.end() ? TensorPart{tensor.type(), 0, tensor.type()}
+                                           : TensorPart{sharded->second, tensor.numel() * rank(), tensor.type()};
   }
-  if (consolidated)
-    for (const auto& [name, type] : sharded_)
-      file.tensors[name] = host_shard(file.tensors[name], mine[name].numel(), rank());
-  auto steps = file.metadata.find("kiln.steps_done");
-  KILN_CHECK(steps != file.metadata.end(), "checkpoint '{}' has no kiln.steps_done metadata", path);
-  int64_t steps_done = 0;
-  try {
-    steps_done = std::stoll(steps->second);
-  } catch (const std::exception&) {
-    fail("checkpoint '{}': kiln.steps_done is '{}', expected an integer", path, steps->second);
-  }
-  for (auto& [name, tensor] : mine) runtime_->copy_async(tensor, file.tensors[name], *stream_);
+  CheckpointRead file = read_checkpoint(paths, want);  // checks everything before we touch anything
+  const int64_t steps_done = std::stoll(file.metadata.at("kiln.steps_done"));  // read_checkpoint checked it
+  for (auto& [name, tensor] : mine) runtime_->copy_async(tensor, file.tensors.at(name), *stream_);
   stream_->synchronize();  // the file's host tensors go when we return
   steps_done_ = steps_done;
   return file.metadata;

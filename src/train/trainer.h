@@ -132,18 +132,20 @@ class Trainer {
   size_t param_and_state_bytes() const;
 
   // Checkpoint: every param and state tensor, the step count and `metadata`, in safetensors,
-  // written atomically. load() checks names, types and shapes before touching anything. In a
-  // group, each rank writes its own tensors (its shards, for the sharded modes) with the world
-  // size, rank and shard mode in the metadata; such a file loads only into the same rank of a
-  // group of the same size and mode.
+  // written atomically. In a group, each rank writes its own tensors (its shards, for the
+  // sharded modes) with the world size, rank and shard mode in the metadata.
   void save(const std::string& path, std::map<std::string, std::string> metadata = {}) const;
   // Every param and state tensor at its full shape (shards gathered from every rank), written
   // by rank 0 alone; every rank must call it (it communicates). A single process writes what
   // save() writes. The params are plain tensors under their names, readable by any safetensors
   // reader; load() takes the file in a group of any size and mode.
   void save_consolidated(const std::string& path, std::map<std::string, std::string> metadata = {}) const;
-  // Returns the checkpoint's metadata.
-  std::map<std::string, std::string> load(const std::string& path);
+  // Loads a checkpoint: one file (a single process's or a consolidated one), or every rank's
+  // file of a group, in rank order (checkpoint/reshard.h), written at any world size and shard
+  // mode: this rank takes its part of each tensor. Checks names, types and shapes before
+  // touching anything. Returns the (first file's) metadata.
+  std::map<std::string, std::string> load(const std::vector<std::string>& paths);
+  std::map<std::string, std::string> load(const std::string& path) { return load(std::vector<std::string>{path}); }
   // `value` reduced over the group's ranks (the communicator, on the trainer's stream; every
   // rank must call it): a metric's sum, a peak's max. A single process returns `value`.
   double reduce_over_ranks(double value, ReduceOp op = ReduceOp::kSum) const;

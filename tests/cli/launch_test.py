@@ -2,7 +2,8 @@
 """`kiln launch` (tools/cli/launch.cc) run as a user runs it: N processes of a shell command with
 torchrun's variables, output prefixed per rank without broken lines, a failed or killed rank
 named and the others ended (their pids gone), SIGTERM to the launcher passed on, bad input
-refused with one line, and a kiln command run by the same kiln.
+refused with one line, a kiln command run by the same kiln, node ranks (--nnodes), and
+restarts (--max-restarts, --min-nproc).
 
   python3 tests/cli/launch_test.py PATH/TO/kiln      (ctest: cli/launch)
 """
@@ -164,6 +165,48 @@ def test_sigterm_to_the_launcher_ends_every_rank():
         check(len(pids) == 4 and all(is_gone(p) for p in pids), f"every rank and its child are gone: {pids}")
 
 
+def test_second_node_numbers_its_ranks_after_the_first():
+    result, _ = launch("--nnodes", "3", "--node-rank", "1", "--master-addr", "node0", "--master-port", "29999",
+                       "-n", "2", "--", "sh", "-c",
+                       "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$GROUP_RANK $MASTER_ADDR:$MASTER_PORT")
+    check(result.returncode == 0, "node 1's ranks exit 0", result)
+    check(sorted(result.stdout.splitlines()) == ["[rank 2] 2/6/0/2/1 node0:29999", "[rank 3] 3/6/1/2/1 node0:29999"],
+          "node 1 of 3 runs ranks 2 and 3 of 6, each line prefixed with its global rank", result)
+
+
+def test_restarts_start_the_group_again():
+    # Rank 1 fails on the first start only; the restarted group succeeds.
+    script = ('echo start $RANK $TORCHELASTIC_RESTART_COUNT $WORLD_SIZE; '
+              'if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 3; fi; sleep 0.2')
+    result, _ = launch("-n", "2", "--grace", "1", "--max-restarts", "2", "--", "sh", "-c", script)
+    check(result.returncode == 0, "the restarted group succeeds: exit 0", result)
+    check("kiln launch: rank 1 failed (exit code 3)" in result.stderr and
+          "kiln launch: restarting the group (1 of at most 2) on 2 processes" in result.stderr,
+          "the failure and the restart are named", result)
+    lines = sorted(result.stdout.splitlines())
+    check("start 0 1 2" in lines and "[rank 1] start 1 1 2" in lines and "[rank 1] start 1 0 2" in lines,
+          "both ranks start again with TORCHELASTIC_RESTART_COUNT=1", result)
+    # Out of restarts: the failed rank's code.
+    script = 'if [ $RANK = 1 ]; then exit 4; fi; sleep 600'
+    result, _ = launch("-n", "2", "--grace", "0", "--max-restarts", "1", "--", "sh", "-c", script)
+    check(result.returncode == 4 and result.stderr.count("rank 1 failed (exit code 4)") == 2 and
+          result.stderr.count("restarting the group") == 1, "one restart, then the failed rank's code", result)
+
+
+def test_min_nproc_leaves_the_failed_slot_out():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="4,5,6")
+    script = ('echo $TORCHELASTIC_RESTART_COUNT $RANK/$WORLD_SIZE/$LOCAL_WORLD_SIZE ${CUDA_VISIBLE_DEVICES}; '
+              'if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi; '
+              'if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then sleep 600; fi')
+    result, _ = launch("-n", "3", "--grace", "0", "--max-restarts", "1", "--min-nproc", "2", "--", "sh", "-c", script,
+                       env=env)
+    check(result.returncode == 0 and "restarting the group (1 of at most 1) on 2 processes" in result.stderr,
+          "the group restarts on 2 processes", result)
+    restarted = sorted(l for l in result.stdout.splitlines() if re.match(r"^(\[rank \d\] )?1 ", l))
+    check(restarted == ["1 0/2/2 4,6", "[rank 1] 1 1/2/2 4,6"],
+          "ranks 0 and 1 of 2, on the devices of slots 0 and 2 (the failed slot 1 left out)", result)
+
+
 def test_bad_input_is_refused_in_one_line():
     for args, expected in ((["-n", "0", "--", "true"], "-n 0: expected 1 to"),
                            (["-n", "100000", "--", "true"], "-n 100000: expected 1 to"),
@@ -171,7 +214,13 @@ def test_bad_input_is_refused_in_one_line():
                            (["-n", "2", "--"], "no command given"),
                            (["-n", "2", "--grace", "-1", "--", "true"], "--grace -1"),
                            (["-n", "2", "--", "launch", "-n", "2", "true"], "cannot be launch itself"),
-                           (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program'")):
+                           (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program'"),
+                           (["--nnodes", "2", "-n", "2", "--", "true"], "--nnodes 2 needs --master-port"),
+                           (["--nnodes", "2", "--node-rank", "2", "--master-port", "1", "-n", "2", "--", "true"],
+                            "--node-rank 2: expected 0 to 1"),
+                           (["-n", "2", "--min-nproc", "3", "--", "true"], "--min-nproc 3: expected 1 to -n 2"),
+                           (["--nnodes", "2", "--master-port", "1", "--min-nproc", "1", "-n", "2", "--", "true"],
+                            "--min-nproc needs --nnodes 1")):
         result, _ = launch(*args)
         check(result.returncode != 0, f"kiln launch {' '.join(args)}: refused", result)
         check(len(result.stderr.splitlines()) == 1 and expected in result.stderr and result.stdout == "",

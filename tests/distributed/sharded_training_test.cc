@@ -1,9 +1,10 @@
 // The correctness bar, in CI: with Gloo at 2 and 3 ranks (threads of this process, each
-// its own process group), for every --shard mode, 10 AdamW steps of gpt2-tiny and of an MLP give
-// the losses and parameters of one process on the same global batch, within float32 tolerance.
+// its own process group), for every --shard mode, 10 AdamW steps of gpt2-tiny, llama-tiny and of
+// an MLP give the losses and parameters of one process on the same global batch, within float32
+// tolerance (offloaded optimizer state too).
 // Also: a rank's checkpoint resumes exactly in a group of the same size; a consolidated one
-// resumes in a group of another size (and alone); a rank's file in a group of another size is a
-// clear error.
+// resumes in a group of another size (and alone); the rank files of N ranks in one mode resume
+// on M ranks in another (Resharding); a rank file that lacks this rank's part is a clear error.
 //
 // Not bitwise: each rank's loss is the mean over its rows and the ranks' gradients are averaged,
 // while one process takes the mean over all rows at once; float32 sums in another order differ
@@ -22,6 +23,7 @@
 #include "distributed/process_group.h"
 #include "models/models.h"
 #include "test_util.h"
+#include "train/checkpoint/reshard.h"
 #include "train/checkpoint/safetensors.h"
 #include "train/trainer.h"
 #include "distributed/test_ranks.h"
@@ -47,12 +49,21 @@ Graph tiny_gpt(int64_t batch) {
   c.seq = 16;
   return models::gpt(c);
 }
+Graph tiny_llama(int64_t batch) {
+  models::LlamaConfig c = models::llama_config("llama-tiny");
+  c.batch = batch;
+  c.seq = 16;
+  return models::llama(c);
+}
 Graph small_mlp(int64_t batch) { return models::mlp(models::MlpConfig{batch, 24, {32}, 10}); }
 std::vector<Tensor> gpt_init(const Graph& g) { return models::init_params(g, 7, 2); }
 std::vector<Tensor> mlp_init(const Graph& g) { return models::init_params_fan_in(g, 7); }
 
 const Model kGpt{"gpt2-tiny", 6, tiny_gpt, gpt_init};
 const Model kMlp{"mlp", 6, small_mlp, mlp_init};
+const Model kLlama{"llama-tiny", 6, tiny_llama, gpt_init};
+
+const Model& model_named(const std::string& name) { return name == "mlp" ? kMlp : name == "llama-tiny" ? kLlama : kGpt; }
 
 // Global batch `step` of `model`: random data (never zeros), the same on every rank.
 std::vector<Tensor> global_batch(const Model& model, int64_t step) {
@@ -178,7 +189,7 @@ class ShardedTraining : public ::testing::TestWithParam<std::tuple<std::string, 
 
 TEST_P(ShardedTraining, MatchesOneProcessOnTheGlobalBatch) {
   const auto& [model_name, world, mode, optimizer] = GetParam();
-  const Model& model = model_name == "mlp" ? kMlp : kGpt;
+  const Model& model = model_named(model_name);
   const OptimizerConfig config = optimizer == "sgd" ? sgd() : adamw();
   const RunResult want = single(model, 10, config);
   const RunResult got = group(model, mode, world, 10, 0, nullptr, nullptr, config);
@@ -189,11 +200,12 @@ TEST_P(ShardedTraining, MatchesOneProcessOnTheGlobalBatch) {
 
 INSTANTIATE_TEST_SUITE_P(
     Gloo, ShardedTraining,
-    ::testing::Combine(::testing::Values("gpt2-tiny", "mlp"), ::testing::Values(2, 3),
+    ::testing::Combine(::testing::Values("gpt2-tiny", "llama-tiny", "mlp"), ::testing::Values(2, 3),
                        ::testing::Values(ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3),
                        ::testing::Values("adamw", "sgd")),
     [](const auto& info) {
-      std::string model = std::get<0>(info.param) == "mlp" ? "Mlp" : "Gpt";
+      const std::string& name = std::get<0>(info.param);
+      std::string model = name == "mlp" ? "Mlp" : name == "llama-tiny" ? "Llama" : "Gpt";
       return fmt::format("{}{}Ranks{}{}", model, std::get<1>(info.param), shard_mode_name(std::get<2>(info.param)),
                          std::get<3>(info.param));
     });
@@ -227,28 +239,30 @@ TEST(DistributionPasses, OffloadedStateTrainsAsOnTheDeviceInEveryMode) {
   if (!kHaveGloo) GTEST_SKIP() << "this kiln was built without Gloo";
   PassOptions offload;
   offload.offload = OffloadMode::kAll;
-  for (ShardMode mode : {ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3}) {
-    SCOPED_TRACE(std::string(shard_mode_name(mode)));
-    // Every rank takes its moments (and nothing else) as host tensors.
-    std::atomic<int> moments_on_host = 0, others_on_host = 0;
-    auto count_host_inputs = [&](Trainer& trainer) {
-      const Executor& executor = trainer.step_executor();
-      for (size_t i = 0; i < executor.graph().inputs.size(); ++i) {
-        if (!executor.input_on_host(i)) continue;
-        const std::string& name = executor.graph().value(executor.graph().inputs[i].value).name;
-        ++(name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0 ? moments_on_host : others_on_host);
+  for (const Model* model : {&kGpt, &kLlama}) {
+    for (ShardMode mode : {ShardMode::kDp, ShardMode::kZero1, ShardMode::kZero2, ShardMode::kZero3}) {
+      SCOPED_TRACE(model->name + " " + std::string(shard_mode_name(mode)));
+      // Every rank takes its moments (and nothing else) as host tensors.
+      std::atomic<int> moments_on_host = 0, others_on_host = 0;
+      auto count_host_inputs = [&](Trainer& trainer) {
+        const Executor& executor = trainer.step_executor();
+        for (size_t i = 0; i < executor.graph().inputs.size(); ++i) {
+          if (!executor.input_on_host(i)) continue;
+          const std::string& name = executor.graph().value(executor.graph().inputs[i].value).name;
+          ++(name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0 ? moments_on_host : others_on_host);
+        }
+      };
+      const RunResult device = group(*model, mode, 2, 3);
+      const RunResult host = group(*model, mode, 2, 3, 0, count_host_inputs, nullptr, adamw(), offload);
+      EXPECT_GT(moments_on_host, 0);
+      EXPECT_EQ(others_on_host, 0);
+      EXPECT_EQ(device.losses, host.losses);
+      ASSERT_EQ(device.tensors.size(), host.tensors.size());
+      for (const auto& [name, tensor] : device.tensors) {
+        const Tensor& other = host.tensors.at(name);
+        ASSERT_EQ(other.type(), tensor.type()) << name;
+        EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
       }
-    };
-    const RunResult device = group(kGpt, mode, 2, 3);
-    const RunResult host = group(kGpt, mode, 2, 3, 0, count_host_inputs, nullptr, adamw(), offload);
-    EXPECT_GT(moments_on_host, 0);
-    EXPECT_EQ(others_on_host, 0);
-    EXPECT_EQ(device.losses, host.losses);
-    ASSERT_EQ(device.tensors.size(), host.tensors.size());
-    for (const auto& [name, tensor] : device.tensors) {
-      const Tensor& other = host.tensors.at(name);
-      ASSERT_EQ(other.type(), tensor.type()) << name;
-      EXPECT_EQ(std::memcmp(other.raw(), tensor.raw(), tensor.bytes()), 0) << name;
     }
   }
 }
@@ -304,13 +318,74 @@ TEST_F(ShardedCheckpoint, RankFilesResumeExactlyAndConsolidatedResumesOnAnotherW
   for (int64_t s = 3; s < 6; ++s) alone.step(global_batch(model, s));
   RunResult one{alone.take_losses(), alone.host_tensors()};
   expect_same_run(tail, one, param_tolerance(adamw()));
-  // A rank's file in a group of another size: a clear error, before anything is touched.
+  // Rank 0's file of 2 alone does not hold rank 2 of 3's shard: a clear error, before anything is
+  // touched (a group of another size reads every rank's file: Resharding below).
   std::string error;
   group(model, mode, 3, 1, 0, [&](Trainer& t) {
-    if (t.rank() == 0) error = testing::error_of([&] { t.load(rank_file(0)); });
+    if (t.rank() == 2) error = testing::error_of([&] { t.load(rank_file(0)); });
   });
-  EXPECT_NE(error.find("was written by 2 ranks (zero3), this run has 3"), std::string::npos) << error;
+  EXPECT_NE(error.find("is of a group of 2: this rank's part of"), std::string::npos) << error;
+  EXPECT_NE(error.find("is in rank 1's file, not given"), std::string::npos) << error;
 }
+
+// Resharding: rank files written by N ranks in one mode resume on M ranks in another (or alone),
+// and the run goes on as one at M uninterrupted would (float32 tolerance: the first steps ran at
+// N, whose sums differ from M's in the last bits).
+struct Layout {
+  int world;  // 1: one process, no group
+  ShardMode mode;
+};
+
+class Resharding : public ShardedCheckpoint, public ::testing::WithParamInterface<std::pair<Layout, Layout>> {};
+
+// `steps` steps of `model` from `first` at `layout`, `before` run first on the trainer(s).
+RunResult run_at(const Model& model, Layout layout, int64_t steps, int64_t first = 0,
+                 const std::function<void(Trainer&)>& before = nullptr,
+                 const std::function<void(Trainer&)>& after = nullptr) {
+  if (layout.world > 1) return group(model, layout.mode, layout.world, steps, first, before, after);
+  const Graph g = model.forward(model.batch);
+  Trainer trainer(g, adamw(), model.init(g));
+  if (before) before(trainer);
+  for (int64_t s = first; s < first + steps; ++s) trainer.step(global_batch(model, s));
+  RunResult run{trainer.take_losses(), trainer.host_tensors()};
+  if (after) after(trainer);
+  return run;
+}
+
+TEST_P(Resharding, RankFilesResumeOnAnotherWorldSizeAndMode) {
+  const auto& [from, to] = GetParam();
+  Model model = kLlama;
+  model.batch = 12;  // splits over 1, 2, 3 and 4 ranks
+  const RunResult whole = run_at(model, to, 5);
+  const std::string dir = dir_.string();
+  run_at(model, from, 2, 0, nullptr, [&](Trainer& t) { t.save(train::checkpoint_path(dir, t.rank(), t.world_size())); });
+  const std::optional<train::CheckpointFiles> files = train::find_checkpoint(dir, to.world);
+  ASSERT_TRUE(files.has_value());
+  EXPECT_EQ(files->world_size, from.world);
+  EXPECT_EQ(files->steps_done, 2);
+  const RunResult resumed = run_at(model, to, 3, 2, [&](Trainer& t) {
+    t.load(files->paths);
+    EXPECT_EQ(t.steps_done(), 2);
+  });
+  RunResult tail = whole;
+  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 2);
+  EXPECT_GT(std::abs(tail.losses.front() - tail.losses.back()), 1e-3);
+  expect_same_run(tail, resumed, param_tolerance(adamw()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gloo, Resharding,
+    ::testing::Values(std::pair(Layout{4, ShardMode::kZero3}, Layout{2, ShardMode::kZero1}),
+                      std::pair(Layout{2, ShardMode::kZero2}, Layout{1, ShardMode::kNone}),
+                      std::pair(Layout{1, ShardMode::kNone}, Layout{4, ShardMode::kZero3}),
+                      std::pair(Layout{3, ShardMode::kDp}, Layout{2, ShardMode::kZero3}),
+                      std::pair(Layout{2, ShardMode::kZero3}, Layout{3, ShardMode::kZero2})),
+    [](const auto& info) {
+      const auto name = [](Layout l) {
+        return l.world == 1 ? std::string("One") : fmt::format("{}{}", l.world, shard_mode_name(l.mode));
+      };
+      return name(info.param.first) + "To" + name(info.param.second);
+    });
 
 }  // namespace
 }  // namespace kiln

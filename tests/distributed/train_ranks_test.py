@@ -6,6 +6,15 @@
   disagree  ranks given different batches stop at start-up with one clear error, no hang;
   fault     a rank killed mid-run: the launcher exits non-zero within 60 s naming the lost rank,
             and the last checkpoint stays whole.
+  nodes     2 nodes x 2 processes (two kiln launch --nnodes 2 --node-rank R on this machine) end
+            with the losses and params of 4 processes of one node.
+  launchers the same run started by kiln launch, by torchrun (--no-python; skipped without it) and
+            as Slurm's srun starts tasks (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...; no
+            torchrun variables): the same losses and params, bit for bit.
+  restart   kiln launch --max-restarts 1 with a rank killed mid-run: the group restarts from its
+            last checkpoint and ends with the params of a run never interrupted, bit for bit; with
+            --min-nproc 1 (the killed rank's slot left out, the run goes on alone) those of 2
+            ranks to the checkpoint's step and one process from there.
 
 CI runs it on the CPU (Gloo); scripts/gpu-dist-check.sh runs it with --device cuda (NCCL) on 2
 and 4 GPUs. Needs numpy and safetensors (scripts/install-deps.sh installs them); skips without.
@@ -43,7 +52,7 @@ AMP = "off"
 def train_args(model, steps, batch, device, extra):
     args = ["train", "--model", model, "--steps", str(steps), "--batch", str(batch), "--device", device, "--amp", AMP,
             "--eval-every", str(steps), "--eval-batches", "2", "--log-every", "1", "--seed", "3", "--lr", "3e-3"]
-    if model.startswith("gpt2"):
+    if model.startswith(("gpt2", "llama")):
         args += ["--seq", "32"]
     return args + extra
 
@@ -161,6 +170,217 @@ def check_fault(kiln, device):
         return 0 if ok else 1
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def max_scaled_error(want, got):
+    worst = 0.0
+    for key, w in want.items():
+        g = got[key]
+        assert g.shape == w.shape, (key, g.shape, w.shape)
+        if w.size:
+            worst = max(worst, float(np.max(np.abs(g.astype(np.float64) - w) / (TOLERANCE + 1e-5 * np.abs(w)))))
+    return worst
+
+
+def node_env(device, node):
+    """On GPUs the two "nodes" share one machine: node R takes GPUs 2R and 2R+1 (LOCAL_RANK 0, 1)."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES=f"{2 * node},{2 * node + 1}") if device == "cuda" else None
+
+
+def check_nodes(kiln, device):
+    model, steps, batch = "llama-tiny", 6, 8
+    with tempfile.TemporaryDirectory() as one_node, tempfile.TemporaryDirectory() as two_nodes:
+        p, _ = run([kiln, "launch", "-n", "4", "--"] +
+                   train_args(model, steps, batch, device, ["--shard", "zero3", "--checkpoint-dir", one_node,
+                                                            "--consolidate"]))
+        if p.returncode != 0:
+            print(p.stdout[-3000:], p.stderr[-3000:])
+            print("FAIL: 4 processes of one node")
+            return 1
+        want_losses = losses_of(p.stdout)
+        port = str(free_port())
+        nodes = [subprocess.Popen([kiln, "launch", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
+                                   "127.0.0.1", "--master-port", port, "-n", "2", "--"] +
+                                  train_args(model, steps, batch, device, ["--shard", "zero3", "--checkpoint-dir",
+                                                                           two_nodes, "--consolidate"]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=node_env(device, node)) for node in (0, 1)]
+        outputs = [n.communicate(timeout=300) for n in nodes]
+        if any(n.returncode != 0 for n in nodes):
+            for out, err in outputs:
+                print(out[-2000:], err[-2000:])
+            print("FAIL: 2 nodes x 2 processes: exit", [n.returncode for n in nodes])
+            return 1
+        got_losses = losses_of(outputs[0][0])
+        worst = max_scaled_error(load_file(os.path.join(one_node, "consolidated.safetensors")),
+                                 load_file(os.path.join(two_nodes, "consolidated.safetensors")))
+        ok = got_losses == want_losses and len(got_losses) > 0 and worst <= 1.0 and "4 ranks" in outputs[0][0]
+        print(f"{'ok  ' if ok else 'FAIL'} 2 nodes x 2 processes vs 4 of one node ({model}, zero3): "
+              f"losses {'equal' if got_losses == want_losses else 'DIFFER'} over {len(got_losses)} lines, "
+              f"params max scaled error {worst:.3f}")
+        return 0 if ok else 1
+
+
+TORCHRUN = "/opt/kiln-venv/bin/torchrun"
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT")
+
+
+def check_launchers(kiln, device):
+    model, steps, batch = "llama-tiny", 6, 8
+    args = lambda d: train_args(model, steps, batch, device, ["--shard", "zero2", "--checkpoint-dir", d,
+                                                              "--consolidate"])
+    # One OpenMP thread a rank in every run (torchrun's default): CPU kernels sum in the same order.
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    clean["OMP_NUM_THREADS"] = "1"
+    runs = {}
+    with tempfile.TemporaryDirectory() as d:
+        p, _ = run([kiln, "launch", "-n", "2", "--"] + args(d), env=clean)
+        runs["kiln launch"] = (p, d)
+        if p.returncode == 0:
+            want = load_file(os.path.join(d, "consolidated.safetensors"))
+    if runs["kiln launch"][0].returncode != 0:
+        p = runs["kiln launch"][0]
+        print(p.stdout[-2000:], p.stderr[-2000:])
+        print("FAIL: kiln launch -n 2")
+        return 1
+    want_losses = losses_of(runs["kiln launch"][0].stdout)
+    failures = 0
+    for name in ("torchrun", "srun"):
+        with tempfile.TemporaryDirectory() as d:
+            if name == "torchrun":
+                if not os.path.exists(TORCHRUN):
+                    print(f"skip torchrun: no {TORCHRUN}")
+                    continue
+                p, _ = run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", kiln] +
+                           args(d), env=clean)
+                output = p.stdout
+                ok_exit = p.returncode == 0
+            else:
+                # What srun gives each task of `srun -N1 -n2` on this host.
+                port = free_port()
+                tasks = [subprocess.Popen([kiln] + args(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=dict(clean, SLURM_PROCID=str(rank), SLURM_NTASKS="2",
+                                                   SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
+                                                   SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost",
+                                                   SLURM_JOB_ID=str(port - 29500) if port > 29500 else "0",
+                                                   MASTER_PORT=str(port)))
+                         for rank in (0, 1)]
+                outs = [t.communicate(timeout=300) for t in tasks]
+                output = outs[0][0]
+                ok_exit = all(t.returncode == 0 for t in tasks)
+                p = subprocess.CompletedProcess([], tasks[0].returncode, outs[0][0], outs[0][1] + outs[1][1])
+            if not ok_exit:
+                print(p.stdout[-2000:], p.stderr[-2000:])
+                print(f"FAIL: {name}: exit {p.returncode}")
+                failures += 1
+                continue
+            got = load_file(os.path.join(d, "consolidated.safetensors"))
+            same = all(np.array_equal(want[k], got[k]) for k in want)
+            losses = losses_of(output)
+            ok = same and losses == want_losses and "2 ranks" in output
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: losses {'equal' if losses == want_losses else 'DIFFER'}, params "
+                  f"{'bit for bit' if same else 'DIFFER'} as kiln launch -n 2")
+            failures += 0 if ok else 1
+    return failures
+
+
+def rank_pid(launcher, rank):
+    """The pid of the launcher's child whose environment says RANK=rank."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher.pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+def check_restart(kiln, device):
+    model, steps, batch = "llama-tiny", 120, 4
+    failures = 0
+    with tempfile.TemporaryDirectory() as whole_dir:
+        # The schedule's length fixed, so that a run of fewer --steps reaches a step on the same lr.
+        extra = ["--shard", "zero2", "--checkpoint-dir", whole_dir, "--consolidate", "--decay-steps", str(steps)]
+        args = train_args(model, steps, batch, device, extra)
+        args[args.index("--eval-every") + 1] = "10"
+        p, _ = run([kiln, "launch", "-n", "2", "--"] + args)
+        losses = losses_of(p.stdout)
+        if p.returncode != 0 or not losses or losses[0] - losses[-1] < 0.1:
+            print(p.stdout[-3000:], p.stderr[-3000:])
+            print("FAIL: the uninterrupted run (or its loss did not move)")
+            return 1
+        want = load_file(os.path.join(whole_dir, "consolidated.safetensors"))
+        for shrink in (False, True):
+            with tempfile.TemporaryDirectory() as d:
+                args[args.index("--checkpoint-dir") + 1] = d
+                launcher = subprocess.Popen([kiln, "launch", "-n", "2", "--max-restarts", "1"] +
+                                            (["--min-nproc", "1"] if shrink else []) + ["--"] + args,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                checkpoint = os.path.join(d, "last.rank1-of-2.safetensors")
+                deadline = time.time() + 120
+                while not os.path.exists(checkpoint) and time.time() < deadline and launcher.poll() is None:
+                    time.sleep(0.05)
+                victim = rank_pid(launcher, 1)
+                if victim is not None:
+                    os.kill(victim, signal.SIGKILL)
+                try:
+                    output, _ = launcher.communicate(timeout=300)
+                except subprocess.TimeoutExpired:
+                    launcher.kill()
+                    output = launcher.communicate()[0]
+                name = f"rank 1 killed, --max-restarts 1{' --min-nproc 1' if shrink else ''}"
+                resumed = re.search(r"restart 1: resumed from .* at step (\d+)", output)
+                restarted = "restarting the group (1 of at most 1)" in output
+                if launcher.returncode != 0 or victim is None or not resumed or not restarted:
+                    print(output[-4000:])
+                    print(f"FAIL: {name}: exit {launcher.returncode}, killed {victim}, restarted {restarted}, "
+                          f"resumed {bool(resumed)}")
+                    failures += 1
+                    continue
+                got = load_file(os.path.join(d, "consolidated.safetensors"))
+                step = int(resumed.group(1))
+                if shrink:
+                    # What it should equal: 2 ranks to that step, then one process from their
+                    # checkpoint, uninterrupted (float32 runs at other world sizes part ways
+                    # over 100 steps: no tolerance holds against 2 ranks all the way).
+                    with tempfile.TemporaryDirectory() as ref:
+                        first = list(args)
+                        first[first.index("--steps") + 1] = str(step)
+                        first[first.index("--checkpoint-dir") + 1] = ref
+                        rest = list(args)
+                        rest[rest.index("--checkpoint-dir") + 1] = ref
+                        rest[rest.index("--shard") + 1] = "auto"
+                        p1, _ = run([kiln, "launch", "-n", "2", "--"] + first)
+                        p2, _ = run([kiln] + rest + ["--resume"])
+                        if p1.returncode != 0 or p2.returncode != 0:
+                            print(p1.stdout[-2000:], p1.stderr[-2000:], p2.stdout[-2000:], p2.stderr[-2000:])
+                        want_here = load_file(os.path.join(ref, "consolidated.safetensors"))
+                    same = all(np.array_equal(want_here[k], got[k]) for k in want_here)
+                    ok = same and "on 1 process" in output
+                    detail = (f"params bit for bit as 2 ranks to step {step} then one process uninterrupted"
+                              if same else "params DIFFER")
+                else:
+                    same = all(np.array_equal(want[k], got[k]) for k in want)
+                    ok = same
+                    detail = "params bit for bit as uninterrupted" if same else "params DIFFER"
+                print(f"{'ok  ' if ok else 'FAIL'} {name}: resumed at step {resumed.group(1)} of {steps}, {detail}")
+                failures += 0 if ok else 1
+    return failures
+
+
 def main():
     global TOLERANCE, AMP
     ap = argparse.ArgumentParser()
@@ -169,7 +389,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--models", default="mlp,gpt2-tiny")
     ap.add_argument("--modes", default="dp,zero1,zero2,zero3")
-    ap.add_argument("--checks", default="match,disagree,fault")
+    ap.add_argument("--checks", default="match,disagree,fault,nodes,launchers,restart")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
                     help="params: |got - want| <= tol + 1e-5 |want| (losses, printed to 4 places: within 2e-4)")
     ap.add_argument("--amp", default=AMP)
@@ -183,6 +403,12 @@ def main():
         failures += check_disagree(a.kiln, a.device)
     if "fault" in checks:
         failures += check_fault(a.kiln, a.device)
+    if "nodes" in checks:
+        failures += check_nodes(a.kiln, a.device)
+    if "launchers" in checks:
+        failures += check_launchers(a.kiln, a.device)
+    if "restart" in checks:
+        failures += check_restart(a.kiln, a.device)
     print("all passed" if failures == 0 else f"{failures} FAILED")
     sys.exit(1 if failures else 0)
 

@@ -1,9 +1,14 @@
 // `kiln launch -n N -- COMMAND...`: N local processes of a command, one per device, each with
 // torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT), so that a process group forms as it does under torchrun. One poll(2) loop reads
-// every rank's output line by line (rank 0's as it is, the others' prefixed), forwards SIGINT and
-// SIGTERM, and fails fast: when a rank fails, the others get --grace seconds to end on their own,
-// then SIGTERM, then SIGKILL, and the launcher exits with the failed rank's code.
+// MASTER_PORT), so that a process group forms as it does under torchrun. With --nnodes M the
+// job spans M machines: one launcher on each, all naming rank 0's machine and port, node R's
+// ranks numbered R*N .. R*N+N-1 (the engines connect across the machines themselves). One
+// poll(2) loop reads every rank's output line by line (rank 0's as it is, the others' prefixed),
+// forwards SIGINT and SIGTERM, and fails fast: when a rank fails, the others get --grace seconds
+// to end on their own, then SIGTERM, then SIGKILL. Then, with --max-restarts K, the group starts
+// again (K times at most; TORCHELASTIC_RESTART_COUNT says which start it is, and a restarted
+// `kiln train` resumes from its last checkpoint), on fewer local processes with --min-nproc;
+// else the launcher exits with the failed rank's code.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -42,11 +47,23 @@ constexpr auto kDrainAfterExit = std::chrono::seconds(1);
 constexpr size_t kRememberedLines = 5;
 
 struct LaunchOptions {
-  int processes = 0;
+  int processes = 0;  // on this node
+  int nodes = 1;
+  int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: a free port
+  int master_port = 0;  // 0: a free port (one node only)
   double grace_seconds = 10;
+  int max_restarts = 0;
+  int min_processes = 0;  // 0: restarts keep every process
   std::vector<std::string> command;
+};
+
+// One start of the group: which local slots run (slot i is the i-th device of the node), and
+// which start it is.
+struct Attempt {
+  std::vector<int> slots;
+  int restart = 0;
+  int master_port = 0;
 };
 
 // Variables every process kiln starts gets, whatever the launcher's environment says: NVLink
@@ -83,11 +100,15 @@ struct Rank {
   std::optional<ExitStatus> exit;
 };
 
+// One start of the group: runs its ranks to their end.
 class Launcher {
  public:
-  explicit Launcher(const LaunchOptions& options) : options_(options) {}
-  // Runs the ranks to their end; returns the launcher's exit code.
-  int run();
+  Launcher(const LaunchOptions& options, Attempt attempt) : options_(options), attempt_(std::move(attempt)) {}
+  // Runs the ranks to their end, with `signals` watched; returns the launcher's exit code.
+  int run(SignalPipe& signals);
+  bool interrupted() const { return interrupted_; }
+  // The slot of the rank whose failure ended the group (not those that failed after it), or -1.
+  int failed_slot() const { return failed_slot_; }
 
  private:
   void start_ranks();
@@ -111,8 +132,10 @@ class Launcher {
   std::string last_error_line(const Rank& rank) const;
 
   LaunchOptions options_;
+  Attempt attempt_;
   std::vector<Rank> ranks_;
   int exit_code_ = 0;
+  int failed_slot_ = -1;
   bool stopping_ = false;  // a rank failed or a signal came: the ranks are being ended
   bool interrupted_ = false;
   bool sent_terminate_ = false;
@@ -120,21 +143,49 @@ class Launcher {
   Clock::time_point terminate_at_;
 };
 
+// The devices of the node's slots, for CUDA_VISIBLE_DEVICES once a restart has left some out:
+// the launcher's own CUDA_VISIBLE_DEVICES list where it has one, else 0 .. N-1.
+std::string visible_devices(const std::vector<int>& slots) {
+  std::vector<std::string> devices;
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::string_view list(visible);
+    while (!list.empty()) {
+      const size_t comma = list.find(',');
+      devices.emplace_back(list.substr(0, comma));
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    }
+  }
+  std::string out;
+  for (int slot : slots) {
+    if (!out.empty()) out += ',';
+    out += static_cast<size_t>(slot) < devices.size() ? devices[slot] : std::to_string(slot);
+  }
+  return out;
+}
+
 void Launcher::start_ranks() {
+  const int processes = static_cast<int>(attempt_.slots.size());
   std::map<std::string, std::string> environment = kForcedEnvironment;
-  environment["WORLD_SIZE"] = environment["LOCAL_WORLD_SIZE"] = std::to_string(options_.processes);
+  environment["WORLD_SIZE"] = std::to_string(processes * options_.nodes);
+  environment["LOCAL_WORLD_SIZE"] = std::to_string(processes);
+  environment["GROUP_RANK"] = std::to_string(options_.node_rank);  // torchrun's name for the node's rank
   environment["MASTER_ADDR"] = options_.master_addr;
-  environment["MASTER_PORT"] = std::to_string(options_.master_port);
+  environment["MASTER_PORT"] = std::to_string(attempt_.master_port);
+  environment["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt_.restart);
+  environment["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options_.max_restarts);
+  // A group that lost slots runs on the devices of the others (LOCAL_RANK i is the i-th visible).
+  if (processes < options_.processes) environment["CUDA_VISIBLE_DEVICES"] = visible_devices(attempt_.slots);
   // N ranks each with every core's OpenMP threads would oversubscribe the CPU N times (CPU
   // ranks compute on OpenMP): share the cores, unless the caller chose.
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    environment["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(options_.processes)));
+    environment["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(processes)));
   }
-  for (int index = 0; index < options_.processes; ++index) {
-    environment["RANK"] = environment["LOCAL_RANK"] = std::to_string(index);
+  for (int index = 0; index < processes; ++index) {
+    environment["RANK"] = std::to_string(options_.node_rank * processes + index);
+    environment["LOCAL_RANK"] = std::to_string(index);
     try {
-      ranks_.push_back(Rank{index, start_child(options_.command, environment), {}, {}, {}, {}});
+      ranks_.push_back(Rank{options_.node_rank * processes + index, start_child(options_.command, environment), {}, {}, {}, {}});
     } catch (const Error&) {
       for (Rank& rank : ranks_) {
         signal_group(rank.process.pid, SIGKILL);
@@ -202,6 +253,7 @@ void Launcher::reap_exited() {
     write_all(STDERR_FILENO, fmt::format("kiln launch: rank {} failed ({}): {}\n", rank.index, rank.exit->describe(),
                                          last_error_line(rank)));
     exit_code_ = rank.exit->shell_code();
+    failed_slot_ = attempt_.slots[static_cast<size_t>(&rank - ranks_.data())];
     begin_stop();
   }
 }
@@ -239,10 +291,7 @@ void Launcher::escalate(Clock::time_point now) {
   }
 }
 
-int Launcher::run() {
-  // SIGPIPE is caught (not left to kill the launcher) so that output nobody reads is dropped
-  // while the ranks run on; caught signals are back to their defaults in the ranks.
-  SignalPipe signals({SIGINT, SIGTERM, SIGCHLD, SIGPIPE});
+int Launcher::run(SignalPipe& signals) {
   start_ranks();
   std::optional<Clock::time_point> all_exited_at;
   while (true) {
@@ -291,6 +340,31 @@ int Launcher::run() {
   return exit_code_;
 }
 
+// Starts the group, and again after a failure while restarts are left; returns the exit code.
+int launch(const LaunchOptions& options) {
+  // SIGPIPE is caught (not left to kill the launcher) so that output nobody reads is dropped
+  // while the ranks run on; caught signals are back to their defaults in the ranks.
+  SignalPipe signals({SIGINT, SIGTERM, SIGCHLD, SIGPIPE});
+  Attempt attempt;
+  for (int slot = 0; slot < options.processes; ++slot) attempt.slots.push_back(slot);
+  while (true) {
+    // A new port each start on one node: the last start's may still be held by its connections.
+    attempt.master_port = options.master_port != 0 ? options.master_port : free_port();
+    Launcher launcher(options, attempt);
+    const int code = launcher.run(signals);
+    if (code == 0 || launcher.interrupted() || attempt.restart >= options.max_restarts) return code;
+    ++attempt.restart;
+    // Leave the failed rank's device out (it may be the cause) while enough processes remain.
+    const int least = options.min_processes > 0 ? options.min_processes : options.processes;
+    if (launcher.failed_slot() >= 0 && static_cast<int>(attempt.slots.size()) > least)
+      std::erase(attempt.slots, launcher.failed_slot());
+    write_all(STDERR_FILENO, fmt::format("kiln launch: restarting the group ({} of at most {}) on {} process{}{}\n",
+                                         attempt.restart, options.max_restarts, attempt.slots.size(),
+                                         attempt.slots.size() == 1 ? "" : "es",
+                                         options.nodes > 1 ? " a node" : ""));
+  }
+}
+
 // The program that runs COMMAND: this kiln itself when COMMAND's first word is one of its
 // commands, else the program as given (looked up on PATH).
 std::vector<std::string> resolve_command(const CLI::App& app, const CLI::App& launch, std::vector<std::string> command) {
@@ -307,37 +381,63 @@ void add_launch_command(CLI::App& app) {
   CLI::App* command = app.add_subcommand(
       "launch", "Run N local processes of a command, one per device, with torchrun's variables; end all if one fails");
   auto options = std::make_shared<LaunchOptions>();
-  command->add_option("-n,--nproc-per-node", options->processes, "Number of processes (ranks 0 to N-1)")->required();
-  command->add_option("--master-addr", options->master_addr, "MASTER_ADDR: where rank 0's store listens")
+  command->add_option("-n,--nproc-per-node", options->processes, "Number of processes on this node (one per device)")->required();
+  command->add_option("--nnodes", options->nodes, "Number of nodes (machines), each running kiln launch with the same options")
+      ->default_val(options->nodes);
+  command->add_option("--node-rank", options->node_rank, "This node's rank, 0 to nnodes-1 (node 0 runs rank 0)")
+      ->default_val(options->node_rank);
+  command->add_option("--master-addr", options->master_addr, "MASTER_ADDR: node 0's address, where rank 0's store listens")
       ->default_val(options->master_addr);
-  command->add_option("--master-port", options->master_port, "MASTER_PORT (default: a free port)");
+  command->add_option("--master-port", options->master_port, "MASTER_PORT (default on one node: a free port)");
   command->add_option("--grace", options->grace_seconds,
                       "Seconds the other ranks get to end on their own after one fails, before SIGTERM (then "
                       "SIGKILL 5 s later)")
       ->default_val(options->grace_seconds);
+  command->add_option("--max-restarts", options->max_restarts,
+                      "Start the group again after a rank fails, up to K times (kiln train resumes from its "
+                      "last checkpoint)")
+      ->default_val(options->max_restarts);
+  command->add_option("--min-nproc", options->min_processes,
+                      "On a restart, leave out the failed rank's device while at least this many processes remain "
+                      "(one node; default: restart on all)");
   // Everything from COMMAND on is the command's, options included, with or without "--".
   command->add_option("COMMAND", options->command, "A kiln command (train, bench, ...) or a program, and its arguments");
   command->positionals_at_end();
   command->footer(
       "kiln launch -n N [OPTIONS] [--] COMMAND [ARGS...]: COMMAND's own options come after it.\n"
       "COMMAND is a kiln command (train, bench, ...), run by this kiln, or any program on PATH.\n"
-      "Each process gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),\n"
-      "MASTER_ADDR, MASTER_PORT, and NCCL_NVLS_ENABLE=0 (NVLink multicast off).\n"
+      "Each process gets RANK (node_rank*N + 0..N-1), LOCAL_RANK (0..N-1), WORLD_SIZE (nnodes*N),\n"
+      "LOCAL_WORLD_SIZE (N), MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, and\n"
+      "NCCL_NVLS_ENABLE=0 (NVLink multicast off).\n"
+      "Several nodes: run it on each with --nnodes M --node-rank R --master-addr NODE0 --master-port P.\n"
       "Rank 0's output passes through; the others' lines start with '[rank R] '.\n"
-      "SIGINT and SIGTERM go to every rank. When a rank fails, the launcher names it, ends the\n"
-      "others and exits with its code (128 + the signal that killed it).");
+      "SIGINT and SIGTERM go to every rank. When a rank fails, the launcher names it and ends the\n"
+      "others; then it restarts the group (--max-restarts) or exits with the rank's code (128 + the\n"
+      "signal that killed it).");
   command->callback([options, command, &app] {
-    LaunchOptions launch = *options;
-    KILN_CHECK(launch.processes >= 1 && launch.processes <= kMaxProcesses,
-               "launch: -n {}: expected 1 to {} processes (one per device)", launch.processes, kMaxProcesses);
-    KILN_CHECK(!launch.command.empty(), "launch: no command given: kiln launch -n N -- COMMAND [ARGS...]");
-    KILN_CHECK(launch.grace_seconds >= 0 && launch.grace_seconds <= kMaxGraceSeconds,
-               "launch: --grace {}: expected seconds from 0 to {}", launch.grace_seconds, kMaxGraceSeconds);
-    KILN_CHECK(launch.master_port >= 0 && launch.master_port <= 65535,
-               "launch: --master-port {}: expected a port from 1 to 65535 (0: a free one)", launch.master_port);
-    launch.command = resolve_command(app, *command, launch.command);
-    if (launch.master_port == 0) launch.master_port = free_port();
-    const int code = Launcher(launch).run();
+    LaunchOptions launch_options = *options;
+    KILN_CHECK(launch_options.processes >= 1 && launch_options.processes <= kMaxProcesses,
+               "launch: -n {}: expected 1 to {} processes (one per device)", launch_options.processes, kMaxProcesses);
+    KILN_CHECK(!launch_options.command.empty(), "launch: no command given: kiln launch -n N -- COMMAND [ARGS...]");
+    KILN_CHECK(launch_options.grace_seconds >= 0 && launch_options.grace_seconds <= kMaxGraceSeconds,
+               "launch: --grace {}: expected seconds from 0 to {}", launch_options.grace_seconds, kMaxGraceSeconds);
+    KILN_CHECK(launch_options.master_port >= 0 && launch_options.master_port <= 65535,
+               "launch: --master-port {}: expected a port from 1 to 65535 (0: a free one)", launch_options.master_port);
+    KILN_CHECK(launch_options.nodes >= 1, "launch: --nnodes {}: expected 1 or more", launch_options.nodes);
+    KILN_CHECK(launch_options.node_rank >= 0 && launch_options.node_rank < launch_options.nodes,
+               "launch: --node-rank {}: expected 0 to {} (--nnodes {})", launch_options.node_rank,
+               launch_options.nodes - 1, launch_options.nodes);
+    KILN_CHECK(launch_options.nodes == 1 || launch_options.master_port != 0,
+               "launch: --nnodes {} needs --master-port: every node must name the same port of node 0",
+               launch_options.nodes);
+    KILN_CHECK(launch_options.max_restarts >= 0, "launch: --max-restarts {}: expected 0 or more",
+               launch_options.max_restarts);
+    KILN_CHECK(launch_options.min_processes >= 0 && launch_options.min_processes <= launch_options.processes,
+               "launch: --min-nproc {}: expected 1 to -n {}", launch_options.min_processes, launch_options.processes);
+    KILN_CHECK(launch_options.min_processes == 0 || launch_options.nodes == 1,
+               "launch: --min-nproc needs --nnodes 1 (every node of a group runs as many processes)");
+    launch_options.command = resolve_command(app, *command, launch_options.command);
+    const int code = launch(launch_options);
     if (code != 0) throw ExitCode{code};
   });
 }

@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   kiln::cli::add_bench_command(app);
   kiln::cli::add_launch_command(app);
   kiln::cli::add_step_command(app);
+  kiln::cli::add_hf_commands(app);
   // The subcommands run in their callbacks, inside parse.
   try {
     app.parse(argc, argv);

@@ -27,6 +27,7 @@ void add_train_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_launch_command(CLI::App& app);
 void add_step_command(CLI::App& app);
+void add_hf_commands(CLI::App& app);  // export-hf, import-hf
 
 // Thrown by a command that ends with an exit code of its own (kiln launch: its failed rank's),
 // having said why already: main returns the code and prints nothing.

@@ -57,7 +57,10 @@ void add_train_command(CLI::App& app) {
                     "Under kiln launch, also write DIR/consolidated.safetensors: every tensor whole, readable by any "
                     "safetensors reader, and resumable on any number of ranks");
   command->add_flag("--resume", job->resume,
-                    "Continue from --checkpoint-dir's last checkpoint (this rank's, else consolidated.safetensors)");
+                    "Continue from --checkpoint-dir's newest checkpoint, written by any number of ranks in any --shard "
+                    "mode (a group restarted by kiln launch --max-restarts resumes by itself)");
+  command->add_option("--init", job->init_from,
+                      "Start from the params in this safetensors file, by name (kiln import-hf writes one)");
   command->add_option("--eval-every", job->eval_every, "Evaluate (and checkpoint) every N steps (0 = at the end)")
       ->default_val(500);
   command->add_option("--eval-batches", job->eval_batches,

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -231,43 +232,66 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
   return file;
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  std::string source = "'" + path + "'";
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (!file) fail("safetensors: cannot open {}: {}", source, errno_text());
-  // Closes the file however this function leaves.
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(file, std::fclose);
+namespace {
+
+// An open file whose header has been read and validated.
+struct OpenFile {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file{nullptr, std::fclose};
+  std::string source;
+  Header header;
+  uint64_t data_start = 0;
+
+  void read_exactly(void* out, uint64_t offset, uint64_t count, const std::string& what) const {
+    KILN_CHECK(fseeko(file.get(), static_cast<off_t>(offset), SEEK_SET) == 0 &&
+                   std::fread(out, 1, count, file.get()) == count,
+               "safetensors: {}: cannot read {} ({} bytes at offset {}): {}", source, what, count,
+               offset, std::feof(file.get()) ? "unexpected end of file" : errno_text());
+  }
+};
+
+OpenFile open_safetensors(const std::string& path) {
+  OpenFile open;
+  open.source = "'" + path + "'";
+  open.file.reset(std::fopen(path.c_str(), "rb"));
+  if (!open.file) fail("safetensors: cannot open {}: {}", open.source, errno_text());
   struct stat info;
-  KILN_CHECK(fstat(fileno(file), &info) == 0 && S_ISREG(info.st_mode),
-             "safetensors: {} is not a regular file", source);
+  KILN_CHECK(fstat(fileno(open.file.get()), &info) == 0 && S_ISREG(info.st_mode),
+             "safetensors: {} is not a regular file", open.source);
   uint64_t size = static_cast<uint64_t>(info.st_size);
   KILN_CHECK(size >= 8, "safetensors: {}: {} bytes is too short for the 8-byte header length",
-             source, size);
-  auto read_exactly = [&](void* out, uint64_t offset, uint64_t count, const char* what) {
-    KILN_CHECK(fseeko(file, static_cast<off_t>(offset), SEEK_SET) == 0 &&
-                   std::fread(out, 1, count, file) == count,
-               "safetensors: {}: cannot read {} ({} bytes at offset {}): {}", source, what, count,
-               offset, std::feof(file) ? "unexpected end of file" : errno_text());
-  };
+             open.source, size);
   uint64_t length;
-  read_exactly(&length, 0, 8, "the header length");
+  open.read_exactly(&length, 0, 8, "the header length");
   KILN_CHECK(length <= kMaxHeaderBytes && length <= size - 8,
              "safetensors: {}: the header "
              "length {} exceeds the {} bytes after it (truncated or not a safetensors file?)",
-             source, length, size - 8);
+             open.source, length, size - 8);
   std::string text(length, '\0');
-  read_exactly(text.data(), 8, length, "the header");
-  uint64_t data_start = 8 + length;
-  Header header = parse_header(text, size - data_start, source);
-  SafetensorsFile out{{}, std::move(header.metadata)};
-  for (const Entry& e : header.entries) {
+  open.read_exactly(text.data(), 8, length, "the header");
+  open.data_start = 8 + length;
+  open.header = parse_header(text, size - open.data_start, open.source);
+  return open;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  OpenFile open = open_safetensors(path);
+  SafetensorsFile out{{}, std::move(open.header.metadata)};
+  for (const Entry& e : open.header.entries) {
     Tensor tensor(e.type);
     if (e.end > e.begin)
-      read_exactly(tensor.raw(), data_start + e.begin, e.end - e.begin,
-                   ("tensor \"" + e.name + "\"").c_str());
-    check_bools(tensor, e.name, source);
+      open.read_exactly(tensor.raw(), open.data_start + e.begin, e.end - e.begin, "tensor \"" + e.name + "\"");
+    check_bools(tensor, e.name, open.source);
     out.tensors.emplace(e.name, std::move(tensor));
   }
+  return out;
+}
+
+SafetensorsHeader load_safetensors_header(const std::string& path) {
+  OpenFile open = open_safetensors(path);
+  SafetensorsHeader out{{}, std::move(open.header.metadata)};
+  for (const Entry& e : open.header.entries) out.types.emplace(e.name, e.type);
   return out;
 }
 

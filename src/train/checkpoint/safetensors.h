@@ -33,6 +33,12 @@ std::optional<DType> parse_safetensors_dtype(std::string_view name);
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 SafetensorsFile load_safetensors(const std::string& path);
+// The names, types and metadata alone (the header, validated as load_safetensors does).
+struct SafetensorsHeader {
+  std::map<std::string, TensorType> types;
+  std::map<std::string, std::string> metadata;
+};
+SafetensorsHeader load_safetensors_header(const std::string& path);
 
 // The serialized bytes without touching the file system (what save_safetensors writes), and
 // the parser over bytes in memory (what load_safetensors runs); `source` names the bytes in

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""`kiln export-hf` and `kiln import-hf` (tools/cli/hf.cc) as a user runs them: a llama-tiny run's
+checkpoint (one process; 2 ranks' consolidated file, and their rank files) exported to a LlamaForCausalLM directory
+and imported back gives the checkpoint's params bit for bit; `kiln train --init` starts from
+them; transformers loads the directory (when a Python with transformers is found); what cannot
+be exported is refused in one line. (tests/train/hf_llama_test.cc compares the logits.)
+
+  python3 tests/cli/hf_test.py PATH/TO/kiln      (ctest: cli/hf)
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+try:
+    import numpy as np
+    from safetensors.numpy import load_file
+except ImportError:  # pragma: no cover
+    print("SKIP: numpy or safetensors missing")
+    sys.exit(0)
+
+KILN = None
+TRAIN = ["train", "--model", "llama-tiny", "--seq", "32", "--steps", "3", "--batch", "4", "--eval-every", "3",
+         "--eval-batches", "1", "--device", "cpu", "--amp", "off"]
+
+
+def kiln(*args, ok=True):
+    result = subprocess.run([KILN, *args], capture_output=True, text=True, timeout=300)
+    if ok and result.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)}: exit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+
+
+def check_round_trip(checkpoint_arg, checkpoint_file, d):
+    kiln("export-hf", checkpoint_arg, os.path.join(d, "hf"))
+    hf = load_file(os.path.join(d, "hf", "model.safetensors"))
+    want = load_file(checkpoint_file)  # the params and the optimizer's state
+    assert np.array_equal(hf["lm_head.weight"], want["head.weight"].T), "lm_head is head.weight transposed"
+    assert np.array_equal(hf["model.layers.1.self_attn.k_proj.weight"], want["h1.k.weight"].T)
+    assert np.array_equal(hf["model.embed_tokens.weight"], want["emb.weight"])
+    out = kiln("import-hf", os.path.join(d, "hf"), os.path.join(d, "init.safetensors")).stdout
+    back = load_file(os.path.join(d, "init.safetensors"))
+    assert len(back) == 3 + 9 * 2, sorted(back)  # emb, norm, head and 9 a layer
+    for name, value in back.items():
+        assert np.array_equal(value, want[name]), name
+    # The command import-hf prints trains from the imported params.
+    command = out.splitlines()[-1].split()
+    assert command[:2] == ["kiln", "train"], out
+    result = kiln(*command[1:], "--steps", "1", "--batch", "4", "--device", "cpu", "--eval-batches", "1")
+    assert "step 1/1" in result.stdout, result.stdout
+
+
+def check_transformers_loads(directory):
+    for python in ("/opt/kiln-venv/bin/python3", "python3"):
+        probe = subprocess.run([python, "-c", "import transformers, torch"], capture_output=True)
+        if probe.returncode == 0:
+            break
+    else:
+        print("  (no Python with transformers: from_pretrained not tried)")
+        return
+    script = ("import sys, torch; from transformers import LlamaForCausalLM; "
+              "m = LlamaForCausalLM.from_pretrained(sys.argv[1]); "
+              "print(sum(p.numel() for p in m.parameters()), m(torch.zeros(1, 4, dtype=torch.long)).logits.shape)")
+    result = subprocess.run([python, "-c", script, directory], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # llama-tiny: d_model 64, 4 heads of 16 (2 for keys and values), hidden 128, vocab 256, 2 layers.
+    per_layer = 2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    assert result.stdout.split()[0] == str(2 * 256 * 64 + 64 + 2 * per_layer), result.stdout
+
+
+def main():
+    global KILN
+    KILN = os.path.abspath(sys.argv[1])
+    with tempfile.TemporaryDirectory() as d:
+        kiln(*TRAIN, "--checkpoint-dir", os.path.join(d, "ck"))
+        check_round_trip(os.path.join(d, "ck"), os.path.join(d, "ck", "last.safetensors"), d)
+        check_transformers_loads(os.path.join(d, "hf"))
+        print("ok  one process: export-hf, import-hf, train --init")
+    with tempfile.TemporaryDirectory() as d:
+        kiln("launch", "-n", "2", "--", *TRAIN, "--shard", "zero3", "--checkpoint-dir", os.path.join(d, "ck"),
+             "--consolidate")
+        check_round_trip(os.path.join(d, "ck"), os.path.join(d, "ck", "consolidated.safetensors"), d)
+        print("ok  2 ranks (zero3), consolidated")
+    with tempfile.TemporaryDirectory() as d:
+        # Rank files alone (no --consolidate): export gathers the shards; the same weights as the
+        # consolidated file of the same run.
+        ck = os.path.join(d, "ck")
+        kiln("launch", "-n", "2", "--", *TRAIN, "--shard", "zero3", "--checkpoint-dir", ck, "--consolidate")
+        os.rename(os.path.join(ck, "consolidated.safetensors"), os.path.join(d, "whole.safetensors"))
+        check_round_trip(ck, os.path.join(d, "whole.safetensors"), d)
+        result = kiln("export-hf", os.path.join(ck, "last.rank0-of-2.safetensors"), os.path.join(d, "hf1"), ok=False)
+        assert result.returncode != 0 and "in rank 1's file, not given" in result.stderr and \
+            len(result.stderr.splitlines()) == 1, result.stderr
+        result = kiln(*TRAIN, "--init", os.path.join(ck, "last.rank0-of-2.safetensors"), ok=False)
+        assert result.returncode != 0 and "'emb.weight' is f32[8192], model llama-tiny needs f32[256,64]" in \
+            result.stderr, result.stderr
+        print("ok  2 ranks (zero3), rank files; one rank's file alone refused in one line (export-hf, train --init)")
+
+
+if __name__ == "__main__":
+    main()
