@@ -652,6 +652,7 @@ const std::vector<OpSample>& op_samples() {
       {"split", kX, "%0, %1 = split(%x) {axis=1, sizes=[1, 2]} : f32[2,1], f32[2,2]", "%0, %1"},
       {"sqrt", kX, "%0 = sqrt(%x) : f32[2,3]", "%0"},
       {"square", kX, "%0 = square(%x) : f32[2,3]", "%0"},
+      {"stop_gradient", kX, "%0 = stop_gradient(%x) : f32[2,3]", "%0"},
       {"sub", kXY, "%0 = sub(%x, %y) : f32[2,3]", "%0"},
       {"sum", kX, "%0 = sum(%x) {axes=[-1]} : f32[2]", "%0"},
       {"tanh", kX, "%0 = tanh(%x) : f32[2,3]", "%0"},
