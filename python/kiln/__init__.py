@@ -30,10 +30,10 @@ def _load_pytorch_nccl():
 _load_pytorch_nccl()
 
 from ._kiln import Error, version as __version__  # noqa: E402
-from .optim import SGD, AdamW  # noqa: E402
+from .optim import SGD, Adafactor, AdamW, Lion, Optimizer  # noqa: E402
 from .step import Step, compile, load  # noqa: E402
 from .train import TrainResult, train  # noqa: E402
 
 Error.__module__ = "kiln"
 
-__all__ = ["AdamW", "Error", "SGD", "Step", "TrainResult", "compile", "load", "train"]
+__all__ = ["Adafactor", "AdamW", "Error", "Lion", "Optimizer", "SGD", "Step", "TrainResult", "compile", "load", "train"]
