@@ -85,7 +85,7 @@ void nn() {
   }
   const int64_t params = 124'000'000;
   const TensorType p{DType::kF32, {params}}, scalar{DType::kF32, {}};
-  run(Op::kAdamwUpdate, {p, p, p, p, scalar, scalar}, {}, "adamw_update 124M f32",
+  run(Op::kOptimizerUpdate, {p, p, p, p, scalar, scalar}, {{"optimizer", "adamw"}}, "adamw update 124M f32",
       7.0 * params * 4);
   run(Op::kScatterAdd,
       {{DType::kF32, {50257, 768}}, {DType::kI64, {32768}}, {DType::kF32, {32768, 768}}}, {},
@@ -278,10 +278,10 @@ void multi_tensor() {
   inputs.push_back(cuda::to_device(Tensor::from_f64({DType::kF32, {}}, std::vector<double>{3})));
   for (std::vector<ValueId>& ids : operands) {
     ids.insert(ids.end(), scalars.begin(), scalars.end());
-    for (ValueId out : body->add_node(Op::kAdamwUpdate, ids, {{"weight_decay", 0.1}}))
+    for (ValueId out : body->add_node(Op::kOptimizerUpdate, ids, {{"optimizer", "adamw"}, {"weight_decay", 0.1}}))
       body->outputs.push_back(out);
   }
-  const ChosenKernel grouped = fused_kernel(body, "multi-tensor-adamw", "cuda-nn");
+  const ChosenKernel grouped = fused_kernel(body, "multi-tensor-update", "cuda-nn");
   // In place, as in a training step: results over the params and moments.
   std::vector<Tensor> in_place;
   for (size_t k = 0; k < shapes.size(); ++k)
@@ -297,7 +297,7 @@ void multi_tensor() {
       member_in.back().push_back(inputs[static_cast<size_t>(body->input_index(id))]);
       types.push_back(body->type(id));
     }
-    alone.push_back(choose_kernel(Op::kAdamwUpdate, types, member.attrs, {"cuda-nn"}));
+    alone.push_back(choose_kernel(Op::kOptimizerUpdate, types, member.attrs, {"cuda-nn"}));
     member_out.push_back({in_place[3 * k], in_place[3 * k + 1], in_place[3 * k + 2]});
   }
   const double per_param_ms = time_ms(s, kReps, [&] {

@@ -83,7 +83,7 @@ def kiln_compile(kiln, path):
 def kiln_ms(kiln, path, steps, threads):
     """The median ms/step of one `kiln bench` run, with `threads` OpenMP and OpenBLAS threads."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
-    out = subprocess.run([kiln, "bench", path, "--device", "cpu", "--amp", "off", "--steps", str(steps), "--warmup",
+    out = subprocess.run([kiln, "bench", path, "--device", "cpu", "--amp", "off", "--steps", str(steps), "--untimed-steps",
                           "3", "--json"], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"kiln bench failed:\n{out.stderr.strip() or out.stdout.strip()}")

@@ -69,7 +69,7 @@ def ms_per_step(kiln, model_args, device, steps, repeats):
     best = None
     for _ in range(repeats):
         out = run([kiln, "bench"] + model_args + ["--device", device, "--amp", "off" if device == "cpu" else "bf16",
-                                                  "--steps", str(steps), "--warmup", "3", "--json"])
+                                                  "--steps", str(steps), "--untimed-steps", "3", "--json"])
         ms = json.loads(out.strip().splitlines()[-1])["ms_per_step"]
         best = ms if best is None else min(best, ms)
     return best

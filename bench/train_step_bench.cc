@@ -135,7 +135,7 @@ std::map<std::string, double> profile(const Graph& g, std::span<const Tensor> in
 }
 
 void run(const Task& task, int warmup, int steps, int top) {
-  OptimizerConfig config;  // adamw, lr 1e-3, weight_decay 0, constant schedule
+  OptimizerConfig config;  // adamw with its defaults, lr 1e-3, constant schedule
   train::Trainer trainer(task.forward, config, task.params);
   const Stats step = time_calls(warmup, steps, [&] { trainer.step(task.batch); });
   // The same step with every pass of the pipeline disabled: what the passes are worth.

@@ -74,10 +74,10 @@ batch=$(( per_gpu * gpus ))
 [ $bench = 0 ] && modes=""
 for mode in $modes; do
   line=$($kiln launch -n "$gpus" -- bench --model "$model" --batch "$batch" --seq 1024 --amp bf16 --shard "$mode" \
-         --steps "$steps" --warmup 3 --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
+         --steps "$steps" --untimed-steps 3 --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
   if [ "${line:0:1}" = "{" ]; then echo "$line" >>"$out/bench.jsonl"; else echo "kiln $mode: failed (bench.err)"; tail -3 "$out/bench.err"; fi
 done
-[ $bench = 1 ] && single=$($kiln bench --model "$single_model" --batch "$per_gpu" --seq 1024 --amp bf16 --steps "$steps" --warmup 3 \
+[ $bench = 1 ] && single=$($kiln bench --model "$single_model" --batch "$per_gpu" --seq 1024 --amp bf16 --steps "$steps" --untimed-steps 3 \
          --json 2>>"$out/bench.err" | tee -a "$out/bench.log" | tail -1)
 [ $bench = 1 ] && [ "${single:0:1}" = "{" ] && echo "$single" >"$out/single.json"
 if [ $bench = 1 ] && [ $torch = 1 ] && [ -f .carry/torch_fsdp_gpt2.py ]; then
@@ -91,11 +91,11 @@ fi
 
 : >"$out/scaling.jsonl"
 if [ -n "$scaling" ]; then
-  $kiln bench --model "$scaling" --batch 16 --seq 1024 --amp bf16 --steps "$steps" --warmup 3 --json \
+  $kiln bench --model "$scaling" --batch 16 --seq 1024 --amp bf16 --steps "$steps" --untimed-steps 3 --json \
     2>>"$out/bench.err" | tee -a "$out/scaling.log" | tail -1 >>"$out/scaling.jsonl"
   for mode in $modes; do
     $kiln launch -n "$gpus" -- bench --model "$scaling" --batch $(( 16 * gpus )) --seq 1024 --amp bf16 --shard "$mode" \
-      --steps "$steps" --warmup 3 --json 2>>"$out/bench.err" | tee -a "$out/scaling.log" | tail -1 >>"$out/scaling.jsonl"
+      --steps "$steps" --untimed-steps 3 --json 2>>"$out/bench.err" | tee -a "$out/scaling.log" | tail -1 >>"$out/scaling.jsonl"
   done
 fi
 

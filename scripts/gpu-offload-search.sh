@@ -31,7 +31,7 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 run() {  # layers, offload mode
   local log="$out/offload_$2_$1.log" start=$(date +%s)
   $kiln launch -n "$gpus" -- bench --model gpt2-xl --d-model 4096 --heads 32 --layers "$1" --batch "$gpus" --seq 1024 \
-    --amp bf16 --shard zero3 --offload "$2" --steps "$steps" --warmup 1 --json >"$log" 2>&1
+    --amp bf16 --shard zero3 --offload "$2" --steps "$steps" --untimed-steps 1 --json >"$log" 2>&1
   local line=$(grep '^{' "$log" | tail -1)
   if [ -n "$line" ]; then
     echo "$line" | python3 -c "import json,sys; r=json.load(sys.stdin); r.update(layers=$1, offload='$2', wall_s=$(( $(date +%s) - start ))); print(json.dumps(r))" >>"$out/offload.jsonl"

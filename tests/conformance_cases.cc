@@ -405,14 +405,17 @@ void add_every_op(std::vector<Case>& c) {
                 lse({2, 9, 2}), uniform({2, 9}, -1, 1)},
                {{"causal", true}}, 4});
   const Gen lr = fixed(DType::kF32, {}, 0.01, 0.1);
-  c.push_back({"sgd_update", Op::kSgdUpdate, kFloats,
-               {uniform({40}), uniform({40}), uniform({40}), lr}});
-  c.push_back({"sgd_update_nesterov", Op::kSgdUpdate, kFloats,
-               {uniform({40}), uniform({40}), uniform({40}), lr},
-               {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}}});
-  c.push_back({"adamw_update", Op::kAdamwUpdate, kFloats,
-               {uniform({40}), uniform({40}), uniform({40}), positive({40}), lr,
-                values(DType::kF64, {}, {3})}});
+  const Gen step = values(DType::kF64, {}, {3});
+  c.push_back({"optimizer_update_sgd", Op::kOptimizerUpdate, kFloats,
+               {uniform({40}), uniform({40}), uniform({40}), lr, step}, {{"optimizer", "sgd"}}});
+  c.push_back({"optimizer_update_sgd_nesterov", Op::kOptimizerUpdate, kFloats,
+               {uniform({40}), uniform({40}), uniform({40}), lr, step},
+               {{"optimizer", "sgd"}, {"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}}});
+  c.push_back({"optimizer_update_adamw", Op::kOptimizerUpdate, kFloats,
+               {uniform({40}), uniform({40}), uniform({40}), positive({40}), lr, step}, {{"optimizer", "adamw"}}});
+  c.push_back({"optimizer_update_lion", Op::kOptimizerUpdate, kFloats,
+               {uniform({40}), uniform({40}), uniform({40}), lr, step},
+               {{"optimizer", "lion"}, {"weight_decay", 0.1}}});
 }
 
 // ---- 2. the CPU fast paths' geometry (f32) -------------------------------------------------
@@ -633,9 +636,9 @@ void add_training_kernels(std::vector<Case>& c) {
   // AdamW: v >= 0, as AdamW keeps; lr and step as f32 or f64 scalars; a large lr makes the
   // update term dominate p' (a few f32 roundings of |p| <= 2: atol 1e-6).
   const std::vector<Attributes> adamw_attrs = {
-      {},  // defaults: beta1 0.9, beta2 0.999, epsilon 1e-8, weight_decay 0.01
-      {{"beta1", 0.8}, {"beta2", 0.95}, {"epsilon", 1e-6}, {"weight_decay", 0.1}},
-      {{"weight_decay", 0.0}},
+      {{"optimizer", "adamw"}},  // defaults: beta1 0.9, beta2 0.999, epsilon 1e-8, weight_decay 0.01
+      {{"optimizer", "adamw"}, {"beta1", 0.8}, {"beta2", 0.95}, {"epsilon", 1e-6}, {"weight_decay", 0.1}},
+      {{"optimizer", "adamw"}, {"weight_decay", 0.0}},
   };
   for (const Shape& shape : shapes)
     for (size_t a = 0; a < adamw_attrs.size(); ++a)
@@ -643,7 +646,7 @@ void add_training_kernels(std::vector<Case>& c) {
         for (auto [lr, lr_type] : {std::pair{1e-3, DType::kF32}, {0.3, DType::kF64}})
           c.push_back({.name = fmt::format("adamw_update_{}_attrs{}_step{}_lr{}", tag(shape), a,
                                            step, lr),
-                       .op = Op::kAdamwUpdate, .dtypes = kF32,
+                       .op = Op::kOptimizerUpdate, .dtypes = kF32,
                        .inputs = {uniform(shape, -2, 2), uniform(shape, -1, 1),
                                   uniform(shape, -0.5, 0.5), uniform(shape, 1e-4, 0.5),
                                   values(lr_type, {}, {lr}), values(DType::kF32, {}, {step})},
@@ -653,19 +656,22 @@ void add_training_kernels(std::vector<Case>& c) {
                        .tolerance = lr > 0.1 ? 4.0 : 1.0,
                        .taken_by_tolerance = Tolerance{lr > 0.1 ? 1e-6 : 1e-7, 1e-6}, .taken_by = {"cpu"}});
   const std::vector<Attributes> sgd_attrs = {
-      {},
-      {{"weight_decay", 0.05}},
-      {{"momentum", 0.9}},
-      {{"momentum", 0.9}, {"weight_decay", 0.01}},
-      {{"momentum", 0.8}, {"nesterov", true}, {"weight_decay", 0.02}},
+      {{"optimizer", "sgd"}},
+      {{"optimizer", "sgd"}, {"weight_decay", 0.05}},
+      {{"optimizer", "sgd"}, {"momentum", 0.9}},
+      {{"optimizer", "sgd"}, {"momentum", 0.9}, {"weight_decay", 0.01}},
+      {{"optimizer", "sgd"}, {"momentum", 0.8}, {"nesterov", true}, {"weight_decay", 0.02}},
+      // Lion: its sign makes p' exact up to the decay's rounding.
+      {{"optimizer", "lion"}},
+      {{"optimizer", "lion"}, {"beta1", 0.95}, {"beta2", 0.98}, {"weight_decay", 0.1}},
   };
   for (const Shape& shape : shapes)
     for (size_t a = 0; a < sgd_attrs.size(); ++a)
       for (auto [lr, lr_type] : {std::pair{0.01, DType::kF32}, {0.5, DType::kF64}})
-        c.push_back({.name = fmt::format("sgd_update_{}_attrs{}_lr{}", tag(shape), a, lr),
-                     .op = Op::kSgdUpdate, .dtypes = kF32,
+        c.push_back({.name = fmt::format("{}_update_{}_attrs{}_lr{}", sgd_attrs[a].s("optimizer"), tag(shape), a, lr),
+                     .op = Op::kOptimizerUpdate, .dtypes = kF32,
                      .inputs = {uniform(shape, -2, 2), uniform(shape, -1, 1), uniform(shape, -1, 1),
-                                values(lr_type, {}, {lr})},
+                                values(lr_type, {}, {lr}), values(DType::kF32, {}, {4})},
                      .attrs = sgd_attrs[a],
                      .taken_by_tolerance = Tolerance{lr > 0.1 ? 1e-6 : 1e-7, 1e-6}, .taken_by = {"cpu"}});
   // Mixed precision (param, grad, state) as the GPU's update kernels take them, at the
@@ -677,16 +683,16 @@ void add_training_kernels(std::vector<Case>& c) {
     for (int64_t n : {int64_t{7}, int64_t{100003}}) {
       const DType loosest = g;
       const std::string types = fmt::format("{}_{}_{}_{}", dtype_name(p), dtype_name(g), dtype_name(s), n);
-      c.push_back({.name = "adamw_update_mixed_" + types, .op = Op::kAdamwUpdate, .dtypes = {loosest},
+      c.push_back({.name = "adamw_update_mixed_" + types, .op = Op::kOptimizerUpdate, .dtypes = {loosest},
                    .inputs = {fixed(p, {n}, -1, 1), fixed(g, {n}, -1, 1), fixed(s, {n}, -0.1, 0.1),
                               fixed(s, {n}, 1e-4, 1e-2), values(DType::kF32, {}, {1e-2}),
                               values(DType::kF64, {}, {3})},
-                   .attrs = {{"weight_decay", 0.1}, {"beta2", 0.95}}});
+                   .attrs = {{"optimizer", "adamw"}, {"weight_decay", 0.1}, {"beta2", 0.95}}});
       if (s == p)
-        c.push_back({.name = "sgd_update_mixed_" + types, .op = Op::kSgdUpdate, .dtypes = {loosest},
+        c.push_back({.name = "sgd_update_mixed_" + types, .op = Op::kOptimizerUpdate, .dtypes = {loosest},
                      .inputs = {fixed(p, {n}, -1, 1), fixed(g, {n}, -1, 1), fixed(s, {n}, -1, 1),
-                                values(DType::kBF16, {}, {0.125})},
-                     .attrs = {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}}});
+                                values(DType::kBF16, {}, {0.125}), values(DType::kF32, {}, {2})},
+                     .attrs = {{"optimizer", "sgd"}, {"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}}});
     }
   // gelu_grad: rtol 1e-5 as gelu's fast kernel; atol 1e-7 for the zero of gelu' near
   // x = -0.75, where Phi(x) and x phi(x) (about 0.23 each) cancel.
@@ -1178,8 +1184,10 @@ void add_fused(std::vector<Case>& c) {
                    "%vw: f32[33,7] state, %mb: f32[257] state, %vb: f32[257] state, "
                    "%lr: f32[] data, %step: f32[] state) {\n"
                    "  %e = exp(%x)\n  %loss = sum(%e)\n"
-                   "  %w1, %mw1, %vw1 = adamw_update(%w, %gw, %mw, %vw, %lr, %step) {weight_decay=0.1}\n"
-                   "  %b1, %mb1, %vb1 = adamw_update(%b, %gb, %mb, %vb, %lr, %step) {weight_decay=0.1}\n"
+                   "  %w1, %mw1, %vw1 = optimizer_update(%w, %gw, %mw, %vw, %lr, %step) {optimizer=\"adamw\", "
+                   "weight_decay=0.1}\n"
+                   "  %b1, %mb1, %vb1 = optimizer_update(%b, %gb, %mb, %vb, %lr, %step) {optimizer=\"adamw\", "
+                   "weight_decay=0.1}\n"
                    "  update %w = %w1\n  update %mw = %mw1\n  update %vw = %vw1\n"
                    "  update %b = %b1\n  update %mb = %mb1\n  update %vb = %vb1\n"
                    "  return %loss\n}\n"),
@@ -1188,10 +1196,12 @@ void add_fused(std::vector<Case>& c) {
                .graph = after_pass<MultiTensorPass>(
                    "graph @g(%x: f32[4096] data, %w: f32[33,7] param, %b: f32[257] param, "
                    "%gw: f32[33,7] data, %gb: f32[257] data, %bw: f32[33,7] state, "
-                   "%bb: f32[257] state, %lr: f32[] data) {\n"
+                   "%bb: f32[257] state, %lr: f32[] data, %step: f32[] state) {\n"
                    "  %e = exp(%x)\n  %loss = sum(%e)\n"
-                   "  %w1, %bw1 = sgd_update(%w, %gw, %bw, %lr) {momentum=0.9, weight_decay=0.01}\n"
-                   "  %b1, %bb1 = sgd_update(%b, %gb, %bb, %lr) {momentum=0.9, weight_decay=0.01}\n"
+                   "  %w1, %bw1 = optimizer_update(%w, %gw, %bw, %lr, %step) {optimizer=\"sgd\", momentum=0.9, "
+                   "weight_decay=0.01}\n"
+                   "  %b1, %bb1 = optimizer_update(%b, %gb, %bb, %lr, %step) {optimizer=\"sgd\", momentum=0.9, "
+                   "weight_decay=0.01}\n"
                    "  update %w = %w1\n  update %bw = %bw1\n  update %b = %b1\n  update %bb = %bb1\n"
                    "  return %loss\n}\n"),
                .graph_input = update_input});

@@ -30,6 +30,7 @@
 #include "frontend/onnx/onnx_import.h"
 #include "ir/text.h"
 #include "ir/verifier.h"
+#include "ops/optimizer/optimizers.h"
 #include "support/stopwatch.h"
 #include "tensors.h"
 #include "train/job.h"
@@ -158,7 +159,7 @@ class Session {
     }
     const std::unique_ptr<DeviceRuntime> runtime = device_runtime(executor.device);
     const std::string mode = train::choose_shard_mode(
-        options_.shard, process_group ? process_group->world_size() : 1, param_count,
+        options_.shard, process_group ? process_group->world_size() : 1, param_count, config.name,
         executor.device == Device::kCuda ? runtime->memory_info().total_bytes : size_t{64} << 30, nullptr);
     const ShardingOptions sharding{parse_shard_mode(mode), process_group ? process_group->world_size() : 1};
     if (!sharding.enabled()) {  // "auto" chose none: the group is not used
@@ -395,16 +396,32 @@ NB_MODULE(_kiln, m) {
   m.def("dtype_of", [](const Array& array) { return std::string(dtype_name(from_array(array, "the array").dtype())); },
         "array"_a.noconvert());
 
+  // The optimizer registry (ops/optimizer/optimizers.h), from which python/kiln/optim.py makes
+  // its classes: per optimizer its name, help, hyperparameters (name, default, boolean, help)
+  // and state slots.
+  m.def("optimizers", [] {
+    nb::list out;
+    for (const optim::OptimizerDef& def : optim::optimizers()) {
+      nb::list hyper, slots;
+      for (const optim::HyperSpec& spec : def.hyper)
+        hyper.append(nb::make_tuple(spec.name, spec.default_value, spec.boolean, spec.help));
+      for (const optim::StateSlot& slot : def.slots) slots.append(slot.name);
+      out.append(nb::make_tuple(def.name, def.help, hyper, slots));
+    }
+    return out;
+  });
+  nb::class_<ParamGroup>(m, "ParamGroup")
+      .def(nb::init<>())
+      .def_rw("params", &ParamGroup::params)
+      .def_rw("lr", &ParamGroup::lr)
+      .def_rw("hyper", &ParamGroup::hyper);
   nb::class_<OptimizerConfig>(m, "OptimizerConfig")
       .def(nb::init<>())
       .def_rw("name", &OptimizerConfig::name)
       .def_rw("lr", &OptimizerConfig::lr)
-      .def_rw("weight_decay", &OptimizerConfig::weight_decay)
-      .def_rw("momentum", &OptimizerConfig::momentum)
-      .def_rw("nesterov", &OptimizerConfig::nesterov)
-      .def_rw("beta1", &OptimizerConfig::beta1)
-      .def_rw("beta2", &OptimizerConfig::beta2)
-      .def_rw("epsilon", &OptimizerConfig::epsilon)
+      .def_rw("hyper", &OptimizerConfig::hyper)
+      .def_rw("groups", &OptimizerConfig::groups)
+      .def_rw("decay_biases_norms_embeddings", &OptimizerConfig::decay_biases_norms_embeddings)
       .def_rw("grad_clip", &OptimizerConfig::grad_clip)
       .def_rw("warmup_steps", &OptimizerConfig::warmup_steps)
       .def_rw("decay_steps", &OptimizerConfig::decay_steps)

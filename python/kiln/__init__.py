@@ -30,10 +30,11 @@ def _load_pytorch_nccl():
 _load_pytorch_nccl()
 
 from ._kiln import Error, version as __version__  # noqa: E402
-from .optim import SGD, AdamW  # noqa: E402
+from . import optim  # noqa: E402
+from .optim import *  # noqa: E402,F401,F403  (kiln.Optimizer and one class per registry entry: kiln.AdamW, ...)
 from .step import Step, compile, load  # noqa: E402
 from .train import TrainResult, train  # noqa: E402
 
 Error.__module__ = "kiln"
 
-__all__ = ["AdamW", "Error", "SGD", "Step", "TrainResult", "compile", "load", "train"]
+__all__ = ["Error", "Step", "TrainResult", "compile", "load", "train"] + [n for n in optim.__all__ if n != "from_torch"]

@@ -23,9 +23,10 @@ import warnings
 
 from . import _kiln, capture as _capture
 from ._tensors import framework_of, from_kiln, is_torch, to_kiln, torch_module
-from .optim import AdamW, _from_config
+from .optim import AdamW, Optimizer, _from_config
+from .optim import from_torch as from_torch_optimizer
 
-_FORMAT = 1  # of the "kiln.python" checkpoint metadata
+_FORMAT = 2  # of the "kiln.python" checkpoint metadata (2: the optimizer as Optimizer._record)
 
 
 def _device(device, group=None):
@@ -427,7 +428,10 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
     loss: None (the model returns its loss first), "cross_entropy", or a callable
         (output, target) -> loss for a torch module; the target is then the last input.
         For an ONNX file, "cross_entropy" trains the logits it returns against input `labels`.
-    optimizer: kiln.AdamW(...) (default) or kiln.SGD(...).
+    optimizer: kiln.AdamW(...) (default), kiln.SGD, kiln.Lion, kiln.Adafactor (kiln.optim), or a
+        torch.optim optimizer of the module's parameters (AdamW, Adam, SGD; Lion; transformers'
+        Adafactor), taken with its hyperparameters and param groups as they are, or refused
+        naming what kiln cannot honour (amsgrad=True, dampening, a class kiln lacks, ...).
     device: "cpu", "cuda" or "cuda:N"; None: where the module's parameters are (the CPU for an
     ONNX file). Inputs on another device are moved to it, and results come back to theirs.
     amp: "off", "bf16" or "f16" (mixed precision, f32 master weights).
@@ -441,8 +445,10 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         this torch has it, else onnx).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
-    if not hasattr(optimizer, "_config"):
-        raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...) or kiln.SGD(...)")
+    from_torch = not isinstance(optimizer, Optimizer)
+    if from_torch and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+        raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...), kiln.SGD(...), "
+                          "kiln.Lion(...), kiln.Adafactor(...) or a torch.optim optimizer of the module's parameters")
     if amp not in ("off", "bf16", "f16"):
         raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16' or 'f16'")
     if capture not in ("auto", "export", "onnx"):
@@ -496,6 +502,11 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         what, framework = f"module {type(model).__name__}", "torch"
     else:
         raise _kiln.Error(f"model is a {type(model).__name__}: expected a torch.nn.Module or an ONNX file's path")
+    if from_torch:
+        if not is_module:
+            raise _kiln.Error(f"a torch optimizer ({type(optimizer).__name__}) takes a torch module's parameters; "
+                              f"for {what} give kiln.AdamW(...) or another kiln optimizer")
+        optimizer = from_torch_optimizer(optimizer, _param_names(model, program, names, aliases))
     here = kind if kind == "cpu" else f"cuda:{index}"
     # The module's tensors are the step's memory where they are on the step's device; elsewhere
     # (device= another one) the step starts from copies of them, and state_dict() gives its own.
@@ -503,7 +514,7 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
     if module_tensors and any(str(t.device) != here for t in module_tensors.values()):
         copies, module_tensors = module_tensors, {}
     record = {"format": _FORMAT, "what": what, "ir": program.ir, "names": names,
-              "optimizer": {"name": optimizer._config().name, **{k: v for k, v in vars(optimizer).items()}},
+              "optimizer": optimizer._record(),
               "amp": amp, "memory_budget": _memory_budget(memory_budget), "disable_passes": list(disable_passes),
               "dialects": list(dialects)}
     if input_names:
@@ -590,8 +601,18 @@ def _torch_dtype(torch, name):
             "i32": torch.int32, "i64": torch.int64, "bool": torch.bool, "u8": torch.uint8}[name]
 
 
+def _param_names(model, program, names, aliases):
+    """id(parameter) -> kiln's param name, for the module's parameters that the step trains."""
+    params = {n for n, role, _, _ in program.inputs if role == "param"}
+    kiln_name = {}
+    for n in params:
+        for module_name in [names.get(n, n)] + aliases.get(n, []):
+            kiln_name[module_name] = n
+    return {id(p): kiln_name[n] for n, p in model.named_parameters(remove_duplicate=False) if n in kiln_name}
+
+
 def _session(program, optimizer, amp, kind, index, record, shard="none", group=None):
-    config = optimizer._config()
+    config = optimizer._config({module: n for n, module in record["names"].items()})
     config.amp = amp
     options = _kiln.SessionOptions()
     options.device, options.device_index = kind, index

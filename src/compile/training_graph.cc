@@ -6,21 +6,89 @@
 #include "ir/builder.h"
 #include "ir/verifier.h"
 #include "ops/collective.h"
+#include "ops/optimizer/optimizers.h"
 #include "passes/autodiff.h"
 #include "support/error.h"
 
 namespace kiln {
+namespace {
+
+// What one param's update uses: its group's learning rate (a multiple of the schedule's, so
+// one lr input serves every group) and hyperparameters.
+struct Setting {
+  double lr_scale = 1.0;
+  Attributes hyper;
+};
+
+// Per param input of `forward` (in input order): its setting from the config, its group and the
+// decay exemption.
+std::vector<Setting> param_settings(const Graph& forward, const OptimizerConfig& config) {
+  const optim::OptimizerDef& def = optim::optimizer_def(config.name);
+  std::set<ValueId> embeddings;  // tables that a gather reads
+  for (const Node& node : forward.nodes)
+    if (node.op == Op::kGather && !node.inputs.empty()) embeddings.insert(node.inputs[0]);
+  std::map<std::string, const ParamGroup*> group_of;
+  for (const ParamGroup& group : config.groups)
+    for (const std::string& name : group.params) group_of[name] = &group;
+  std::vector<Setting> settings;
+  std::vector<std::string> names;
+  for (const GraphInput& in : forward.inputs) {
+    if (in.role != Role::kParam) continue;
+    const Value& v = forward.value(in.value);
+    names.push_back(v.name);
+    std::map<std::string, double> hyper = config.hyper;
+    double lr = config.lr;
+    auto group = group_of.find(v.name);
+    if (group != group_of.end()) {
+      for (const auto& [name, value] : group->second->hyper) hyper[name] = value;
+      lr = group->second->lr.value_or(config.lr);
+      group_of.erase(group);
+    }
+    if (!config.decay_biases_norms_embeddings && def.find_hyper("weight_decay") &&
+        (v.type.rank() < 2 || embeddings.count(in.value)))
+      hyper["weight_decay"] = 0.0;
+    settings.push_back(Setting{lr / config.lr, optim::hyper_attributes(def, hyper)});
+  }
+  KILN_CHECK(group_of.empty(), "a param group names '{}', which is no param of graph '{}' (its params: {})",
+             group_of.begin()->first, forward.name, fmt::join(names, ", "));
+  return settings;
+}
+
+}  // namespace
 
 void validate(const OptimizerConfig& c) {
-  KILN_CHECK(c.name == "adamw" || c.name == "sgd", "unknown optimizer '{}' (expected adamw or sgd)", c.name);
+  const optim::OptimizerDef& def = optim::optimizer_def(c.name);
   KILN_CHECK(c.lr > 0 && std::isfinite(c.lr), "learning rate must be > 0, got {}", c.lr);
-  KILN_CHECK(c.weight_decay >= 0, "weight decay must be >= 0, got {}", c.weight_decay);
+  optim::hyper_attributes(def, c.hyper);
+  std::set<std::string> grouped;
+  for (size_t i = 0; i < c.groups.size(); ++i) {
+    const ParamGroup& group = c.groups[i];
+    KILN_CHECK(!group.lr || (*group.lr > 0 && std::isfinite(*group.lr)), "param group {}: learning rate must be > 0, got {}",
+               i, group.lr.value_or(0));
+    std::map<std::string, double> merged = c.hyper;
+    for (const auto& [name, value] : group.hyper) merged[name] = value;
+    try {
+      optim::hyper_attributes(def, merged);
+    } catch (const Error& e) {
+      fail("param group {}: {}", i, e.what());
+    }
+    for (const std::string& name : group.params)
+      KILN_CHECK(grouped.insert(name).second, "param '{}' is in two param groups", name);
+  }
   KILN_CHECK(c.grad_clip >= 0, "gradient clip must be >= 0 (0 = off), got {}", c.grad_clip);
   KILN_CHECK(c.warmup_steps >= 0 && c.decay_steps >= 0, "warmup and decay steps must be >= 0");
   KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
   KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16", "unknown amp mode '{}' (expected off, bf16 or f16)",
              c.amp);
   if (c.amp == "f16") validate(c.loss_scale);
+}
+
+double hyperparameter(const OptimizerConfig& c, const std::string& name) {
+  auto it = c.hyper.find(name);
+  if (it != c.hyper.end()) return it->second;
+  const optim::HyperSpec* spec = optim::optimizer_def(c.name).find_hyper(name);
+  KILN_CHECK(spec, "optimizer {} has no hyperparameter '{}'", c.name, name);
+  return spec->default_value;
 }
 
 double learning_rate(const OptimizerConfig& c, int64_t step) {
@@ -71,6 +139,7 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     }
   }
   KILN_CHECK(!params.empty(), "graph '{}' has no param inputs to train", forward.name);
+  const std::vector<Setting> settings = param_settings(forward, config);
 
   // The pass keeps the inputs in order (so the input indices above stay valid) and the outputs'
   // types, but renumbers values: from here on ids refer to `amp_forward`.
@@ -179,15 +248,20 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     out.state_inputs.push_back(static_cast<int>(b.graph().inputs.size() - 1));
     return e;
   };
-  std::vector<Expr> moments;  // per param: sgd buf, or adamw m and v (shards, for zero1/2/3)
+  // Per param: its optimizer's state slots, in the entry's order (shards, for zero1/2/3; an Expr
+  // with id -1 where the slot has no tensor for this param's shape).
+  const optim::OptimizerDef& def = optim::optimizer_def(config.name);
+  if (sharding.shards_optimizer())
+    for (const optim::StateSlot& slot : def.slots)
+      KILN_CHECK(slot.shardable, "optimizer {} keeps state ({}) that cannot be sharded flat over ranks: use "
+                 "--shard dp, or another optimizer for {}", def.name, slot.name, shard_mode_name(sharding.mode));
+  std::vector<std::vector<Expr>> slots(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const Value v = b.graph().value(params[i]);  // a copy: add_state() grows the graph's values
     const TensorType type = grads[i].type().shape == v.type.shape ? v.type : TensorType{v.type.dtype, grads[i].type().shape};
-    if (config.name == "sgd") {
-      moments.push_back(add_state("opt.buf." + v.name, type));
-    } else {
-      moments.push_back(add_state("opt.m." + v.name, type));
-      moments.push_back(add_state("opt.v." + v.name, type));
+    for (const optim::StateSlot& slot : def.slots) {
+      const std::optional<Shape> shape = optim::slot_shape(slot, type.shape);
+      slots[i].push_back(shape ? add_state("opt." + slot.name + "." + v.name, TensorType{type.dtype, *shape}) : Expr());
     }
   }
   Expr step = add_state("opt.step", TensorType{DType::kF32, {}});
@@ -217,28 +291,21 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
       return gather_after ? unshard(updated, param_shard(full_types[i], world)) : updated;
     };
     Expr g = grads[i].dtype() == p.dtype() ? grads[i] : cast(grads[i], p.dtype());
+    const Setting& setting = settings[i];
     Expr lr_p = cast(lr, p.dtype());
-    if (config.name == "sgd") {
-      std::vector<Expr> r = b.apply(Op::kSgdUpdate, {p, g, moments[i], lr_p},
-                                    {{"momentum", config.momentum}, {"nesterov", config.nesterov},
-                                     {"weight_decay", config.weight_decay}});
-      b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
-      b.graph().updates.push_back(Update{moments[i].id(), r[1].id()});
-    } else {
-      Expr m = moments[2 * i], v = moments[2 * i + 1];
-      std::vector<Expr> r = b.apply(Op::kAdamwUpdate, {p, g, m, v, lr_p, cast(next_step, p.dtype())},
-                                    {{"beta1", config.beta1}, {"beta2", config.beta2},
-                                     {"epsilon", config.epsilon}, {"weight_decay", config.weight_decay}});
-      b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
-      b.graph().updates.push_back(Update{m.id(), r[1].id()});
-      b.graph().updates.push_back(Update{v.id(), r[2].id()});
-    }
+    if (setting.lr_scale != 1.0) lr_p = lr_p * setting.lr_scale;
+    const std::vector<Expr> r = def.build({p, g, slots[i], lr_p, cast(next_step, p.dtype()), setting.hyper});
+    b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
+    for (size_t j = 0; j < slots[i].size(); ++j)
+      if (slots[i][j].id() >= 0) b.graph().updates.push_back(Update{slots[i][j].id(), r[1 + j].id()});
     close_range(update_early ? reduced_at[i] : joint_nodes);
   }
   if (scaled) {
     // Every param and optimizer state update is skipped on overflow; rng.offset still advances.
     std::set<ValueId> skipped(params.begin(), params.end());
-    for (const Expr& m : moments) skipped.insert(m.id());
+    for (const std::vector<Expr>& own : slots)
+      for (const Expr& slot : own)
+        if (slot.id() >= 0) skipped.insert(slot.id());
     skipped.insert(step.id());
     skip_updates_on_overflow(b, overflow, skipped);
     update_loss_scale(b, loss_scale, overflow, config.loss_scale);

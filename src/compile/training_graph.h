@@ -22,6 +22,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,13 +33,25 @@
 
 namespace kiln {
 
+// A group of params with hyperparameters of their own, as PyTorch's param_groups: the group's
+// lr and hyperparameters replace the config's for its params.
+struct ParamGroup {
+  std::vector<std::string> params;      // param (graph input) names
+  std::optional<double> lr;             // peak learning rate; else the config's
+  std::map<std::string, double> hyper;  // over the config's (booleans as 0 and 1)
+};
+
 struct OptimizerConfig {
-  std::string name = "adamw";  // "adamw" or "sgd"
-  double lr = 1e-3;            // peak learning rate
-  double weight_decay = 0.0;
-  double momentum = 0.9;       // sgd
-  bool nesterov = false;       // sgd
-  double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8;  // adamw
+  // An optimizer of the registry (ops/optimizer/optimizers.h): sgd, adamw, lion, adafactor.
+  std::string name = "adamw";
+  double lr = 1e-3;  // peak learning rate
+  // Hyperparameters by name (booleans as 0 and 1); the optimizer's defaults for the others.
+  std::map<std::string, double> hyper;
+  // Params in no group take the values above.
+  std::vector<ParamGroup> groups;
+  // false: weight_decay 0 for biases and norm weights (params of rank < 2) and embedding tables
+  // (params that a gather reads), the usual exemption (nanoGPT, Hugging Face's Trainer).
+  bool decay_biases_norms_embeddings = true;
   double grad_clip = 0.0;      // max global gradient norm; 0 = no clipping
   int64_t warmup_steps = 0;    // linear warmup from lr/warmup to lr
   int64_t decay_steps = 0;     // cosine decay to min_lr_ratio * lr by this step; 0 = constant
@@ -55,6 +68,8 @@ struct OptimizerConfig {
 
 // Throws kiln::Error naming the bad field.
 void validate(const OptimizerConfig& config);
+// config.hyper[name], else the optimizer's default.
+double hyperparameter(const OptimizerConfig& config, const std::string& name);
 // The learning rate of 0-based step `step`: linear warmup, then cosine decay, then constant.
 double learning_rate(const OptimizerConfig& config, int64_t step);
 
@@ -63,8 +78,8 @@ double learning_rate(const OptimizerConfig& config, int64_t step);
 struct StepProgram {
   Graph graph;  // outputs: the loss, or (keep_forward_outputs) all the forward's (loss first)
   std::vector<int> param_inputs;  // indices into graph.inputs, in forward order
-  // The forward's state, then (f16) amp.scale and amp.good_steps, then per-param
-  // moments/buffers, opt.step.
+  // The forward's state, then (f16) amp.scale and amp.good_steps, then per param its optimizer
+  // state slots ("opt.<slot>.<param>": opt.m.wte, ...), then opt.step.
   std::vector<int> state_inputs;
   std::vector<int> data_inputs;   // the forward's data inputs, in order
   int lr_input = -1;              // the scalar learning-rate input; -1 in a forward step

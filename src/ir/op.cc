@@ -19,7 +19,7 @@ constexpr bool table_sorted() {
 }
 static_assert(table_sorted(), "ir/ops.def must be sorted by text name");
 // Bump when adding an op, together with its definition in src/ops/ and its tests.
-static_assert(kNumOps == 94, "op count changed: add the op's definition and tests too");
+static_assert(kNumOps == 93, "op count changed: add the op's definition and tests too");
 }  // namespace
 
 const OpInfo& op_info(Op op) { return kOpInfos[static_cast<int>(op)]; }

@@ -76,6 +76,9 @@ struct OpDef {
   // computes that subset's share, and the shares add up: fusion puts such an op in a group of
   // whole-row tiles, the column outputs summed across tiles like a bias gradient.
   int column_outputs_from = -1;
+  // Completes attributes whose defaults depend on another attribute, after the schema's own
+  // defaults (optimizer_update: the hyperparameters of the optimizer it names).
+  std::function<void(Attributes&)> normalize = nullptr;
 };
 
 // The definition of `op`. Throws kiln::Error if the op has none (a half-added op).

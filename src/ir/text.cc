@@ -131,16 +131,24 @@ class Printer {
       line += (i ? ", " : "") + label(node.inputs[i], where);
     line += ")";
 
-    const std::vector<AttrSpec>* schema = has_op_def(node.op) ? &op_def(node.op).attrs : nullptr;
+    const OpDef* def = has_op_def(node.op) ? &op_def(node.op) : nullptr;
     std::string attrs;
     for (const auto& [name, value] : node.attrs.items()) {
       KILN_CHECK(is_valid_ident(name),
                  "print: {}: attribute name '{}' cannot be written in IR text", where, name);
+      // Left out: a value that normalization would restore (the schema's default, or what the
+      // op's own normalize fills in: optimizer_update's hyperparameter defaults).
       bool is_default = false;
-      if (schema) {
-        for (const AttrSpec& spec : *schema)
+      if (def) {
+        for (const AttrSpec& spec : def->attrs)
           if (spec.name == name && spec.default_value && same_value(*spec.default_value, value))
             is_default = true;
+        if (!is_default && def->normalize) {
+          Attributes without = node.attrs;
+          without.erase(name);
+          def->normalize(without);
+          is_default = without.has(name) && same_value(without.get(name), value);
+        }
       }
       if (is_default) continue;
       attrs += (attrs.empty() ? "" : ", ") + name + "=" + to_string(value);

@@ -101,6 +101,7 @@ Attributes normalize_attributes(Op op, Attributes attrs) {
            attr_kind_name(kind), to_string(value), attr_kind_name(wanted));
     }
   }
+  if (def.normalize) def.normalize(attrs);
   return attrs;
 }
 

@@ -27,7 +27,7 @@ void define_shape_ops(OpRegistry& registry);        // ops/shape.cc: reshape, tr
 void define_indexing_ops(OpRegistry& registry);     // ops/indexing.cc: gather/scatter_elements, cumsum, topk
 void define_nn_ops(OpRegistry& registry);           // ops/nn.cc: matmul, softmax, norms, losses, attention
 void define_conv_ops(OpRegistry& registry);         // ops/conv.cc: conv2d, pooling and their gradients
-void define_optimizer_ops(OpRegistry& registry);    // ops/optimizer.cc: sgd_update, adamw_update
+void define_optimizer_ops(OpRegistry& registry);    // ops/optimizer.cc: optimizer_update
 void define_collective_ops(OpRegistry& registry);  // ops/collective.cc: all_reduce, all_gather, reduce_scatter, ...
 void define_transfer_ops(OpRegistry& registry);    // ops/transfer.cc: offload, reload
 void define_fused_ops(OpRegistry& registry);        // ops/fused.cc: fused (a node with a body)

@@ -353,14 +353,14 @@ bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, 
   return false;
 }
 
-bool group_updates(Graph& graph, Op op, size_t scalars_from, FusedKind kind, Peaks& peaks) {
+bool group_updates(Graph& graph, Peaks& peaks) {
   // Candidates by key, in node order.
   std::vector<UpdateKey> keys;
   std::vector<std::vector<int>> by_key;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    if (node.op != op) continue;
-    UpdateKey key{node.attrs, {node.inputs.begin() + static_cast<ptrdiff_t>(scalars_from), node.inputs.end()}, {}};
+    if (node.op != Op::kOptimizerUpdate) continue;
+    UpdateKey key{node.attrs, {node.inputs.end() - 2, node.inputs.end()}, {}};  // lr and step
     for (size_t i = 0; i < node.inputs.size(); ++i) key.dtypes.push_back(graph.type(node.inputs[i]).dtype);
     size_t k = 0;
     while (k < keys.size() && !same_key(keys[k], key)) ++k;
@@ -375,10 +375,10 @@ bool group_updates(Graph& graph, Op op, size_t scalars_from, FusedKind kind, Pea
     if (members.size() >= 2) whole.push_back(members);
   // Chunks are capped by the bytes of their tensor operands (the gradients a chunk keeps
   // waiting are among them).
-  return group_under_peak(graph, whole, kind, [&](int n) {
+  return group_under_peak(graph, whole, FusedKind::kMultiTensorUpdate, [&](int n) {
     size_t bytes = 0;
     const Node& node = graph.nodes[static_cast<size_t>(n)];
-    for (size_t i = 0; i < scalars_from; ++i) bytes += graph.type(node.inputs[i]).bytes();
+    for (size_t i = 0; i + 2 < node.inputs.size(); ++i) bytes += graph.type(node.inputs[i]).bytes();
     return bytes;
   }, peaks);
 }
@@ -422,7 +422,7 @@ bool fold_gradient_casts(Graph& graph) {
     for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
   std::set<int> folded;
   for (Node& node : graph.nodes) {
-    if (node.op != Op::kAdamwUpdate && node.op != Op::kSgdUpdate) continue;
+    if (node.op != Op::kOptimizerUpdate) continue;
     const ValueId grad = node.inputs[1];
     const int p = producer[grad];
     if (p < 0 || !uses.single(grad)) continue;
@@ -446,8 +446,7 @@ bool MultiTensorPass::run(Graph& graph) {
   bool changed = fold_gradient_casts(graph);
   changed = group_global_norms(graph) || changed;
   Peaks peaks;  // of the graph as it is, once measured
-  changed = group_updates(graph, Op::kAdamwUpdate, 4, FusedKind::kMultiTensorAdamw, peaks) || changed;
-  changed = group_updates(graph, Op::kSgdUpdate, 3, FusedKind::kMultiTensorSgd, peaks) || changed;
+  changed = group_updates(graph, peaks) || changed;
   if (group_casts_) changed = group_param_casts(graph, peaks) || changed;
   return changed;
 }

@@ -1,12 +1,12 @@
 // The multi-tensor pass ("multi-tensor"): groups the optimizer's per-parameter updates, the
 // per-gradient terms of the global gradient norm, and mixed precision's casts of the f32 master
 // weights to 16 bits, into a few `fused` nodes that hand-written multi-tensor kernels run in one
-// launch (GPT-2: 148 adamw_update nodes, 148 sum-of-squares reductions, 147 scalar adds and,
+// launch (GPT-2: 148 optimizer_update nodes, 148 sum-of-squares reductions, 147 scalar adds and,
 // under --amp, ~74 casts otherwise: each a launch-bound kernel of a few microseconds).
 //
 // What it makes (bodies: their contracts in ops/fused/multi_tensor.h state them exactly):
-//   kind "multi-tensor-adamw" / "multi-tensor-sgd": adamw_update (sgd_update) nodes with equal
-//     attributes, the same scalar operands (lr, step) and the same operand dtypes. The body
+//   kind "multi-tensor-update": optimizer_update nodes with equal attributes (one optimizer and
+//     its hyperparameters: a parameter group of its own is a fused node of its own), the same scalar operands (lr, step) and the same operand dtypes. The body
 //     holds the nodes unchanged; the fused node's outputs are their results, each still the
 //     value of its own Graph::update, so the executor still writes each one straight into its
 //     param or state (KernelImpl::in_place_ok of the kernels).

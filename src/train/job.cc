@@ -19,6 +19,7 @@
 #include "distributed/process_group.h"
 #include "ir/text.h"
 #include "models/models.h"
+#include "ops/optimizer/optimizers.h"
 #include "runtime/profile.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
@@ -420,21 +421,23 @@ DeviceChoice choose_device(const std::string& device, const std::string& amp, co
   return c;
 }
 
-std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, size_t device_bytes,
-                              std::string* note) {
+std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, const std::string& optimizer,
+                              size_t device_bytes, std::string* note) {
   KILN_CHECK(shard == "auto" || shard == "none" || shard == "dp" || shard == "zero1" || shard == "zero2" ||
                  shard == "zero3",
              "unknown --shard '{}' (expected auto, dp, zero1, zero2 or zero3)", shard);
   KILN_CHECK(world_size > 1 || shard == "auto" || shard == "none",
              "--shard {} needs several processes (kiln launch -n N -- train ...)", shard);
   std::string mode = shard;
-  const double state = 16.0 * static_cast<double>(params);  // f32 param, gradient, AdamW m and v
+  // f32 param and gradient, and the optimizer's state like the param (AdamW's m and v)
+  const optim::OptimizerDef& def = optim::optimizer_def(optimizer);
+  const double state = (8.0 + 4.0 * def.state_per_param_element()) * static_cast<double>(params);
   if (shard == "auto") mode = world_size == 1 ? "none" : state <= 0.25 * static_cast<double>(device_bytes) ? "dp" : "zero3";
   if (note)
     *note = shard != "auto" ? mode
             : world_size == 1 ? "none (one process)"
-            : fmt::format("{} (auto: params, gradients and AdamW state {} {} a quarter of the device's {})", mode,
-                          format_bytes(static_cast<size_t>(state)), mode == "dp" ? "within" : "over", format_bytes(device_bytes));
+            : fmt::format("{} (auto: params, gradients and {} state {} {} a quarter of the device's {})", mode,
+                          def.name, format_bytes(static_cast<size_t>(state)), mode == "dp" ? "within" : "over", format_bytes(device_bytes));
   return mode;
 }
 
@@ -525,7 +528,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   const int restart = env ? env->restart_count : 0;
   std::string shard_note;
   const std::string shard = choose_shard_mode(
-      place.world == 1 && restart > 0 ? "none" : o.shard, place.world, param_count,
+      place.world == 1 && restart > 0 ? "none" : o.shard, place.world, param_count, o.optimizer.name,
       on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30, &shard_note);
   if (place.world > 1)
     fmt::print(o.out, "  {} ranks ({} on each), global batch {} ({} a rank), shard {}\n", place.world,
@@ -857,8 +860,8 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   KILN_CHECK(o.timeline_path.empty() || o.cuda_graphs,
              "--timeline traces graph-replayed steps: drop --no-cuda-graphs (--profile times kernels without graphs)");
   KILN_CHECK(o.timeline_steps > 0, "--timeline-steps must be > 0, got {}", o.timeline_steps);
-  KILN_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "--batch and --steps must be > 0 and --warmup >= 0, got {}, {}, {}",
-             o.batch, o.steps, o.warmup);
+  KILN_CHECK(o.batch > 0 && o.steps > 0 && o.untimed_steps >= 0,
+             "--batch and --steps must be > 0 and --untimed-steps >= 0, got {}, {}, {}", o.batch, o.steps, o.untimed_steps);
   KILN_CHECK(o.batch % world == 0, "--batch {} (the global batch) does not split over {} ranks", o.batch, world);
   BenchResult r;
   r.world_size = world;
@@ -889,7 +892,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     int64_t params = 0;
     for (const GraphInput& in : forward.inputs)
       if (in.role == Role::kParam) params += forward.type(in.value).numel();
-    const std::string mode = choose_shard_mode(o.shard, world, params,
+    const std::string mode = choose_shard_mode(o.shard, world, params, o.optimizer.name,
                                                on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30, nullptr);
     init = mode == "zero3" ? models::init_param_shards(forward, o.seed, config.layers, world, rank)
                : models::init_params(forward, o.seed, config.layers);
@@ -916,9 +919,8 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   r.flops_per_step = 6.0 * static_cast<double>(r.params) * static_cast<double>(r.tokens_per_step) +
                      12.0 * static_cast<double>(layers * seq * d_model) * static_cast<double>(r.tokens_per_step);
 
-  OptimizerConfig config;
+  OptimizerConfig config = o.optimizer;
   config.amp = o.amp;
-  config.lr = 1e-4;
   validate(config);
   ExecutorOptions executor_options;
   executor_options.device = runtime->device();
@@ -926,7 +928,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   executor_options.tune_gemms = o.tune_gemms;
   if (group) executor_options.communicator = group->communicator().get();
   std::string shard_note;
-  r.shard = choose_shard_mode(o.shard, world, r.params, on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30,
+  r.shard = choose_shard_mode(o.shard, world, r.params, config.name, on_cuda ? runtime->memory_info().total_bytes : size_t{64} << 30,
                               &shard_note);
   const ShardingOptions sharding{parse_shard_mode(r.shard), world};
   // The profiling and tracing trainers (--profile, --timeline) need the initial params again:
@@ -961,7 +963,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   trainer.synchronize();
   r.first_step_s = seconds_since_process_start();
   r.first_run_s = phase.lap();
-  for (int64_t i = 1; i < o.warmup; ++i) trainer.step(batches[i % 2]);
+  for (int64_t i = 1; i < o.untimed_steps; ++i) trainer.step(batches[i % 2]);
   trainer.synchronize();
   std::vector<double> ms;
   for (int64_t i = 0; i < o.steps; ++i) {

@@ -89,10 +89,10 @@ struct DeviceChoice {
 DeviceChoice choose_device(const std::string& device, const std::string& amp, const DeviceAvailability& cuda);
 
 // `--shard`: an explicit mode is kept; "auto" is none alone, and in a group dp while the params,
-// gradients and AdamW state (16 bytes a param) take at most a quarter of `device_bytes` (the
-// memory of one device), else zero3. `note` says which and why.
-std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, size_t device_bytes,
-                              std::string* note);
+// gradients and `optimizer`'s state (f32: 16 bytes a param for AdamW, from the registry's slots)
+// take at most a quarter of `device_bytes` (the memory of one device), else zero3. `note` says which and why.
+std::string choose_shard_mode(const std::string& shard, int world_size, int64_t params, const std::string& optimizer,
+                              size_t device_bytes, std::string* note);
 
 // Throws kiln::Error on bad options, missing data, a shape that does not fit, or a non-finite
 // loss (the message names the step; the last good checkpoint is kept).
@@ -137,10 +137,11 @@ struct BenchOptions {
   int64_t seq = 0;                // language models: 0 = the config's
   models::ModelSizes sizes;       // language models: sizes overriding the config's (seq above)
   std::string amp = "bf16";       // off | bf16 | f16 | auto (choose_device)
+  OptimizerConfig optimizer;      // its amp is `amp` above
   std::string shard = "auto";     // in a group (kiln launch): as JobOptions::shard; batch is global
   std::string device = "cuda";    // cpu | cuda | auto
   int64_t steps = 20;             // timed steps
-  int64_t warmup = 5;             // untimed steps first (on cuda the first three run, tune and capture)
+  int64_t untimed_steps = 5;      // untimed steps first (on cuda the first three run, tune and capture)
   bool cuda_graphs = true;
   bool tune_gemms = true;         // ExecutorOptions::tune_gemms (the second step tunes the products)
   double peak_flops = 0;          // the device's peak rate for MFU; 0 = from the device table

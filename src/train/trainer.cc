@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "device/communicator.h"
+#include "ops/optimizer/optimizers.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
 #include "train/checkpoint/reshard.h"
@@ -80,16 +81,19 @@ Trainer::Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tenso
   }
   for (int i : program.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
-    for (const char* prefix : {"opt.m.", "opt.v.", "opt.buf."}) {
+    // A slot shaped like its param is sharded when its shape is not the param's.
+    for (const std::string& slot : optim::slot_names(optim::SlotShape::kParam)) {
+      const std::string prefix = "opt." + slot + ".";
       if (v.name.rfind(prefix, 0) != 0) continue;
-      auto full = param_types.find(v.name.substr(std::string_view(prefix).size()));
+      auto full = param_types.find(v.name.substr(prefix.size()));
       if (full != param_types.end() && full->second != v.type) sharded_[v.name] = full->second;
     }
   }
   for (int i : program.state_inputs) {
     const Value& v = g.value(g.inputs[i].value);
     auto initial = program.state_initial_values.find(v.name);
-    // Zeros (AdamW's moments: twice the params' bytes) are made on the device, not uploaded.
+    // Zeros (the optimizer's state: AdamW's moments are twice the params' bytes) are made on the
+    // device, not uploaded.
     if (initial == program.state_initial_values.end()) continue;
     inputs_[i] = Tensor(v.type);
     for (int64_t k = 0; k < inputs_[i].numel(); ++k) inputs_[i].set(k, initial->second);

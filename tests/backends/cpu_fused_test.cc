@@ -362,7 +362,7 @@ TEST(CpuFusedTraining, Gpt2TinyStepsWithFusionEqualUnfused) {
   const Graph forward = models::gpt(config);
   OptimizerConfig optimizer;
   optimizer.name = "sgd";
-  optimizer.momentum = 0.0;
+  optimizer.hyper["momentum"] = 0.0;
   optimizer.lr = 0.1;
   const std::vector<Tensor> init = models::init_params(forward, 5, config.layers);
   auto copies = [&] {

@@ -80,11 +80,12 @@ struct FusedRun {
 
 // The body of a multi-tensor update node over params of `shapes`: (param, grad, state..., then
 // the scalars once).
-FusedRun update_group(Op op, const std::vector<Shape>& shapes, uint64_t seed) {
+FusedRun update_group(const std::string& optimizer, const std::vector<Shape>& shapes, uint64_t seed) {
   FusedRun run;
   Graph& body = run.body;
   body.name = "group";
-  const int states = op == Op::kAdamwUpdate ? 2 : 1;
+  const bool adamw = optimizer == "adamw";
+  const int states = adamw ? 2 : 1;
   std::vector<std::vector<ValueId>> operands;
   std::vector<Tensor> scalars_values;
   for (size_t k = 0; k < shapes.size(); ++k) {
@@ -97,24 +98,22 @@ FusedRun update_group(Op op, const std::vector<Shape>& shapes, uint64_t seed) {
     for (int s = 0; s < states; ++s) {
       ids.push_back(body.add_input(fmt::format("s{}_{}", k, s), t, Role::kData));
       // v must be >= 0; m and buf any sign.
-      const bool second_moment = op == Op::kAdamwUpdate && s == 1;
+      const bool second_moment = adamw && s == 1;
       run.inputs.push_back(rand(DType::kF32, shapes[k], seed++, second_moment ? 0.01 : -1.0, 1.0));
     }
     operands.push_back(ids);
   }
   std::vector<ValueId> scalars = {body.add_input("lr", {DType::kF32, {}}, Role::kData)};
   run.inputs.push_back(testing::make(DType::kF32, {}, {0.01}));
-  if (op == Op::kAdamwUpdate) {
-    scalars.push_back(body.add_input("step", {DType::kF32, {}}, Role::kData));
-    run.inputs.push_back(testing::make(DType::kF32, {}, {3}));
-  }
+  scalars.push_back(body.add_input("step", {DType::kF32, {}}, Role::kData));
+  run.inputs.push_back(testing::make(DType::kF32, {}, {3}));
   // Body inputs in member order then the scalars: reorder so members read them where they are.
-  const Attributes attrs = op == Op::kAdamwUpdate
-                               ? Attributes{{"weight_decay", 0.1}}
-                               : Attributes{{"momentum", 0.9}, {"weight_decay", 0.01}};
+  const Attributes attrs = adamw                  ? Attributes{{"optimizer", optimizer}, {"weight_decay", 0.1}}
+                           : optimizer == "sgd" ? Attributes{{"optimizer", optimizer}, {"momentum", 0.9}, {"weight_decay", 0.01}}
+                                                : Attributes{{"optimizer", optimizer}, {"weight_decay", 0.1}};
   for (auto& ids : operands) {
     ids.insert(ids.end(), scalars.begin(), scalars.end());
-    for (ValueId out : body.add_node(op, ids, attrs)) body.outputs.push_back(out);
+    for (ValueId out : body.add_node(Op::kOptimizerUpdate, ids, attrs)) body.outputs.push_back(out);
   }
   return run;
 }
@@ -132,11 +131,11 @@ const KernelImpl& fused_kernel(const Node& node, const Graph& body, const std::v
   return kernel_registry().select(NodeView{node, in, out}, Device::kCpu, {"cpu"});
 }
 
-void check_updates(Op op, const char* kind) {
+void check_updates(const std::string& optimizer) {
   const std::vector<Shape> shapes = {{7, 13}, {1}, {1031}, {3}, {64, 257}};
-  FusedRun run = update_group(op, shapes, 40);
+  FusedRun run = update_group(optimizer, shapes, 40);
   auto body = std::make_shared<const Graph>(run.body);
-  const Attributes attrs{{"kind", std::string(kind)}};
+  const Attributes attrs{{"kind", std::string("multi-tensor-update")}};
   const Node node{Op::kFused, {}, {}, attrs, body};
   const KernelImpl& impl = fused_kernel(node, *body, run.inputs);
   EXPECT_EQ(impl.dialect, "cpu");
@@ -149,7 +148,7 @@ void check_updates(Op op, const char* kind) {
   for (const Node& member : body->nodes) {
     std::vector<Tensor> ins;
     for (ValueId id : member.inputs) ins.push_back(run.inputs[static_cast<size_t>(body->input_index(id))]);
-    const std::vector<Tensor> alone = testing::run_dialect("cpu", op, ins, member.attrs);
+    const std::vector<Tensor> alone = testing::run_dialect("cpu", Op::kOptimizerUpdate, ins, member.attrs);
     for (const Tensor& t : alone) {
       EXPECT_EQ(std::memcmp(t.raw(), got[result].raw(), t.bytes()), 0) << "result " << result;
       EXPECT_TRUE(testing::all_close(got[result], expected[result], 1e-6, 1e-5)) << "result " << result;
@@ -162,15 +161,15 @@ void check_updates(Op op, const char* kind) {
   // grad is impossible (shapes differ), so two same-shaped members: 1 ({1}) and 3 ({3}) differ
   // too; use a fresh group of equal shapes, with each member's param result over the other's
   // grad (a cycle) and its state results over its own state (in place).
-  FusedRun pair = update_group(op, {{5, 9}, {5, 9}}, 90);
+  FusedRun pair = update_group(optimizer, {{5, 9}, {5, 9}}, 90);
   auto pair_body = std::make_shared<const Graph>(pair.body);
   const Node pair_node{Op::kFused, {}, {}, attrs, pair_body};
   std::vector<Tensor> clean = outputs_of(*pair_body);
   std::vector<Tensor> fresh;
   for (const Tensor& t : pair.inputs) fresh.push_back(t.clone());
   fused_kernel(pair_node, *pair_body, fresh).kernel(KernelArgs{attrs, fresh, clean, nullptr, pair_body.get()});
-  const int per = op == Op::kAdamwUpdate ? 4 : 3;  // tensor operands per member
-  const int results = op == Op::kAdamwUpdate ? 3 : 2;
+  const int per = optimizer == "adamw" ? 4 : 3;  // tensor operands per member
+  const int results = optimizer == "adamw" ? 3 : 2;
   std::vector<Tensor> aliased(static_cast<size_t>(2 * results));
   for (int k = 0; k < 2; ++k) {
     aliased[static_cast<size_t>(k * results)] = fresh[static_cast<size_t>((1 - k) * per + 1)];  // over the other's grad
@@ -183,13 +182,11 @@ void check_updates(Op op, const char* kind) {
     EXPECT_EQ(std::memcmp(aliased[i].raw(), clean[i].raw(), clean[i].bytes()), 0) << "aliased result " << i;
 }
 
-TEST(CpuMultiTensor, AdamwMatchesThePerTensorKernelAndTheReference) {
-  check_updates(Op::kAdamwUpdate, "multi-tensor-adamw");
-}
+TEST(CpuMultiTensor, AdamwMatchesThePerTensorKernelAndTheReference) { check_updates("adamw"); }
 
-TEST(CpuMultiTensor, SgdMatchesThePerTensorKernelAndTheReference) {
-  check_updates(Op::kSgdUpdate, "multi-tensor-sgd");
-}
+TEST(CpuMultiTensor, SgdMatchesThePerTensorKernelAndTheReference) { check_updates("sgd"); }
+
+TEST(CpuMultiTensor, LionMatchesThePerTensorKernelAndTheReference) { check_updates("lion"); }
 
 TEST(CpuMultiTensor, GlobalNormMatchesTheReference) {
   const Graph body = parse(
@@ -234,7 +231,7 @@ TEST(CpuMultiTensor, SupportsOnlyItsOwnBodies) {
   const Graph body = parse(
       "graph @b(%x: f32[4] data) {\n  %0 = exp(%x) : f32[4]\n  %1 = neg(%0) : f32[4]\n  return %1\n}\n");
   auto shared = std::make_shared<const Graph>(body);
-  for (const char* kind : {"multi-tensor-adamw", "multi-tensor-sgd", "global-norm"}) {
+  for (const char* kind : {"multi-tensor-update", "global-norm"}) {
     const Node node{Op::kFused, {}, {}, Attributes{{"kind", std::string(kind)}}, shared};
     const std::vector<TensorType> in = {{DType::kF32, {4}}}, out = in;
     const KernelImpl& impl = kernel_registry().select(NodeView{node, in, out}, Device::kCpu, {});
@@ -366,7 +363,7 @@ TEST(CpuMultiTensor, CastBodyRefusesOtherBodies) {
 std::vector<Tensor> train_steps(const Graph& forward, double clip, bool pass) {
   OptimizerConfig config;
   config.grad_clip = clip;
-  config.weight_decay = 0.1;
+  config.hyper["weight_decay"] = 0.1;
   PassOptions passes;
   if (!pass) passes.disabled = {"multi-tensor"};
   train::Trainer trainer(forward, config, models::init_params(forward, 3, 1), {}, passes);

@@ -1,5 +1,5 @@
 // The training-step fast kernels (src/backends/cpu/train_kernels.cc) beyond the conformance
-// sweep, which runs adamw_update, sgd_update, gelu_grad, reshape, transpose ("cpu") and
+// sweep, which runs optimizer_update, gelu_grad, reshape, transpose ("cpu") and
 // attention, attention_grad, attention_qkv, attention_qkv_grad ("openblas") against the
 // reference kernels on random inputs of odd sizes and sizes parallel_for splits, with the
 // tolerances these kernels hold (tests/conformance_cases.cc): hand-checked values, attention_grad
@@ -31,11 +31,11 @@ Tensor scalar(DType dtype, double value) { return make(dtype, {}, {value}); }
 // m' = -0.2, v' = 4e-3, step -1, p' = 3 + 0.1 = 3.1.
 TEST(CpuTrainKernels, AdamwFirstStepHandChecked) {
   const std::vector<Tensor> out = run_dialect(
-      "cpu", Op::kAdamwUpdate,
+      "cpu", Op::kOptimizerUpdate,
       {make(DType::kF32, {2}, {1.0, 3.0}), make(DType::kF32, {2}, {0.5, -2.0}),
        make(DType::kF32, {2}, {0.0, 0.0}), make(DType::kF32, {2}, {0.0, 0.0}),
        scalar(DType::kF32, 0.1), scalar(DType::kF32, 1.0)},
-      {{"weight_decay", 0.0}});
+      {{"optimizer", "adamw"}, {"weight_decay", 0.0}});
   ASSERT_EQ(out.size(), 3u);
   EXPECT_TRUE(all_close(out[0], make(DType::kF32, {2}, {0.9, 3.1}), 1e-6, 0));
   EXPECT_TRUE(all_close(out[1], make(DType::kF32, {2}, {0.05, -0.2}), 1e-8, 1e-6));
@@ -46,10 +46,10 @@ TEST(CpuTrainKernels, AdamwFirstStepHandChecked) {
 // p' = 2 - 0.1 * (2 + 0.9 * 2.9) = 2 - 0.461 = 1.539.
 TEST(CpuTrainKernels, SgdNesterovHandChecked) {
   const std::vector<Tensor> out = run_dialect(
-      "cpu", Op::kSgdUpdate,
+      "cpu", Op::kOptimizerUpdate,
       {make(DType::kF32, {1}, {2.0}), make(DType::kF32, {1}, {1.0}), make(DType::kF32, {1}, {1.0}),
-       scalar(DType::kF32, 0.1)},
-      {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.5}});
+       scalar(DType::kF32, 0.1), scalar(DType::kF32, 1.0)},
+      {{"optimizer", "sgd"}, {"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.5}});
   EXPECT_TRUE(all_close(out[0], make(DType::kF32, {1}, {1.539}), 0, 1e-6));
   EXPECT_TRUE(all_close(out[1], make(DType::kF32, {1}, {2.9}), 0, 1e-6));
 }
@@ -196,15 +196,16 @@ TEST(CpuTrainKernels, AttentionQkvMatchesBthdKernelOnTheParts) {
 TEST(CpuTrainKernels, RefusesOtherDtypesAndEmptyAttention) {
   const TensorType f32{DType::kF32, {4, 3}}, f64{DType::kF64, {4, 3}};
   const TensorType lr{DType::kF32, {}}, step{DType::kF32, {}};
-  EXPECT_EQ(selected_dialect(Op::kAdamwUpdate, {f32, f32, f32, f32, lr, step}), "cpu");
-  EXPECT_EQ(selected_dialect(Op::kAdamwUpdate, {f32, f32, f32, f32, {DType::kF64, {}}, step}),
+  const Attributes adamw{{"optimizer", "adamw"}}, sgd{{"optimizer", "sgd"}};
+  const Op update = Op::kOptimizerUpdate;
+  EXPECT_EQ(selected_dialect(update, {f32, f32, f32, f32, lr, step}, adamw), "cpu");
+  EXPECT_EQ(selected_dialect(update, {f32, f32, f32, f32, {DType::kF64, {}}, step}, adamw),
             "cpu");  // any float scalar lr
-  EXPECT_EQ(selected_dialect(Op::kAdamwUpdate, {f64, f64, f64, f64, lr, step}), "reference");
-  EXPECT_EQ(selected_dialect(Op::kAdamwUpdate, {f32, f64, f32, f32, lr, step}), "reference");
-  EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f32, f32, f32, lr}), "cpu");
-  EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f64, f64, f64, lr}), "reference");
-  EXPECT_EQ(selected_dialect(Op::kSgdUpdate, {f32, {DType::kF16, {4, 3}}, f32, lr}),
-            "reference");
+  EXPECT_EQ(selected_dialect(update, {f64, f64, f64, f64, lr, step}, adamw), "reference");
+  EXPECT_EQ(selected_dialect(update, {f32, f64, f32, f32, lr, step}, adamw), "reference");
+  EXPECT_EQ(selected_dialect(update, {f32, f32, f32, lr, step}, sgd), "cpu");
+  EXPECT_EQ(selected_dialect(update, {f64, f64, f64, lr, step}, sgd), "reference");
+  EXPECT_EQ(selected_dialect(update, {f32, {DType::kF16, {4, 3}}, f32, lr, step}, sgd), "reference");
   // reshape and transpose copy bytes: every dtype.
   EXPECT_EQ(selected_dialect(Op::kReshape, {f64}, {{"shape", std::vector<int64_t>{-1}}}), "cpu");
   EXPECT_EQ(selected_dialect(Op::kTranspose, {{DType::kBool, {2, 3}}}), "cpu");

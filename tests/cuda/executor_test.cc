@@ -134,7 +134,7 @@ void expect_bitwise(const std::vector<Tensor>& a, const std::vector<Tensor>& b, 
 StepProgram sgd_training_graph(const Graph& forward) {
   OptimizerConfig config;
   config.name = "sgd";
-  config.momentum = 0.9;
+  config.hyper["momentum"] = 0.9;
   return build_training_graph(forward, config);
 }
 

@@ -43,11 +43,12 @@ struct Group {
 };
 
 // A multi-tensor update body over `shapes` (operands per member, then lr and step once).
-Group update_group(Op op, const std::vector<Shape>& shapes, DType grad_t, uint64_t seed) {
+Group update_group(const std::string& optimizer, const std::vector<Shape>& shapes, DType grad_t, uint64_t seed) {
   auto body = std::make_shared<Graph>();
   body->name = "group";
   Group g;
-  const int states = op == Op::kAdamwUpdate ? 2 : 1;
+  const bool adamw = optimizer == "adamw";
+  const int states = adamw ? 2 : 1;
   std::vector<std::vector<ValueId>> operands;
   for (size_t k = 0; k < shapes.size(); ++k) {
     std::vector<ValueId> ids;
@@ -57,22 +58,21 @@ Group update_group(Op op, const std::vector<Shape>& shapes, DType grad_t, uint64
     g.inputs.push_back(rand(grad_t, shapes[k], seed++));
     for (int s = 0; s < states; ++s) {
       ids.push_back(body->add_input(fmt::format("s{}_{}", k, s), {DType::kF32, shapes[k]}, Role::kData));
-      const bool second_moment = op == Op::kAdamwUpdate && s == 1;
+      const bool second_moment = adamw && s == 1;
       g.inputs.push_back(rand(DType::kF32, shapes[k], seed++, second_moment ? 0.01 : -1.0, 1.0));
     }
     operands.push_back(ids);
   }
   std::vector<ValueId> scalars = {body->add_input("lr", {DType::kF32, {}}, Role::kData)};
   g.inputs.push_back(testing::make(DType::kF32, {}, {0.01}));
-  if (op == Op::kAdamwUpdate) {
-    scalars.push_back(body->add_input("step", {DType::kF32, {}}, Role::kData));
-    g.inputs.push_back(testing::make(DType::kF32, {}, {3}));
-  }
-  const Attributes attrs = op == Op::kAdamwUpdate ? Attributes{{"weight_decay", 0.1}}
-                                                  : Attributes{{"momentum", 0.9}, {"nesterov", true}};
+  scalars.push_back(body->add_input("step", {DType::kF32, {}}, Role::kData));
+  g.inputs.push_back(testing::make(DType::kF32, {}, {3}));
+  const Attributes attrs = adamw                  ? Attributes{{"optimizer", optimizer}, {"weight_decay", 0.1}}
+                           : optimizer == "sgd" ? Attributes{{"optimizer", optimizer}, {"momentum", 0.9}, {"nesterov", true}}
+                                                : Attributes{{"optimizer", optimizer}, {"weight_decay", 0.1}};
   for (auto& ids : operands) {
     ids.insert(ids.end(), scalars.begin(), scalars.end());
-    for (ValueId out : body->add_node(op, ids, attrs)) body->outputs.push_back(out);
+    for (ValueId out : body->add_node(Op::kOptimizerUpdate, ids, attrs)) body->outputs.push_back(out);
   }
   g.body = body;
   return g;
@@ -110,10 +110,10 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 
 // The group through the multi-tensor kernel and each member through the per-tensor kernel;
 // `misalign`: member 0's param is a view 4 bytes into its allocation.
-void check_group(Op op, const char* kind, const std::vector<Shape>& shapes, DType grad_t, bool misalign) {
-  SCOPED_TRACE(fmt::format("{} grads {} members {}", kind, dtype_name(grad_t), shapes.size()));
-  const Group g = update_group(op, shapes, grad_t, 500);
-  const Attributes attrs = kind_attrs(kind);
+void check_group(const std::string& optimizer, const std::vector<Shape>& shapes, DType grad_t, bool misalign) {
+  SCOPED_TRACE(fmt::format("{} grads {} members {}", optimizer, dtype_name(grad_t), shapes.size()));
+  const Group g = update_group(optimizer, shapes, grad_t, 500);
+  const Attributes attrs = kind_attrs("multi-tensor-update");
   const KernelImpl& impl = select_fused(g.body, attrs, "cuda-nn");
   EXPECT_TRUE(impl.in_place_ok);
   std::vector<Tensor> inputs;
@@ -169,26 +169,30 @@ TEST(CudaMultiTensor, AdamwMatchesThePerTensorKernel) {
   KILN_REQUIRE_GPU();
   for (DType grad_t : {DType::kF32, DType::kBF16})
     for (bool misalign : {false, true})
-      check_group(Op::kAdamwUpdate, "multi-tensor-adamw", kOddShapes, grad_t, misalign);
+      check_group("adamw", kOddShapes, grad_t, misalign);
 }
 
 TEST(CudaMultiTensor, SgdMatchesThePerTensorKernel) {
   KILN_REQUIRE_GPU();
-  for (DType grad_t : {DType::kF32, DType::kBF16})
-    check_group(Op::kSgdUpdate, "multi-tensor-sgd", kOddShapes, grad_t, true);
+  for (DType grad_t : {DType::kF32, DType::kBF16}) check_group("sgd", kOddShapes, grad_t, true);
+}
+
+TEST(CudaMultiTensor, LionMatchesThePerTensorKernel) {
+  KILN_REQUIRE_GPU();
+  for (DType grad_t : {DType::kF32, DType::kBF16}) check_group("lion", kOddShapes, grad_t, true);
 }
 
 TEST(CudaMultiTensor, MoreMembersThanOneLaunchHolds) {
   KILN_REQUIRE_GPU();
   std::vector<Shape> shapes;
   for (int64_t k = 0; k < 300; ++k) shapes.push_back({1 + 37 * k % 523});
-  check_group(Op::kAdamwUpdate, "multi-tensor-adamw", shapes, DType::kF32, false);
+  check_group("adamw", shapes, DType::kF32, false);
 }
 
 TEST(CudaMultiTensor, ResultsOverAnotherMembersOperandGiveTheSameBits) {
   KILN_REQUIRE_GPU();
-  const Group g = update_group(Op::kAdamwUpdate, {{5, 9}, {5, 9}, {33}}, DType::kF32, 700);
-  const Attributes attrs = kind_attrs("multi-tensor-adamw");
+  const Group g = update_group("adamw", {{5, 9}, {5, 9}, {33}}, DType::kF32, 700);
+  const Attributes attrs = kind_attrs("multi-tensor-update");
   const KernelImpl& impl = select_fused(g.body, attrs, "cuda-nn");
   cuda::Stream stream;
   std::vector<Tensor> inputs;
@@ -323,7 +327,7 @@ std::vector<Tensor> train_on_gpu(const Graph& forward, bool pass, size_t* direct
   OptimizerConfig config;
   config.amp = amp;
   config.grad_clip = 0.5;
-  config.weight_decay = 0.1;
+  config.hyper["weight_decay"] = 0.1;
   PassOptions passes;
   if (!pass) passes.disabled = {"multi-tensor"};
   ExecutorOptions options;

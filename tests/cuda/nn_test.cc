@@ -284,8 +284,8 @@ TEST(CudaNn, AdamwUpdate) {
       Tensor m = rand(types[2], {n}, 73, -0.1, 0.1), v = rand(types[2], {n}, 74, 1e-4, 1e-2);
       Tensor lr = testing::make(DType::kF32, {}, {1e-2});
       Tensor step = testing::make(n == 7 ? DType::kF64 : DType::kF32, {}, {3.0});
-      expect_matches(Op::kAdamwUpdate, {param, grad, m, v, lr, step},
-                     {{"weight_decay", 0.1}, {"beta2", 0.95}}, loosest(types),
+      expect_matches(Op::kOptimizerUpdate, {param, grad, m, v, lr, step},
+                     {{"optimizer", "adamw"}, {"weight_decay", 0.1}, {"beta2", 0.95}}, loosest(types),
                      fmt::format("types {} {} {} n {}", dtype_name(types[0]), dtype_name(types[1]),
                                  dtype_name(types[2]), n));
     }
@@ -299,15 +299,16 @@ TEST(CudaNn, SgdUpdate) {
     bool nesterov;
   };
   for (const auto& types : kUpdateTypes) {
-    if (types[2] != types[0]) continue;  // sgd_update's buffer has the param's dtype
+    if (types[2] != types[0]) continue;  // the buffer has the param's dtype here
     for (Config c : {Config{0.0, false}, Config{0.9, false}, Config{0.9, true}}) {
       for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
         Tensor param = rand(types[0], {n}, 81), grad = rand(types[1], {n}, 82);
         Tensor buf = rand(types[2], {n}, 83);
         Tensor lr = testing::make(DType::kBF16, {}, {0.125});
+        Tensor step = testing::make(DType::kF32, {}, {2.0});
         expect_matches(
-            Op::kSgdUpdate, {param, grad, buf, lr},
-            {{"momentum", c.momentum}, {"nesterov", c.nesterov}, {"weight_decay", 0.01}},
+            Op::kOptimizerUpdate, {param, grad, buf, lr, step},
+            {{"optimizer", "sgd"}, {"momentum", c.momentum}, {"nesterov", c.nesterov}, {"weight_decay", 0.01}},
             loosest(types),
             fmt::format("types {} {} {} momentum {} nesterov {} n {}", dtype_name(types[0]),
                         dtype_name(types[1]), dtype_name(types[2]), c.momentum, c.nesterov, n));

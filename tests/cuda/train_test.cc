@@ -345,7 +345,7 @@ TEST(CudaBench, ReportsReplayedStepsAndMemory) {
   o.batch = 4;
   o.seq = 64;
   o.steps = 5;
-  o.warmup = 3;
+  o.untimed_steps = 3;
   o.out = nullptr;
   BenchResult r = run_benchmark(o);
   EXPECT_GT(r.median_ms, 0);

@@ -24,7 +24,7 @@ namespace kiln::testing {
 inline StepProgram sgd_program(const Graph& forward, const std::string& amp) {
   OptimizerConfig config;
   config.name = "sgd";
-  config.momentum = 0.0;
+  config.hyper["momentum"] = 0.0;
   config.amp = amp;
   return build_training_graph(forward, config);
 }

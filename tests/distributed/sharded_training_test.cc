@@ -95,7 +95,7 @@ std::vector<Tensor> rows_of(const std::vector<Tensor>& global, int rank, int wor
 OptimizerConfig adamw() {
   OptimizerConfig c;
   c.lr = 1e-2;
-  c.weight_decay = 0.1;
+  c.hyper["weight_decay"] = 0.1;
   c.grad_clip = 1.0;  // the global norm: over shards, an all_reduce of the squares
   return c;
 }
@@ -104,8 +104,8 @@ OptimizerConfig sgd() {
   OptimizerConfig c;
   c.name = "sgd";
   c.lr = 0.1;
-  c.momentum = 0.9;
-  c.weight_decay = 0.01;
+  c.hyper["momentum"] = 0.9;
+  c.hyper["weight_decay"] = 0.01;
   return c;
 }
 

@@ -192,7 +192,8 @@ def check_model(name, kiln, work, device="cpu"):
     in_path, out_path = os.path.join(work, name + ".in.safetensors"), os.path.join(work, name + ".out.safetensors")
     save_safetensors(in_path, given)
     cmd = [kiln, "step", path, "--inputs", in_path, "--out", out_path, "--optimizer", "adamw", "--lr", str(lr),
-           "--betas", f"{betas[0]},{betas[1]}", "--eps", str(eps), "--weight-decay", str(wd), "--device", device]
+           "--beta1", str(betas[0]), "--beta2", str(betas[1]), "--epsilon", str(eps), "--weight-decay", str(wd),
+           "--device", device]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         return [f"{name}: kiln step failed: {run.stderr.strip() or run.stdout.strip()}"]
@@ -257,7 +258,7 @@ def check_commands(kiln, work):
     kiln_run(["train", path("llama"), "--steps", "3", "--data", "fashion-mnist"], False,
              "--data fashion-mnist: cannot bind 'ids' (i64[2,8]), 'labels' (i64[2,8])")
     kiln_run(["train", path("cnn"), "--steps", "3", "--batch", "16"], False, "takes batches of 4")
-    kiln_run(["bench", path("llama"), "--device", "cpu", "--steps", "2", "--warmup", "1"], True, "ms/step")
+    kiln_run(["bench", path("llama"), "--device", "cpu", "--steps", "2", "--untimed-steps", "1"], True, "ms/step")
     kiln_run(["check", path("cnn")], True, "conv2d(")
     kiln_run(["compile", path("llama"), "--report"], True, "recognize: attention 2")
     for p in problems:

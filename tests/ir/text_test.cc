@@ -422,9 +422,9 @@ TEST(IrText, StringAttributesAreEscapedAndUnescaped) {
 // A training step: the optimizer's outputs replace the param and its momentum buffer.
 constexpr std::string_view kTrain =
     "graph @train(%x: f32[4,3] data, %w: f32[3,2] param, %buf: f32[3,2] state, %lr: f32[] state, "
-    "%g: f32[3,2] data) {\n"
+    "%t: f32[] state, %g: f32[3,2] data) {\n"
     "  %y = matmul(%x, %w) : f32[4,2]\n"
-    "  %0, %1 = sgd_update(%w, %g, %buf, %lr) {momentum=0.9} : f32[3,2], f32[3,2]\n"
+    "  %0, %1 = optimizer_update(%w, %g, %buf, %lr, %t) {momentum=0.9, optimizer=\"sgd\"} : f32[3,2], f32[3,2]\n"
     "  update %w = %0\n"
     "  update %buf = %1\n"
     "  return %y\n"
@@ -485,7 +485,7 @@ TEST(IrText, BuiltGraphWithUpdatesSurvivesPrintAndParse) {
   ValueId step = g.add_input("step", scalar, Role::kState);
   ValueId grad = g.add(Op::kSquare, {p});
   std::vector<ValueId> out =
-      g.add_node(Op::kAdamwUpdate, {p, grad, m, v, lr, step}, {{"weight_decay", 0.0}});
+      g.add_node(Op::kOptimizerUpdate, {p, grad, m, v, lr, step}, {{"optimizer", "adamw"}, {"weight_decay", 0.0}});
   g.updates = {{v, out[2]}, {p, out[0]}, {m, out[1]}};
   g.outputs = {grad};
   verify(g);
@@ -512,12 +512,6 @@ const std::vector<OpSample>& op_samples() {
   static const std::vector<OpSample> samples = {
       {"abs", kX, "%0 = abs(%x) : f32[2,3]", "%0"},
       {"acos", kX, "%0 = acos(%x) : f32[2,3]", "%0"},
-      {"adamw_update",
-       "%p: f32[3,4] param, %g: f32[3,4] data, %m: f32[3,4] state, %v: f32[3,4] state, "
-       "%lr: f32[] state, %t: f32[] state",
-       "%0, %1, %2 = adamw_update(%p, %g, %m, %v, %lr, %t) {beta2=0.95, weight_decay=0.1} : "
-       "f32[3,4], f32[3,4], f32[3,4]",
-       "%0, %1, %2"},
       {"add", kXY, "%0 = add(%x, %y) : f32[2,3]", "%0"},
       {"argmax", kX, "%0 = argmax(%x) {axis=0} : i64[3]", "%0"},
       {"asin", kX, "%0 = asin(%x) : f32[2,3]", "%0"},
@@ -616,6 +610,12 @@ const std::vector<OpSample>& op_samples() {
       {"reload", kX, "%0 = reload(%x) : f32[2,3]", "%0"},
       {"one_hot", "%i: i64[2,3] data", "%0 = one_hot(%i) {depth=5, dtype=bf16} : bf16[2,3,5]",
        "%0"},
+      {"optimizer_update",
+       "%p: f32[3,4] param, %g: f32[3,4] data, %m: f32[3,4] state, %v: f32[3,4] state, "
+       "%lr: f32[] state, %t: f32[] state",
+       "%0, %1, %2 = optimizer_update(%p, %g, %m, %v, %lr, %t) {beta2=0.95, optimizer=\"adamw\", "
+       "weight_decay=0.1} : f32[3,4], f32[3,4], f32[3,4]",
+       "%0, %1, %2"},
       {"pow", kXY, "%0 = pow(%x, %y) : f32[2,3]", "%0"},
       {"prod", kX, "%0 = prod(%x) {axes=[0], keepdims=true} : f32[1,3]", "%0"},
       {"reciprocal", kX, "%0 = reciprocal(%x) : f32[2,3]", "%0"},
@@ -632,9 +632,6 @@ const std::vector<OpSample>& op_samples() {
        "%0 = scatter_add(%b, %i, %u) : f32[10,4]", "%0"},
       {"scatter_elements", "%b: f32[4,3] param, %i: i64[2,3] data, %u: f32[2,3] data",
        "%0 = scatter_elements(%b, %i, %u) {reduction=\"max\"} : f32[4,3]", "%0"},
-      {"sgd_update", "%p: f64[5] param, %g: f64[5] data, %b: f64[5] state, %lr: f32[] state",
-       "%0, %1 = sgd_update(%p, %g, %b, %lr) {momentum=0.9, nesterov=true} : f64[5], f64[5]",
-       "%0, %1"},
       {"all_gather", "%s: f32[3] param",
        "%0 = all_gather(%s) {world_size=2} : f32[6]\n  %1 = collective_wait(%0) : f32[6]", "%1"},
       {"all_reduce", kX, "%0 = all_reduce(%x) {reduce=\"avg\", world_size=4} : f32[2,3]\n  %1 = collective_wait(%0) : f32[2,3]", "%1"},

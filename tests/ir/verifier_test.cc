@@ -218,7 +218,8 @@ TEST(Verifier, DuplicateNames) {
 }
 
 // w: f32[3] param, buf: f32[3] state, x: f32[3] data, lr: f32[] state
-//   %0, %1 = sgd_update(w, x, buf, lr) {momentum=0.5}; update w = %0, buf = %1
+//   %0, %1 = optimizer_update(w, x, buf, lr, lr) {optimizer="sgd", momentum=0.5};
+//   update w = %0, buf = %1
 struct Step {
   Graph graph;
   ValueId w, buf, x, lr, new_w, new_buf;
@@ -232,7 +233,7 @@ Step step() {
   s.x = g.add_input("x", {DType::kF32, {3}}, Role::kData);
   s.lr = g.add_input("lr", {DType::kF32, {}}, Role::kState);
   std::vector<ValueId> out =
-      g.add_node(Op::kSgdUpdate, {s.w, s.x, s.buf, s.lr}, {{"momentum", 0.5}});
+      g.add_node(Op::kOptimizerUpdate, {s.w, s.x, s.buf, s.lr, s.lr}, {{"optimizer", "sgd"}, {"momentum", 0.5}});
   s.new_w = out[0];
   s.new_buf = out[1];
   g.updates = {{s.w, s.new_w}, {s.buf, s.new_buf}};

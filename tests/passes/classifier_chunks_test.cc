@@ -59,7 +59,7 @@ int scatters_into_zeros(const Graph& g) {
 StepProgram training(const std::string& amp, int64_t batch) {
   OptimizerConfig config;
   config.name = "sgd";
-  config.momentum = 0.0;  // the new momentum buffer is the gradient itself
+  config.hyper["momentum"] = 0.0;  // the new momentum buffer is the gradient itself
   config.amp = amp;
   return build_training_graph(models::by_name("gpt2-tiny", batch, 0), config);
 }

@@ -92,7 +92,7 @@ TEST(FusionClassify, OpsMapToItemKindsAndRowSpaces) {
       {"%t: f32[10,4] param, %i: i64[3] data", "%0 = gather(%t, %i)", ItemKind::kOpaque},
 
       {"%p: f32[5] param, %g: f32[5] data, %b: f32[5] state, %lr: f32[] data",
-       "%0, %1 = sgd_update(%p, %g, %b, %lr) {momentum=0.9}", ItemKind::kOpaque},
+       "%0, %1 = optimizer_update(%p, %g, %b, %lr, %lr) {optimizer=\"sgd\", momentum=0.9}", ItemKind::kOpaque},
       {"%x: f32[0,8] data", "%0 = exp(%x)", ItemKind::kOpaque},  // empty
   };
   for (const ClassCase& c : cases) {

@@ -1,5 +1,5 @@
 // The multi-tensor pass: optimizer updates with equal attributes, scalars and dtypes become one
-// "multi-tensor-adamw" / "multi-tensor-sgd" node (IR text in, IR text out), and not when any of
+// "multi-tensor-update" node (IR text in, IR text out), and not when any of
 // those differ; the exact global-norm pattern becomes one "global-norm" node, also when fusion
 // already holds parts of it, and not when an intermediate escapes; results unchanged bit for bit
 // (reference kernels: a fused node's reference runs the same nodes); training graphs keep their
@@ -44,9 +44,9 @@ const char* kTwoAdamw =
     "%vb: f32[3] state, %lr: f32[] data, %step: f32[] state) {\n"
     "  %e = exp(%x) : f32[1024]\n"
     "  %loss = sum(%e) : f32[]\n"
-    "  %w1, %mw1, %vw1 = adamw_update(%w, %gw, %mw, %vw, %lr, %step) {weight_decay=0.1} : "
+    "  %w1, %mw1, %vw1 = optimizer_update(%w, %gw, %mw, %vw, %lr, %step) {optimizer=\"adamw\", weight_decay=0.1} : "
     "f32[4,3], f32[4,3], f32[4,3]\n"
-    "  %b1, %mb1, %vb1 = adamw_update(%b, %gb, %mb, %vb, %lr, %step) {weight_decay=0.1} : "
+    "  %b1, %mb1, %vb1 = optimizer_update(%b, %gb, %mb, %vb, %lr, %step) {optimizer=\"adamw\", weight_decay=0.1} : "
     "f32[3], f32[3], f32[3]\n"
     "  update %w = %w1\n  update %mw = %mw1\n  update %vw = %vw1\n"
     "  update %b = %b1\n  update %mb = %mb1\n  update %vb = %vb1\n"
@@ -64,15 +64,15 @@ TEST(MultiTensorPass, AdamwUpdatesBecomeOneNode) {
             "  %e = exp(%x) : f32[1024]\n"
             "  %loss = sum(%e) : f32[]\n"
             "  %w1, %mw1, %vw1, %b1, %mb1, %vb1 = fused(%w, %gw, %mw, %vw, %lr, %step, %b, %gb, "
-            "%mb, %vb) {kind=\"multi-tensor-adamw\"} : f32[4,3], f32[4,3], f32[4,3], f32[3], "
+            "%mb, %vb) {kind=\"multi-tensor-update\"} : f32[4,3], f32[4,3], f32[4,3], f32[3], "
             "f32[3], f32[3] {\n"
-            "    graph @multi_tensor_adamw_0(%w: f32[4,3] data, %gw: f32[4,3] data, %mw: f32[4,3] "
+            "    graph @multi_tensor_update_0(%w: f32[4,3] data, %gw: f32[4,3] data, %mw: f32[4,3] "
             "data, %vw: f32[4,3] data, %lr: f32[] data, %step: f32[] data, %b: f32[3] data, "
             "%gb: f32[3] data, %mb: f32[3] data, %vb: f32[3] data) {\n"
-            "      %w1, %mw1, %vw1 = adamw_update(%w, %gw, %mw, %vw, %lr, %step) "
-            "{weight_decay=0.1} : f32[4,3], f32[4,3], f32[4,3]\n"
-            "      %b1, %mb1, %vb1 = adamw_update(%b, %gb, %mb, %vb, %lr, %step) "
-            "{weight_decay=0.1} : f32[3], f32[3], f32[3]\n"
+            "      %w1, %mw1, %vw1 = optimizer_update(%w, %gw, %mw, %vw, %lr, %step) "
+            "{optimizer=\"adamw\", weight_decay=0.1} : f32[4,3], f32[4,3], f32[4,3]\n"
+            "      %b1, %mb1, %vb1 = optimizer_update(%b, %gb, %mb, %vb, %lr, %step) "
+            "{optimizer=\"adamw\", weight_decay=0.1} : f32[3], f32[3], f32[3]\n"
             "      return %w1, %mw1, %vw1, %b1, %mb1, %vb1\n"
             "    }\n"
             "  }\n"
@@ -95,8 +95,14 @@ std::string with(std::string text, const std::string& from, const std::string& t
 
 TEST(MultiTensorPass, NoGroupWhenAttributesDiffer) {
   MultiTensorPass pass;
-  expect_unchanged(pass, with(kTwoAdamw, "{weight_decay=0.1}", "{weight_decay=0.2}"));
-  expect_unchanged(pass, with(kTwoAdamw, "{weight_decay=0.1}", "{beta2=0.95, weight_decay=0.1}"));
+  expect_unchanged(pass, with(kTwoAdamw, "weight_decay=0.1}", "weight_decay=0.2}"));
+  expect_unchanged(pass, with(kTwoAdamw, "{optimizer", "{beta2=0.95, optimizer"));
+  // Another optimizer (Lion: one slot) for one of them.
+  std::string lion = with(kTwoAdamw, "%b1, %mb1, %vb1 = optimizer_update(%b, %gb, %mb, %vb, %lr, %step) "
+                          "{optimizer=\"adamw\", weight_decay=0.1} : f32[3], f32[3], f32[3]",
+                          "%b1, %mb1 = optimizer_update(%b, %gb, %mb, %lr, %step) {optimizer=\"lion\", "
+                          "weight_decay=0.1} : f32[3], f32[3]");
+  expect_unchanged(pass, with(lion, "  update %vb = %vb1\n", ""));
 }
 
 TEST(MultiTensorPass, NoGroupWhenScalarOperandsDiffer) {
@@ -126,9 +132,9 @@ TEST(MultiTensorPass, WideningGradientCastsAreFoldedIntoTheUpdates) {
   testing::PassOnText out = run_on_text(pass, text);
   EXPECT_TRUE(out.changed);
   EXPECT_TRUE(lacks(out.text, "cast(")) << out.text;
-  EXPECT_TRUE(contains(out.text, "adamw_update(%w, %gw16, %mw, %vw, %lr, %step)")) << out.text;
-  EXPECT_TRUE(contains(out.text, "adamw_update(%b, %gb16, %mb, %vb, %lr, %step)")) << out.text;
-  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-adamw\""), 1) << out.text;
+  EXPECT_TRUE(contains(out.text, "optimizer_update(%w, %gw16, %mw, %vw, %lr, %step)")) << out.text;
+  EXPECT_TRUE(contains(out.text, "optimizer_update(%b, %gb16, %mb, %vb, %lr, %step)")) << out.text;
+  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-update\""), 1) << out.text;
   const Graph before = parse(text), after = parse(out.text);
   const std::vector<Tensor> inputs = random_inputs(before, 4, 0, 1);
   EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
@@ -149,24 +155,24 @@ TEST(MultiTensorPass, OneNodePerKeyAndSgdToo) {
       "graph @g(%x: f32[1024] data, %a: f32[5] param, %b: f32[5] param, %c: f32[7] param, "
       "%d: f32[7] param, %ga: f32[5] data, %gb: f32[5] data, %gc: f32[7] data, %gd: f32[7] data, "
       "%ba: f32[5] state, %bb: f32[5] state, %bc: f32[7] state, %bd: f32[7] state, "
-      "%lr: f32[] data) {\n"
+      "%lr: f32[] data, %t: f32[] state) {\n"
       "  %e = exp(%x) : f32[1024]\n"
       "  %loss = sum(%e) : f32[]\n"
-      "  %a1, %ba1 = sgd_update(%a, %ga, %ba, %lr) {momentum=0.9} : f32[5], f32[5]\n"
-      "  %c1, %bc1 = sgd_update(%c, %gc, %bc, %lr) : f32[7], f32[7]\n"
-      "  %b1, %bb1 = sgd_update(%b, %gb, %bb, %lr) {momentum=0.9} : f32[5], f32[5]\n"
-      "  %d1, %bd1 = sgd_update(%d, %gd, %bd, %lr) : f32[7], f32[7]\n"
+      "  %a1, %ba1 = optimizer_update(%a, %ga, %ba, %lr, %t) {momentum=0.9, optimizer=\"sgd\"} : f32[5], f32[5]\n"
+      "  %c1, %bc1 = optimizer_update(%c, %gc, %bc, %lr, %t) {optimizer=\"sgd\"} : f32[7], f32[7]\n"
+      "  %b1, %bb1 = optimizer_update(%b, %gb, %bb, %lr, %t) {momentum=0.9, optimizer=\"sgd\"} : f32[5], f32[5]\n"
+      "  %d1, %bd1 = optimizer_update(%d, %gd, %bd, %lr, %t) {optimizer=\"sgd\"} : f32[7], f32[7]\n"
       "  update %a = %a1\n  update %ba = %ba1\n  update %b = %b1\n  update %bb = %bb1\n"
       "  update %c = %c1\n  update %bc = %bc1\n  update %d = %d1\n  update %bd = %bd1\n"
       "  return %loss\n"
       "}\n";
   testing::PassOnText out = run_on_text(pass, text);
   EXPECT_TRUE(out.changed);
-  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-sgd\""), 2);
-  EXPECT_TRUE(contains(out.text, "%a1, %ba1, %b1, %bb1 = fused(%a, %ga, %ba, %lr, %b, %gb, %bb)"));
-  EXPECT_TRUE(contains(out.text, "%c1, %bc1, %d1, %bd1 = fused(%c, %gc, %bc, %lr, %d, %gd, %bd)"));
-  EXPECT_TRUE(contains(out.text, "graph @multi_tensor_sgd_0("));
-  EXPECT_TRUE(contains(out.text, "graph @multi_tensor_sgd_1("));
+  EXPECT_EQ(count_of(out.text, "kind=\"multi-tensor-update\""), 2);
+  EXPECT_TRUE(contains(out.text, "%a1, %ba1, %b1, %bb1 = fused(%a, %ga, %ba, %lr, %t, %b, %gb, %bb)"));
+  EXPECT_TRUE(contains(out.text, "%c1, %bc1, %d1, %bd1 = fused(%c, %gc, %bc, %lr, %t, %d, %gd, %bd)"));
+  EXPECT_TRUE(contains(out.text, "graph @multi_tensor_update_0("));
+  EXPECT_TRUE(contains(out.text, "graph @multi_tensor_update_1("));
   const Graph before = parse(text), after = parse(out.text);
   const std::vector<Tensor> inputs = random_inputs(before, 5, 0, 1);
   EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
@@ -452,7 +458,7 @@ void check_training(const Graph& forward, const std::string& amp, int min_update
     }
     if (node.op != Op::kFused) continue;
     norms += node.attrs.s("kind") == "global-norm";
-    updates += node.attrs.s("kind") == "multi-tensor-adamw";
+    updates += node.attrs.s("kind") == "multi-tensor-update";
     casts += node.attrs.s("kind") == "multi-tensor-cast";
   }
   EXPECT_EQ(norms, 1);

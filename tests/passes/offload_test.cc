@@ -107,8 +107,8 @@ TEST(Offload, AutoMovesTheLargestStateUntilTheStepFits) {
     %y = matmul(%x, %w)
     %z = add(%y, %u)
     %loss = sum(%z)
-    %w2, %m2, %v2 = adamw_update(%w, %g, %m, %v, %lr, %t)
-    %u2, %mu2, %vu2 = adamw_update(%u, %gu, %mu, %vu, %lr, %t)
+    %w2, %m2, %v2 = optimizer_update(%w, %g, %m, %v, %lr, %t) {optimizer="adamw"}
+    %u2, %mu2, %vu2 = optimizer_update(%u, %gu, %mu, %vu, %lr, %t) {optimizer="adamw"}
     update %w = %w2
     update %m = %m2
     update %v = %v2

@@ -48,7 +48,7 @@ Counts count(const Graph& g) {
 StepProgram training(const std::string& amp) {
   OptimizerConfig config;
   config.name = "sgd";
-  config.momentum = 0.0;  // the new momentum buffer is the gradient itself
+  config.hyper["momentum"] = 0.0;  // the new momentum buffer is the gradient itself
   config.amp = amp;
   return build_training_graph(models::by_name("gpt2-tiny", 4, 0), config);
 }

@@ -186,7 +186,7 @@ TEST(Sharding, ZeroTwoAndThreeReduceEachGradientAsSoonAsItIsMade) {
       const Op op = p.graph.nodes[n].op;
       if (op == Op::kMatmul) last_matmul = static_cast<int>(n);
       if ((op == Op::kReduceScatter || op == Op::kAllReduce) && first_reduction < 0) first_reduction = static_cast<int>(n);
-      if (op == Op::kAdamwUpdate && first_update < 0) first_update = static_cast<int>(n);
+      if (op == Op::kOptimizerUpdate && first_update < 0) first_update = static_cast<int>(n);
     }
     ASSERT_GE(first_reduction, 0);
     EXPECT_EQ(first_reduction < last_matmul, c.early_reductions);

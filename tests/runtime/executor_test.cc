@@ -245,8 +245,7 @@ TEST(ExecutorPlan, InPlaceOnlyWhereTheKernelAllowsIt) {
   const std::vector<std::string> dialects = e.node_dialects();
   auto may_run_in_place = [&](size_t n) {
     const Op op = e.graph().nodes[n].op;
-    return (dialects[n] == "reference" && has_flag(op, kElementwise)) || op == Op::kAdamwUpdate ||
-           op == Op::kSgdUpdate;
+    return (dialects[n] == "reference" && has_flag(op, kElementwise)) || op == Op::kOptimizerUpdate;
   };
   size_t reused = 0;
   for (size_t n = 0; n < e.graph().nodes.size(); ++n)

@@ -45,7 +45,7 @@ TEST(BenchCpu, MlpStepsAreTimedAndCounted) {
   o.amp = "off";
   o.device = "cpu";
   o.steps = 3;
-  o.warmup = 1;
+  o.untimed_steps = 1;
   o.out = nullptr;
   BenchResult r = run_benchmark(o);
   // mlp is 784-256-10: 784*256 + 256 + 256*10 + 10 parameters; no attention term.
@@ -69,7 +69,7 @@ TEST(BenchCpu, GptFlopsCountAttention) {
   o.amp = "off";
   o.device = "cpu";
   o.steps = 1;
-  o.warmup = 1;
+  o.untimed_steps = 1;
   o.peak_flops = 1e12;
   o.out = nullptr;
   BenchResult r = run_benchmark(o);
@@ -169,7 +169,7 @@ TEST(CliTrain, HelpNamesTheAutoDefaultsAndEvalBatches) {
 }
 
 TEST(CliBench, RunsOnTheCpu) {
-  auto [status, out] = run_cli("bench --device cpu --model mlp --batch 8 --amp off --steps 2 --warmup 1");
+  auto [status, out] = run_cli("bench --device cpu --model mlp --batch 8 --amp off --steps 2 --untimed-steps 1");
   if (status == -1) GTEST_SKIP() << "the kiln binary is not built";
   EXPECT_EQ(status, 0) << out;
   expect_contains(out, "kiln bench: mlp");

@@ -81,7 +81,7 @@ TEST(TrainJob, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   JobOptions o = quiet_mlp(60);
   o.optimizer.name = "sgd";
-  o.optimizer.momentum = 0.0;
+  o.optimizer.hyper["momentum"] = 0.0;
   o.optimizer.lr = 1e30;  // diverges within a few steps
   o.eval_every = 1;       // checkpoint after every good step
   o.checkpoint_dir = temp_dir("nan");

@@ -146,10 +146,10 @@ TEST(LlamaReference, AdamwStepLossesMatchPyTorch) {
   OptimizerConfig config;
   config.name = "adamw";
   config.lr = 1e-3;
-  config.beta1 = 0.9;
-  config.beta2 = 0.999;
-  config.epsilon = 1e-8;
-  config.weight_decay = 0.0;
+  config.hyper["beta1"] = 0.9;
+  config.hyper["beta2"] = 0.999;
+  config.hyper["epsilon"] = 1e-8;
+  config.hyper["weight_decay"] = 0.0;
   train::Trainer trainer(r->forward, config, inputs_of(*r, r->forward, Role::kParam));
   const std::vector<Tensor> batch = inputs_of(*r, r->forward, Role::kData);  // every step
   const Tensor& expected = torch_tensor(*r, "adamw_losses");

@@ -126,7 +126,7 @@ TEST(LossScaling, ScaleRescuesGradientsBelowTheF16Range) {
   Graph g = b.finish({(sum(matmul(x, w)) * 1e-8).named("loss")});
   OptimizerConfig c;
   c.name = "sgd";
-  c.momentum = 0;
+  c.hyper["momentum"] = 0;
   c.lr = 1e6;
   c.amp = "f16";
   Tensor w0 = testing::rand(DType::kF32, {3, 2}, 1);

@@ -54,7 +54,7 @@ TEST(TrainSchedule, BadConfigsAreClearErrors) {
 TEST(TrainStep, SgdStepMatchesHandComputedUpdate) {
   OptimizerConfig c;
   c.name = "sgd";
-  c.momentum = 0.0;
+  c.hyper["momentum"] = 0.0;
   c.lr = 0.5;
   Tensor w = testing::rand(DType::kF32, {5}, 1);
   Trainer trainer(linear_loss(5), c, {w});
@@ -71,7 +71,7 @@ TEST(TrainStep, SgdStepMatchesHandComputedUpdate) {
 TEST(TrainStep, GradientClippingBoundsTheUpdate) {
   OptimizerConfig c;
   c.name = "sgd";
-  c.momentum = 0.0;
+  c.hyper["momentum"] = 0.0;
   c.lr = 1.0;
   c.grad_clip = 0.01;
   Tensor w = testing::rand(DType::kF32, {6}, 3);

@@ -13,16 +13,17 @@ void add_bench_command(CLI::App& app) {
   command->add_option("MODEL", *file, "An ONNX model (.onnx) to benchmark instead of --model (random inputs)");
   add_model_option(command, o->model, "gpt2");
   add_onnx_options(command, o->onnx);
-  command->add_option("--batch", o->batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
-      ->default_val(32);
+  add_batch_options(command, o->batch, 32, o->seq);
   add_shard_option(command, o->shard);
-  command->add_option("--seq", o->seq, "Sequence length for gpt2* and llama* (default: the config's)");
   add_model_size_options(command, o->sizes);
+  add_optimizer_options(command, o->optimizer);
   add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | auto (bf16 where the device has it)",
                  /*with_auto=*/true);
   add_device_choice_option(command, o->device, "cuda | cpu | auto (cuda when present, else cpu)");
   command->add_option("--steps", o->steps, "Timed steps")->default_val(20);
-  command->add_option("--warmup", o->warmup, "Untimed steps first")->default_val(5);
+  command->add_option("--untimed-steps", o->untimed_steps,
+                      "Untimed steps first (on cuda the first three run, tune GEMMs and capture the step)")
+      ->default_val(5);
   command->add_option("--peak-tflops", *peak_tflops,
                       "The device's peak TFLOP/s for MFU (default: known GPUs' dense bf16/tf32 peak)");
   command->add_flag(

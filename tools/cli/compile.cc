@@ -96,16 +96,13 @@ void add_compile_command(CLI::App& app) {
                       "A forward graph's IR text file ('-': standard input) or an ONNX model (.onnx); default: --model");
   add_onnx_options(command, o->onnx);
   add_model_option(command, o->model, "gpt2-tiny");
-  command->add_option("--batch", o->batch, "Batch size of --model")->default_val(8);
-  command->add_option("--seq", o->seq, "Sequence length of --model gpt2* or llama* (default: the config's)");
+  add_batch_options(command, o->batch, 8, o->seq);
   add_model_size_options(command, o->sizes);
   command->add_flag("--forward-only", o->forward_only,
                     "Compile the graph as given (an evaluation or inference step): no autodiff, no optimizer");
   command->add_flag("--loss-only", o->compile.loss_only,
                     "With --forward-only: the loss (the first output) alone, as the trainer's evaluation compiles it");
-  command->add_option("--optimizer", o->compile.optimizer.name, "adamw | sgd")
-      ->check(CLI::IsMember({"adamw", "sgd"}))
-      ->default_val("adamw");
+  add_optimizer_options(command, o->compile.optimizer);
   add_amp_option(command, o->compile.optimizer.amp, "Mixed precision: off | bf16 | f16");
   add_device_option(command, o->compile.executor.device,
                     "The device the pipeline prepares the step for: cpu | cuda (no GPU needed)", "--device,--target");

@@ -1,11 +1,14 @@
 #include "options.h"
 
+#include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "ir/text.h"
 #include "models/models.h"
+#include "ops/optimizer/optimizers.h"
 #include "passes/remat.h"
 #include "support/error.h"
 
@@ -40,6 +43,60 @@ void add_model_size_options(CLI::App* command, models::ModelSizes& sizes) {
   group->add_option("--kv-heads", sizes.kv_heads, "Key/value heads, dividing --heads (llama*: grouped-query attention)");
   group->add_option("--hidden", sizes.hidden, "MLP hidden size (llama*: SwiGLU's)");
   group->add_option("--vocab", sizes.vocab, "Vocabulary size");
+}
+
+void add_batch_options(CLI::App* command, int64_t& batch, int64_t default_batch, int64_t& seq) {
+  command->add_option("--batch", batch, "Batch size (under kiln launch: the global batch, split over the ranks)")
+      ->default_val(default_batch);
+  command->add_option("--seq", seq, "Sequence length for gpt2* and llama* (default: the config's)");
+}
+
+void add_optimizer_options(CLI::App* command, OptimizerConfig& config) {
+  CLI::Option_group* group = command->add_option_group(
+      "Optimizer (an unset hyperparameter takes the optimizer's default, PyTorch's where PyTorch has the optimizer)");
+  std::vector<std::string> names;
+  for (const optim::OptimizerDef& def : optim::optimizers()) names.push_back(def.name);
+  std::string help;
+  for (const optim::OptimizerDef& def : optim::optimizers()) help += fmt::format("{}: {}; ", def.name, def.help);
+  help.resize(help.size() - 2);
+  group->add_option("--optimizer", config.name, help)->check(CLI::IsMember(names))->default_val(config.name);
+  group->add_option("--lr", config.lr, "Peak learning rate")->default_val(config.lr);
+  for (const std::string& name : optim::hyperparameter_names()) {
+    // What it means and each optimizer's default, grouped by meaning ("decoupled weight decay
+    // (defaults: adamw 0.01, lion 0)").
+    std::vector<std::pair<std::string, std::string>> meanings;  // help, defaults
+    bool boolean = false, default_true = false;
+    for (const optim::OptimizerDef& def : optim::optimizers()) {
+      const optim::HyperSpec* spec = def.find_hyper(name);
+      if (!spec) continue;
+      boolean = spec->boolean;
+      default_true = default_true || (spec->boolean && spec->default_value != 0);
+      const std::string value = spec->boolean ? (spec->default_value != 0 ? "true" : "false")
+                                              : fmt::format("{:g}", spec->default_value);
+      auto same = std::find_if(meanings.begin(), meanings.end(), [&](const auto& m) { return m.first == spec->help; });
+      if (same == meanings.end()) same = meanings.insert(meanings.end(), {spec->help, ""});
+      same->second += fmt::format("{}{} {}", same->second.empty() ? "" : ", ", def.name, value);
+    }
+    std::string text;
+    for (const auto& [help, defaults] : meanings)
+      text += fmt::format("{}{} (defaults: {})", text.empty() ? "" : "; ", help, defaults);
+    std::string flag = "--" + name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (!default_true) text[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(text[0])));
+    if (!boolean) {
+      group->add_option_function<double>(flag, [&config, name](double v) { config.hyper[name] = v; }, text)
+          ->type_name("FLOAT");
+    } else if (!default_true) {
+      group->add_flag_function(flag, [&config, name](int64_t) { config.hyper[name] = 1; }, text);
+    } else {
+      group->add_flag_function("--no-" + flag.substr(2), [&config, name](int64_t) { config.hyper[name] = 0; },
+                               "Turn off: " + text);
+    }
+  }
+  group->add_flag_function(
+      "--no-decay-biases-norms-embeddings", [&config](int64_t) { config.decay_biases_norms_embeddings = false; },
+      "No weight decay on biases and norm weights (params of rank < 2) and embedding tables (params an embedding "
+      "lookup reads)");
 }
 
 void add_shard_option(CLI::App* command, std::string& shard) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "compile/training_graph.h"
 #include "frontend/onnx/onnx_import.h"
 #include "ir/graph.h"
 #include "models/models.h"
@@ -40,6 +41,14 @@ void add_model_option(CLI::App* command, std::string& model, const std::string& 
 // --layers, --d-model, --heads, --kv-heads, --hidden, --vocab: a language model's sizes
 // overriding its named config's (models::ModelSizes; --seq is each command's own).
 void add_model_size_options(CLI::App* command, models::ModelSizes& sizes);
+// --batch (default `default_batch`) and --seq: the batch size (under kiln launch: the global
+// batch) and a language model's sequence length (0: its config's).
+void add_batch_options(CLI::App* command, int64_t& batch, int64_t default_batch, int64_t& seq);
+// The optimizer, from the registry (ops/optimizer/optimizers.h): --optimizer NAME, --lr, one flag
+// per hyperparameter of any optimizer (--weight-decay, --momentum, --nesterov, --beta1, ...;
+// unset: the chosen optimizer's default, which --help lists per optimizer) and
+// --no-decay-biases-norms-embeddings.
+void add_optimizer_options(CLI::App* command, OptimizerConfig& config);
 // --shard: the data-parallel mode under kiln launch (train/job.h choose_shard_mode).
 void add_shard_option(CLI::App* command, std::string& shard);
 // --device cpu|cuda under `names` (CLI11's "--device,--target" for aliases), with the command's

@@ -21,7 +21,6 @@ struct StepOptions {
   std::string file, inputs_path, out_path;
   onnx::ImportOptions onnx;
   OptimizerConfig optimizer;
-  std::vector<double> betas;
   Device device = Device::kCpu;
   PassOptions passes;
 };
@@ -41,11 +40,6 @@ void step(StepOptions o) {
   ModelFile model = load_model_file(o.file, o.onnx);
   const Graph& forward = model.graph;
   const std::map<std::string, Tensor> given = train::load_safetensors(o.inputs_path).tensors;
-  if (!o.betas.empty()) {
-    KILN_CHECK(o.betas.size() == 2, "--betas takes two values (B1,B2), got {}", o.betas.size());
-    o.optimizer.beta1 = o.betas[0];
-    o.optimizer.beta2 = o.betas[1];
-  }
   validate(o.optimizer);
 
   // Every graph input's value, in order: given, else the model's own; data must be given.
@@ -131,15 +125,7 @@ void add_step_command(CLI::App& app) {
       ->required();
   command->add_option("--out", o->out_path, "safetensors file to write: loss, grad.NAME, param.NAME, state.NAME")
       ->required();
-  command->add_option("--optimizer", o->optimizer.name, "adamw | sgd")
-      ->check(CLI::IsMember({"adamw", "sgd"}))
-      ->default_val("adamw");
-  command->add_option("--lr", o->optimizer.lr, "Learning rate")->default_val(1e-3);
-  command->add_option("--weight-decay", o->optimizer.weight_decay, "Decoupled (adamw) or L2 (sgd) weight decay")
-      ->default_val(0.0);
-  command->add_option("--betas", o->betas, "AdamW's B1,B2 (default 0.9,0.999)")->delimiter(',');
-  command->add_option("--eps", o->optimizer.epsilon, "AdamW's epsilon")->default_val(1e-8);
-  command->add_option("--momentum", o->optimizer.momentum, "SGD momentum")->default_val(0.0);
+  add_optimizer_options(command, o->optimizer);
   add_device_option(command, o->device, "cpu | cuda");
   add_onnx_options(command, o->onnx);
   add_pass_options(command, o->passes);

@@ -19,23 +19,13 @@ void add_train_command(CLI::App& app) {
                       "random (random inputs of any shapes); default: the dataset its inputs fit");
   command->add_option("--data-dir", job->data_dir, "Fashion-MNIST directory (default: Debian's dataset-fashion-mnist)");
   command->add_option("--steps", job->steps, "Total training steps")->default_val(3000);
-  CLI::Option* batch =
-      command->add_option("--batch", job->batch, "Batch size (under kiln launch: the global batch, split over the ranks; "
-                                                 "an ONNX model: the file's)")
-          ->default_val(64);
-  command->add_option("--seq", job->seq, "Sequence length for gpt2* and llama* (default: the config's)");
+  add_batch_options(command, job->batch, 64, job->seq);  // an ONNX model: the file's batch, unless given
+  CLI::Option* batch = command->get_option("--batch");
   add_model_size_options(command, job->sizes);
-  command->add_option("--lr", job->optimizer.lr, "Peak learning rate")->default_val(1e-3);
-  command->add_option("--optimizer", job->optimizer.name, "adamw | sgd")
-      ->check(CLI::IsMember({"adamw", "sgd"}))
-      ->default_val("adamw");
-  command->add_option("--weight-decay", job->optimizer.weight_decay, "Decoupled (adamw) or L2 (sgd) weight decay")
-      ->default_val(0.0);
-  command->add_option("--momentum", job->optimizer.momentum, "SGD momentum")->default_val(0.9);
-  command->add_flag("--nesterov", job->optimizer.nesterov, "SGD with Nesterov momentum");
+  add_optimizer_options(command, job->optimizer);
   command->add_option("--grad-clip", job->optimizer.grad_clip, "Clip the global gradient norm to this (0 = off)")
       ->default_val(0.0);
-  command->add_option("--warmup", job->optimizer.warmup_steps, "Linear warmup steps")->default_val(0);
+  command->add_option("--warmup", job->optimizer.warmup_steps, "Linear learning-rate warmup steps")->default_val(0);
   command->add_option("--decay-steps", job->optimizer.decay_steps,
                       "Cosine decay to 0.1 x lr by this step (0 = constant lr; -1 = --steps)")
       ->default_val(-1);

@@ -1,7 +1,7 @@
 // Grouped optimizer updates and the global gradient norm on the CPU (dialect "cpu"), for the
 // fused nodes the multi-tensor pass makes (passes/multi_tensor.h; bodies described in
 // ops/fused/multi_tensor.h):
-//   "multi-tensor-adamw", "multi-tensor-sgd"  each member through the fast per-tensor update
+//   "multi-tensor-update"  each member through the fast per-tensor update
 //       kernel (train_kernels.cc, found in the registry, so the arithmetic is exactly that of
 //       the ungrouped step), in waves that respect overlaps between members
 //       (multi_tensor::plan_run_order). in_place_ok: each member reads element i of its
@@ -40,10 +40,10 @@ KernelFn member_kernel(const Graph& body, const Node& member) {
   return op_def(member.op).reference;
 }
 
-void run_updates(const KernelArgs& args, Op op) {
+void run_updates(const KernelArgs& args) {
   KILN_CHECK(args.body != nullptr, "multi-tensor update: the kernel was called without the node's body");
   std::string why;
-  const std::optional<multi_tensor::UpdateBody> parsed = multi_tensor::update_body(*args.body, op, &why);
+  const std::optional<multi_tensor::UpdateBody> parsed = multi_tensor::update_body(*args.body, &why);
   KILN_CHECK(parsed.has_value(), "multi-tensor update: body @{} is not one: {}", args.body->name, why);
   const std::vector<multi_tensor::Member>& members = parsed->members;
   const multi_tensor::RunOrder order =
@@ -79,8 +79,8 @@ void run_updates(const KernelArgs& args, Op op) {
   }
 }
 
-bool updates_supported(const NodeView& view, FusedKind kind, Op op) {
-  return is_fused(view.node, kind) && multi_tensor::update_body(*view.node.body, op).has_value();
+bool updates_supported(const NodeView& view) {
+  return is_fused(view.node, FusedKind::kMultiTensorUpdate) && multi_tensor::update_body(*view.node.body).has_value();
 }
 
 // ---- global norm ----------------------------------------------------------------------------
@@ -160,17 +160,7 @@ void run_casts(const KernelArgs& args) {
 }  // namespace
 
 void register_multi_tensor_kernels(KernelRegistry& registry) {
-  registry.add(Op::kFused, KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority,
-                                      [](const NodeView& v) {
-                                        return updates_supported(v, FusedKind::kMultiTensorAdamw, Op::kAdamwUpdate);
-                                      },
-                                      [](const KernelArgs& a) { run_updates(a, Op::kAdamwUpdate); },
-                                      /*in_place_ok=*/true});
-  registry.add(Op::kFused, KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority,
-                                      [](const NodeView& v) {
-                                        return updates_supported(v, FusedKind::kMultiTensorSgd, Op::kSgdUpdate);
-                                      },
-                                      [](const KernelArgs& a) { run_updates(a, Op::kSgdUpdate); },
+  registry.add(Op::kFused, KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority, updates_supported, run_updates,
                                       /*in_place_ok=*/true});
   registry.add(Op::kFused,
                KernelImpl{"cpu", Device::kCpu, kMultiTensorPriority, norm_supported, run_norm});

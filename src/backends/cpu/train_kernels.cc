@@ -1,8 +1,9 @@
 // Fast kernels for the ops a training step spends its time in once matmul is fast (profiled in
 // bench/log/sessions-1-12.md, "CPU training step"):
 //   dialect "cpu":
-//     adamw_update, sgd_update  f32 param/grad/state (lr and step: any float scalar, read once):
-//                               one fused pass over the elements, bias corrections computed once.
+//     optimizer_update          f32 param/grad/state (lr and step: any float scalar, read once):
+//                               one pass over the elements evaluating the optimizer's rule
+//                               (ops/optimizer/rules.h), its per-step constants computed once.
 //     reshape                   any dtype: a flat copy (the executor gives every value its own
 //                               buffer; a view would need aliasing support there).
 //     broadcast_to              any dtype: runs over the trailing dims, copied or filled (a
@@ -31,10 +32,6 @@
 // region around (or between) its calls makes the two thread pools spin against each other.
 #include <cblas.h>
 
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -44,6 +41,7 @@
 #include "backends/cpu/cpu_kernels.h"
 #include "backends/cpu/fast_math.h"
 #include "backends/cpu/row_ops.h"
+#include "ops/optimizer/optimizers.h"
 #include "support/parallel.h"
 #include "tensor/tensor.h"
 
@@ -70,153 +68,57 @@ KernelImpl fast(std::function<bool(const NodeView&)> supports, KernelFn kernel,
 }
 
 // Elements per thread chunk for the optimizer updates: they stream 5-7 arrays (memory bound)
-// with a divide and a square root per element.
+// with a few flops per element.
 constexpr int64_t kGrainUpdate = 8192;
 
-// x[i] = sqrt(x[i]). g++ does not vectorize std::sqrt without -fno-math-errno (it keeps a
-// branch to the libm call that sets errno for negative inputs), which the project does not use;
-// so the SSE instruction directly where there is one. Callers pass non-negative values.
-void sqrt_in_place(float* __restrict__ x, int64_t n) {
-  int64_t i = 0;
-#if defined(__SSE__)
-  for (; i + 4 <= n; i += 4) _mm_storeu_ps(x + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
-#endif
-  for (; i < n; ++i) x[i] = std::sqrt(x[i]);
-}
+// ---- optimizer_update -----------------------------------------------------------------------
 
-// ---- adamw_update ---------------------------------------------------------------------------
-
-struct AdamwConstants {
-  float b1, one_minus_b1, b2, one_minus_b2, eps, wd, lr;
-  float inv_correction1, inv_correction2;  // 1 / (1 - b^t)
-};
-
-// Elements handled per block: the square roots go through a block-sized scratch array, so
-// the passes before and after them stay plain vectorizable loops.
+// Elements handled per block: each block is read into local arrays, updated there by the rule
+// (ops/optimizer/rules.h) and only then stored, because the outputs may lie over their inputs
+// (the executor writes updated params and state in place: KernelImpl::in_place_ok), so no
+// pointer is __restrict__.
 constexpr int64_t kUpdateBlock = 256;
 
-// The outputs may lie over their inputs (the executor writes updated params and state in
-// place: KernelImpl::in_place_ok), so no pointer is __restrict__: a block is read into local
-// arrays, computed there, and only then stored.
-void adamw_block(const float* p, const float* g, const float* m, const float* v, float* p_out,
-                 float* m_out, float* v_out, int64_t n, const AdamwConstants& c) {
-  float mn[kUpdateBlock], vn[kUpdateBlock], scratch[kUpdateBlock], pn[kUpdateBlock];
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    mn[i] = c.b1 * m[i] + c.one_minus_b1 * gi;
-    vn[i] = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
-    scratch[i] = vn[i] * c.inv_correction2;
-  }
-  sqrt_in_place(scratch, n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float update = (mn[i] * c.inv_correction1) / (scratch[i] + c.eps) + c.wd * p[i];
-    pn[i] = p[i] - c.lr * update;
-  }
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  std::memcpy(m_out, mn, bytes);
-  std::memcpy(v_out, vn, bytes);
-  std::memcpy(p_out, pn, bytes);
-}
-
-void adamw_kernel(const KernelArgs& args) {
-  const Attributes& a = args.attrs;
-  const double b1 = a.f("beta1"), b2 = a.f("beta2");
-  const double t = args.inputs[5].get(0);
-  AdamwConstants c;
-  c.b1 = static_cast<float>(b1);
-  c.one_minus_b1 = static_cast<float>(1.0 - b1);
-  c.b2 = static_cast<float>(b2);
-  c.one_minus_b2 = static_cast<float>(1.0 - b2);
-  c.eps = static_cast<float>(a.f("epsilon"));
-  c.wd = static_cast<float>(a.f("weight_decay"));
-  c.lr = static_cast<float>(args.inputs[4].get(0));
-  c.inv_correction1 = static_cast<float>(1.0 / (1.0 - std::pow(b1, t)));
-  c.inv_correction2 = static_cast<float>(1.0 / (1.0 - std::pow(b2, t)));
+template <class Rule>
+void update_kernel(const KernelArgs& args) {
+  constexpr int kSlots = Rule::kSlots;
+  const optim::HyperValues h = optim::hyper_values(optim::optimizer_def(Rule::kName), args.attrs);
+  const auto c = Rule::template prepare<float>(h, args.inputs[2 + kSlots].get(0), args.inputs[3 + kSlots].get(0));
   const float* p = args.inputs[0].data<float>();
   const float* g = args.inputs[1].data<float>();
-  const float* m = args.inputs[2].data<float>();
-  const float* v = args.inputs[3].data<float>();
+  const float* s[kSlots];
+  float* s_out[kSlots];
+  for (int j = 0; j < kSlots; ++j) {
+    s[j] = args.inputs[2 + j].data<float>();
+    s_out[j] = args.outputs[1 + j].data<float>();
+  }
   float* p_out = args.outputs[0].data<float>();
-  float* m_out = args.outputs[1].data<float>();
-  float* v_out = args.outputs[2].data<float>();
   parallel_for(0, args.inputs[0].numel(), kGrainUpdate, [&](int64_t lo, int64_t hi) {
-    for (int64_t s = lo; s < hi; s += kUpdateBlock) {
-      const int64_t n = std::min(kUpdateBlock, hi - s);
-      adamw_block(p + s, g + s, m + s, v + s, p_out + s, m_out + s, v_out + s, n, c);
+    float pn[kUpdateBlock], sn[kSlots][kUpdateBlock];
+    for (int64_t at = lo; at < hi; at += kUpdateBlock) {
+      const int64_t n = std::min(kUpdateBlock, hi - at);
+      for (int64_t i = 0; i < n; ++i) {
+        float slots[kSlots];
+        for (int j = 0; j < kSlots; ++j) slots[j] = s[j][at + i];
+        pn[i] = Rule::apply(c, p[at + i], g[at + i], slots);
+        for (int j = 0; j < kSlots; ++j) sn[j][i] = slots[j];
+      }
+      const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+      std::memcpy(p_out + at, pn, bytes);
+      for (int j = 0; j < kSlots; ++j) std::memcpy(s_out[j] + at, sn[j], bytes);
     }
   });
 }
 
-// param, grad, m, v and the three outputs f32; lr and step any float scalar (infer checked).
-bool adamw_supported(const NodeView& node) {
-  if (node.input_types.size() != 6 || node.output_types.size() != 3) return false;
-  for (int i = 0; i < 4; ++i)
-    if (node.input_types[i].dtype != DType::kF32) return false;
-  for (const TensorType& t : node.output_types)
-    if (t.dtype != DType::kF32) return false;
-  return true;
+void optimizer_update_kernel(const KernelArgs& args) {
+  const bool known = optim::visit_rule(args.attrs.s("optimizer").c_str(),
+                                       [&](auto rule) { update_kernel<decltype(rule)>(args); });
+  KILN_CHECK(known, "optimizer_update: no rule for optimizer '{}'", args.attrs.s("optimizer"));
 }
 
-// ---- sgd_update -----------------------------------------------------------------------------
-
-enum class SgdStep { kPlain, kMomentum, kNesterov };
-
-// In place like adamw_block: each block is computed into local arrays, then stored.
-template <SgdStep kStep>
-void sgd_loop(const float* p, const float* g, const float* buf, float* p_out, float* buf_out,
-              int64_t n, float momentum, float wd, float lr) {
-  float pn[kUpdateBlock], bn[kUpdateBlock];
-  for (int64_t s = 0; s < n; s += kUpdateBlock) {
-    const int64_t k = std::min(kUpdateBlock, n - s);
-    for (int64_t i = 0; i < k; ++i) {
-      const float gi = g[s + i] + wd * p[s + i];
-      const float bi = momentum * buf[s + i] + gi;
-      float step;
-      if constexpr (kStep == SgdStep::kPlain) step = gi;
-      else if constexpr (kStep == SgdStep::kMomentum) step = bi;
-      else step = gi + momentum * bi;
-      pn[i] = p[s + i] - lr * step;
-      bn[i] = bi;
-    }
-    std::memcpy(p_out + s, pn, static_cast<size_t>(k) * sizeof(float));
-    std::memcpy(buf_out + s, bn, static_cast<size_t>(k) * sizeof(float));
-  }
-}
-
-void sgd_kernel(const KernelArgs& args) {
-  const float momentum = static_cast<float>(args.attrs.f("momentum"));
-  const float wd = static_cast<float>(args.attrs.f("weight_decay"));
-  const float lr = static_cast<float>(args.inputs[3].get(0));
-  const SgdStep kind = args.attrs.b("nesterov")           ? SgdStep::kNesterov
-                       : args.attrs.f("momentum") > 0.0 ? SgdStep::kMomentum
-                                                          : SgdStep::kPlain;
-  const float* p = args.inputs[0].data<float>();
-  const float* g = args.inputs[1].data<float>();
-  const float* buf = args.inputs[2].data<float>();
-  float* p_out = args.outputs[0].data<float>();
-  float* buf_out = args.outputs[1].data<float>();
-  parallel_for(0, args.inputs[0].numel(), kGrainCheap, [&](int64_t lo, int64_t hi) {
-    const int64_t n = hi - lo;
-    switch (kind) {
-      case SgdStep::kPlain:
-        sgd_loop<SgdStep::kPlain>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
-                                  momentum, wd, lr);
-        break;
-      case SgdStep::kMomentum:
-        sgd_loop<SgdStep::kMomentum>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
-                                     momentum, wd, lr);
-        break;
-      case SgdStep::kNesterov:
-        sgd_loop<SgdStep::kNesterov>(p + lo, g + lo, buf + lo, p_out + lo, buf_out + lo, n,
-                                     momentum, wd, lr);
-        break;
-    }
-  });
-}
-
-bool sgd_supported(const NodeView& node) {
-  if (node.input_types.size() != 4 || node.output_types.size() != 2) return false;
-  for (int i = 0; i < 3; ++i)
+// Param, grad, state and results f32; lr and step any float scalar (inference checked).
+bool optimizer_update_supported(const NodeView& node) {
+  for (size_t i = 0; i + 2 < node.input_types.size(); ++i)
     if (node.input_types[i].dtype != DType::kF32) return false;
   for (const TensorType& t : node.output_types)
     if (t.dtype != DType::kF32) return false;
@@ -741,8 +643,7 @@ KernelImpl openblas(std::function<bool(const NodeView&)> supports, KernelFn kern
 }  // namespace
 
 void register_train_kernels(KernelRegistry& registry) {
-  registry.add(Op::kAdamwUpdate, fast(adamw_supported, adamw_kernel, /*in_place_ok=*/true));
-  registry.add(Op::kSgdUpdate, fast(sgd_supported, sgd_kernel, /*in_place_ok=*/true));
+  registry.add(Op::kOptimizerUpdate, fast(optimizer_update_supported, optimizer_update_kernel, /*in_place_ok=*/true));
   registry.add(Op::kReshape, fast({}, reshape_kernel));
   registry.add(Op::kTranspose, fast({}, transpose_kernel));
   registry.add(Op::kBroadcastTo, fast({}, broadcast_to_kernel));

@@ -18,6 +18,7 @@
 #include "backends/cuda/registration.h"
 #include "device/communicator.h"
 #include "ops/elementwise.h"
+#include "ops/optimizer/optimizers.h"
 #include "support/philox.h"
 
 namespace kiln::cuda {
@@ -542,21 +543,25 @@ void register_nn(KernelRegistry& registry) {
       return true;
     };
   };
-  add(registry, Op::kSgdUpdate, [](const KernelArgs& a) {
-    const Tensor& lr = a.inputs[3];
-    generic::launch_sgd_update(a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(),
-                               a.inputs[2].raw(), lr.dtype(), lr.raw(), a.outputs[0].raw(),
-                               a.outputs[1].raw(), a.inputs[0].numel(), a.attrs.f("momentum"),
-                               a.attrs.b("nesterov"), a.attrs.f("weight_decay"), stream_of(a));
-  }, one_element_type(3), true);
-  add(registry, Op::kAdamwUpdate, [](const KernelArgs& a) {
-    const Tensor &lr = a.inputs[4], &step = a.inputs[5];
-    generic::launch_adamw_update(
-        a.inputs[0].dtype(), a.inputs[0].raw(), a.inputs[1].raw(), a.inputs[2].raw(),
-        a.inputs[3].raw(), lr.dtype(), lr.raw(), step.dtype(), step.raw(), a.outputs[0].raw(),
-        a.outputs[1].raw(), a.outputs[2].raw(), a.inputs[0].numel(), a.attrs.f("beta1"),
-        a.attrs.f("beta2"), a.attrs.f("epsilon"), a.attrs.f("weight_decay"), stream_of(a));
-  }, one_element_type(4), true);
+  add(registry, Op::kOptimizerUpdate, [](const KernelArgs& a) {
+    const size_t k = a.inputs.size();
+    nn::UpdateTensor x{};
+    x.param = a.inputs[0].raw();
+    x.grad = a.inputs[1].raw();
+    x.param_out = a.outputs[0].raw();
+    for (size_t j = 0; 2 + j + 2 < k; ++j) {
+      x.slots[j] = a.inputs[2 + j].raw();
+      x.slots_out[j] = a.outputs[1 + j].raw();
+    }
+    x.n = a.inputs[0].numel();
+    const std::string& name = a.attrs.s("optimizer");
+    generic::launch_optimizer_update(name.c_str(), optim::hyper_values(optim::optimizer_def(name), a.attrs),
+                                     a.inputs[0].dtype(), x, a.inputs[k - 2].dtype(), a.inputs[k - 2].raw(),
+                                     a.inputs[k - 1].dtype(), a.inputs[k - 1].raw(), stream_of(a));
+  }, [one_element_type](const NodeView& node) {
+    return optim::optimizer_def(node.node.attrs.s("optimizer")).elementwise &&
+           one_element_type(static_cast<int>(node.input_types.size()) - 2)(node);
+  }, true);
 }
 
 // ---- collectives (ops/collective.h) -------------------------------------------------------------

@@ -953,37 +953,20 @@ __device__ inline double load_scalar(DType type, const void* p) {
   }
 }
 
-template <class T>
-__global__ void sgd_kernel(const T* param, const T* grad, const T* buf, DType lr_type,
-                           const void* lr_ptr, T* param_out, T* buf_out, int64_t n,
-                           double momentum, bool nesterov, double weight_decay) {
-  const double lr = load_scalar(lr_type, lr_ptr);
-  KILN_GRID_LOOP(i, n) {
-    const double p = Num<T>::load(param[i]);
-    const double g = static_cast<double>(Num<T>::load(grad[i])) + weight_decay * p;
-    const double b = momentum * static_cast<double>(Num<T>::load(buf[i])) + g;
-    const double step = nesterov ? g + momentum * b : (momentum > 0 ? b : g);
-    param_out[i] = Num<T>::store(static_cast<typename Num<T>::C>(p - lr * step));
-    buf_out[i] = Num<T>::store(static_cast<typename Num<T>::C>(b));
-  }
-}
-
-template <class T>
-__global__ void adamw_kernel(const T* param, const T* grad, const T* m_in, const T* v_in,
-                             DType lr_type, const void* lr_ptr, DType step_type,
-                             const void* step_ptr, T* param_out, T* m_out, T* v_out, int64_t n,
-                             double b1, double b2, double eps, double wd) {
+// Param, gradient and slots of one type T, computed in double (Num<T>::C for the stores); the
+// element update is the rule's (ops/optimizer/rules.h).
+template <class Rule, class T>
+__global__ void update_kernel(nn::UpdateTensor x, optim::HyperValues h, DType lr_type, const void* lr_ptr,
+                              DType step_type, const void* step_ptr) {
   using C = typename Num<T>::C;
-  const double lr = load_scalar(lr_type, lr_ptr), t = load_scalar(step_type, step_ptr);
-  const double correction1 = 1.0 - pow(b1, t), correction2 = 1.0 - pow(b2, t);
-  KILN_GRID_LOOP(i, n) {
-    const double p = Num<T>::load(param[i]), g = Num<T>::load(grad[i]);
-    const double m = b1 * static_cast<double>(Num<T>::load(m_in[i])) + (1 - b1) * g;
-    const double v = b2 * static_cast<double>(Num<T>::load(v_in[i])) + (1 - b2) * g * g;
-    const double update = (m / correction1) / (sqrt(v / correction2) + eps) + wd * p;
-    param_out[i] = Num<T>::store(static_cast<C>(p - lr * update));
-    m_out[i] = Num<T>::store(static_cast<C>(m));
-    v_out[i] = Num<T>::store(static_cast<C>(v));
+  const auto c = Rule::template prepare<double>(h, load_scalar(lr_type, lr_ptr), load_scalar(step_type, step_ptr));
+  KILN_GRID_LOOP(i, x.n) {
+    double s[Rule::kSlots];
+    for (int j = 0; j < Rule::kSlots; ++j) s[j] = Num<T>::load(static_cast<const T*>(x.slots[j])[i]);
+    const double p = Rule::apply(c, static_cast<double>(Num<T>::load(static_cast<const T*>(x.param)[i])),
+                                 static_cast<double>(Num<T>::load(static_cast<const T*>(x.grad)[i])), s);
+    static_cast<T*>(x.param_out)[i] = Num<T>::store(static_cast<C>(p));
+    for (int j = 0; j < Rule::kSlots; ++j) static_cast<T*>(x.slots_out[j])[i] = Num<T>::store(static_cast<C>(s[j]));
   }
 }
 
@@ -1562,35 +1545,18 @@ void launch_cross_entropy_grad(DType type, const void* logits, DType label_type,
   });
 }
 
-void launch_sgd_update(DType type, const void* param, const void* grad, const void* buf,
-                       DType lr_type, const void* lr, void* param_out, void* buf_out,
-                       int64_t n, double momentum, bool nesterov, double weight_decay,
-                       cudaStream_t stream) {
-  if (n == 0) return;
-  visit_float(type, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    sgd_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(
-        static_cast<const T*>(param), static_cast<const T*>(grad), static_cast<const T*>(buf),
-        lr_type, lr, static_cast<T*>(param_out), static_cast<T*>(buf_out), n, momentum, nesterov,
-        weight_decay);
-    check_launch();
+void launch_optimizer_update(const char* optimizer, const optim::HyperValues& h, DType type,
+                             const nn::UpdateTensor& x, DType lr_type, const void* lr, DType step_type,
+                             const void* step, cudaStream_t stream) {
+  if (x.n == 0) return;
+  const bool known = optim::visit_rule(optimizer, [&](auto rule) {
+    visit_float(type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      update_kernel<decltype(rule), T><<<grid_for(x.n), kThreads, 0, stream>>>(x, h, lr_type, lr, step_type, step);
+      check_launch();
+    });
   });
-}
-
-void launch_adamw_update(DType type, const void* param, const void* grad, const void* m,
-                         const void* v, DType lr_type, const void* lr, DType step_type,
-                         const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
-                         double beta1, double beta2, double epsilon, double weight_decay,
-                         cudaStream_t stream) {
-  if (n == 0) return;
-  visit_float(type, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    adamw_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(
-        static_cast<const T*>(param), static_cast<const T*>(grad), static_cast<const T*>(m),
-        static_cast<const T*>(v), lr_type, lr, step_type, step, static_cast<T*>(param_out),
-        static_cast<T*>(m_out), static_cast<T*>(v_out), n, beta1, beta2, epsilon, weight_decay);
-    check_launch();
-  });
+  KILN_CHECK(known, "cuda optimizer_update: no rule for optimizer '{}'", optimizer);
 }
 
 int64_t attention_max_keys() { return kMaxKeys; }

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "backends/cuda/nn.cuh"
 #include "ir/dtype.h"
 #include "ir/op.h"
 #include "ops/elementwise_math.h"
@@ -172,17 +173,12 @@ void launch_cross_entropy_grad(DType type, const void* logits, DType label_type,
                                int64_t rows, int64_t vocab, int64_t ignore_index, int reduction,
                                cudaStream_t stream);
 
-// Optimizer updates; lr and step are device scalars of their own float dtypes. Outputs may
-// alias the matching inputs (each element is read before it is written).
-void launch_sgd_update(DType type, const void* param, const void* grad, const void* buf,
-                       DType lr_type, const void* lr, void* param_out, void* buf_out,
-                       int64_t n, double momentum, bool nesterov, double weight_decay,
-                       cudaStream_t stream);
-void launch_adamw_update(DType type, const void* param, const void* grad, const void* m,
-                         const void* v, DType lr_type, const void* lr, DType step_type,
-                         const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
-                         double beta1, double beta2, double epsilon, double weight_decay,
-                         cudaStream_t stream);
+// The element update of rule `optimizer` (ops/optimizer/rules.h), param, gradient and slots all
+// of `type`; lr and step are device scalars of their own float dtypes. Outputs may alias the
+// matching inputs (each element is read before it is written).
+void launch_optimizer_update(const char* optimizer, const optim::HyperValues& h, DType type,
+                             const nn::UpdateTensor& x, DType lr_type, const void* lr, DType step_type,
+                             const void* step, cudaStream_t stream);
 
 // Naive attention: one block per (batch, query); scores live in shared memory, so tk is limited
 // by attention_max_keys(). lse is f32 (f64 for f64 inputs), as the op defines it. attention_grad

@@ -1,7 +1,7 @@
 // Grouped optimizer updates and the global gradient norm on the GPU: the fused nodes the
 // multi-tensor pass makes (passes/multi_tensor.h; bodies in ops/fused/multi_tensor.h), run by
 // the multi-tensor kernels of multi_tensor.cu, dialect "cuda-nn" (hand-written kernels):
-//   "multi-tensor-adamw", "multi-tensor-sgd"  f32 params and state, f32/bf16/f16 grads, any
+//   "multi-tensor-update"  the elementwise optimizers' rules: f32 params and state, f32/bf16/f16 grads, any
 //       float scalars: one launch per kMaxTensorsPerLaunch members (GPT-2's 148: one), the
 //       per-tensor kernels' expressions (state bit for bit, params within 2 ulp: see
 //       multi_tensor.cuh). in_place_ok. Members whose results the memory
@@ -24,6 +24,7 @@
 #include "backends/cuda/scratch.cuh"
 #include "backends/multi_tensor.h"
 #include "ops/fused/kind.h"
+#include "ops/optimizer/optimizers.h"
 
 namespace kiln::cuda {
 namespace {
@@ -33,28 +34,29 @@ constexpr int kMultiTensorPriority = kGeneratedPriority + 10;
 cudaStream_t stream_of(const KernelArgs& args) { return static_cast<cudaStream_t>(args.stream); }
 size_t aligned_bytes_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// The members' operand dtypes (param, grad, state) if all members share them and the kernels
+// The members' operand dtypes (param, grad, slots) if all members share them and the kernels
 // take them, and every scalar operand is a float.
-bool updates_supported(const NodeView& view, FusedKind kind, Op op, size_t scalars_from) {
-  if (!is_fused(view.node, kind)) return false;
-  const std::optional<kiln::multi_tensor::UpdateBody> body =
-      kiln::multi_tensor::update_body(*view.node.body, op);
-  if (!body) return false;
+bool updates_supported(const NodeView& view) {
+  if (!is_fused(view.node, FusedKind::kMultiTensorUpdate)) return false;
+  const std::optional<kiln::multi_tensor::UpdateBody> body = kiln::multi_tensor::update_body(*view.node.body);
+  if (!body || !optim::optimizer_def(body->attrs.s("optimizer")).elementwise) return false;
   const auto& in = view.input_types;
   const auto& first = body->members[0].inputs;
+  const size_t scalars_from = first.size() - 2;
+  if (scalars_from < 3) return false;
   for (const kiln::multi_tensor::Member& m : body->members) {
     for (size_t i = 0; i < scalars_from; ++i) {
-      // m and v share their dtype (state), like param with param and grad with grad.
-      const size_t same_as = op == Op::kAdamwUpdate && i == 3 ? 2 : i;
+      // The slots share their dtype (state), like param with param and grad with grad.
+      const size_t same_as = i > 2 ? 2 : i;
       if (in[static_cast<size_t>(m.inputs[i])].dtype != in[static_cast<size_t>(first[same_as])].dtype)
         return false;
     }
     for (size_t i = scalars_from; i < m.inputs.size(); ++i)
       if (!is_float(in[static_cast<size_t>(m.inputs[i])].dtype)) return false;
   }
-  return multi_tensor::adamw_types_supported(in[static_cast<size_t>(first[0])].dtype,
-                                             in[static_cast<size_t>(first[1])].dtype,
-                                             in[static_cast<size_t>(first[2])].dtype);
+  return multi_tensor::update_types_supported(in[static_cast<size_t>(first[0])].dtype,
+                                              in[static_cast<size_t>(first[1])].dtype,
+                                              in[static_cast<size_t>(first[2])].dtype);
 }
 
 // The members' operands, with those plan_run_order says to copy replaced by copies in
@@ -87,53 +89,44 @@ Operands prepare_operands(const KernelArgs& args, const std::vector<kiln::multi_
   return out;
 }
 
-void run_updates(const KernelArgs& args, Op op) {
+void run_updates(const KernelArgs& args) {
   KILN_CHECK(args.body != nullptr, "multi-tensor update: the kernel was called without the node's body");
   std::string why;
-  const std::optional<kiln::multi_tensor::UpdateBody> body =
-      kiln::multi_tensor::update_body(*args.body, op, &why);
+  const std::optional<kiln::multi_tensor::UpdateBody> body = kiln::multi_tensor::update_body(*args.body, &why);
   KILN_CHECK(body.has_value(), "multi-tensor update: body @{} is not one: {}", args.body->name, why);
   const auto& members = body->members;
   const kiln::multi_tensor::RunOrder order = kiln::multi_tensor::plan_run_order(
       kiln::multi_tensor::member_regions(members, args.inputs, args.outputs));
   // Freed (stream-ordered) after the launches below: it lives to the end of this call.
   const Operands operands = prepare_operands(args, members, order);
-  const Attributes& a = body->attrs;
+  const std::string& name = body->attrs.s("optimizer");
+  const optim::HyperValues h = optim::hyper_values(optim::optimizer_def(name), body->attrs);
   const auto& first = members[0].inputs;
+  const size_t scalars_from = first.size() - 2;
   const DType param_t = args.inputs[static_cast<size_t>(first[0])].dtype();
   const DType grad_t = args.inputs[static_cast<size_t>(first[1])].dtype();
   const DType state_t = args.inputs[static_cast<size_t>(first[2])].dtype();
-  auto out = [&](const kiln::multi_tensor::Member& m, int k) {
-    return args.outputs[static_cast<size_t>(m.outputs[static_cast<size_t>(k)])].raw();
-  };
+  const Tensor& lr = args.inputs[static_cast<size_t>(first[scalars_from])];
+  const Tensor& step = args.inputs[static_cast<size_t>(first[scalars_from + 1])];
   for (const std::vector<int>& wave : order.waves) {
-    if (op == Op::kAdamwUpdate) {
-      std::vector<multi_tensor::AdamwTensor> tensors;
-      for (int k : wave) {
-        const auto& m = members[static_cast<size_t>(k)];
-        const auto& p = operands.pointers[static_cast<size_t>(k)];
-        tensors.push_back(multi_tensor::AdamwTensor{p[0], p[1], p[2], p[3], out(m, 0), out(m, 1), out(m, 2),
-                                                    args.inputs[static_cast<size_t>(m.inputs[0])].numel()});
+    std::vector<nn::UpdateTensor> tensors;
+    for (int k : wave) {
+      const auto& m = members[static_cast<size_t>(k)];
+      const auto& p = operands.pointers[static_cast<size_t>(k)];
+      nn::UpdateTensor x{};
+      x.param = p[0];
+      x.grad = p[1];
+      x.param_out = args.outputs[static_cast<size_t>(m.outputs[0])].raw();
+      for (size_t j = 0; 2 + j < scalars_from; ++j) {
+        x.slots[j] = p[2 + j];
+        x.slots_out[j] = args.outputs[static_cast<size_t>(m.outputs[1 + j])].raw();
       }
-      const Tensor &lr = args.inputs[static_cast<size_t>(first[4])], &step = args.inputs[static_cast<size_t>(first[5])];
-      const nn::AdamwConfig config{static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
-                                   static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
-      multi_tensor::adamw(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
-                          lr.dtype(), lr.raw(), step.dtype(), step.raw(), config, stream_of(args));
-    } else {
-      std::vector<multi_tensor::SgdTensor> tensors;
-      for (int k : wave) {
-        const auto& m = members[static_cast<size_t>(k)];
-        const auto& p = operands.pointers[static_cast<size_t>(k)];
-        tensors.push_back(multi_tensor::SgdTensor{p[0], p[1], p[2], out(m, 0), out(m, 1),
-                                                  args.inputs[static_cast<size_t>(m.inputs[0])].numel()});
-      }
-      const Tensor& lr = args.inputs[static_cast<size_t>(first[3])];
-      const nn::SgdConfig config{static_cast<float>(a.f("momentum")), static_cast<float>(a.f("weight_decay")),
-                                 a.b("nesterov")};
-      multi_tensor::sgd(param_t, grad_t, state_t, tensors.data(), static_cast<int64_t>(tensors.size()),
-                        lr.dtype(), lr.raw(), config, stream_of(args));
+      x.n = args.inputs[static_cast<size_t>(m.inputs[0])].numel();
+      tensors.push_back(x);
     }
+    multi_tensor::update(name.c_str(), h, param_t, grad_t, state_t, tensors.data(),
+                         static_cast<int64_t>(tensors.size()), lr.dtype(), lr.raw(), step.dtype(), step.raw(),
+                         stream_of(args));
   }
 }
 
@@ -187,20 +180,8 @@ void run_casts(const KernelArgs& args) {
 }  // namespace
 
 void register_multi_tensor_kernels(KernelRegistry& registry) {
-  registry.add(Op::kFused,
-               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
-                          [](const NodeView& v) {
-                            return updates_supported(v, FusedKind::kMultiTensorAdamw, Op::kAdamwUpdate, 4);
-                          },
-                          [](const KernelArgs& a) { run_updates(a, Op::kAdamwUpdate); },
-                          /*in_place_ok=*/true});
-  registry.add(Op::kFused,
-               KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority,
-                          [](const NodeView& v) {
-                            return updates_supported(v, FusedKind::kMultiTensorSgd, Op::kSgdUpdate, 3);
-                          },
-                          [](const KernelArgs& a) { run_updates(a, Op::kSgdUpdate); },
-                          /*in_place_ok=*/true});
+  registry.add(Op::kFused, KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority, updates_supported,
+                                      run_updates, /*in_place_ok=*/true});
   registry.add(Op::kFused,
                KernelImpl{"cuda-nn", Device::kCuda, kMultiTensorPriority, norm_supported, run_norm});
   registry.add(Op::kFused,

@@ -1,6 +1,6 @@
-// Kernels and launchers of the multi-tensor ops (declared in multi_tensor.cuh): AdamW and SGD
-// over a table of tensors, the global sum of squares, and f32 -> bf16/f16 casts. See the header
-// for the table layout.
+// Kernels and launchers of the multi-tensor ops (declared in multi_tensor.cuh): optimizer
+// updates (every elementwise rule of ops/optimizer/rules.h) over a table of tensors, the global
+// sum of squares, and f32 -> bf16/f16 casts. See the header for the table layout.
 //
 // Updates: 256 threads per block, kChunk elements of one tensor per block, in 4-element chunks
 // (16 bytes of f32; the per-tensor kernels of nn.cu use the same 4-element chunks, since a
@@ -58,7 +58,8 @@ struct Table {
   bool vec[kMaxTensorsPerLaunch];
   int count;
 };
-static_assert(sizeof(Table<4, 3>) + 64 <= 32764, "the AdamW table must fit a kernel parameter");
+static_assert(sizeof(Table<2 + optim::kMaxSlots, 1 + optim::kMaxSlots>) + 64 <= 32764,
+              "the update table must fit a kernel parameter");
 
 // The tensor block `b` works on (first_block is sorted; tensors without blocks are skipped).
 template <typename T>
@@ -87,100 +88,58 @@ __device__ __forceinline__ void for_block_elements(int64_t start, int64_t end, b
     fn(i, std::integral_constant<int, 1>{});
 }
 
-// ---- AdamW ----------------------------------------------------------------------------------
+// ---- updates --------------------------------------------------------------------------------
 
-using AdamwTable = Table<4, 3>;
+// Param, grad and up to kMaxSlots state slots in; param and slots out (unused columns null).
+using UpdateTable = Table<2 + optim::kMaxSlots, 1 + optim::kMaxSlots>;
 
 // No __restrict__: results may be written over their own operands (the executor's in-place
-// updates); each element is read before it is written, by the same thread.
-template <typename P, typename G, typename S>
+// updates); each element is read before it is written, by the same thread. The per-step
+// constants and the element update are the rule's (ops/optimizer/rules.h), as in nn.cu's
+// update_kernel.
+template <class Rule, typename P, typename G, typename S>
 __global__ void __launch_bounds__(kThreads)
-    adamw_multi_kernel(const __grid_constant__ AdamwTable table, const void* lr_ptr, DType lr_t,
-                       const void* step_ptr, DType step_t, nn::AdamwConfig c) {
+    update_multi_kernel(const __grid_constant__ UpdateTable table, optim::HyperValues h, const void* lr_ptr,
+                        DType lr_t, const void* step_ptr, DType step_t) {
+  constexpr int kSlots = Rule::kSlots;
   const int t = tensor_of_block(table, blockIdx.x);
   const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
   const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
   const P* param = static_cast<const P*>(table.in[t][0]);
   const G* grad = static_cast<const G*>(table.in[t][1]);
-  const S* m = static_cast<const S*>(table.in[t][2]);
-  const S* v = static_cast<const S*>(table.in[t][3]);
   P* param_out = static_cast<P*>(table.out[t][0]);
-  S* m_out = static_cast<S*>(table.out[t][1]);
-  S* v_out = static_cast<S*>(table.out[t][2]);
-  // From here on, nn.cu's adamw_kernel expression for expression (multi_tensor.cuh: the bits).
-  const double step = load_scalar(step_ptr, step_t);
-  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
-  const float inv_c1 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta1), step)));
-  const float inv_c2 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta2), step)));
-  const float b1 = c.beta1, b2 = c.beta2, ob1 = 1.0f - c.beta1, ob2 = 1.0f - c.beta2;
-  auto update = [&](float p, float g, float& mi, float& vi) {
-    mi = b1 * mi + ob1 * g;
-    vi = b2 * vi + ob2 * g * g;
-    const float u = (mi * inv_c1) / (sqrtf(vi * inv_c2) + c.epsilon) + c.weight_decay * p;
-    return p - lr * u;
-  };
+  const auto c = Rule::template prepare<float>(h, load_scalar(lr_ptr, lr_t), load_scalar(step_ptr, step_t));
   for_block_elements(start, end, table.vec[t], [&](int64_t i, auto width) {
     constexpr int N = decltype(width)::value;
+    float p[N], g[N], s[kSlots][N];
     if constexpr (N == kVec) {
-      float p[N], g[N], mm[N], vv[N];
       load<N>(param + i, p);
       load<N>(grad + i, g);
-      load<N>(m + i, mm);
-      load<N>(v + i, vv);
 #pragma unroll
-      for (int k = 0; k < N; ++k) p[k] = update(p[k], g[k], mm[k], vv[k]);
-      store<N>(param_out + i, p);
-      store<N>(m_out + i, mm);
-      store<N>(v_out + i, vv);
+      for (int j = 0; j < kSlots; ++j) load<N>(static_cast<const S*>(table.in[t][2 + j]) + i, s[j]);
     } else {
-      float mi = to_f(m[i]), vi = to_f(v[i]);
-      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), mi, vi));
-      m_out[i] = from_f<S>(mi);
-      v_out[i] = from_f<S>(vi);
+      p[0] = to_f(param[i]);
+      g[0] = to_f(grad[i]);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) s[j][0] = to_f(static_cast<const S*>(table.in[t][2 + j])[i]);
     }
-  });
-}
-
-// ---- SGD ------------------------------------------------------------------------------------
-
-using SgdTable = Table<3, 2>;
-
-template <typename P, typename G, typename S>
-__global__ void __launch_bounds__(kThreads)
-    sgd_multi_kernel(const __grid_constant__ SgdTable table, const void* lr_ptr, DType lr_t,
-                     nn::SgdConfig c) {
-  const int t = tensor_of_block(table, blockIdx.x);
-  const int64_t start = (blockIdx.x - table.first_block[t]) * kChunk;
-  const int64_t end = table.n[t] < start + kChunk ? table.n[t] : start + kChunk;
-  const P* param = static_cast<const P*>(table.in[t][0]);
-  const G* grad = static_cast<const G*>(table.in[t][1]);
-  const S* buf = static_cast<const S*>(table.in[t][2]);
-  P* param_out = static_cast<P*>(table.out[t][0]);
-  S* buf_out = static_cast<S*>(table.out[t][1]);
-  // nn.cu's sgd_kernel expression for expression.
-  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
-  const bool use_buf = c.momentum > 0.0f;
-  auto update = [&](float p, float g, float& b) {
-    g += c.weight_decay * p;
-    b = c.momentum * b + g;
-    const float step = c.nesterov ? g + c.momentum * b : (use_buf ? b : g);
-    return p - lr * step;
-  };
-  for_block_elements(start, end, table.vec[t], [&](int64_t i, auto width) {
-    constexpr int N = decltype(width)::value;
-    if constexpr (N == kVec) {
-      float p[N], g[N], b[N];
-      load<N>(param + i, p);
-      load<N>(grad + i, g);
-      load<N>(buf + i, b);
 #pragma unroll
-      for (int k = 0; k < N; ++k) p[k] = update(p[k], g[k], b[k]);
+    for (int k = 0; k < N; ++k) {
+      float si[kSlots];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) si[j] = s[j][k];
+      p[k] = Rule::apply(c, p[k], g[k], si);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) s[j][k] = si[j];
+    }
+    if constexpr (N == kVec) {
       store<N>(param_out + i, p);
-      store<N>(buf_out + i, b);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) store<N>(static_cast<S*>(table.out[t][1 + j]) + i, s[j]);
     } else {
-      float b = to_f(buf[i]);
-      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), b));
-      buf_out[i] = from_f<S>(b);
+      param_out[i] = from_f<P>(p[0]);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) static_cast<S*>(table.out[t][1 + j])[i] = from_f<S>(s[j][0]);
     }
   });
 }
@@ -382,64 +341,43 @@ void launch_tables(int64_t count, const int64_t* sizes, Fill&& fill, Launch&& la
 
 }  // namespace
 
-bool adamw_types_supported(DType param, DType grad, DType state) {
+bool update_types_supported(DType param, DType grad, DType state) {
   return visit_update_types(param, grad, state, [](auto) {});
 }
 
-void adamw(DType param_t, DType grad_t, DType state_t, const AdamwTensor* tensors, int64_t count,
-           DType lr_t, const void* lr, DType step_t, const void* step, nn::AdamwConfig config,
-           cudaStream_t stream) {
+void update(const char* optimizer, const optim::HyperValues& h, DType param_t, DType grad_t, DType state_t,
+            const nn::UpdateTensor* tensors, int64_t count, DType lr_t, const void* lr, DType step_t,
+            const void* step, cudaStream_t stream) {
   std::vector<int64_t> sizes(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
-  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
-    using G = decltype(grad_tag);
-    launch_tables<AdamwTable>(
-        count, sizes.data(),
-        [&](AdamwTable& table, int slot, int64_t k) {
-          const AdamwTensor& x = tensors[k];
-          const void* in[4] = {x.param, x.grad, x.m, x.v};
-          void* out[3] = {x.param_out, x.m_out, x.v_out};
-          for (int i = 0; i < 4; ++i) table.in[slot][i] = in[i];
-          for (int i = 0; i < 3; ++i) table.out[slot][i] = out[i];
-          table.vec[slot] = aligned_to(x.param, 16) && aligned_to(x.m, 16) && aligned_to(x.v, 16) &&
-                            aligned_to(x.param_out, 16) && aligned_to(x.m_out, 16) &&
-                            aligned_to(x.v_out, 16) && aligned_to(x.grad, kVec * sizeof(G));
-        },
-        [&](const AdamwTable& table, int64_t blocks) {
-          adamw_multi_kernel<float, G, float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-              table, lr, lr_t, step, step_t, config);
-        });
+  bool typed = true;
+  const bool known = optim::visit_rule(optimizer, [&](auto rule) {
+    using Rule = decltype(rule);
+    typed = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
+      using G = decltype(grad_tag);
+      launch_tables<UpdateTable>(
+          count, sizes.data(),
+          [&](UpdateTable& table, int slot, int64_t k) {
+            const nn::UpdateTensor& x = tensors[k];
+            table.in[slot][0] = x.param;
+            table.in[slot][1] = x.grad;
+            table.out[slot][0] = x.param_out;
+            bool vec = aligned_to(x.param, 16) && aligned_to(x.param_out, 16) && aligned_to(x.grad, kVec * sizeof(G));
+            for (int j = 0; j < optim::kMaxSlots; ++j) {
+              table.in[slot][2 + j] = j < Rule::kSlots ? x.slots[j] : nullptr;
+              table.out[slot][1 + j] = j < Rule::kSlots ? x.slots_out[j] : nullptr;
+              if (j < Rule::kSlots) vec = vec && aligned_to(x.slots[j], 16) && aligned_to(x.slots_out[j], 16);
+            }
+            table.vec[slot] = vec;
+          },
+          [&](const UpdateTable& table, int64_t blocks) {
+            update_multi_kernel<Rule, float, G, float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                table, h, lr, lr_t, step, step_t);
+          });
+    });
   });
-  KILN_CHECK(ok, "multi-tensor adamw: unsupported types (param {}, grad {}, state {}); expected f32 "
-             "param and state, f32/bf16/f16 grads", static_cast<int>(param_t), static_cast<int>(grad_t),
-             static_cast<int>(state_t));
-}
-
-void sgd(DType param_t, DType grad_t, DType state_t, const SgdTensor* tensors, int64_t count,
-         DType lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream) {
-  std::vector<int64_t> sizes(static_cast<size_t>(count));
-  for (int64_t k = 0; k < count; ++k) sizes[static_cast<size_t>(k)] = tensors[k].n;
-  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto grad_tag) {
-    using G = decltype(grad_tag);
-    launch_tables<SgdTable>(
-        count, sizes.data(),
-        [&](SgdTable& table, int slot, int64_t k) {
-          const SgdTensor& x = tensors[k];
-          table.in[slot][0] = x.param;
-          table.in[slot][1] = x.grad;
-          table.in[slot][2] = x.buf;
-          table.out[slot][0] = x.param_out;
-          table.out[slot][1] = x.buf_out;
-          table.vec[slot] = aligned_to(x.param, 16) && aligned_to(x.buf, 16) &&
-                            aligned_to(x.param_out, 16) && aligned_to(x.buf_out, 16) &&
-                            aligned_to(x.grad, kVec * sizeof(G));
-        },
-        [&](const SgdTable& table, int64_t blocks) {
-          sgd_multi_kernel<float, G, float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-              table, lr, lr_t, config);
-        });
-  });
-  KILN_CHECK(ok, "multi-tensor sgd: unsupported types (param {}, grad {}, state {}); expected f32 "
+  KILN_CHECK(known, "multi-tensor update: no rule for optimizer '{}'", optimizer);
+  KILN_CHECK(typed, "multi-tensor update: unsupported types (param {}, grad {}, state {}); expected f32 "
              "param and state, f32/bf16/f16 grads", static_cast<int>(param_t), static_cast<int>(grad_t),
              static_cast<int>(state_t));
 }

@@ -22,39 +22,16 @@ inline constexpr int kMaxTensorsPerLaunch = 256;
 
 // ---- updates --------------------------------------------------------------------------------
 
-// One tensor of an AdamW update: operands and results (results may be the operands: each
-// element is read before it is written by the same thread).
-struct AdamwTensor {
-  const void* param;
-  const void* grad;
-  const void* m;
-  const void* v;
-  void* param_out;
-  void* m_out;
-  void* v_out;
-  int64_t n;
-};
-// f32 master weights and moments (param and state f32), grads f32, bf16 or f16.
-bool adamw_types_supported(DType param, DType grad, DType state);
-// The arithmetic of nn::adamw_update per element, expression for expression (bias corrections
-// in f64 from the device scalar step). Measured on an H200: m and v bit for bit, the param
-// within 2 ulp (presumably nvcc contracts the same expression into fmas differently in the two
-// kernels). lr, step: device scalars of any float type.
-void adamw(DType param_t, DType grad_t, DType state_t, const AdamwTensor* tensors, int64_t count,
-           DType lr_t, const void* lr, DType step_t, const void* step, nn::AdamwConfig config,
-           cudaStream_t stream);
-
-struct SgdTensor {
-  const void* param;
-  const void* grad;
-  const void* buf;
-  void* param_out;
-  void* buf_out;
-  int64_t n;
-};
-// Same types as adamw; the arithmetic of nn::sgd_update (the same caveat on the param).
-void sgd(DType param_t, DType grad_t, DType state_t, const SgdTensor* tensors, int64_t count,
-         DType lr_t, const void* lr, nn::SgdConfig config, cudaStream_t stream);
+// f32 master weights and state (param and state f32), grads f32, bf16 or f16.
+bool update_types_supported(DType param, DType grad, DType state);
+// The element update of rule `optimizer` (ops/optimizer/rules.h) over `count` tensors, as
+// nn::optimizer_update computes it (per-step constants in the same order; measured on an H200
+// for AdamW before the rules were shared: state bit for bit, the param within 2 ulp, presumably
+// nvcc contracting the same expression into fmas differently in the two kernels). lr, step:
+// device scalars of any float type.
+void update(const char* optimizer, const optim::HyperValues& h, DType param_t, DType grad_t, DType state_t,
+            const nn::UpdateTensor* tensors, int64_t count, DType lr_t, const void* lr, DType step_t,
+            const void* step, cudaStream_t stream);
 
 // ---- global norm ----------------------------------------------------------------------------
 

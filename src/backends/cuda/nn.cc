@@ -5,7 +5,8 @@
 //   cross_entropy (+ grad)          f32/bf16/f16 logits, i32/i64 labels, every reduction
 //   gelu, gelu_grad                 f32/bf16/f16, both approximations
 //   rotary_embedding                f32/bf16/f16, both layouts, either direction
-//   adamw_update, sgd_update        the type combinations nn::update_types_supported accepts
+//   optimizer_update                the elementwise optimizers' rules (ops/optimizer/rules.h), in
+//                                   the type combinations nn::update_types_supported accepts
 //   gather                          any dtype, any axis, i32/i64 indices
 //   scatter_add                     f32/bf16/f16, any axis, i32/i64 indices (deterministic)
 // f64 and everything else falls through to the generic "cuda" dialect. The supports()
@@ -17,6 +18,7 @@
 #include <algorithm>
 
 #include "backends/cuda/registration.h"
+#include "ops/optimizer/optimizers.h"
 
 namespace kiln::cuda {
 namespace {
@@ -99,13 +101,30 @@ bool cross_entropy_supported(const NodeView& n) {
 
 // ---- optimizer updates ----------------------------------------------------------------------
 
-// adamw: (param, grad, m, v, lr, step); sgd: (param, grad, buf, lr). m and v share a dtype.
-bool update_supported(const NodeView& n, size_t scalars_from) {
+// (param, grad, slots..., lr, step): the slots share a dtype.
+bool update_supported(const NodeView& n) {
   const auto& in = n.input_types;
-  if (in[2].dtype != (scalars_from == 4 ? in[3].dtype : in[2].dtype)) return false;
+  const size_t scalars_from = in.size() - 2;
+  if (!optim::optimizer_def(n.node.attrs.s("optimizer")).elementwise) return false;
+  for (size_t i = 3; i < scalars_from; ++i)
+    if (in[i].dtype != in[2].dtype) return false;
   for (size_t i = scalars_from; i < in.size(); ++i)
     if (!is_float(in[i].dtype)) return false;
-  return nn::update_types_supported(in[0].dtype, in[1].dtype, in[2].dtype);
+  return scalars_from > 2 && nn::update_types_supported(in[0].dtype, in[1].dtype, in[2].dtype);
+}
+
+// The operands and results of an optimizer_update node (or a member's) as the launchers take them.
+nn::UpdateTensor update_tensor(const Tensor* in, size_t inputs, const Tensor* out) {
+  nn::UpdateTensor x{};
+  x.param = in[0].raw();
+  x.grad = in[1].raw();
+  x.param_out = out[0].raw();
+  for (size_t j = 0; 2 + j + 2 < inputs; ++j) {
+    x.slots[j] = in[2 + j].raw();
+    x.slots_out[j] = out[1 + j].raw();
+  }
+  x.n = in[0].numel();
+  return x;
 }
 
 // ---- gather / scatter_add -------------------------------------------------------------------
@@ -191,37 +210,18 @@ void register_nn_kernels(KernelRegistry& registry) {
                                args.attrs.s("approximate") == "tanh", stream_of(args));
                }));
 
-  registry.add(
-      Op::kAdamwUpdate,
-      impl([](const NodeView& n) { return update_supported(n, 4); },
-           [](const KernelArgs& args) {
-             const auto& in = args.inputs;
-             const Attributes& a = args.attrs;
-             nn::AdamwConfig config{
-                 static_cast<float>(a.f("beta1")), static_cast<float>(a.f("beta2")),
-                 static_cast<float>(a.f("epsilon")), static_cast<float>(a.f("weight_decay"))};
-             nn::adamw_update(in[0].dtype(), in[1].dtype(), in[2].dtype(),
-                              in[0].raw(), in[1].raw(), in[2].raw(), in[3].raw(),
-                              in[4].dtype(), in[4].raw(), in[5].dtype(), in[5].raw(),
-                              args.outputs[0].raw(), args.outputs[1].raw(), args.outputs[2].raw(),
-                              in[0].numel(), config, stream_of(args));
-           },
-           /*in_place_ok=*/true));
-  registry.add(Op::kSgdUpdate, impl([](const NodeView& n) { return update_supported(n, 3); },
-                                    [](const KernelArgs& args) {
-                                      const auto& in = args.inputs;
-                                      const Attributes& a = args.attrs;
-                                      nn::SgdConfig config{static_cast<float>(a.f("momentum")),
-                                                           static_cast<float>(a.f("weight_decay")),
-                                                           a.b("nesterov")};
-                                      nn::sgd_update(in[0].dtype(), in[1].dtype(),
-                                                     in[2].dtype(), in[0].raw(), in[1].raw(),
-                                                     in[2].raw(), in[3].dtype(), in[3].raw(),
-                                                     args.outputs[0].raw(), args.outputs[1].raw(),
-                                                     in[0].numel(), config, stream_of(args));
-                                    },
-                                    /*in_place_ok=*/true));
-
+  registry.add(Op::kOptimizerUpdate, impl(update_supported,
+                                          [](const KernelArgs& args) {
+                                            const auto& in = args.inputs;
+                                            const size_t k = in.size();
+                                            const std::string& name = args.attrs.s("optimizer");
+                                            nn::optimizer_update(
+                                                name.c_str(), optim::hyper_values(optim::optimizer_def(name), args.attrs),
+                                                in[0].dtype(), in[1].dtype(), in[2].dtype(),
+                                                update_tensor(in.data(), k, args.outputs.data()), in[k - 2].dtype(),
+                                                in[k - 2].raw(), in[k - 1].dtype(), in[k - 1].raw(), stream_of(args));
+                                          },
+                                          /*in_place_ok=*/true));
   registry.add(Op::kGather, impl(nullptr, [](const KernelArgs& args) {
                  const Tensor &table = args.inputs[0], &indices = args.inputs[1];
                  const int axis = normalize_axis(args.attrs.i("axis"), table.rank());

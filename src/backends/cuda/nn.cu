@@ -10,7 +10,7 @@
 // group: warp shuffles (butterfly, so every lane holds the same bits), then, for a block, the
 // warp partials summed in warp order through shared memory.
 //
-// Elementwise ops (gelu, gelu_grad, adamw_update, sgd_update) walk 16-byte chunks (4 elements
+// Elementwise ops (gelu, gelu_grad, optimizer_update) walk 16-byte chunks (4 elements
 // for the optimizer updates, whose operands may mix 16- and 32-bit types) with a scalar tail.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -814,82 +814,47 @@ __global__ void rotary_kernel(const T* __restrict__ x, T* __restrict__ y, int64_
 
 constexpr int kUpdateChunk = 4;
 
-template <typename P, typename G, typename S>
-// No __restrict__ on the optimizer kernels: the executor writes the updated param and state
-// over their inputs (in place), and each element is read before it is written by one thread.
-__global__ void adamw_kernel(const P* param, const G* grad,
-                             const S* m, const S* v, const void* lr_ptr,
-                             DType lr_t, const void* step_ptr, DType step_t,
-                             P* param_out, S* m_out,
-                             S* v_out, int64_t n, AdamwConfig c, bool vec) {
-  // Bias corrections in f64 (1 - 0.999^t loses digits in f32), once per thread.
-  const double t = load_scalar(step_ptr, step_t);
-  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
-  const float inv_c1 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta1), t)));
-  const float inv_c2 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(c.beta2), t)));
-  const float b1 = c.beta1, b2 = c.beta2, ob1 = 1.0f - c.beta1, ob2 = 1.0f - c.beta2;
-  auto update = [&](float p, float g, float& mi, float& vi) {
-    mi = b1 * mi + ob1 * g;
-    vi = b2 * vi + ob2 * g * g;
-    const float u = (mi * inv_c1) / (sqrtf(vi * inv_c2) + c.epsilon) + c.weight_decay * p;
-    return p - lr * u;
-  };
+// No __restrict__: the executor writes the updated param and state over their inputs (in
+// place), and each element is read before it is written by one thread. The per-step constants
+// (bias corrections in f64) once per thread; the element update is the rule's (rules.h).
+template <class Rule, typename P, typename G, typename S>
+__global__ void update_kernel(UpdateTensor x, optim::HyperValues h, const void* lr_ptr, DType lr_t,
+                              const void* step_ptr, DType step_t, bool vec) {
+  constexpr int kSlots = Rule::kSlots;
+  const auto c = Rule::template prepare<float>(h, load_scalar(lr_ptr, lr_t), load_scalar(step_ptr, step_t));
+  const P* param = static_cast<const P*>(x.param);
+  const G* grad = static_cast<const G*>(x.grad);
+  P* param_out = static_cast<P*>(x.param_out);
   constexpr int N = kUpdateChunk;
-  const int64_t nchunks = vec ? n / N : 0, items = nchunks + (n - nchunks * N);
+  const int64_t n = x.n, nchunks = vec ? n / N : 0, items = nchunks + (n - nchunks * N);
   for (int64_t it = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; it < items;
        it += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (it < nchunks) {
-      float p[N], g[N], mm[N], vv[N];
+      float p[N], g[N], s[kSlots][N];
       load<N>(param + it * N, p);
       load<N>(grad + it * N, g);
-      load<N>(m + it * N, mm);
-      load<N>(v + it * N, vv);
 #pragma unroll
-      for (int i = 0; i < N; ++i) p[i] = update(p[i], g[i], mm[i], vv[i]);
+      for (int j = 0; j < kSlots; ++j) load<N>(static_cast<const S*>(x.slots[j]) + it * N, s[j]);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float si[kSlots];
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) si[j] = s[j][i];
+        p[i] = Rule::apply(c, p[i], g[i], si);
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) s[j][i] = si[j];
+      }
       store<N>(param_out + it * N, p);
-      store<N>(m_out + it * N, mm);
-      store<N>(v_out + it * N, vv);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) store<N>(static_cast<S*>(x.slots_out[j]) + it * N, s[j]);
     } else {
       const int64_t i = nchunks * N + (it - nchunks);
-      float mi = to_f(m[i]), vi = to_f(v[i]);
-      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), mi, vi));
-      m_out[i] = from_f<S>(mi);
-      v_out[i] = from_f<S>(vi);
-    }
-  }
-}
-
-template <typename P, typename G, typename S>
-__global__ void sgd_kernel(const P* param, const G* grad,
-                           const S* buf, const void* lr_ptr, DType lr_t,
-                           P* param_out, S* buf_out, int64_t n,
-                           SgdConfig c, bool vec) {
-  const float lr = static_cast<float>(load_scalar(lr_ptr, lr_t));
-  const bool use_buf = c.momentum > 0.0f;
-  auto update = [&](float p, float g, float& b) {
-    g += c.weight_decay * p;
-    b = c.momentum * b + g;
-    const float step = c.nesterov ? g + c.momentum * b : (use_buf ? b : g);
-    return p - lr * step;
-  };
-  constexpr int N = kUpdateChunk;
-  const int64_t nchunks = vec ? n / N : 0, items = nchunks + (n - nchunks * N);
-  for (int64_t it = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; it < items;
-       it += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (it < nchunks) {
-      float p[N], g[N], b[N];
-      load<N>(param + it * N, p);
-      load<N>(grad + it * N, g);
-      load<N>(buf + it * N, b);
+      float si[kSlots];
 #pragma unroll
-      for (int i = 0; i < N; ++i) p[i] = update(p[i], g[i], b[i]);
-      store<N>(param_out + it * N, p);
-      store<N>(buf_out + it * N, b);
-    } else {
-      const int64_t i = nchunks * N + (it - nchunks);
-      float b = to_f(buf[i]);
-      param_out[i] = from_f<P>(update(to_f(param[i]), to_f(grad[i]), b));
-      buf_out[i] = from_f<S>(b);
+      for (int j = 0; j < kSlots; ++j) si[j] = to_f(static_cast<const S*>(x.slots[j])[i]);
+      param_out[i] = from_f<P>(Rule::apply(c, to_f(param[i]), to_f(grad[i]), si));
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) static_cast<S*>(x.slots_out[j])[i] = from_f<S>(si[j]);
     }
   }
 }
@@ -1225,50 +1190,30 @@ bool update_types_supported(DType param, DType grad, DType state) {
   return visit_update_types(param, grad, state, [](auto, auto, auto) {});
 }
 
-void adamw_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
-                  const void* m, const void* v, DType lr_t, const void* lr, DType step_t,
-                  const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
-                  AdamwConfig config, cudaStream_t stream) {
-  if (n == 0) return;
-  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto pt, auto gt, auto st) {
-    using P = typename decltype(pt)::type;
-    using G = typename decltype(gt)::type;
-    using S = typename decltype(st)::type;
-    const bool vec = aligned_to(param, 4 * sizeof(P)) && aligned_to(param_out, 4 * sizeof(P)) &&
-                     aligned_to(grad, 4 * sizeof(G)) && aligned_to(m, 4 * sizeof(S)) &&
-                     aligned_to(v, 4 * sizeof(S)) && aligned_to(m_out, 4 * sizeof(S)) &&
-                     aligned_to(v_out, 4 * sizeof(S));
-    const int threads = 256;
-    const int64_t items = vec ? n / kUpdateChunk + n % kUpdateChunk : n;
-    adamw_kernel<P, G, S><<<elementwise_grid(items, threads), threads, 0, stream>>>(
-        static_cast<const P*>(param), static_cast<const G*>(grad), static_cast<const S*>(m),
-        static_cast<const S*>(v), lr, lr_t, step, step_t, static_cast<P*>(param_out),
-        static_cast<S*>(m_out), static_cast<S*>(v_out), n, config, vec);
-    KILN_CUDA_CHECK(cudaGetLastError());
+void optimizer_update(const char* optimizer, const optim::HyperValues& h, DType param_t, DType grad_t,
+                      DType state_t, const UpdateTensor& x, DType lr_t, const void* lr, DType step_t,
+                      const void* step, cudaStream_t stream) {
+  if (x.n == 0) return;
+  bool typed = true;
+  const bool known = optim::visit_rule(optimizer, [&](auto rule) {
+    using Rule = decltype(rule);
+    typed = visit_update_types(param_t, grad_t, state_t, [&](auto pt, auto gt, auto st) {
+      using P = typename decltype(pt)::type;
+      using G = typename decltype(gt)::type;
+      using S = typename decltype(st)::type;
+      bool vec = aligned_to(x.param, 4 * sizeof(P)) && aligned_to(x.param_out, 4 * sizeof(P)) &&
+                 aligned_to(x.grad, 4 * sizeof(G));
+      for (int j = 0; j < Rule::kSlots; ++j)
+        vec = vec && aligned_to(x.slots[j], 4 * sizeof(S)) && aligned_to(x.slots_out[j], 4 * sizeof(S));
+      const int threads = 256;
+      const int64_t items = vec ? x.n / kUpdateChunk + x.n % kUpdateChunk : x.n;
+      update_kernel<Rule, P, G, S><<<elementwise_grid(items, threads), threads, 0, stream>>>(
+          x, h, lr, lr_t, step, step_t, vec);
+      KILN_CUDA_CHECK(cudaGetLastError());
+    });
   });
-  KILN_CHECK(ok, "cuda-nn adamw_update: unsupported types (param {}, grad {}, state {})",
-             static_cast<int>(param_t), static_cast<int>(grad_t), static_cast<int>(state_t));
-}
-
-void sgd_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
-                const void* buf, DType lr_t, const void* lr, void* param_out, void* buf_out,
-                int64_t n, SgdConfig config, cudaStream_t stream) {
-  if (n == 0) return;
-  const bool ok = visit_update_types(param_t, grad_t, state_t, [&](auto pt, auto gt, auto st) {
-    using P = typename decltype(pt)::type;
-    using G = typename decltype(gt)::type;
-    using S = typename decltype(st)::type;
-    const bool vec = aligned_to(param, 4 * sizeof(P)) && aligned_to(param_out, 4 * sizeof(P)) &&
-                     aligned_to(grad, 4 * sizeof(G)) && aligned_to(buf, 4 * sizeof(S)) &&
-                     aligned_to(buf_out, 4 * sizeof(S));
-    const int threads = 256;
-    const int64_t items = vec ? n / kUpdateChunk + n % kUpdateChunk : n;
-    sgd_kernel<P, G, S><<<elementwise_grid(items, threads), threads, 0, stream>>>(
-        static_cast<const P*>(param), static_cast<const G*>(grad), static_cast<const S*>(buf), lr,
-        lr_t, static_cast<P*>(param_out), static_cast<S*>(buf_out), n, config, vec);
-    KILN_CUDA_CHECK(cudaGetLastError());
-  });
-  KILN_CHECK(ok, "cuda-nn sgd_update: unsupported types (param {}, grad {}, state {})",
+  KILN_CHECK(known, "cuda-nn optimizer_update: no rule for optimizer '{}'", optimizer);
+  KILN_CHECK(typed, "cuda-nn optimizer_update: unsupported types (param {}, grad {}, state {})",
              static_cast<int>(param_t), static_cast<int>(grad_t), static_cast<int>(state_t));
 }
 

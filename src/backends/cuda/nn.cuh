@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "ir/dtype.h"
+#include "ops/optimizer/rules.h"
 
 namespace kiln::cuda::nn {
 
@@ -77,21 +78,21 @@ void rotary_embedding(DType t, const void* x, void* y, int64_t rows, int64_t pos
 // The (param, grad, state) type combinations the updates support: all three equal (f32, bf16,
 // f16), or 16-bit param and grad with f32 state, or f32 param and state with a 16-bit grad.
 bool update_types_supported(DType param, DType grad, DType state);
-// Scalars (lr, step) are device scalars of any float type, read by the kernel.
-struct AdamwConfig {
-  float beta1, beta2, epsilon, weight_decay;
+// One tensor of an optimizer update: param, gradient and the optimizer's state slots, and the
+// results (each may be its operand: every element is read before it is written, by one thread).
+struct UpdateTensor {
+  const void* param;
+  const void* grad;
+  const void* slots[optim::kMaxSlots];
+  void* param_out;
+  void* slots_out[optim::kMaxSlots];
+  int64_t n;
 };
-void adamw_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
-                  const void* m, const void* v, DType lr_t, const void* lr, DType step_t,
-                  const void* step, void* param_out, void* m_out, void* v_out, int64_t n,
-                  AdamwConfig config, cudaStream_t stream);
-struct SgdConfig {
-  float momentum, weight_decay;
-  bool nesterov;
-};
-void sgd_update(DType param_t, DType grad_t, DType state_t, const void* param, const void* grad,
-                const void* buf, DType lr_t, const void* lr, void* param_out, void* buf_out,
-                int64_t n, SgdConfig config, cudaStream_t stream);
+// The element update of rule `optimizer` (ops/optimizer/rules.h) with hyperparameters h; lr and
+// step are device scalars of any float type, read by the kernel.
+void optimizer_update(const char* optimizer, const optim::HyperValues& h, DType param_t, DType grad_t,
+                      DType state_t, const UpdateTensor& x, DType lr_t, const void* lr, DType step_t,
+                      const void* step, cudaStream_t stream);
 
 // ---- embedding ----------------------------------------------------------------------------------
 

@@ -65,11 +65,8 @@ void check_fused_body(FusedKind kind, const Graph& body) {
     case FusedKind::kClassifier:
       ok = match_classifier_body(body, &why).has_value();
       break;
-    case FusedKind::kMultiTensorAdamw:
-      ok = multi_tensor::update_body(body, Op::kAdamwUpdate, &why).has_value();
-      break;
-    case FusedKind::kMultiTensorSgd:
-      ok = multi_tensor::update_body(body, Op::kSgdUpdate, &why).has_value();
+    case FusedKind::kMultiTensorUpdate:
+      ok = multi_tensor::update_body(body, &why).has_value();
       break;
     case FusedKind::kGlobalNorm:
       ok = multi_tensor::norm_body(body, &why).has_value();

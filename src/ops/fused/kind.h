@@ -13,8 +13,7 @@
 //   rows                  fusion, ones-column              ops/fused/group.h
 //   gemm-epilogue         fusion, ones-column, classifier-chunks  ops/fused/group.h
 //   classifier            classifier (passes/classifier.h) ops/fused/classifier.h
-//   multi-tensor-adamw    multi-tensor (passes/multi_tensor.h)   ops/fused/multi_tensor.h
-//   multi-tensor-sgd      multi-tensor                     ops/fused/multi_tensor.h
+//   multi-tensor-update   multi-tensor (passes/multi_tensor.h)   ops/fused/multi_tensor.h
 //   global-norm           multi-tensor                     ops/fused/multi_tensor.h
 //   multi-tensor-cast     multi-tensor                     ops/fused/multi_tensor.h
 #pragma once
@@ -35,8 +34,7 @@ namespace kiln {
   X(Rows, "rows")                               \
   X(GemmEpilogue, "gemm-epilogue")              \
   X(Classifier, "classifier")                   \
-  X(MultiTensorAdamw, "multi-tensor-adamw")     \
-  X(MultiTensorSgd, "multi-tensor-sgd")         \
+  X(MultiTensorUpdate, "multi-tensor-update")   \
   X(GlobalNorm, "global-norm")                  \
   X(MultiTensorCast, "multi-tensor-cast")
 

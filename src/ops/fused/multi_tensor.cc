@@ -22,8 +22,7 @@ std::vector<int> input_slots(const Graph& body) {
 
 }  // namespace
 
-std::optional<UpdateBody> update_body(const Graph& body, Op op, std::string* why) {
-  const size_t scalars_from = op == Op::kAdamwUpdate ? 4 : 3;
+std::optional<UpdateBody> update_body(const Graph& body, std::string* why) {
   if (body.nodes.empty()) return refuse(why, "the body has no nodes");
   const std::vector<int> in_slot = input_slots(body);
   std::vector<int> out_slot(body.values.size(), -1);
@@ -33,12 +32,11 @@ std::optional<UpdateBody> update_body(const Graph& body, Op op, std::string* why
     out_slot[id] = static_cast<int>(i);
   }
   UpdateBody out;
-  out.op = op;
   out.attrs = body.nodes[0].attrs;
   std::vector<int> scalars;
   size_t results = 0;
   for (const Node& node : body.nodes) {
-    if (node.op != op) return refuse(why, fmt::format("the body holds a {}", op_name(node.op)));
+    if (node.op != Op::kOptimizerUpdate) return refuse(why, fmt::format("the body holds a {}", op_name(node.op)));
     if (!same_values(node.attrs, out.attrs))
       return refuse(why, "the members' attributes differ");
     Member m;
@@ -46,8 +44,8 @@ std::optional<UpdateBody> update_body(const Graph& body, Op op, std::string* why
       if (in_slot[id] < 0) return refuse(why, "a member reads another member's result");
       m.inputs.push_back(in_slot[id]);
     }
-    const std::vector<int> own_scalars(m.inputs.begin() + static_cast<ptrdiff_t>(scalars_from),
-                                       m.inputs.end());
+    // lr and step, the last two operands
+    const std::vector<int> own_scalars(m.inputs.end() - 2, m.inputs.end());
     if (scalars.empty()) scalars = own_scalars;
     if (own_scalars != scalars) return refuse(why, "the members' scalar operands differ");
     for (ValueId id : node.outputs) {

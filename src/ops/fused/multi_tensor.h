@@ -1,8 +1,8 @@
 // The body contracts of the multi-tensor kinds (the multi-tensor pass makes them,
 // passes/multi_tensor.h), read into what the kernels of every backend need
 // (backends/cpu/multi_tensor.cc, backends/cuda/multi_tensor.cc):
-//   "multi-tensor-adamw" / "multi-tensor-sgd": only adamw_update (sgd_update) nodes, all with
-//     equal attributes and the same scalar operands (lr, and adamw's step); every operand a body
+//   "multi-tensor-update": only optimizer_update nodes, all with equal attributes (one optimizer,
+//     the same hyperparameters) and the same scalar operands (lr, step); every operand a body
 //     input; every result a distinct body output, and every body output one result.
 //   "global-norm": terms t_i = sum(square(x_i)) or sum(square(cast(x_i, f32))) (each x_i a
 //     body input read by that term alone; f32 square and sum, a rank-0 sum), combined by a tree
@@ -29,13 +29,12 @@ struct Member {
   std::vector<int> outputs;  // per result
 };
 struct UpdateBody {
-  Op op = Op::kAdamwUpdate;
-  Attributes attrs;             // the members' (equal) attributes
+  Attributes attrs;             // the members' (equal) attributes: attrs.s("optimizer") names the rule
   std::vector<Member> members;  // in body order
 };
-// The members of a multi-tensor update body whose nodes are all `op` (kAdamwUpdate or
-// kSgdUpdate); nullopt, with the first reason in `why`, when the body is not of that form.
-std::optional<UpdateBody> update_body(const Graph& body, Op op, std::string* why = nullptr);
+// The members of a multi-tensor update body; nullopt, with the first reason in `why`, when the
+// body is not of that form.
+std::optional<UpdateBody> update_body(const Graph& body, std::string* why = nullptr);
 
 struct NormBody {
   std::vector<int> term_input;  // per term (in body order): the body input it reads

@@ -37,7 +37,7 @@
 //                  (reshape, transpose, slice, concat, split, broadcast_to), conv and pooling,
 //                  argmax, full reductions (a loss mean: complete only after every tile and
 //                  read as a scalar), cross-entropy with a "mean" or
-//                  "sum" reduction, dropout, and the optimizer updates. sgd_update/adamw_update
+//                  "sum" reduction, dropout, and the optimizer updates. optimizer_update nodes
 //                  are elementwise over the param, but stay opaque: they have fast fused kernels
 //                  of their own, their outputs are update values (written to memory whatever
 //                  happens) and their grads mostly come from transposed weight-gradient GEMMs
