@@ -51,6 +51,19 @@ struct HyperValues {
   double v[kMaxHyperparameters];
 };
 
+// a * b that the compiler may not fuse into a neighbouring addition: in `a b + c d` a device
+// compiler may fuse either product into an FMA, and which one can differ between two kernels
+// that evaluate the same rule, so that their states differ in the last bit.
+template <class T>
+KILN_RULE_FN T unfused_product(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == sizeof(float)) return __fmul_rn(a, b);
+  else return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 template <class T>
 KILN_RULE_FN T sign_of(T x) {
   return x > T(0) ? T(1) : x < T(0) ? T(-1) : T(0);
@@ -151,8 +164,8 @@ struct Lion {
   }
   template <class T>
   KILN_RULE_FN static T apply(const Constants<T>& c, T p, T g, T* s) {
-    const T u = sign_of(c.b1 * s[0] + c.one_minus_b1 * g);
-    s[0] = c.b2 * s[0] + c.one_minus_b2 * g;
+    const T u = sign_of(c.b1 * s[0] + unfused_product(c.one_minus_b1, g));
+    s[0] = c.b2 * s[0] + unfused_product(c.one_minus_b2, g);
     return p * c.decay - c.lr * u;
   }
 };
