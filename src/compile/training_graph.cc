@@ -193,6 +193,9 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
   std::vector<AppendedRange> placed;  // the appended nodes, in ranges, and where each goes
   std::vector<size_t> reduced_at;     // per param: where its reduction went
   size_t next = 0;
+  // Per param: whether the loss reaches it (an unreached one is left as it is, with its state,
+  // as torch.optim skips a parameter whose grad is None: no weight decay, no moments).
+  std::vector<bool> reached(params.size(), false);
   for (size_t i = 0; i < params.size(); ++i) {
     const size_t first = b.graph().nodes.size();
     // zero3: the param's gathered uses each have a gradient; summed in f32.
@@ -200,6 +203,7 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     Expr total;
     size_t after = 0;  // one past the last node making one of them
     for (size_t u = 0; u < uses; ++u) {
+      reached[i] = reached[i] || joint.reached[next];
       const ValueId id = joint.gradients[next++];
       if (producer[static_cast<size_t>(id)] >= 0) after = std::max(after, static_cast<size_t>(producer[static_cast<size_t>(id)]) + 1);
       Expr g = b.wrap(id);
@@ -294,10 +298,12 @@ StepProgram build_training_graph(const Graph& forward, const OptimizerConfig& co
     const Setting& setting = settings[i];
     Expr lr_p = cast(lr, p.dtype());
     if (setting.lr_scale != 1.0) lr_p = lr_p * setting.lr_scale;
-    const std::vector<Expr> r = def.build({p, g, slots[i], lr_p, cast(next_step, p.dtype()), setting.hyper});
-    b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
-    for (size_t j = 0; j < slots[i].size(); ++j)
-      if (slots[i][j].id() >= 0) b.graph().updates.push_back(Update{slots[i][j].id(), r[1 + j].id()});
+    if (reached[i]) {
+      const std::vector<Expr> r = def.build({p, g, slots[i], lr_p, cast(next_step, p.dtype()), setting.hyper});
+      b.graph().updates.push_back(Update{param.id(), param_update(r[0]).id()});
+      for (size_t j = 0; j < slots[i].size(); ++j)
+        if (slots[i][j].id() >= 0) b.graph().updates.push_back(Update{slots[i][j].id(), r[1 + j].id()});
+    }
     close_range(update_early ? reduced_at[i] : joint_nodes);
   }
   if (scaled) {

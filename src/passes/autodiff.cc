@@ -81,6 +81,7 @@ AutodiffResult autodiff(const Graph& forward, ValueId loss, const std::vector<Va
     auto it = grads.find(id);
     Expr g = it != grads.end() ? it->second : b.full(forward.type(id).shape, 0.0, forward.type(id).dtype);
     result.gradients.push_back(g.id());
+    result.reached.push_back(it != grads.end());
   }
   result.graph = b.take();
   verify(result.graph);

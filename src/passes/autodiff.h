@@ -22,6 +22,9 @@ namespace kiln {
 struct AutodiffResult {
   Graph graph;                     // forward + backward
   std::vector<ValueId> gradients;  // one per wrt value, same order
+  // Per wrt value: whether the loss depends on it through differentiable ops (false: its
+  // gradient is zeros, as for a parameter the loss never reads; torch's grad would be None).
+  std::vector<bool> reached;
 };
 
 // Throws kiln::Error if loss is not a float scalar, a wrt value is not float, or the loss
