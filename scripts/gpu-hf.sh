@@ -9,16 +9,11 @@
 # Environment: HF (the kiln runs, default the three modules), ZOO=0 (skip the zoo models),
 # GPU_TESTS=FILTER (build and run those GPU tests first), KILN_T / TORCH_T (timeouts, s).
 set -uo pipefail
-out=${OUT:-gpu-out}; mkdir -p "$out"; export NCCL_NVLS_ENABLE=0
-root=/tmp/onnx-root; lib=$root/usr/lib/x86_64-linux-gnu
-for f in .carry/onnx-debs/*.deb; do dpkg -x "$f" "$root"; done
-export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/gpu-env.sh"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 t0=$(date +%s)
 tests_flag=OFF; [ -n "${GPU_TESTS:-}" ] && tests_flag=ON
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DKILN_BUILD_TESTS=$tests_flag -DProtobuf_INCLUDE_DIR=$root/usr/include \
-  -DProtobuf_LIBRARY=$lib/libprotobuf.so -DONNX_DIR=$lib/cmake/ONNX >"$out/build.log" 2>&1 &&
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DKILN_BUILD_TESTS=$tests_flag "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
   cmake --build build-gpu -j16 --target kiln-cli _kiln ${GPU_TESTS:+kiln_gpu_tests} >>"$out/build.log" 2>&1
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
 [ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }

@@ -3,14 +3,9 @@
 # ctest (the Python tests under that machine's torch) beside the GPU suite; carry .carry/onnx-debs
 # (bash scripts/gpu-check.sh --fetch-onnx). GPU_T / CPU_T: timeouts (s).
 set -uo pipefail
-out=${OUT:-gpu-out}; mkdir -p "$out"; export NCCL_NVLS_ENABLE=0
-root=/tmp/onnx-root; lib=$root/usr/lib/x86_64-linux-gnu
-for f in .carry/onnx-debs/*.deb; do dpkg -x "$f" "$root"; done
-export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/gpu-env.sh"
 t0=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DProtobuf_INCLUDE_DIR=$root/usr/include \
-  -DProtobuf_LIBRARY=$lib/libprotobuf.so -DONNX_DIR=$lib/cmake/ONNX >"$out/build.log" 2>&1 &&
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
   cmake --build build-gpu -j16 >>"$out/build.log" 2>&1
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
 [ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; }
