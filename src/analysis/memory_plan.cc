@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "ops/slice.h"
+#include "ops/update_stream.h"
 
 namespace kiln {
 namespace {
@@ -106,6 +107,14 @@ Liveness compute_liveness(const Graph& graph) {
   const int end = static_cast<int>(graph.nodes.size());
   for (ValueId id : graph.outputs) l.last[id] = end;
   for (const Update& u : graph.updates) l.last[u.value] = end;
+  // A node on the update stream (ops/update_stream.h) reads its inputs there until the compute
+  // stream joins it, at the end of the step: the bytes of those the step makes stay theirs.
+  // (Graph inputs are the caller's: their last read stays the node itself, which may then write
+  // its results straight into them; its outputs are update values, kept to the end above.)
+  for (const Node& node : graph.nodes)
+    if (on_update_stream(node))
+      for (ValueId id : node.inputs)
+        if (l.def[id] >= 0) l.last[id] = end;
   return l;
 }
 

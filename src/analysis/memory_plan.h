@@ -23,6 +23,9 @@
 // join adds no bytes), and a collective's inputs live until its wait, since the communication
 // stream reads them until then.
 //
+// The update stream (ops/update_stream.h): a node there reads its inputs until the end of the
+// step, where the compute stream joins it: those the step makes live to the end.
+//
 // Views: every IR tensor is dense row-major, so a reshape's output is exactly its input's bytes,
 // and a slice with every step 1 whose output is one contiguous run of its input (some axis a:
 // every dim before a has output extent 1, dim a any range [start, end), every dim after a whole)

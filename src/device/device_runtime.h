@@ -190,6 +190,11 @@ class DeviceRuntime {
   // A new stream that runs concurrently with the others (never CUDA's legacy default stream,
   // which would serialize with every stream).
   virtual std::unique_ptr<DeviceStream> create_stream() const = 0;
+  // A stream whose work the device schedules only where the other streams' leaves room (CUDA:
+  // the lowest stream priority, the others one above it): for work that may fill the gaps of
+  // the compute stream but must not delay it (the optimizer's updates beside the backward pass,
+  // runtime/executor.h). Where the device has no priorities, a plain stream.
+  virtual std::unique_ptr<DeviceStream> create_background_stream() const { return create_stream(); }
   // `timing`: elapsed_ms_since works (recording costs a little more); off for joins.
   virtual std::unique_ptr<DeviceEvent> create_event(bool timing = false) const = 0;
   virtual bool can_capture() const = 0;

@@ -3,6 +3,8 @@
 //   fused(x0, x1, ...) {kind} : the body's output types.
 //     kind: what the body is, one of the fused kinds (ops/fused/kind.h: "elementwise", "rows",
 //     "gemm-epilogue", "classifier", ...), each with a body contract.
+//     stream (optional): "update": the node runs on the executor's update stream, beside the
+//     compute (ops/update_stream.h); only a multi-tensor-update may.
 //   Body: a graph whose inputs (all role data) match the node's inputs 1:1 in type, with no
 //   updates, at least one output, no fused node inside (fusion never nests), and meeting its
 //   kind's contract (check_fused_body).
@@ -17,6 +19,7 @@
 #include "ir/verifier.h"
 #include "ops/common.h"
 #include "ops/fused/kind.h"
+#include "ops/update_stream.h"
 
 namespace kiln::ops {
 namespace {
@@ -26,6 +29,10 @@ std::vector<TensorType> infer_fused(std::span<const TensorType> inputs, const At
   KILN_CHECK(!a.s("kind").empty(), "attribute 'kind' is empty, expected one of: {}",
              known_fused_kinds());
   const FusedKind kind = fused_kind(a);
+  if (a.has("stream"))
+    KILN_CHECK(a.s("stream") == kUpdateStream && kind == FusedKind::kMultiTensorUpdate,
+               "attribute 'stream' is \"{}\" on a {} node: only a multi-tensor-update may run on the \"{}\" stream",
+               a.s("stream"), fused_kind_name(kind), kUpdateStream);
   KILN_CHECK(body.inputs.size() == inputs.size(), "the body @{} has {} inputs, the node has {}",
              body.name, body.inputs.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -86,7 +93,7 @@ void run_fused_reference(const KernelArgs& k) {
 
 void define_fused_ops(OpRegistry& registry) {
   OpDef def{
-      {required("kind", AttrKind::kString)},
+      {required("kind", AttrKind::kString), optional("stream", AttrKind::kString)},
       [](std::span<const TensorType>, const Attributes&) -> std::vector<TensorType> {
         fail("a fused node needs a body (its subgraph), none was given");
       },

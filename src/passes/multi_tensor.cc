@@ -353,7 +353,83 @@ bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, 
   return false;
 }
 
-bool group_updates(Graph& graph, Peaks& peaks) {
+// Node n (an optimizer_update) as a multi-tensor-update node of one member, whose body is that
+// node alone: what outline() makes of a group of two or more.
+void wrap_update(Graph& graph, size_t n, std::set<std::string>& used) {
+  Node& node = graph.nodes[n];
+  auto body = std::make_shared<Graph>();
+  body->name = fresh_name(used, "multi_tensor_update");
+  Node inner{node.op, {}, {}, node.attrs, nullptr};
+  std::vector<ValueId> outer_inputs;
+  for (ValueId id : node.inputs) {
+    const auto at = std::find(outer_inputs.begin(), outer_inputs.end(), id);
+    if (at != outer_inputs.end()) {
+      inner.inputs.push_back(body->inputs[static_cast<size_t>(at - outer_inputs.begin())].value);
+      continue;
+    }
+    const std::string& name = graph.value(id).name;
+    inner.inputs.push_back(body->add_input(name.empty() ? fmt::format("in{}", outer_inputs.size()) : name,
+                                           graph.type(id), Role::kData));
+    outer_inputs.push_back(id);
+  }
+  for (ValueId id : node.outputs) {
+    const auto inner_id = static_cast<ValueId>(body->values.size());
+    body->values.push_back(Value{graph.value(id).name, graph.type(id)});
+    inner.outputs.push_back(inner_id);
+    body->outputs.push_back(inner_id);
+  }
+  body->nodes.push_back(std::move(inner));
+  node = Node{Op::kFused, outer_inputs, node.outputs, fused_attrs(FusedKind::kMultiTensorUpdate), std::move(body)};
+}
+
+// The overlap grouping (MultiTensorPass's overlap_chunk_bytes): each list of `by_key` in chunks
+// by readiness under `cap` operand bytes; a chunk of one update is a group of its own too, so
+// that the overlap pass moves and marks every update the same way.
+bool group_ready_chunks(Graph& graph, const std::vector<std::vector<int>>& by_key, size_t cap,
+                        const std::function<size_t(int)>& member_bytes) {
+  const std::vector<int> order = memory_aware_order(graph);
+  std::vector<int> position(graph.nodes.size());
+  for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
+  std::vector<int> producer(graph.values.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
+  auto ready = [&](int n) {
+    int at = -1;
+    for (ValueId id : graph.nodes[static_cast<size_t>(n)].inputs)
+      if (producer[id] >= 0) at = std::max(at, position[static_cast<size_t>(producer[id])]);
+    return at;
+  };
+  std::vector<std::vector<int>> chunks;
+  for (std::vector<int> members : by_key) {
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return ready(a) < ready(b); });
+    std::vector<int> chunk;
+    size_t bytes = 0;
+    for (int n : members) {
+      if (!chunk.empty() && bytes + member_bytes(n) > cap) {
+        chunks.push_back(chunk);
+        chunk.clear();
+        bytes = 0;
+      }
+      chunk.push_back(n);
+      bytes += member_bytes(n);
+    }
+    if (!chunk.empty()) chunks.push_back(chunk);
+  }
+  if (chunks.empty()) return false;
+  std::vector<std::vector<int>> groups;
+  std::set<std::string> used;
+  for (const Node& node : graph.nodes)
+    if (node.body) used.insert(node.body->name);
+  for (auto& chunk : chunks) {
+    std::sort(chunk.begin(), chunk.end());
+    if (chunk.size() >= 2) groups.push_back(chunk);
+    else wrap_update(graph, static_cast<size_t>(chunk[0]), used);  // indices stay valid: one node for one
+  }
+  if (!groups.empty()) graph = outline_groups(graph, groups, FusedKind::kMultiTensorUpdate);
+  return true;
+}
+
+bool group_updates(Graph& graph, Peaks& peaks, size_t overlap_chunk_bytes) {
   // Candidates by key, in node order.
   std::vector<UpdateKey> keys;
   std::vector<std::vector<int>> by_key;
@@ -370,17 +446,19 @@ bool group_updates(Graph& graph, Peaks& peaks) {
     }
     by_key[k].push_back(static_cast<int>(n));
   }
-  std::vector<std::vector<int>> whole;
-  for (auto& members : by_key)
-    if (members.size() >= 2) whole.push_back(members);
   // Chunks are capped by the bytes of their tensor operands (the gradients a chunk keeps
   // waiting are among them).
-  return group_under_peak(graph, whole, FusedKind::kMultiTensorUpdate, [&](int n) {
+  auto operand_bytes = [&](int n) {
     size_t bytes = 0;
     const Node& node = graph.nodes[static_cast<size_t>(n)];
     for (size_t i = 0; i + 2 < node.inputs.size(); ++i) bytes += graph.type(node.inputs[i]).bytes();
     return bytes;
-  }, peaks);
+  };
+  if (overlap_chunk_bytes > 0) return group_ready_chunks(graph, by_key, overlap_chunk_bytes, operand_bytes);
+  std::vector<std::vector<int>> whole;
+  for (auto& members : by_key)
+    if (members.size() >= 2) whole.push_back(members);
+  return group_under_peak(graph, whole, FusedKind::kMultiTensorUpdate, operand_bytes, peaks);
 }
 
 // ---- the casts of the params ----------------------------------------------------------------
@@ -446,7 +524,7 @@ bool MultiTensorPass::run(Graph& graph) {
   bool changed = fold_gradient_casts(graph);
   changed = group_global_norms(graph) || changed;
   Peaks peaks;  // of the graph as it is, once measured
-  changed = group_updates(graph, peaks) || changed;
+  changed = group_updates(graph, peaks, overlap_chunk_bytes_) || changed;
   if (group_casts_) changed = group_param_casts(graph, peaks) || changed;
   return changed;
 }

@@ -54,18 +54,28 @@
 // what the nodes did); values compacted.
 #pragma once
 
+#include <cstddef>
+
 #include "passes/pass.h"
 
 namespace kiln {
 
 class MultiTensorPass : public Pass {
  public:
-  explicit MultiTensorPass(bool group_casts = true) : group_casts_(group_casts) {}
+  // overlap_chunk_bytes > 0: the updates are grouped for the update stream instead
+  // (passes/overlap_updates.h): every update in chunks of updates whose gradients are ready one
+  // after another (in the order memory_aware_order() runs their inputs' producers), each chunk
+  // closed before its operand bytes exceed the cap, one update a chunk where one alone does. No
+  // peak check: a chunk there keeps its gradients live to the end of the step anyway, which the
+  // overlap pass weighs.
+  explicit MultiTensorPass(bool group_casts = true, size_t overlap_chunk_bytes = 0)
+      : group_casts_(group_casts), overlap_chunk_bytes_(overlap_chunk_bytes) {}
   std::string name() const override { return "multi-tensor"; }
   bool run(Graph& graph) override;
 
  private:
   bool group_casts_;
+  size_t overlap_chunk_bytes_;
 };
 
 }  // namespace kiln

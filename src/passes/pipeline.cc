@@ -1,5 +1,7 @@
 #include "passes/pipeline.h"
 
+#include <cstdlib>
+
 #include "passes/align_matmul.h"
 #include "passes/classifier.h"
 #include "passes/classifier_chunks.h"
@@ -12,6 +14,7 @@
 #include "passes/ones_column.h"
 #include "passes/recompute.h"
 #include "passes/remat.h"
+#include "passes/overlap_updates.h"
 #include "passes/schedule.h"
 #include "passes/simplify/algebraic.h"
 #include "passes/simplify/constant_fold.h"
@@ -54,6 +57,7 @@ std::vector<std::unique_ptr<Pass>> every_pass(const PassOptions& options) {
   passes.push_back(std::make_unique<Rematerialize>(options.memory_budget, !options.disabled.count("schedule")));
   passes.push_back(std::make_unique<SchedulePass>());
   const CostModel costs = options.costs.value_or(CostModel::defaults(options.target));
+  passes.push_back(std::make_unique<OverlapUpdates>(costs, options.memory_budget));
   passes.push_back(std::make_unique<BucketCollectives>(costs));
   passes.push_back(std::make_unique<OverlapCollectives>(costs, options.memory_budget));
   return passes;
@@ -118,6 +122,12 @@ PassManager default_pipeline(PassOptions options) {
   const CostModel costs = options.costs.value_or(CostModel::defaults(target));
   const OffloadMode offload = options.offload;
   const std::optional<size_t> budget_for_offload = offload_budget(options);
+  // CUDA, asked for with KILN_OVERLAP_UPDATES=1: the updates beside the backward pass, on the
+  // executor's update stream. Off by default: on an H200 it gained nothing on GPT-2 and
+  // llama-160m and cost llama-1b 2% (passes/overlap_updates.h).
+  const char* overlap_env = std::getenv("KILN_OVERLAP_UPDATES");
+  const bool overlap_updates = target == Device::kCuda && overlap_env && std::string(overlap_env) == "1" &&
+                               !options.disabled.count("overlap-updates");
   PassManager pm(std::move(options));
   // Passes are added here in order, one line each with a comment saying why it runs there.
   // (simplify, mixed precision, schedule: see their headers in src/passes/.)
@@ -152,14 +162,19 @@ PassManager default_pipeline(PassOptions options) {
   // Optimizer state to host memory where the step does not fit otherwise (before multi-tensor,
   // which then groups the updates in chunks so that little of it is on the device at once).
   pm.add(std::make_unique<OffloadPass>(offload, budget_for_offload));
-  // After fusion (the updates are opaque to it): all optimizer updates as multi-tensor nodes.
-  pm.add(std::make_unique<MultiTensorPass>());
+  // After fusion (the updates are opaque to it): all optimizer updates as multi-tensor nodes
+  // (for overlap-updates: in chunks by the readiness of their gradients).
+  pm.add(std::make_unique<MultiTensorPass>(true, overlap_updates ? update_chunk_bytes(costs) : 0));
   // With a memory budget: recompute activations to fit it (after CSE, which would merge the
   // clones back; right before schedule, whose order its peak is measured in).
   if (memory_budget) pm.add(std::make_unique<Rematerialize>(*memory_budget, schedule_enabled));
   // After the node set is final: reorder for fewer live bytes (the executor's memory plan
   // follows the node order).
   pm.add(std::make_unique<SchedulePass>());
+  // On the final order, before the collectives' placement (which plans memory with the
+  // updates' lifetimes): each update group moved up to where its gradients are ready and run
+  // on the update stream, beside the rest of the backward pass, as far as the memory allows.
+  if (target == Device::kCuda) pm.add(std::make_unique<OverlapUpdates>(costs, memory_budget, overlap_updates));
   // Sharded steps (the only ones with collectives), on the final order: merge collectives whose
   // latency dominates, then move starts and waits so communication runs beside the compute, as
   // far as the memory plan allows (passes/distributed/).

@@ -6,6 +6,7 @@
 
 #include "ir/verifier.h"
 #include "ops/transfer.h"
+#include "ops/update_stream.h"
 #include "support/stopwatch.h"
 #include "support/error.h"
 
@@ -167,6 +168,29 @@ bool runs_gemm(const Node& node) {
 }
 }  // namespace
 
+void Executor::setup_update_stream() {
+  update_ready_.resize(graph_.nodes.size());
+  // Profiled runs time each kernel on the compute stream: they run such nodes there, in order.
+  if (options_.device == Device::kCpu || options_.profile) return;
+  std::vector<bool> read(graph_.values.size(), false);
+  for (const Node& node : graph_.nodes)
+    for (ValueId id : node.inputs) read[id] = true;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
+    if (!on_update_stream(node)) continue;
+    // The compute stream joins the update stream only at the end: a reader of the node's
+    // results would race it.
+    for (ValueId id : node.outputs)
+      KILN_CHECK(!read[id], "graph '{}': {} runs on the update stream, but a node reads its output %{}", graph_.name,
+                 node_text(graph_, n), graph_.value(id).name);
+    if (!update_stream_) {
+      update_stream_ = runtime_->create_background_stream();
+      update_done_ = runtime_->create_event();
+    }
+    update_ready_[n] = runtime_->create_event();
+  }
+}
+
 void Executor::setup() {
   for (const Node& node : graph_.nodes) has_gemm_ = has_gemm_ || runs_gemm(node);
   if (options_.stream != nullptr) {
@@ -201,8 +225,9 @@ void Executor::setup() {
     }
     if (node.op == Op::kCollectiveWait) waited_collective_[n] = producer[node.inputs[0]];
   }
+  setup_update_stream();
   // A step with offloaded state (host-resident inputs) runs uncaptured: replayed, it trained
-  // differently from the second replay on (tests/cuda/train_test.cc, session 17; the direct
+  // differently from the second replay on (tests/cuda/train_test.cc; the direct
   // launches are exact). Not understood yet; its copies dominate such a step anyway.
   const bool offloaded = std::find(host_input_.begin(), host_input_.end(), true) != host_input_.end();
   if (options_.cuda_graphs && !options_.profile && !offloaded && runtime_->can_capture())
@@ -413,6 +438,12 @@ void Executor::enqueue(std::span<const Tensor> inputs, std::span<const Tensor> o
       comm_stream_->wait(*comm_ready_[n]);
       args.stream = comm_stream_->handle();
     }
+    if (update_ready_[n]) {
+      // The same fork onto the update stream, which the compute stream joins at the end.
+      update_ready_[n]->record(*stream_);
+      update_stream_->wait(*update_ready_[n]);
+      args.stream = update_stream_->handle();
+    }
     if (profiling) timing_events_[2 * n]->record(*stream_);
     if (mark_node_) mark_node_(index);  // a device trace names the graph nodes captured now
     try {
@@ -434,6 +465,11 @@ void Executor::enqueue(std::span<const Tensor> inputs, std::span<const Tensor> o
       if (last_use_[id] == index) values[id] = Tensor();
   }
   if (profiling) profiled_run_ = true;
+  if (update_stream_) {
+    // The join: the updates are done before the copies below, the run's end and its capture's.
+    update_done_->record(*update_stream_);
+    stream_->wait(*update_done_);
+  }
   // In-place updates: new param/state values overwrite the caller's input tensors (those a node
   // did not already write there).
   for (size_t u = 0; u < graph_.updates.size(); ++u) {

@@ -54,6 +54,11 @@
 //   captured into the one CUDA graph (the fork and join are events), and the collectives are
 //   enqueued in node order, which is the same on every rank. On the CPU, Gloo's calls return
 //   when done and the events cost nothing.
+// - The update stream (ops/update_stream.h): a node marked for it (an optimizer's grouped
+//   updates, by the overlap-updates pass) runs on a background stream of the executor's, forked
+//   where it stands, so that it fills the gaps of the backward pass still running on the compute
+//   stream; the compute stream waits for it at the end of the run (before the copies of updates
+//   and the end of a capture). On the CPU, and in profiled runs, such a node runs in order.
 // - Profiling (options.profile): every run launches every kernel (no capture), with a timing
 //   event recorded before and after each node's kernel (events created once, at construction,
 //   and reused; on the CPU they read the host's clock); profile() reads the last run's per-node
@@ -61,6 +66,7 @@
 //   runs record no events at all.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -135,6 +141,10 @@ class Executor {
   int64_t graph_captures() const { return graph_captures_; }
   // Updates written in place by their node (the rest are copied at the end of a run).
   size_t direct_update_count() const { return direct_update_count_; }
+  // Nodes that run on the update stream, beside the compute (0 on the CPU and when profiling).
+  size_t update_stream_nodes() const {
+    return static_cast<size_t>(std::count_if(update_ready_.begin(), update_ready_.end(), [](const auto& e) { return e != nullptr; }));
+  }
   // Whether graph input `i` is host-resident: read only by `reload` nodes (offloaded state,
   // passes/offload.h). run() takes it as a host tensor (pinned, for asynchronous copies on CUDA).
   bool input_on_host(size_t i) const { return host_input_.at(i); }
@@ -161,6 +171,7 @@ class Executor {
   void prepare_kernels();
   void plan_with_direct_updates();
   void setup();
+  void setup_update_stream();
   // New buffers for a run's outputs (where they are not reused), one per output slot.
   std::vector<Tensor> fresh_outputs() const;
   // Enqueues every node's kernel, and the copies of outputs that are inputs and of updates not
@@ -214,6 +225,12 @@ class Executor {
   std::unique_ptr<DeviceStream> comm_stream_;
   std::vector<std::unique_ptr<DeviceEvent>> comm_ready_, comm_done_;
   std::vector<int> waited_collective_;  // per node: a collective_wait's collective node, or -1
+  // The update stream (ops/update_stream.h), where the nodes marked for it run (on a device,
+  // unprofiled), forked per node by its ready event and joined by update_done_ at the end of
+  // the run; null without such nodes.
+  std::unique_ptr<DeviceStream> update_stream_;
+  std::unique_ptr<DeviceEvent> update_done_;
+  std::vector<std::unique_ptr<DeviceEvent>> update_ready_;  // per node: its fork, or null
   // options.profile: events 2n and 2n+1 around node n's kernel.
   std::vector<std::unique_ptr<DeviceEvent>> timing_events_;
   mutable bool profiled_run_ = false;

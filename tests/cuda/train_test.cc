@@ -3,7 +3,9 @@
 // the GPU tracking f32 on the CPU over 200 steps, an out-of-memory batch as a clear error, and
 // `kiln bench`'s numbers. Tolerances as in executor_test.cc (TF32 GEMMs).
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -124,6 +126,56 @@ TEST(CudaTrainer, OffloadedAdamwStateTrainsAsOnTheDevice) {
     for (const auto& [name, t] : moved.named_tensors())
       if (name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0) EXPECT_EQ(t.device(), Device::kCpu) << name;
   }
+}
+
+// The optimizer's updates on the update stream, beside the backward pass
+// (passes/overlap_updates.h): in chunks small enough that gpt2-tiny has several, forked where
+// their gradients are ready and joined at the end of the step, replayed from a CUDA graph. The
+// training is the same, bit for bit, as with every update after the backward pass: the same
+// kernels on the same bytes (a chunk that read a gradient the compute stream had already
+// overwritten, or wrote a param a later kernel still read, would show). The two trainers step
+// at once, each on its own stream: so this also checks that concurrent steps do not share a
+// GEMM or attention workspace (they did, one per device, and differed from the third step on).
+TEST(CudaTrainer, UpdatesBesideTheBackwardTrainAsAfterIt) {
+  KILN_REQUIRE_GPU();
+  // A batch whose activations outweigh the gradients, as a real model's do: the pass marks only
+  // what keeps the planned arena.
+  models::GptConfig c = tiny();
+  c.batch = 8;
+  c.seq = 64;
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 7, c.layers);
+  OptimizerConfig adamw;
+  adamw.name = "adamw";
+  adamw.lr = 1e-2;
+  ExecutorOptions options = cuda_options();
+  options.tune_gemms = false;  // the heuristic's algorithms in both, not timed winners
+  PassOptions beside, after;
+  CostModel costs = CostModel::defaults(Device::kCuda);
+  costs.bytes_per_s = 64e3 / (25 * costs.launch_s);  // update_chunk_bytes: 64 kB
+  beside.costs = after.costs = costs;
+  after.disabled = {"overlap-updates"};
+  ::setenv("KILN_OVERLAP_UPDATES", "1", 1);  // off by default (passes/overlap_updates.h)
+  Trainer a(forward, adamw, init, options, beside);
+  ::unsetenv("KILN_OVERLAP_UPDATES");
+  Trainer b(forward, adamw, init, options, after);
+  EXPECT_GE(a.step_executor().update_stream_nodes(), 3u);
+  EXPECT_EQ(b.step_executor().update_stream_nodes(), 0u);
+  for (int s = 0; s < 6; ++s) {
+    a.step(batch(c, 30 * s));
+    b.step(batch(c, 30 * s));
+  }
+  a.synchronize();
+  b.synchronize();
+  EXPECT_GE(a.step_executor().graph_replays(), 2);
+  EXPECT_EQ(a.take_losses(), b.take_losses());
+  const auto want = b.host_tensors(), got = a.host_tensors();
+  int differ = 0;
+  for (const auto& [name, t] : want) {
+    const Tensor& g = got.at(name);
+    differ += g.bytes() != t.bytes() || std::memcmp(g.raw(), t.raw(), t.bytes()) != 0;
+  }
+  EXPECT_EQ(differ, 0) << differ << " of " << want.size() << " tensors differ";
 }
 
 // Evaluation on the GPU under bf16 is the forward step compiled like the bf16 training step

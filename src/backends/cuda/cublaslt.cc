@@ -185,8 +185,10 @@ struct PlanKeyHash {
   }
 };
 
-// One cuBLASLt handle and one workspace per device. The workspace is shared by every GEMM of
-// the device: kiln enqueues GEMMs of a device on one stream, so they never overlap.
+// One cuBLASLt handle and one workspace per device and stream: the GEMMs of one stream never
+// overlap, so they share its workspace; two streams' may (two trainers in one process, each on
+// its own stream), and one workspace for both would let one GEMM overwrite the other's partial
+// sums. Made on a stream's first GEMM, which the executor runs uncaptured (its warm-up run).
 struct DeviceState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
@@ -194,7 +196,7 @@ struct DeviceState {
 
 struct Cache {
   std::mutex mutex;
-  std::map<int, DeviceState> devices;
+  std::map<std::pair<int, cudaStream_t>, DeviceState> devices;  // by device and stream
   std::unordered_map<PlanKey, std::unique_ptr<GemmPlan>, PlanKeyHash> plans;
 };
 
@@ -204,13 +206,13 @@ Cache& cache() {
   return *c;
 }
 
-DeviceState& device_state_locked(Cache& c, int device) {
-  auto it = c.devices.find(device);
+DeviceState& device_state_locked(Cache& c, int device, cudaStream_t stream) {
+  auto it = c.devices.find({device, stream});
   if (it != c.devices.end()) return it->second;
   DeviceState s;
   KILN_CUBLAS_CHECK(cublasLtCreate(&s.handle));
   KILN_CUDA_CHECK(cudaMalloc(&s.workspace, kGemmWorkspaceBytes));
-  return c.devices.emplace(device, s).first->second;
+  return c.devices.emplace(std::make_pair(device, stream), s).first->second;
 }
 
 template <typename T>
@@ -647,7 +649,7 @@ std::pair<GemmPlan*, DeviceState*> GemmPlanAccess::find(const Gemm& g, const Gem
 
   Cache& c = cache();
   std::lock_guard lock(c.mutex);
-  DeviceState& state = device_state_locked(c, device);
+  DeviceState& state = device_state_locked(c, device, stream);
   auto it = c.plans.find(key);
   const bool want_tuning = gemm_autotune() && (it == c.plans.end() || !it->second->tuned_);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

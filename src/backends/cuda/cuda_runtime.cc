@@ -13,7 +13,7 @@ namespace {
 
 class CudaStream final : public DeviceStream {
  public:
-  CudaStream() : CudaStream(std::make_unique<cuda::Stream>()) {}
+  explicit CudaStream(bool background) : CudaStream(std::make_unique<cuda::Stream>(background)) {}
   void synchronize() const override { stream_->synchronize(); }
   void wait(const DeviceEvent& event) const override { cuda::wait_event(handle(), event.handle()); }
 
@@ -105,7 +105,8 @@ class CudaRuntime final : public DeviceRuntime {
     return std::make_unique<CudaUploader>(slots);
   }
 
-  std::unique_ptr<DeviceStream> create_stream() const override { return std::make_unique<CudaStream>(); }
+  std::unique_ptr<DeviceStream> create_stream() const override { return std::make_unique<CudaStream>(false); }
+  std::unique_ptr<DeviceStream> create_background_stream() const override { return std::make_unique<CudaStream>(true); }
   std::unique_ptr<DeviceEvent> create_event(bool timing) const override { return std::make_unique<CudaEvent>(timing); }
   bool can_capture() const override { return true; }
   std::unique_ptr<DeviceGraph> create_graph() const override { return std::make_unique<CudaGraph>(); }

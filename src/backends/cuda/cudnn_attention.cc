@@ -281,10 +281,12 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
 
 // ---- per-device state and the cache ----
 
-// One workspace per device, shared by every graph of the device: kiln enqueues a device's
-// work on one stream, so graphs never run at once. It only grows, when a plan is installed; an
-// outgrown one is kept allocated, since a captured CUDA graph of an earlier executor may still
-// point at it.
+// One workspace per device and stream, shared by the graphs run on that stream, which never run
+// at once; two streams' may (two trainers in one process), and one workspace for both would
+// let one graph overwrite the other's. It grows when a run on its stream needs more (the
+// executor's first run of a step is uncaptured, so a captured run finds it grown); an outgrown
+// one is kept allocated, since a captured CUDA graph of an earlier executor may still point at
+// it.
 struct DeviceState {
   void* workspace = nullptr;
   int64_t capacity = 0;
@@ -293,7 +295,7 @@ struct DeviceState {
 
 struct Cache {
   std::mutex mutex;  // devices, plans, installing and running
-  std::map<int, DeviceState> devices;
+  std::map<std::pair<int, cudaStream_t>, DeviceState> devices;  // by device and stream
   std::map<Problem, Plan> plans;
   // Problems a prepare has taken on: the other prepares of the same problem return at once
   // instead of waiting (11 more nodes of each of GPT-2's two problems share the plan).
@@ -328,8 +330,32 @@ Plan build_plan(const Problem& p) {
   return plan;
 }
 
-// Stores a built plan (the first one stored for a problem wins) and grows the device's
-// workspace to fit it.
+// The bytes of workspace a plan's runs use.
+int64_t workspace_need(const Plan& plan, const Problem& p) {
+  return plan.packed_stats ? aligned(plan.workspace) + stats_bytes(p) : plan.workspace;
+}
+
+// The workspace of (the problem's device, `stream`), grown to `need` bytes; null where it must
+// grow and cannot (under capture, or out of memory): the caller falls back.
+void* workspace_locked(Cache& c, const Problem& p, int64_t need, cudaStream_t stream) {
+  DeviceState& dev = c.devices[{p.device, stream}];
+  if (need <= dev.capacity) return dev.workspace;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KILN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  void* grown = nullptr;
+  if (cudaMalloc(&grown, static_cast<size_t>(need)) != cudaSuccess) {
+    cudaGetLastError();  // clear the (non-sticky) allocation error
+    return nullptr;
+  }
+  if (dev.workspace) dev.outgrown.push_back(dev.workspace);
+  dev.workspace = grown;
+  dev.capacity = need;
+  return grown;
+}
+
+// Stores a built plan (the first one stored for a problem wins) and checks that the device has
+// room for its workspace (each stream's is made on its first run).
 Plan& install_locked(Cache& c, const Problem& p, Plan built) {
   auto [it, inserted] = c.plans.try_emplace(p, std::move(built));
   Plan& plan = it->second;
@@ -339,21 +365,13 @@ Plan& install_locked(Cache& c, const Problem& p, Plan built) {
     return plan;
   }
   if (!plan.graph) return plan;
-  DeviceState& dev = c.devices[p.device];
-  const int64_t need =
-      plan.packed_stats ? aligned(plan.workspace) + stats_bytes(p) : plan.workspace;
-  if (need > dev.capacity) {
-    void* grown = nullptr;
-    if (cudaMalloc(&grown, static_cast<size_t>(need)) != cudaSuccess) {
-      cudaGetLastError();  // clear the (non-sticky) allocation error
-      plan.graph.reset();
-      plan.note = fmt::format("cuda-attention fallback: no device memory for cuDNN's {}-byte "
-                              "workspace", need);
-      return plan;
-    }
-    if (dev.workspace) dev.outgrown.push_back(dev.workspace);
-    dev.workspace = grown;
-    dev.capacity = need;
+  const int64_t need = workspace_need(plan, p);
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess || static_cast<int64_t>(free) < need) {
+    cudaGetLastError();
+    plan.graph.reset();
+    plan.note = fmt::format("cuda-attention fallback: no device memory for cuDNN's {}-byte workspace", need);
+    return plan;
   }
   plan.note = fmt::format("cudnn{}, workspace {} bytes", plan.packed_stats ? ", packed stats" : "",
                           plan.workspace);
@@ -466,19 +484,20 @@ void run(const KernelArgs& args, bool backward, bool packed) {
     KILN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (capture == cudaStreamCaptureStatusNone) plan = &install_locked(c, p, build_plan(p));
   }
-  if (!plan || !plan->graph) {
+  const int64_t need = plan && plan->graph ? workspace_need(*plan, p) : 0;
+  void* workspace = need > 0 ? workspace_locked(c, p, need, stream) : nullptr;
+  if (!plan || !plan->graph || (need > 0 && !workspace)) {
     lock.unlock();
     fallback(t, p, stream);
     return;
   }
-  DeviceState& dev = c.devices.at(p.device);
   const cudnnStatus_t set = cudnnSetStream(plan->handle, stream);
   KILN_CHECK(set == CUDNN_STATUS_SUCCESS, "cudnn: cudnnSetStream failed for {}: {}", describe(p),
              cudnnGetErrorString(set));
   // cuDNN's variant pack takes non-const pointers; it only reads the inputs.
   auto ptr = [](const void* x) { return const_cast<void*>(x); };
   float* stats = plan->packed_stats
-                     ? reinterpret_cast<float*>(static_cast<std::byte*>(dev.workspace) +
+                     ? reinterpret_cast<float*>(static_cast<std::byte*>(workspace) +
                                                 aligned(plan->workspace))
                      : t.lse;
   std::unordered_map<int64_t, void*> pack = {
@@ -495,8 +514,8 @@ void run(const KernelArgs& args, bool backward, bool packed) {
   }
   fe::error_t status =
       plan->index >= 0
-          ? plan->graph->execute_plan_at_index(plan->handle, pack, dev.workspace, plan->index)
-          : plan->graph->execute(plan->handle, pack, dev.workspace);
+          ? plan->graph->execute_plan_at_index(plan->handle, pack, workspace, plan->index)
+          : plan->graph->execute(plan->handle, pack, workspace);
   KILN_CHECK(status.is_good(), "cudnn: executing {} failed: {}", describe(p),
              status.get_message());
   if (!backward && plan->packed_stats) cudnn_stats_to_lse(stats, t.lse, p.b, p.h, p.tq, stream);

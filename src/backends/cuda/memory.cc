@@ -1,6 +1,7 @@
 // Device memory, copies, streams, pinned staging, events and CUDA graphs (backends/cuda/memory.h).
 #include "backends/cuda/memory.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -123,9 +124,13 @@ void fill_bytes_async(const Tensor& dst, uint8_t byte, void* stream) {
 
 // ---- streams ----
 
-Stream::Stream() {
+Stream::Stream(bool background) {
+  // Lower numbers are higher priorities; `least` is the default streams' (0 on current GPUs).
+  int least = 0, greatest = 0;
+  KILN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  const int priority = background ? least : std::max(greatest, least - 1);
   cudaStream_t s = nullptr;
-  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  KILN_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
   stream_ = s;
 }
 

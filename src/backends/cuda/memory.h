@@ -67,10 +67,12 @@ void fill_bytes_async(const Tensor& dst, uint8_t byte, void* stream);
 // ---- streams ----
 
 // An owned non-blocking stream (never the legacy default stream, which would serialize with
-// every other stream).
+// every other stream). Priority: a plain stream one above the device's lowest, a background one
+// at the lowest, so that the block scheduler serves the plain streams' pending blocks first
+// (DeviceRuntime::create_background_stream).
 class Stream {
  public:
-  Stream();
+  explicit Stream(bool background = false);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
