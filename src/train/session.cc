@@ -66,9 +66,6 @@ TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGro
 // Here, where Trainer is complete.
 TrainingSession::~TrainingSession() = default;
 
-int TrainingSession::rank() const { return trainer_->rank(); }
-int TrainingSession::world_size() const { return trainer_->world_size(); }
-
 void TrainingSession::save_consolidated(const std::string& path,
                                         const std::map<std::string, std::string>& metadata) const {
   trainer_->save_consolidated(path, metadata);

@@ -134,11 +134,6 @@ class TrainingSession {
   ProcessGroup* group() const { return group_; }  // null alone, or when "auto" chose no sharding
   const std::string& shard() const { return shard_; }            // the mode that runs
   const std::string& shard_note() const { return shard_note_; }  // which and why
-  const SessionOptions& options() const { return options_; }
-  int rank() const;
-  int world_size() const;
-  // Seconds the session took to build (the compile and the upload), and since it was made.
-  double build_seconds() const { return build_seconds_; }
 
   // Every tensor whole (shards gathered from every rank; every rank must call it), written by
   // rank 0; returns on every rank once the file is there, so that a group of any size, or one
