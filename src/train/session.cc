@@ -33,15 +33,15 @@ Model model_from_values(Graph forward, const std::map<std::string, Tensor>& valu
 }
 
 TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGroup* group)
-    : options_(std::move(options)), forward_(std::move(model.forward)) {
+    : options_(std::move(options)) {
   validate(options_.optimizer);
   runtime_ = runtime_of(options_.device);
   if (group)
     KILN_CHECK(group->device() == runtime_->device(), "the process group runs on {}, the step on {}",
                device_name(group->device()), device_name(runtime_->device()));
   int64_t param_count = 0;  // from the graph: a zero3 rank's params may be its shards alone
-  for (const GraphInput& in : forward_.inputs)
-    if (in.role == Role::kParam) param_count += forward_.type(in.value).numel();
+  for (const GraphInput& in : model.forward.inputs)
+    if (in.role == Role::kParam) param_count += model.forward.type(in.value).numel();
   const int world = group ? group->world_size() : 1;
   shard_ = choose_shard_mode(options_.shard, world, param_count, options_.optimizer.name, shard_budget_bytes(*runtime_),
                              &shard_note_);
@@ -53,7 +53,7 @@ TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGro
   ExecutorOptions executor = options_.executor;
   executor.device = runtime_->device();
   executor.communicator = group_ ? group_->communicator().get() : nullptr;
-  trainer_ = std::make_unique<Trainer>(forward_, options_.optimizer, std::move(model.params), executor,
+  trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
                                        passes_for(options_.passes, group_, *runtime_), sharding);
   for (const auto& [name, value] : model.initial_state) trainer_->set_initial_value(name, value);
   // Every rank compiled the same step (same model, batch, options and build), or none goes on.

@@ -152,7 +152,6 @@ class TrainingSession {
  private:
   Stopwatch since_made_;
   SessionOptions options_;
-  Graph forward_;
   ProcessGroup* group_ = nullptr;
   std::string shard_ = "none", shard_note_;
   std::unique_ptr<DeviceRuntime> runtime_;
