@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # Installs what kiln needs on Debian 12 / Ubuntu, skipping what is already present.
 # Debian packages by name through apt-get; Python test helpers by name through pip.
+# --cli: only what configuring, building and running the command-line tool needs (the README's
+# first command: no ONNX, Gloo, Python package or PyTorch, which are most of the download).
 set -euo pipefail
 
+cli_only=false
+[[ "${1:-}" == "--cli" ]] && cli_only=true
+
+# What configuring (GoogleTest and python3 are required there), building the library and the
+# CLI, and `kiln train`'s default dataset need.
 packages=(
   cmake ninja-build g++ pkg-config
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
-  python3 python3-pip
+  python3
+)
+$cli_only || packages+=(
+  libbenchmark-dev python3-pip
   # The ONNX front end (optional in CMake), its conformance data, and the PyTorch reference of
   # tests/frontend/torch_step_test.py.
   libonnx-dev libprotobuf-dev libonnx-testdata python3-onnx python3-torch
@@ -29,6 +39,10 @@ if ((${#missing[@]})); then
   echo "install-deps: installing ${missing[*]}"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if $cli_only; then
+  echo "install-deps: ok (--cli: the command-line tool's dependencies)"
+  exit 0
 fi
 
 # Gloo (the CPU collectives of distributed jobs): optional, since older releases lack the package

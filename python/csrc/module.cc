@@ -2,11 +2,11 @@
 // (python/kiln/, docs/python.md). What lives here:
 // - Program: a forward graph with the initial values of its params and state, from an ONNX
 //   model's bytes (the ONNX front end) or from IR text (a checkpoint written by step.save).
-// - Session: a train::Trainer over a Program (compile, step, evaluate, tensors by name,
+// - Session: a train::TrainingSession over a Program (compile, step, evaluate, tensors by name,
 //   checkpoints, the compile report), its tensors crossing as DLPack without copies
 //   (tensors.h); sharded (dp, ZeRO-1/2/3) over a Group.
 // - Group: the data-parallel process group this process is a rank of, joined from torchrun's
-//   variables as `kiln train` joins it (train/job.h), shared by the process's sharded sessions.
+//   variables as `kiln train` joins it (train/placement.h), shared by the process's sharded sessions.
 // - kiln::Error becomes the Python exception kiln.Error with kiln's message.
 // Everything a user chooses (names, defaults, torch, streams, progress) is Python's
 // (python/kiln/); long C++ calls release the GIL.
@@ -33,7 +33,8 @@
 #include "ops/optimizer/optimizers.h"
 #include "support/stopwatch.h"
 #include "tensors.h"
-#include "train/job.h"
+#include "train/placement.h"
+#include "train/session.h"
 #include "train/trainer.h"
 #ifdef KILN_HAVE_CUDA
 #include "backends/cuda/device.h"
@@ -123,76 +124,46 @@ struct SessionOptions {
 class Session {
  public:
   // Sharded (options.shard other than "none") over `group`: this process is one rank, the data
-  // are its rows, and the step is what `kiln train --shard` compiles (train/job.h).
+  // are its rows, and the step is what `kiln train --shard` compiles: both are a training
+  // session (train/session.h).
   Session(Program program, OptimizerConfig config, SessionOptions options, const Group* group)
       : program_(std::move(program)), options_(std::move(options)) {
     const Stopwatch clock;
-    validate(config);
-    ExecutorOptions executor;
     KILN_CHECK(options_.device == "cpu" || options_.device == "cuda", "device '{}': expected 'cpu' or 'cuda'",
                options_.device);
-    executor.device = options_.device == "cuda" ? Device::kCuda : Device::kCpu;
-    executor.dialects = options_.dialects;
 #ifdef KILN_HAVE_CUDA
-    if (executor.device == Device::kCuda) cuda::set_current_device(options_.device_index);
+    if (options_.device == "cuda") cuda::set_current_device(options_.device_index);
 #endif
-    const Graph& g = program_.graph;
-    std::vector<Tensor> params;
-    int64_t param_count = 0;
-    for (const GraphInput& in : g.inputs) {
-      if (in.role != Role::kParam) continue;
-      const Value& v = g.value(in.value);
-      auto it = program_.initial_values.find(v.name);
-      // A program parsed from a checkpoint gets its values from the checkpoint next.
-      params.push_back(it != program_.initial_values.end() ? it->second : Tensor(v.type));
-      param_count += v.type.numel();
-    }
     ProcessGroup* process_group = nullptr;
     if (options_.shard != "none") {
       KILN_CHECK(group != nullptr && group->group, "shard '{}' needs the process group of a distributed job",
                  options_.shard);
       group_ = group->group;
       process_group = group_.get();
-      KILN_CHECK(process_group->device() == executor.device, "the process group runs on {}, the step on {}",
-                 device_name(process_group->device()), device_name(executor.device));
-      executor.communicator = process_group->communicator().get();
     }
-    const std::unique_ptr<DeviceRuntime> runtime = device_runtime(executor.device);
-    const std::string mode = train::choose_shard_mode(
-        options_.shard, process_group ? process_group->world_size() : 1, param_count, config.name,
-        executor.device == Device::kCuda ? runtime->memory_info().total_bytes : size_t{64} << 30, nullptr);
-    const ShardingOptions sharding{parse_shard_mode(mode), process_group ? process_group->world_size() : 1};
-    if (!sharding.enabled()) {  // "auto" chose none: the group is not used
-      group_.reset();
-      process_group = nullptr;
-      executor.communicator = nullptr;
-    }
-    PassOptions passes;
-    passes.memory_budget = options_.memory_budget;
-    passes.disabled.insert(options_.disabled_passes.begin(), options_.disabled_passes.end());
-    passes = train::passes_for(passes, process_group, *runtime);
-    trainer_ = std::make_unique<train::Trainer>(g, config, std::move(params), executor, passes, sharding);
-    for (const GraphInput& in : g.inputs) {
-      const std::string& name = g.value(in.value).name;
-      auto it = program_.initial_values.find(name);
-      if (in.role == Role::kState && it != program_.initial_values.end()) trainer_->set_initial_value(name, it->second);
-    }
-    shard_ = mode;
-    // Every rank compiled the same step (same model, batch, options and build), or none goes on.
-    if (process_group)
-      process_group->check_agreement("the compiled step (model, batch, options, build)",
-                                     train::step_fingerprint(*trainer_, "python"));
+    train::SessionOptions session;
+    session.device = options_.device;
+    session.shard = options_.shard;
+    session.optimizer = std::move(config);
+    session.passes.memory_budget = options_.memory_budget;
+    session.passes.disabled.insert(options_.disabled_passes.begin(), options_.disabled_passes.end());
+    session.executor.dialects = options_.dialects;
+    session.agreement = "python";
+    session_ = std::make_unique<train::TrainingSession>(train::model_from_values(program_.graph, program_.initial_values),
+                                                        session, process_group);
+    if (!session_->group()) group_.reset();  // "auto" chose none: the group is not used
+    trainer_ = &session_->trainer();
     compile_seconds_ = clock.seconds();
   }
 
   ~Session() {
     nb::gil_scoped_release release;  // the trainer waits for its stream; the group for the other ranks
-    trainer_.reset();
+    session_.reset();
     group_.reset();
   }
 
   const Program& program() const { return program_; }
-  const train::Trainer& trainer() const { return *trainer_; }
+  const train::Trainer& trainer() const { return session_->trainer(); }
 
   // One training step; the loss into `loss_out` (a device tensor the caller made) when given,
   // else returned (the CPU's output buffer, fresh each step).
@@ -312,13 +283,12 @@ class Session {
   // returns once the file is there), so that a group of any size, or one process, loads it.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
     nb::gil_scoped_release release;
-    trainer_->save_consolidated(path, metadata);
-    if (group_) group_->barrier();
+    session_->save_consolidated(path, metadata);
   }
 
   std::map<std::string, std::string> load(const std::string& path) {
     nb::gil_scoped_release release;
-    return trainer_->load(path);
+    return session_->load({path});
   }
 
   std::string report(const std::string& what) const {
@@ -332,7 +302,7 @@ class Session {
     return std::string(dtype_name(g.type(g.outputs.at(0)).dtype));
   }
   double compile_seconds() const { return compile_seconds_; }
-  const std::string& shard() const { return shard_; }
+  const std::string& shard() const { return session_->shard(); }
   int rank() const { return trainer_->rank(); }
   int world_size() const { return trainer_->world_size(); }
 
@@ -357,8 +327,8 @@ class Session {
   Program program_;
   SessionOptions options_;
   std::shared_ptr<ProcessGroup> group_;  // sharded: before the trainer, which uses it until it goes
-  std::string shard_ = "none";           // the mode that runs ("auto" resolved)
-  std::unique_ptr<train::Trainer> trainer_;
+  std::unique_ptr<train::TrainingSession> session_;
+  train::Trainer* trainer_ = nullptr;  // the session's
   std::vector<nb::object> adopted_;  // the Python owners of adopted tensors
   double compile_seconds_ = 0;
 };

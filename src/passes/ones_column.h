@@ -4,8 +4,8 @@
 // row, and db, the column sums of dY, is a second pass over dY, which the GEMM reads anyway.
 // With columns of ones appended to X, X' = [X | 1 ... 1] (..., K + p), the product X'^T dY
 // (K + p, N) holds dW in its rows [0, K) and db in row K: the sum comes out of the tensor cores,
-// nearly free where the extra rows fit the GEMM's tiles. (GPT-2 on an H100, bench/log/sessions-1-12.md
-// session 8: the qkv weight gradient with 776 rows instead of 768 costs nothing, fc's +29 us,
+// nearly free where the extra rows fit the GEMM's tiles. (GPT-2 on an H100, measured as logged in
+// bench/log/sessions-1-12.md: the qkv weight gradient with 776 rows instead of 768 costs nothing, fc's +29 us,
 // the forward product reading X' with a row stride of 776 +6/+10 us, against column sums of
 // 56-79 us per layer.)
 //

@@ -2,11 +2,12 @@
 """`kiln launch` (tools/cli/launch.cc) run as a user runs it: N processes of a shell command with
 torchrun's variables, output prefixed per rank without broken lines, a failed or killed rank
 named and the others ended (their pids gone), SIGTERM to the launcher passed on, bad input
-refused with one line, a kiln command run by the same kiln, node ranks (--nnodes), and
-restarts (--max-restarts, --min-nproc).
+refused with one line, a kiln command run by the same kiln, node ranks (--nnodes), restarts
+(--max-restarts, --min-nproc), and `kiln train --metrics` written by rank 0 alone (Gloo, CPU).
 
   python3 tests/cli/launch_test.py PATH/TO/kiln      (ctest: cli/launch)
 """
+import json
 import os
 import re
 import signal
@@ -240,6 +241,32 @@ def test_kiln_command_and_arguments():
         result, _ = launch(*args)
         check(result.returncode == 0 and result.stdout == "-n 5 --grace\n", "the command's own options reach it",
               result)
+
+
+def test_train_metrics_are_rank_0s():
+    """`kiln launch -n 2 -- train --metrics FILE`: rank 0 alone writes FILE (a line per step, not
+    one per rank); with --metrics-all-ranks rank 1 writes FILE.rank1 too, the same losses (each
+    rank's loss is the group's mean)."""
+    with tempfile.TemporaryDirectory() as d:
+        text = os.path.join(d, "text.txt")
+        with open(text, "w") as f:
+            f.write(" ".join("".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(1 + i % 7)) for i in range(900)))
+        metrics = os.path.join(d, "metrics.jsonl")
+        args = ["-n", "2", "--", "train", "--model", "gpt2-tiny", "--data", text, "--seq", "16", "--batch", "4",
+                "--steps", "3", "--device", "cpu", "--eval-batches", "1", "--metrics", metrics]
+        result, _ = launch(*args, timeout=180)
+        check(result.returncode == 0, "kiln train under kiln launch ran", result)
+        records = [json.loads(line) for line in open(metrics)]
+        check([r["step"] for r in records] == [1, 2, 3], f"one metrics line per step in {metrics}: {records}")
+        check(not os.path.exists(metrics + ".rank1"), "no file of rank 1 unless asked")
+        os.remove(metrics)
+        result, _ = launch(*args, "--metrics-all-ranks", timeout=180)
+        check(result.returncode == 0, "kiln train --metrics-all-ranks under kiln launch ran", result)
+        rank0 = [json.loads(line) for line in open(metrics)]
+        rank1 = [json.loads(line) for line in open(metrics + ".rank1")]
+        check([r["step"] for r in rank0] == [1, 2, 3] and [r["step"] for r in rank1] == [1, 2, 3],
+              f"each rank's own file, a line per step: {rank0}, {rank1}")
+        check([r["loss"] for r in rank0] == [r["loss"] for r in rank1], f"the group's loss on both: {rank0}, {rank1}")
 
 
 def main():

@@ -17,6 +17,7 @@
 #include "models/models.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"
+#include "train/bench.h"
 #include "train/job.h"
 #include "train/trainer.h"
 

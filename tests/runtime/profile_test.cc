@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/error.h"
-#include "train/job.h"
+#include "train/bench.h"
 
 namespace kiln {
 namespace {

@@ -14,6 +14,7 @@
 #include "models/models.h"
 #include "runtime/executor.h"
 #include "test_util.h"
+#include "train/bench.h"
 #include "train/job.h"
 #include "train/trainer.h"
 

@@ -1,6 +1,6 @@
-// `kiln bench`: training steps of a model on random data, timed (train/job.h run_benchmark).
+// `kiln bench`: training steps of a model on random data, timed (train/bench.h run_benchmark).
 #include "options.h"
-#include "train/job.h"
+#include "train/bench.h"
 
 namespace kiln::cli {
 

@@ -49,7 +49,7 @@ void add_batch_options(CLI::App* command, int64_t& batch, int64_t default_batch,
 // unset: the chosen optimizer's default, which --help lists per optimizer) and
 // --no-decay-biases-norms-embeddings.
 void add_optimizer_options(CLI::App* command, OptimizerConfig& config);
-// --shard: the data-parallel mode under kiln launch (train/job.h choose_shard_mode).
+// --shard: the data-parallel mode under kiln launch (train/placement.h choose_shard_mode).
 void add_shard_option(CLI::App* command, std::string& shard);
 // --device cpu|cuda under `names` (CLI11's "--device,--target" for aliases), with the command's
 // own help (what the device is for: running, or only preparing the graph).

@@ -5,13 +5,14 @@
 //
 // IN holds the graph's data inputs by name (ONNX names or kiln's), and may hold params or state
 // to start from (an IR-text model has no initial values of its own). The gradients come from a
-// forward step of the autodiff graph (the training step keeps them inside); the update from the
-// trainer's compiled step, so both are what `kiln train` computes.
+// forward step of the autodiff graph (the training step keeps them inside); the update from a
+// training session's step (train/session.h), so both are what `kiln train` computes.
 #include "compile/compile_step.h"
 #include "device/device_runtime.h"
 #include "options.h"
 #include "passes/autodiff.h"
 #include "train/checkpoint/safetensors.h"
+#include "train/session.h"
 #include "train/trainer.h"
 
 namespace kiln::cli {
@@ -90,17 +91,21 @@ void step(StepOptions o) {
       out["grad." + forward.value(params[i]).name] = runtime->to_host(results[1 + i]).clone();
   }
 
-  // The update: the trainer's step, from the given params and state.
-  ExecutorOptions executor;
-  executor.device = o.device;
-  std::vector<Tensor> param_values, data;
+  // The update: a training session's step, from the given params and state.
+  train::Model start{forward, {}, {}};
+  std::vector<Tensor> data;
   for (size_t i = 0; i < forward.inputs.size(); ++i) {
-    if (forward.inputs[i].role == Role::kParam) param_values.push_back(values[i]);
-    if (forward.inputs[i].role == Role::kData) data.push_back(values[i]);
+    const GraphInput& in = forward.inputs[i];
+    if (in.role == Role::kParam) start.params.push_back(values[i]);
+    if (in.role == Role::kState) start.initial_state[forward.value(in.value).name] = values[i];
+    if (in.role == Role::kData) data.push_back(values[i]);
   }
-  train::Trainer trainer(forward, o.optimizer, param_values, executor, o.passes);
-  for (size_t i = 0; i < forward.inputs.size(); ++i)
-    if (forward.inputs[i].role == Role::kState) trainer.set_initial_value(forward.value(forward.inputs[i].value).name, values[i]);
+  train::SessionOptions options;
+  options.device = std::string(device_name(o.device));
+  options.optimizer = o.optimizer;
+  options.passes = o.passes;
+  train::TrainingSession session(std::move(start), options);
+  train::Trainer& trainer = session.trainer();
   trainer.step(data);
   trainer.synchronize();
   const std::map<std::string, Tensor> after = trainer.host_tensors();

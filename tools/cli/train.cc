@@ -1,4 +1,5 @@
-// `kiln train`: a training job (train/job.h) with progress, evaluation and checkpoints.
+// `kiln train`: a training job (train/job.h: a task trained in a session) with progress,
+// evaluation and checkpoints.
 #include "options.h"
 #include "train/job.h"
 
@@ -58,7 +59,11 @@ void add_train_command(CLI::App& app) {
                       "test set (0 = all of it)")
       ->default_val(0);
   command->add_option("--log-every", job->log_every, "Log line interval when not on a terminal")->default_val(100);
-  command->add_option("--metrics", job->metrics_path, "Append metrics as JSON lines to FILE");
+  command->add_option("--metrics", job->metrics_path,
+                      "Append metrics as JSON lines to FILE (under kiln launch: rank 0's; every rank's loss is the "
+                      "group's mean)");
+  command->add_flag("--metrics-all-ranks", job->metrics_all_ranks,
+                    "Under kiln launch, every other rank R also appends its own metrics to FILE.rank<R>");
   add_pass_options(command, job->passes);
   command->callback([job, file, batch] {
     if (!file->empty()) {

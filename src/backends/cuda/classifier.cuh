@@ -52,7 +52,7 @@ LaunchInfo launch_info(DType logits_t, int64_t vocab);
 // shared memory (cp.async) when it fits (kMaxSharedRowBytes in classifier.cu), so DRAM sees it
 // once; else, and with kReread, read twice from global memory (the second time mostly from L2).
 // On an H100 at GPT-2 size (bf16 in place, 32768 x 50304) kShared takes 2.30 ms, kReread 2.77
-// (`ClassifierGpu.DISABLED_Bandwidth`, session 6; an H200 had measured kShared slower before
+// (`ClassifierGpu.DISABLED_Bandwidth`; an H200 had measured kShared slower before
 // the store fix of classifier.cu). KILN_CLASSIFIER_ROW_PATH=reread makes kReread the process's
 // default. Not thread-safe against running launches.
 enum class RowPath : int { kReread, kShared };

@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(kThreads)
 // in the same order.
 // Column sums: more, shorter splits with 2 loads in flight measured fastest on an H100 (bf16
 // (32768, 3072) over rows 87 -> 79 us, (32768, 2304) 69 -> 64 us against 2048 blocks of >= 128
-// rows with 4 or 8 in flight; KILN_COLSUM experiment, bench/log/sessions-1-12.md session 6).
+// rows with 4 or 8 in flight; the KILN_COLSUM experiment logged in bench/log/sessions-1-12.md).
 constexpr int64_t kColumnTargetBlocks = 4096;  // about four waves of 8 blocks per SM
 constexpr int64_t kColumnMinRows = 32;          // rows per split
 constexpr int64_t kRowTargetWarps = 8192;

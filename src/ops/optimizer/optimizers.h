@@ -9,7 +9,7 @@
 //     kernels it has.
 // Readers: the op's verifier (ops/optimizer.cc), the training graph (state names, sharding,
 // parameter groups: compile/training_graph.cc), the trainer (checkpoints, sharded state), the
-// memory estimate (train/job.cc), the CLI flags (tools/cli/) and the Python classes
+// memory estimate (train/placement.cc), the CLI flags (tools/cli/) and the Python classes
 // (python/kiln/optim.py, through the extension).
 #pragma once
 

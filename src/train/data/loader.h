@@ -4,7 +4,7 @@
 // memory), shuts down cleanly in its destructor, and hands an exception thrown on the thread
 // to the consumer, in order, after the batches made before it. Its items are a dataset's
 // Batch (BatchPrefetcher) or a step's data inputs in order (the training job's: an imported
-// model's inputs are bound by shape, train/job.cc).
+// model's inputs are bound by shape, train/tasks.cc).
 #pragma once
 
 #include <condition_variable>
