@@ -175,6 +175,15 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
   // the host issues steps ahead of the device in between; the CPU reads every step.
   std::vector<double> unread_lrs;
   const int64_t interval = std::max<int64_t>(loop.log_every, 1);
+  // The steps' own time at the progress points (where the losses were read, so the device had
+  // run them): the rates shown are since the last interval's point, and the steady state is
+  // timed from the first point after the warm-up steps (on CUDA an executor's first three runs
+  // launch directly, tune the GEMMs and capture the step: ~1.5 s of a GPT-2 run that
+  // measuring from the start folded into its ms/step).
+  const int64_t warm_steps = on_cuda ? 3 : 1;
+  auto step_time = [&] { return loop_time.seconds() - result.eval_seconds - result.checkpoint_seconds; };
+  int64_t window_done = first, steady_done = -1;
+  double window_time = 0, steady_time = 0;
   for (int64_t step = first; step < loop.steps; ++step) {
     std::optional<std::vector<Tensor>> batch = prefetcher.next();
     KILN_CHECK(batch.has_value(), "the data loader ended early at step {}", step);
@@ -194,7 +203,16 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
                  result.first_step_seconds, result.setup_seconds, result.compile_seconds, loop_time.seconds());
     }
     const double elapsed = loop_time.seconds();
-    const double rate = static_cast<double>((done - first) * data.items_per_step) / elapsed;
+    const double now = step_time();
+    const double rate = static_cast<double>((done - window_done) * data.items_per_step) / std::max(now - window_time, 1e-9);
+    if (done % interval == 0) {
+      window_done = done;
+      window_time = now;
+    }
+    if (steady_done < 0 && done >= first + warm_steps) {
+      steady_done = done;
+      steady_time = now;
+    }
     const double eta = elapsed / static_cast<double>(done - first) * static_cast<double>(loop.steps - done);
     std::vector<nlohmann::json> records;
     for (size_t k = 0; k < losses.size(); ++k) {
@@ -238,6 +256,12 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
   if (tty) fmt::print(out, "\n");
   result.steps_done = trainer.steps_done();
   result.step_seconds = loop_time.seconds() - result.eval_seconds - result.checkpoint_seconds;
+  if (steady_done >= 0 && trainer.steps_done() > steady_done)
+    result.steady_step_seconds = (result.step_seconds - steady_time) / static_cast<double>(trainer.steps_done() - steady_done);
+  const std::string steady =
+      result.steady_step_seconds > 0
+          ? fmt::format("; {:.1f} after step {}, in steady state", 1e3 * result.steady_step_seconds, steady_done)
+          : "";
   result.seconds = run_seconds();
   fmt::print(out, "done: {} steps in {}, final loss {:.4f}{}\n", result.steps_done, format_duration(result.seconds),
              result.final_loss,
@@ -247,10 +271,10 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
                                                           : fmt::format("{:.2f}", result.eval_metric),
                            result.eval_seconds));
   fmt::print(out,
-             "  wall time {:.2f} s: setup {:.2f} s, compile {:.2f} s, steps {:.2f} s ({:.1f} ms/step), evaluation "
+             "  wall time {:.2f} s: setup {:.2f} s, compile {:.2f} s, steps {:.2f} s ({:.1f} ms/step{}), evaluation "
              "{:.2f} s ({} x {} batches, compile {:.2f} s), checkpoints {:.2f} s\n",
              result.seconds, result.setup_seconds, result.compile_seconds, result.step_seconds,
-             1e3 * result.step_seconds / static_cast<double>(loop.steps - first), result.eval_seconds, result.evaluations,
+             1e3 * result.step_seconds / static_cast<double>(loop.steps - first), steady, result.eval_seconds, result.evaluations,
              result.eval_batches, trainer.eval_compile_seconds(), result.checkpoint_seconds);
   if (!checkpoint.empty())
     fmt::print(out, "checkpoint: {}{}\n",

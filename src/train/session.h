@@ -119,6 +119,9 @@ struct TrainResult {
   double seconds = 0;
   double setup_seconds = 0, compile_seconds = 0, first_step_seconds = 0;
   double step_seconds = 0, eval_seconds = 0, checkpoint_seconds = 0;
+  // Seconds per step after the warm-up (from the first progress point after the first steps, on
+  // CUDA three: direct, GEMM tuning, capture); 0 when no progress point came after it.
+  double steady_step_seconds = 0;
 };
 
 class TrainingSession {

@@ -74,6 +74,19 @@ TEST(TrainingSession, JobLoopAndHandSteppedTrainerGiveOneLossSequence) {
     EXPECT_EQ(r.losses, job.losses);
     EXPECT_EQ(r.eval_name, "perplexity");
     EXPECT_EQ(r.steps_done, 6);
+    // The steady state (the CPU's warm-up is its first step): the last five steps' time, which
+    // the steps' whole time includes.
+    EXPECT_GT(r.steady_step_seconds, 0);
+    EXPECT_LE(5 * r.steady_step_seconds, r.step_seconds);
+  }
+  {
+    // One step: no progress point after the warm-up, no steady state.
+    Task task = make_task(o);
+    TrainingSession session(std::move(task.model), options);
+    LoopOptions loop;
+    loop.steps = 1;
+    loop.out = o.out;
+    EXPECT_EQ(session.train(task.data, loop).steady_step_seconds, 0);
   }
   // Its trainer stepped by hand, as `kiln step` and the Python package step it.
   {
