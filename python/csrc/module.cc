@@ -36,7 +36,7 @@
 #include "train/job.h"
 #include "train/trainer.h"
 #ifdef KILN_HAVE_CUDA
-#include "backends/cuda/device.h"
+#include "backends/cuda/runtime/device.h"
 #endif
 
 namespace nb = nanobind;

@@ -3,10 +3,10 @@
 #ifndef KILN_HAVE_CUDA
 #include "backends/backend.h"
 #include "device/device_runtime.h"
-#include "backends/cuda/device.h"
-#include "backends/cuda/device_errors.h"
-#include "backends/cuda/kernel_trace.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/device_errors.h"
+#include "backends/cuda/runtime/kernel_trace.h"
+#include "backends/cuda/runtime/memory.h"
 #include "support/error.h"
 
 namespace kiln::cuda {

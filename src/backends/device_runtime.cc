@@ -1,7 +1,7 @@
 // The runtime factory and what every runtime shares (device/device_runtime.h).
 #include "device/device_runtime.h"
 
-#include "backends/cuda/device.h"
+#include "backends/cuda/runtime/device.h"
 #include "support/error.h"
 
 namespace kiln {

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <exception>
 
-#include "backends/cuda/device.h"
+#include "backends/cuda/runtime/device.h"
 #include "device/device_runtime.h"
 #include "support/error.h"
 

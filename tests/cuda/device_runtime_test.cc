@@ -1,11 +1,11 @@
-// The CUDA runtime (backends/cuda/cuda_runtime.cc) held to the DeviceRuntime contract
+// The CUDA runtime (backends/cuda/runtime/cuda_runtime.cc) held to the DeviceRuntime contract
 // (tests/backends/device_runtime_contract.h, which the CPU runtime meets too), and what is
 // CUDA's own: allocations counted, host tensors refused where device memory is expected, kernel
 // tuning and trace hooks present, the device made current on another thread.
 #include <thread>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/kernel_trace.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/kernel_trace.h"
 #include "backends/device_runtime_contract.h"
 #include "gpu_test_util.h"
 

@@ -14,7 +14,7 @@
 #include "support/error.h"
 #include "support/stopwatch.h"
 #ifdef KILN_HAVE_CUDA
-#include "backends/cuda/nvrtc.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #endif
 
 namespace kiln::cli {
