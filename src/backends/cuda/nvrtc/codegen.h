@@ -3,7 +3,7 @@
 // `kiln compile --dump-kernels` and the CPU tests use it on machines without a GPU.
 //
 // A fused node's body (Node::body) is lowered op by op, through ONE table of per-op emitters
-// (codegen.cc, `emitters()`), into "micro values": loads of body inputs, scalar CUDA expressions
+// (emitters.cc, `emitters()`), into "micro values": loads of body inputs, scalar CUDA expressions
 // over other micro values, and (rows kind only) sum/max reductions along the row. Two kernel
 // shapes come out of that:
 //   "elementwise": the body's values all broadcast (numpy rules) to one iteration shape S; one
