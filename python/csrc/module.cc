@@ -35,9 +35,6 @@
 #include "tensors.h"
 #include "train/job.h"
 #include "train/trainer.h"
-#ifdef KILN_HAVE_CUDA
-#include "backends/cuda/runtime/device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -133,9 +130,7 @@ class Session {
                options_.device);
     executor.device = options_.device == "cuda" ? Device::kCuda : Device::kCpu;
     executor.dialects = options_.dialects;
-#ifdef KILN_HAVE_CUDA
-    if (executor.device == Device::kCuda) cuda::set_current_device(options_.device_index);
-#endif
+    if (executor.device == Device::kCuda) device_runtime(Device::kCuda, options_.device_index)->make_current();
     const Graph& g = program_.graph;
     std::vector<Tensor> params;
     int64_t param_count = 0;

@@ -101,5 +101,25 @@ TEST(CudaRuntime, MakesItsDeviceCurrentOnAnotherThread) {
   EXPECT_TRUE(testing::same_bytes(back, host));
 }
 
+// A runtime made for a GPU by index is that GPU (the last one: on one GPU the current one, on
+// several another), and makes it current where asked, leaving the maker's device alone.
+TEST(CudaRuntime, IsTheDeviceOfItsIndex) {
+  KILN_REQUIRE_GPU();
+  EXPECT_EQ(gpu()->index(), cuda::current_device());
+  const int before = cuda::current_device();
+  const int last = cuda::device_count() - 1;
+  std::unique_ptr<DeviceRuntime> runtime = device_runtime(Device::kCuda, last);
+  EXPECT_EQ(runtime->index(), last);
+  EXPECT_EQ(runtime->name(), cuda::describe_device(last));
+  EXPECT_EQ(cuda::current_device(), before);
+  int seen = -1;
+  std::thread other([&] {
+    runtime->make_current();
+    seen = cuda::current_device();
+  });
+  other.join();
+  EXPECT_EQ(seen, last);
+}
+
 }  // namespace
 }  // namespace kiln

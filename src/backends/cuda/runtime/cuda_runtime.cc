@@ -73,9 +73,10 @@ class CudaTrace final : public DeviceTrace {
 
 class CudaRuntime final : public DeviceRuntime {
  public:
-  CudaRuntime() : ordinal_(cuda::current_device()) {}
+  explicit CudaRuntime(int ordinal) : ordinal_(ordinal) {}
 
   Device device() const override { return Device::kCuda; }
+  int index() const override { return ordinal_; }
   std::string name() const override { return cuda::describe_device(ordinal_); }
   void make_current() const override { cuda::set_current_device(ordinal_); }
 
@@ -122,6 +123,6 @@ class CudaRuntime final : public DeviceRuntime {
 
 }  // namespace
 
-std::unique_ptr<DeviceRuntime> make_cuda_runtime() { return std::make_unique<CudaRuntime>(); }
+std::unique_ptr<DeviceRuntime> make_cuda_runtime(int index) { return std::make_unique<CudaRuntime>(index); }
 
 }  // namespace kiln
