@@ -4,7 +4,7 @@
 // (moved from tests/cuda/attention_test.cc and cudnn_attention_test.cc); runs on the GPU machine.
 //
 // Usage: gpu_attention_bench [cuda-attention | cudnn]...   (none: both)
-#include "backends/cuda/cudnn_attention.h"
+#include "backends/cuda/attention/cudnn_attention.h"
 #include "gpu_bench_util.h"
 
 namespace kiln {

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "backends/backend.h"
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/device.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/memory.h"
 #include "ir/op_def.h"
 #include "runtime/profile.h"
 #include "tensor/tensor.h"

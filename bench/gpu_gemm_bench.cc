@@ -1,11 +1,11 @@
-// cuBLASLt GEMM speed (backends/cuda/cublaslt.h) at GPT-2's shapes, bf16: TFLOP/s of the
+// cuBLASLt GEMM speed (backends/cuda/cublaslt/cublaslt.h) at GPT-2's shapes, bf16: TFLOP/s of the
 // heuristic's plan and of the autotuned one per product and epilogue; the residual projections
 // as one call (f32 D = A B + bf16 bias + f32 C) against the bare product; the weight-gradient
 // product's variants (f32 or bf16 output, a ones column for the bias gradient, a padded lda).
 // Prints numbers (moved from tests/cuda/cublaslt_test.cc); runs on the GPU machine.
 //
 // Usage: gpu_gemm_bench [tflops | residual | weight-gradients]...   (none: all three)
-#include "backends/cuda/cublaslt.h"
+#include "backends/cuda/cublaslt/cublaslt.h"
 #include "gpu_bench_util.h"
 
 namespace kiln {

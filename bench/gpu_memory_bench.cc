@@ -12,8 +12,8 @@
 // the GPU machine.
 //
 // Usage: gpu_memory_bench [nn | movement | classifier | multi-tensor]...   (none: all)
-#include "backends/cuda/classifier.cuh"
-#include "backends/cuda/device_errors.h"
+#include "backends/cuda/classifier/classifier.cuh"
+#include "backends/cuda/runtime/device_errors.h"
 #include "gpu_bench_util.h"
 
 namespace kiln {

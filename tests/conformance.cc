@@ -11,8 +11,8 @@
 #include <map>
 #include <set>
 
-#include "backends/cuda/device_errors.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/device_errors.h"
+#include "backends/cuda/runtime/memory.h"
 #include "ir/text.h"
 
 namespace kiln::testing::conformance {

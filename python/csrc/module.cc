@@ -36,9 +36,6 @@
 #include "train/placement.h"
 #include "train/session.h"
 #include "train/trainer.h"
-#ifdef KILN_HAVE_CUDA
-#include "backends/cuda/device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -131,9 +128,7 @@ class Session {
     const Stopwatch clock;
     KILN_CHECK(options_.device == "cpu" || options_.device == "cuda", "device '{}': expected 'cpu' or 'cuda'",
                options_.device);
-#ifdef KILN_HAVE_CUDA
-    if (options_.device == "cuda") cuda::set_current_device(options_.device_index);
-#endif
+    if (options_.device == "cuda") device_runtime(Device::kCuda, options_.device_index)->make_current();
     ProcessGroup* process_group = nullptr;
     if (options_.shard != "none") {
       KILN_CHECK(group != nullptr && group->group, "shard '{}' needs the process group of a distributed job",

@@ -1,7 +1,7 @@
 // The communicator factory (device/communicator.h): each device's collective engine, or why
 // this build has none.
 #include "backends/cpu/gloo_communicator.h"
-#include "backends/cuda/nccl_communicator.h"
+#include "backends/cuda/nccl/nccl_communicator.h"
 #include "device/communicator.h"
 #include "support/error.h"
 

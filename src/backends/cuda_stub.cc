@@ -3,10 +3,11 @@
 #ifndef KILN_HAVE_CUDA
 #include "backends/backend.h"
 #include "device/device_runtime.h"
-#include "backends/cuda/device.h"
-#include "backends/cuda/device_errors.h"
-#include "backends/cuda/kernel_trace.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/device_errors.h"
+#include "backends/cuda/runtime/kernel_trace.h"
+#include "backends/cuda/runtime/memory.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #include "support/error.h"
 
 namespace kiln::cuda {
@@ -64,6 +65,8 @@ void KernelTrace::start() { no_cuda(); }
 std::vector<TraceEvent> KernelTrace::stop() { no_cuda(); }
 void set_trace_node(int64_t) {}
 
+std::string fused_kernel_listing(const Graph&, FusedKind) { no_cuda(); }
+
 CapturedGraph::~CapturedGraph() = default;
 void CapturedGraph::begin_capture(void*) { no_cuda(); }
 void CapturedGraph::end_capture(void*) { no_cuda(); }
@@ -73,6 +76,6 @@ void CapturedGraph::launch(void*) const { no_cuda(); }
 
 namespace kiln {
 void register_cuda_kernels(KernelRegistry&) {}
-std::unique_ptr<DeviceRuntime> make_cuda_runtime() { cuda::no_cuda(); }
+std::unique_ptr<DeviceRuntime> make_cuda_runtime(int) { cuda::no_cuda(); }
 }  // namespace kiln
 #endif

@@ -1,5 +1,5 @@
 // What the multi-tensor kernels of every backend share (backends/cpu/multi_tensor.cc,
-// backends/cuda/multi_tensor.cc) beyond the body contracts (ops/fused/multi_tensor.h, which
+// backends/cuda/multi_tensor/multi_tensor.cc) beyond the body contracts (ops/fused/multi_tensor.h, which
 // read a body into its members): the norm's add tree over the terms, and the order in which
 // members may run when the memory plan put an output of one member over an input of another.
 // (multi-tensor-cast has no aliasing question: an f32 input and a 16-bit result never share a

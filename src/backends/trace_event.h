@@ -1,7 +1,7 @@
 // One piece of device work in a traced run, as a backend's tracer records it
-// (cuda::KernelTrace, backends/cuda/kernel_trace.h). Here, below the runtime, so that the tracer
-// needs nothing above the backends; the reports on traced runs (split into steps, per-node
-// times, gaps) are the runtime's (runtime/profile.h). Plain C++: no CUDA headers.
+// (cuda::KernelTrace, backends/cuda/runtime/kernel_trace.h). Here, below the runtime, so that
+// the tracer needs nothing above the backends; the reports on traced runs (split into steps,
+// per-node times, gaps) are the runtime's (runtime/profile.h). Plain C++: no CUDA headers.
 #pragma once
 
 #include <cstdint>

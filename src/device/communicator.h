@@ -1,5 +1,6 @@
-// The one interface to a collective engine: NCCL on CUDA GPUs (backends/cuda/nccl_communicator.cc),
-// Gloo on CPUs (backends/cpu/gloo_communicator.cc). kiln never writes its own collectives.
+// The one interface to a collective engine: NCCL on CUDA GPUs
+// (backends/cuda/nccl/nccl_communicator.cc), Gloo on CPUs (backends/cpu/gloo_communicator.cc).
+// kiln never writes its own collectives.
 //
 // A Communicator joins the `world_size` processes of one training job (one per device, rank r
 // of them this one); the distributed layer (distributed/process_group.h) creates it after the

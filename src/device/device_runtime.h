@@ -4,7 +4,7 @@
 // graph replayed with one launch, and the hooks kernels and traces need (tuning, node names).
 // The executor (runtime/executor.h) and the trainer (train/) reach a device only through it,
 // so one code path serves every device; each backend implements it (backends/cpu/cpu_runtime.cc,
-// backends/cuda/cuda_runtime.cc, which wraps backends/cuda/memory.h and device.h). No CUDA
+// backends/cuda/runtime/cuda_runtime.cc, which wraps memory.h and device.h beside it). No CUDA
 // headers here: a stream's handle is a void* (a cudaStream_t on CUDA).
 //
 // On the CPU, work runs when it is enqueued: a stream is an empty handle, an asynchronous copy
@@ -13,8 +13,9 @@
 //
 // A runtime is a small object without device state of its own (the memory it hands out, the
 // streams, events and graphs it makes are owned by whoever asked); make one per user with
-// device_runtime(). On CUDA it is the GPU that was current on the thread that made it (one
-// process per GPU); make_current() makes that GPU current on another thread.
+// device_runtime(). On CUDA it is one GPU (index()): the one current on the thread that made it
+// (one process per GPU), or the one asked for by index. CUDA keeps the current GPU per thread
+// and works on it, so make_current() makes the runtime's GPU current on the calling thread.
 #pragma once
 
 #include <cstddef>
@@ -122,8 +123,8 @@ class KernelTuning {
 };
 
 // A timeline of what the device ran (every kernel, copy and fill, with the device's own times):
-// backends/cuda/kernel_trace.h. Graph nodes captured while a trace exists are remembered with
-// the kiln node that enqueued them (DeviceRuntime::node_marker), so build the executor to be
+// backends/cuda/runtime/kernel_trace.h. Graph nodes captured while a trace exists are remembered
+// with the kiln node that enqueued them (DeviceRuntime::node_marker), so build the executor to be
 // traced after making the trace.
 class DeviceTrace {
  public:
@@ -144,6 +145,8 @@ class DeviceRuntime {
 
   // ---- the device ----
   virtual Device device() const = 0;
+  // Which device of its kind: the CUDA device ordinal; 0 on the CPU.
+  virtual int index() const = 0;
   // What the device is, for reports and messages: "NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB" (the
   // name device_peak_flops looks up), "cpu (16 threads)".
   virtual std::string name() const = 0;
@@ -201,7 +204,7 @@ class DeviceRuntime {
   // Throws kiln::Error where !can_capture().
   virtual std::unique_ptr<DeviceGraph> create_graph() const = 0;
   // Throws kiln::Error for the first data error a kernel recorded since the last call (an index
-  // or a label out of range: backends/cuda/device_errors.h) and clears them. Call it after
+  // or a label out of range: backends/cuda/runtime/device_errors.h) and clears them. Call it after
   // synchronizing the streams the kernels ran on. No-op on the CPU, whose kernels throw at once.
   virtual void check_kernel_errors() const = 0;
 
@@ -224,6 +227,11 @@ class DeviceRuntime {
 // there is none: "this build has no CUDA backend (configure with -DKILN_CUDA=ON)", or "no CUDA
 // device on this machine".
 std::unique_ptr<DeviceRuntime> device_runtime(Device device);
+// A runtime for device `index` of its kind (the CUDA device ordinal; the CPU has index 0 only).
+// It does not change the thread's current device: make_current() does. Throws kiln::Error as
+// device_runtime(device) does, and naming the index and the devices there are when it is out
+// of range.
+std::unique_ptr<DeviceRuntime> device_runtime(Device device, int index);
 
 // What a build and machine offer for `device`, without making a runtime (`kiln version`).
 struct DeviceAvailability {
@@ -236,9 +244,9 @@ struct DeviceAvailability {
 };
 DeviceAvailability device_availability(Device device);
 
-// Each backend's runtime (backends/cpu/cpu_runtime.cc, backends/cuda/cuda_runtime.cc; in a
-// build without CUDA, backends/cuda_stub.cc's throws). device_runtime() checks first.
+// Each backend's runtime (backends/cpu/cpu_runtime.cc, backends/cuda/runtime/cuda_runtime.cc;
+// in a build without CUDA, backends/cuda_stub.cc's throws). device_runtime() checks first.
 std::unique_ptr<DeviceRuntime> make_cpu_runtime();
-std::unique_ptr<DeviceRuntime> make_cuda_runtime();
+std::unique_ptr<DeviceRuntime> make_cuda_runtime(int index);
 
 }  // namespace kiln

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <exception>
 
-#include "backends/cuda/device.h"
 #include "device/device_runtime.h"
 #include "support/error.h"
 
@@ -64,7 +63,7 @@ std::unique_ptr<ProcessGroup> init_process_group(const DistEnv& env, Device devi
                  "WORLD_SIZE={} with LOCAL_RANK={} (LOCAL_WORLD_SIZE={}) needs a GPU per local "
                  "rank, but this machine has {} GPU{}", env.world_size, env.local_rank,
                  env.local_world_size, gpus.count, gpus.count == 1 ? "" : "s");
-      cuda::set_current_device(env.local_rank);
+      device_runtime(Device::kCuda, env.local_rank)->make_current();
     }
     meet(*g.store_, "kiln/joined", g.options_.timeout,
          fmt::format("joining the rendezvous at {}:{}", env.master_addr, store_options.port),

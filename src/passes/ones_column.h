@@ -22,10 +22,10 @@
 //      cast to D's output dtype], read by nothing else (the bias gradient).
 // and rewrites it to
 //   P  writes X' = concat(X, full(1, (..., p)), axis -1): its rows kernel stores each row and
-//      then its p ones (backends/cuda/codegen.cc, emit_concat); p is the fewest columns that
+//      then its p ones (backends/cuda/nvrtc/codegen.cc, emit_concat); p is the fewest columns that
 //      keep every row 16-byte aligned (bf16 768 + 8, f32 + 4);
 //   F  reads X' and slices x[..., :K] in its body: cuBLASLt reads A in place with lda K + p
-//      (backends/cuda/nvrtc.cc, gemm_core);
+//      (backends/cuda/nvrtc/nvrtc.cc, gemm_core);
 //   D  multiplies reshape(X') (M, K + p): dW = slice of rows [0, K), db = reshape of the slice
 //      of row K: views at an offset in the memory plan (analysis/memory_plan.h), no copies;
 //   S  is gone.

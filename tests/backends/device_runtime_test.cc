@@ -69,5 +69,33 @@ TEST(DeviceRuntimeFactory, SaysWhatEachDeviceHas) {
   }
 }
 
+TEST(DeviceRuntimeFactory, GivesTheDeviceOfAnIndex) {
+  EXPECT_EQ(cpu()->index(), 0);
+  EXPECT_EQ(device_runtime(Device::kCpu, 0)->index(), 0);
+  try {
+    device_runtime(Device::kCpu, 1);
+    FAIL() << "the cpu has no device 1";
+  } catch (const Error& e) {
+    testing::expect_contains_text(e.what(), "cpu device 1: the cpu is device 0, the only one");
+  }
+  const DeviceAvailability gpu = device_availability(Device::kCuda);
+  if (gpu.built && gpu.count > 0) {
+    EXPECT_EQ(device_runtime(Device::kCuda, gpu.count - 1)->index(), gpu.count - 1);
+    try {
+      device_runtime(Device::kCuda, gpu.count);
+      FAIL() << "CUDA device " << gpu.count << " of " << gpu.count;
+    } catch (const Error& e) {
+      testing::expect_contains_text(e.what(), fmt::format("CUDA device {}: this machine has {} GPU", gpu.count, gpu.count));
+    }
+    return;
+  }
+  try {
+    device_runtime(Device::kCuda, 0);
+    FAIL() << "device_runtime(kCuda, 0) without a GPU must throw";
+  } catch (const Error& e) {
+    testing::expect_contains_text(e.what(), gpu.built ? "no CUDA device on this machine" : "this build has no CUDA backend");
+  }
+}
+
 }  // namespace
 }  // namespace kiln

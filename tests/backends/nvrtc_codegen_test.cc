@@ -1,4 +1,4 @@
-// The nvrtc dialect's code generation (backends/cuda/codegen.h) without a GPU: what the
+// The nvrtc dialect's code generation (backends/cuda/nvrtc/codegen.h) without a GPU: what the
 // generated source must contain for known bodies (vector width, broadcast index arithmetic,
 // reductions, column reductions and their finish kernel), which bodies are refused and why,
 // determinism, the GEMM-epilogue matcher (cuBLASLt epilogues, and a product followed by a
@@ -19,8 +19,8 @@
 #include <random>
 
 #include "backends/backend.h"
-#include "backends/cuda/codegen.h"
-#include "backends/cuda/nvrtc.h"
+#include "backends/cuda/nvrtc/codegen.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #include "ir/graph.h"
 #include "models/models.h"
 #include "ops/elementwise.h"

@@ -16,7 +16,7 @@
 #include <map>
 #include <string>
 
-#include "backends/cuda/nvrtc.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
 #include "compile/training_graph.h"

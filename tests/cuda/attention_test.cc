@@ -1,4 +1,4 @@
-// The "cuda-attention" dialect (backends/cuda/attention.cc) against the CPU reference kernels
+// The "cuda-attention" dialect (backends/cuda/attention/attention.cc) against the CPU reference kernels
 // of attention (out, lse) and attention_grad (ops/nn.cc): random inputs, outputs poisoned with
 // NaN first, shapes with T not a multiple of the 64-row tile, causal and not, bf16 / f16 / f32,
 // the tensor-core path (d == dv in {32, 64, 128}) and the simple path (other head dims, f32).
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "attention_test_util.h"
-#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/common/cuda_check.h"
 
 namespace kiln {
 namespace {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 
 namespace kiln::testing {

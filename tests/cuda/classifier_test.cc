@@ -1,4 +1,4 @@
-// The fused classifier's CUDA kernel (backends/cuda/classifier.{cu,cc}) against the CPU oracle,
+// The fused classifier's CUDA kernel (backends/cuda/classifier/classifier.{cu,cc}) against the CPU oracle,
 // the fused reference kernel (ops/fused.cc: the body's reference kernels in f64), on random
 // inputs: f32/bf16/f16 logits, a bf16 gradient of f32 logits, vocabularies 1 to 50304 (odd ones
 // start rows misaligned: the scalar head/tail), both shared-memory and re-read paths (f32 rows
@@ -22,10 +22,10 @@
 #include <memory>
 
 #include "backends/classifier_test_util.h"
-#include "backends/cuda/classifier.cuh"
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/device_errors.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/classifier/classifier.cuh"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/device_errors.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 
 namespace kiln {

@@ -1,4 +1,4 @@
-// The "cuda-conv" dialect (backends/cuda/conv.{cu,cc}) against the CPU reference kernels
+// The "cuda-conv" dialect (backends/cuda/conv/conv.{cu,cc}) against the CPU reference kernels
 // (ops/conv.cc); whole CNN steps are cnn_test.cc's:
 //   - every op of the family (conv2d, its input and weight gradients, max/avg pooling and their
 //     gradients) at every float dtype, over a sweep of geometries: strides below, at and above
@@ -21,7 +21,7 @@
 #include <cmath>
 #include <limits>
 
-#include "backends/cuda/conv.cuh"
+#include "backends/cuda/conv/conv.cuh"
 #include "conformance.h"
 #include "gpu_test_util.h"
 

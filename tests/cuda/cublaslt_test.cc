@@ -1,4 +1,4 @@
-// cuBLASLt GEMMs (backends/cuda/cublaslt.h): the "cublaslt" matmul dialect against the CPU
+// cuBLASLt GEMMs (backends/cuda/cublaslt/cublaslt.h): the "cublaslt" matmul dialect against the CPU
 // reference matmul computed in f64 (every transpose combination, odd sizes, batches and
 // broadcasts, GPT-2's shapes, f32 exact and TF32, bf16, f16); every epilogue of cuda::Gemm against
 // a host computation, and bf16/f16 products written as f32 (with a bias and a C addend); the
@@ -21,8 +21,8 @@
 #include <optional>
 #include <random>
 
-#include "backends/cuda/cublaslt.h"
-#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cublaslt/cublaslt.h"
+#include "backends/cuda/common/cuda_check.h"
 #include "gpu_test_util.h"
 #include "ir/op_def.h"
 

@@ -1,4 +1,4 @@
-// The "cudnn" dialect (backends/cuda/cudnn_attention.cc) against the CPU reference kernels of
+// The "cudnn" dialect (backends/cuda/attention/cudnn_attention.cc) against the CPU reference kernels of
 // attention (out, lse) and attention_grad (ops/nn.cc): random inputs, outputs poisoned with NaN
 // first; bf16 and f16, layouts "bhtd" and "bthd", causal and not, a GPT-2-like shape and odd
 // ones (T = 77, d = 32 and 128, Tq != Tk). Each kernel is prepared first (the executor does
@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/cudnn_attention.h"
+#include "backends/cuda/attention/cudnn_attention.h"
 #include "attention_test_util.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/memory.h"
 #include "ir/text.h"
 #include "runtime/executor.h"
 

@@ -1,11 +1,11 @@
-// The CUDA runtime (backends/cuda/cuda_runtime.cc) held to the DeviceRuntime contract
+// The CUDA runtime (backends/cuda/runtime/cuda_runtime.cc) held to the DeviceRuntime contract
 // (tests/backends/device_runtime_contract.h, which the CPU runtime meets too), and what is
 // CUDA's own: allocations counted, host tensors refused where device memory is expected, kernel
 // tuning and trace hooks present, the device made current on another thread.
 #include <thread>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/kernel_trace.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/kernel_trace.h"
 #include "backends/device_runtime_contract.h"
 #include "gpu_test_util.h"
 
@@ -99,6 +99,26 @@ TEST(CudaRuntime, MakesItsDeviceCurrentOnAnotherThread) {
   other.join();
   EXPECT_EQ(seen, device);
   EXPECT_TRUE(testing::same_bytes(back, host));
+}
+
+// A runtime made for a GPU by index is that GPU (the last one: on one GPU the current one, on
+// several another), and makes it current where asked, leaving the maker's device alone.
+TEST(CudaRuntime, IsTheDeviceOfItsIndex) {
+  KILN_REQUIRE_GPU();
+  EXPECT_EQ(gpu()->index(), cuda::current_device());
+  const int before = cuda::current_device();
+  const int last = cuda::device_count() - 1;
+  std::unique_ptr<DeviceRuntime> runtime = device_runtime(Device::kCuda, last);
+  EXPECT_EQ(runtime->index(), last);
+  EXPECT_EQ(runtime->name(), cuda::describe_device(last));
+  EXPECT_EQ(cuda::current_device(), before);
+  int seen = -1;
+  std::thread other([&] {
+    runtime->make_current();
+    seen = cuda::current_device();
+  });
+  other.join();
+  EXPECT_EQ(seen, last);
 }
 
 }  // namespace

@@ -22,8 +22,8 @@
 #include <optional>
 
 #include "analysis/plan_check.h"
-#include "backends/cuda/cublaslt.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/cublaslt/cublaslt.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 #include "ir/text.h"
 #include "models/models.h"

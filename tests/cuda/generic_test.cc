@@ -1,4 +1,4 @@
-// The "cuda" generic dialect (backends/cuda/generic.{cu,cc}): what the conformance sweep
+// The "cuda" generic dialect (backends/cuda/generic/generic.{cu,cc}): what the conformance sweep
 // (tests/conformance.h, every op at every dtype against the CPU reference) does not check:
 // dropout's mask is the reference's exactly, data errors (bad indices, integer division by
 // zero, bad labels) reach the host as kiln::Error after a sync, and every op has a generic

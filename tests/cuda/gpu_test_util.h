@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/device.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/device.h"
 #include "test_util.h"
 
 #define KILN_REQUIRE_GPU()                                                          \

@@ -1,10 +1,10 @@
-// The CUPTI timeline (backends/cuda/kernel_trace.h) of graph-replayed gpt2-tiny training steps:
+// The CUPTI timeline (backends/cuda/runtime/kernel_trace.h) of graph-replayed gpt2-tiny training steps:
 // each replay is one step of the trace, every kernel of it names the graph node that enqueued
 // it when the graph was captured (only the executor's own copies around the nodes name none),
 // every node that is not a view shows up, and the replays run the same nodes in the same order.
 #include <set>
 
-#include "backends/cuda/kernel_trace.h"
+#include "backends/cuda/runtime/kernel_trace.h"
 #include "gpu_test_util.h"
 #include "runtime/profile.h"
 #include "training_step_util.h"

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "attention_test_util.h"
-#include "backends/cuda/cudnn_attention.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/attention/cudnn_attention.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 #include "models/models.h"
 #include "passes/autodiff.h"

@@ -1,4 +1,4 @@
-// The "cuda-movement" dialect (backends/cuda/movement.{cu,cc}) against the CPU reference kernels
+// The "cuda-movement" dialect (backends/cuda/movement/movement.{cu,cc}) against the CPU reference kernels
 // on random inputs: reshape, transpose (rows path and tiled path), slice, concat, split,
 // broadcast_to, cast and sum, for f32/bf16/f16 and the other element sizes (u8, i64) where the
 // op takes any dtype; odd shapes (sizes not multiples of 8, runs that are not 16-byte multiples,
@@ -19,8 +19,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 
 namespace kiln {

@@ -1,4 +1,4 @@
-// The multi-tensor kernels of the "cuda-nn" dialect (backends/cuda/multi_tensor.{cu,cc}):
+// The multi-tensor kernels of the "cuda-nn" dialect (backends/cuda/multi_tensor/multi_tensor.{cu,cc}):
 //   - AdamW and SGD over groups of odd sizes (and a misaligned view: the element-by-element
 //     path), f32 and bf16 grads, against the per-tensor cuda-nn kernels (the same expressions):
 //     the moments / momentum buffer bit for bit, the param within 2 ulp (atol 1e-9, rtol
@@ -24,8 +24,8 @@
 #include <cstring>
 #include <limits>
 
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 #include "models/models.h"
 #include "runtime/executor.h"

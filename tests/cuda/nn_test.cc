@@ -1,4 +1,4 @@
-// The "cuda-nn" dialect (backends/cuda/nn.{cu,cc}) against the CPU reference kernels: every op,
+// The "cuda-nn" dialect (backends/cuda/nn/nn.{cu,cc}) against the CPU reference kernels: every op,
 // f32/bf16/f16, row lengths that take the warp path (<= 1024), the block path, odd lengths
 // (rows that start misaligned, so the scalar head/tail is exercised) and a misaligned view
 // (the scalar fallback). Outputs are poisoned with 0xFF bytes first, so an unwritten element
@@ -19,9 +19,9 @@
 #include <cstring>
 #include <random>
 
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/device_errors.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/device_errors.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 
 namespace kiln {

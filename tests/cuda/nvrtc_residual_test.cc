@@ -17,10 +17,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "backends/cuda/cublaslt.h"
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/memory.h"
-#include "backends/cuda/nvrtc.h"
+#include "backends/cuda/cublaslt/cublaslt.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/memory.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #include "gpu_test_util.h"
 
 namespace kiln {

@@ -1,4 +1,4 @@
-// The "nvrtc" dialect (backends/cuda/{codegen,nvrtc}) on the GPU: fused nodes of several bodies
+// The "nvrtc" dialect (backends/cuda/nvrtc/{codegen,nvrtc}) on the GPU: fused nodes of several bodies
 // against the fused reference kernel (ops/fused.cc: every op's reference kernel on whole
 // tensors) on random inputs, outputs poisoned with 0xFF bytes first (an unwritten element reads
 // as NaN). Bodies: every math line alone (ops/elementwise_math.h), elementwise chains with
@@ -22,11 +22,11 @@
 
 #include <cstring>
 
-#include "backends/cuda/codegen.h"
-#include "backends/cuda/cublaslt.h"
-#include "backends/cuda/cuda_check.h"
-#include "backends/cuda/memory.h"
-#include "backends/cuda/nvrtc.h"
+#include "backends/cuda/nvrtc/codegen.h"
+#include "backends/cuda/cublaslt/cublaslt.h"
+#include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/runtime/memory.h"
+#include "backends/cuda/nvrtc/nvrtc.h"
 #include "gpu_test_util.h"
 #include "ops/elementwise.h"
 
@@ -145,7 +145,7 @@ Body broadcast_chain(DType d, int64_t rows, int64_t n) {
   return b.out({b.op(Op::kMul, {b.op(Op::kMul, {y, col}), b.op(Op::kAdd, {s, half})})});
 }
 
-// The cuda-body fallback (backends/cuda/fused_body.cc): a body nvrtc cannot generate (a column
+// The cuda-body fallback (backends/cuda/nvrtc/fused_body.cc): a body nvrtc cannot generate (a column
 // sum read inside the body), whose outputs include a body input passed through and one value
 // listed twice, runs op by op on the GPU and matches the fused reference kernel.
 TEST(NvrtcTest, CudaBodyFallbackRunsWhatNvrtcCannot) {

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 #include "models/models.h"
 #include "passes/autodiff.h"

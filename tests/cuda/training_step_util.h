@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/memory.h"
 #include "models/models.h"
 #include "passes/pipeline.h"
 #include "runtime/executor.h"

@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/memory.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/memory.h"
 #include "ir/text.h"
 #include "models/models.h"
 #include "runtime/executor.h"

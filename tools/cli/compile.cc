@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "backends/generated_source.h"
 #include "compile/compile_step.h"
 #include "compile/report.h"
 #include "ir/text.h"
@@ -13,9 +14,6 @@
 #include "options.h"
 #include "support/error.h"
 #include "support/stopwatch.h"
-#ifdef KILN_HAVE_CUDA
-#include "backends/cuda/nvrtc.h"
-#endif
 
 namespace kiln::cli {
 namespace {
@@ -38,7 +36,8 @@ struct CompileCommand {
 // `--dump-kernels DIR`: one .cu file per fused node (node index and kind in the name) with the
 // nvrtc dialect's generated source; codegen needs no GPU.
 void dump_kernels(const Graph& graph, const std::string& dir) {
-#ifdef KILN_HAVE_CUDA
+  KILN_CHECK(device_availability(Device::kCuda).built,
+             "--dump-kernels {}: this build has no CUDA backend (configure with -DKILN_CUDA=ON)", dir);
   std::filesystem::create_directories(dir);
   int written = 0;
   for (size_t i = 0; i < graph.nodes.size(); ++i) {
@@ -47,15 +46,11 @@ void dump_kernels(const Graph& graph, const std::string& dir) {
     const FusedKind kind = fused_kind(node);
     const std::string path = fmt::format("{}/node{:04}_{}.cu", dir, i, fused_kind_name(kind));
     std::ofstream out(path, std::ios::binary);
-    out << cuda::fused_kernel_listing(*node.body, kind);
+    out << generated_kernel_source(Device::kCuda, *node.body, kind);
     KILN_CHECK(out.good(), "cannot write '{}'", path);
     ++written;
   }
   fmt::print("wrote {} fused kernel sources to {}\n", written, dir);
-#else
-  (void)graph;
-  fail("--dump-kernels {}: this build has no CUDA backend (configure with -DKILN_CUDA=ON)", dir);
-#endif
 }
 
 void compile(CompileCommand o) {

@@ -96,6 +96,7 @@ DeviceMemoryInfo host_memory() {
 class CpuRuntime final : public DeviceRuntime {
  public:
   Device device() const override { return Device::kCpu; }
+  int index() const override { return 0; }
   std::string name() const override { return fmt::format("cpu ({} threads)", std::thread::hardware_concurrency()); }
   void make_current() const override {}
 

@@ -1,7 +1,7 @@
 // The CUDA backend's kernel families. Each registers its implementations with the dialect
-// registry (backends/backend.h) at its own priority; cuda_backend.cc calls them all. One file
-// pair per family: <family>.cu holds the kernels and launchers (C++17, nvcc), <family>.cc the
-// KernelImpl registrations (C++20).
+// registry (backends/backend.h) at its own priority; cuda_backend.cc calls them all. One folder
+// per family: <family>/<family>.cu holds the kernels and launchers (C++17, nvcc), <family>.cc the
+// KernelImpl registrations (C++20). runtime/ and common/ hold what they all use.
 #pragma once
 
 #include "backends/backend.h"

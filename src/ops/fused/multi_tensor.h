@@ -1,6 +1,6 @@
 // The body contracts of the multi-tensor kinds (the multi-tensor pass makes them,
 // passes/multi_tensor.h), read into what the kernels of every backend need
-// (backends/cpu/multi_tensor.cc, backends/cuda/multi_tensor.cc):
+// (backends/cpu/multi_tensor.cc, backends/cuda/multi_tensor/multi_tensor.cc):
 //   "multi-tensor-update": only optimizer_update nodes, all with equal attributes (one optimizer,
 //     the same hyperparameters) and the same scalar operands (lr, step); every operand a body
 //     input; every result a distinct body output, and every body output one result.

@@ -3,7 +3,7 @@
 // element, which every kernel that applies it evaluates:
 //   the reference kernel of optimizer_update (ops/optimizer.cc)      T = double
 //   the CPU fast kernels (backends/cpu/train_kernels.cc, multi_tensor.cc) T = float
-//   the CUDA kernels (backends/cuda/generic.cu, nn.cu, multi_tensor.cu)   T = float
+//   the CUDA kernels (backends/cuda/generic/generic.cu, nn.cu, multi_tensor.cu)   T = float
 // So this header is plain C++17 that g++ and nvcc both compile (host and device functions).
 // The registry (ops/optimizer/optimizers.h) makes an optimizer entry of each rule; optimizers
 // whose update is not per element (Adafactor's factored moments) are graph builders there.
