@@ -5,7 +5,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu-env.sh"
 t0=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DKILN_BUILD_TESTS=ON "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
   cmake --build build-gpu -j16 >>"$out/build.log" 2>&1
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
 [ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; }
