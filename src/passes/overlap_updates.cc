@@ -1,7 +1,6 @@
 #include "passes/overlap_updates.h"
 
 #include <algorithm>
-#include <numeric>
 
 #include "analysis/memory_plan.h"
 #include "ops/fused/kind.h"
@@ -63,20 +62,17 @@ void hoist_small_producers(Graph& graph) {
   std::vector<int> producer(graph.values.size(), -1);
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     size_t at = n;
-    if (wanted[n]) {
-      int last = -1;
+    int last = -1;
+    if (wanted[n])
       for (ValueId id : graph.nodes[n].inputs) last = std::max(last, producer[static_cast<size_t>(id)]);
+    if (wanted[n] && static_cast<size_t>(last + 1) < n) {
       at = static_cast<size_t>(last + 1);
-      if (at < n) {
-        move_up(graph, n, at);
-        std::rotate(wanted.begin() + static_cast<std::ptrdiff_t>(at), wanted.begin() + static_cast<std::ptrdiff_t>(n),
-                    wanted.begin() + static_cast<std::ptrdiff_t>(n) + 1);
-        // The nodes from `at` on moved one down: their outputs' producers too.
-        for (size_t k = at + 1; k <= n; ++k)
-          for (ValueId id : graph.nodes[k].outputs) producer[static_cast<size_t>(id)] = static_cast<int>(k);
-      } else {
-        at = n;
-      }
+      move_up(graph, n, at);
+      std::rotate(wanted.begin() + static_cast<std::ptrdiff_t>(at), wanted.begin() + static_cast<std::ptrdiff_t>(n),
+                  wanted.begin() + static_cast<std::ptrdiff_t>(n) + 1);
+      // The nodes from `at` on moved one down: their outputs' producers too.
+      for (size_t k = at + 1; k <= n; ++k)
+        for (ValueId id : graph.nodes[k].outputs) producer[static_cast<size_t>(id)] = static_cast<int>(k);
     }
     for (ValueId id : graph.nodes[at].outputs) producer[static_cast<size_t>(id)] = static_cast<int>(at);
   }
