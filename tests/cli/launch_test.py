@@ -267,6 +267,11 @@ def test_train_metrics_are_rank_0s():
         check([r["step"] for r in rank0] == [1, 2, 3] and [r["step"] for r in rank1] == [1, 2, 3],
               f"each rank's own file, a line per step: {rank0}, {rank1}")
         check([r["loss"] for r in rank0] == [r["loss"] for r in rank1], f"the group's loss on both: {rank0}, {rank1}")
+    # Without --metrics there is no FILE for the ranks' files: one line, not a silent no-op.
+    alone = subprocess.run([KILN, "train", "--metrics-all-ranks", "--steps", "1"], capture_output=True, text=True,
+                           timeout=30)
+    check(alone.returncode != 0 and "--metrics-all-ranks requires --metrics" in alone.stdout + alone.stderr,
+          "--metrics-all-ranks without --metrics is refused", alone)
 
 
 def main():

@@ -59,11 +59,13 @@ void add_train_command(CLI::App& app) {
                       "test set (0 = all of it)")
       ->default_val(0);
   command->add_option("--log-every", job->log_every, "Log line interval when not on a terminal")->default_val(100);
-  command->add_option("--metrics", job->metrics_path,
+  CLI::Option* metrics = command->add_option("--metrics", job->metrics_path,
                       "Append metrics as JSON lines to FILE (under kiln launch: rank 0's; every rank's loss is the "
                       "group's mean)");
+  // Without --metrics there is no FILE to add ranks' files beside: an error, not a silent no-op.
   command->add_flag("--metrics-all-ranks", job->metrics_all_ranks,
-                    "Under kiln launch, every other rank R also appends its own metrics to FILE.rank<R>");
+                    "Under kiln launch, every other rank R also appends its own metrics to FILE.rank<R>")
+      ->needs(metrics);
   add_pass_options(command, job->passes);
   command->callback([job, file, batch] {
     if (!file->empty()) {
