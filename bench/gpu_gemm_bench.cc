@@ -2,10 +2,13 @@
 // heuristic's plan and of the autotuned one per product and epilogue; the residual projections
 // as one call (f32 D = A B + bf16 bias + f32 C) against the bare product; the weight-gradient
 // product's variants (f32 or bf16 output, a ones column for the bias gradient, a padded lda).
+// And fp8 (ops/fp8.h) against bf16 at LLaMA-1B's and GPT-2's linear layers: the whole fp8 product
+// (amax, quantization, FP8 GEMM), its FP8 GEMM alone and its quantization alone.
 // Prints numbers (moved from tests/cuda/cublaslt_test.cc); runs on the GPU machine.
 //
-// Usage: gpu_gemm_bench [tflops | residual | weight-gradients]...   (none: all three)
+// Usage: gpu_gemm_bench [tflops | residual | weight-gradients | fp8]...   (none: all)
 #include "backends/cuda/cublaslt/cublaslt.h"
+#include "backends/cuda/cublaslt/fp8.cuh"
 #include "gpu_bench_util.h"
 
 namespace kiln {
@@ -168,6 +171,72 @@ void weight_gradients() {
   }
 }
 
+// One linear layer's three products (forward x w, dx = dy w^T, dw = x^T dy; w stored (in, out)),
+// bf16 against fp8 (e4m3 forward, e5m2 for dy), at `tokens` rows.
+void fp8_layer(const char* name, int64_t tokens, int64_t in, int64_t out) {
+  struct Product {
+    const char* what;
+    int64_t m, n, k;
+    bool ta, tb;
+    Fp8Format fa, fb;
+  };
+  const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
+  const Product products[] = {{"forward", tokens, out, in, false, false, e4, e4},
+                              {"dx", tokens, in, out, false, true, e5, e4},
+                              {"dw", in, out, tokens, true, false, e4, e5}};
+  cuda::Stream stream;
+  const auto s = static_cast<cudaStream_t>(stream.handle());
+  double total_bf16 = 0, total_fp8 = 0;
+  for (const Product& p : products) {
+    auto a = random_buffer(p.m * p.k * 2, 1), b = random_buffer(p.k * p.n * 2, 2);
+    auto d = cuda::allocate(p.m * p.n * 2);
+    Gemm g = bf16_gemm(p.m, p.n, p.k, p.ta, p.tb, Epilogue::kNone);
+    const GemmOperands ops{a.get(), b.get(), nullptr, d.get()};
+    const double bf16 = gemm_ms(g, ops, s, 20);
+    g.fp8_a = p.fa, g.fp8_b = p.fb;
+    const double fp8 = gemm_ms(g, ops, s, 20);
+    // The parts: quantization alone (amax and both operands, as Gemm::run does), then the FP8
+    // GEMM alone on operands quantized once.
+    auto scalars = cuda::allocate(64);
+    auto qa = cuda::allocate(p.m * p.k), qb = cuda::allocate(p.n * p.k);
+    float* f = reinterpret_cast<float*>(scalars.get());
+    auto quantize = [&] {
+      KILN_CUDA_CHECK(cudaMemsetAsync(f, 0, 32, s));
+      cuda::fp8::amax(DType::kBF16, a.get(), p.m * p.k, f, s);
+      cuda::fp8::amax(DType::kBF16, b.get(), p.n * p.k, f + 4, s);
+      cuda::fp8::quantize(DType::kBF16, p.fa, a.get(), p.ta ? p.k : p.m, p.ta ? p.m : p.k, p.ta, f,
+                          reinterpret_cast<uint8_t*>(qa.get()), f + 8, s);
+      cuda::fp8::quantize(DType::kBF16, p.fb, b.get(), p.tb ? p.n : p.k, p.tb ? p.k : p.n, !p.tb, f + 4,
+                          reinterpret_cast<uint8_t*>(qb.get()), f + 12, s);
+    };
+    const double quantize_ms = time_ms(s, 20, quantize);
+    Gemm q = g;
+    q.transpose_a = false, q.transpose_b = true;
+    GemmOperands qops{qa.get(), qb.get(), nullptr, d.get()};
+    qops.scale_a = f + 8, qops.scale_b = f + 12;
+    const double gemm_only = gemm_ms(q, qops, s, 20);
+    const double flop = 2.0 * p.m * p.n * p.k;
+    const double bytes = 5.0 * (p.m * p.k + p.n * p.k);  // amax 2 + read 2 + write 1 per element
+    fmt::print("{:<10} {:<8} {:>5}x{:<5}x{:>5}: bf16 {:7.3f} ms ({:5.0f} TFLOP/s) | fp8 {:7.3f} ms = "
+               "quantize {:6.3f} ms ({:4.0f} GB/s) + gemm {:6.3f} ms ({:5.0f} TFLOP/s)\n",
+               name, p.what, p.m, p.n, p.k, bf16, flop / bf16 * 1e-9, fp8, quantize_ms,
+               bytes / quantize_ms * 1e-6, gemm_only, flop / gemm_only * 1e-9);
+    total_bf16 += bf16, total_fp8 += fp8;
+  }
+  fmt::print("{:<10} layer: bf16 {:.3f} ms, fp8 {:.3f} ms ({:.2f}x)\n", name, total_bf16, total_fp8,
+             total_bf16 / total_fp8);
+}
+
+void fp8() {
+  fp8_layer("llama qkv", 8192, 2048, 3072);
+  fp8_layer("llama o", 8192, 2048, 2048);
+  fp8_layer("llama w13", 8192, 2048, 16384);
+  fp8_layer("llama w2", 8192, 8192, 2048);
+  fp8_layer("gpt2 qkv", 32768, 768, 2304);
+  fp8_layer("gpt2 fc", 32768, 768, 3072);
+  fp8_layer("gpt2 proj", 32768, 3072, 768);
+}
+
 }  // namespace
 }  // namespace kiln
 
@@ -175,5 +244,6 @@ int main(int argc, char** argv) {
   return kiln::bench::run_sections("gpu_gemm_bench", argc, argv,
                                    {{"tflops", kiln::tflops},
                                     {"residual", kiln::residual_projections},
-                                    {"weight-gradients", kiln::weight_gradients}});
+                                    {"weight-gradients", kiln::weight_gradients},
+                                    {"fp8", kiln::fp8}});
 }

@@ -434,7 +434,8 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
         naming what kiln cannot honour (amsgrad=True, dampening, a class kiln lacks, ...).
     device: "cpu", "cuda" or "cuda:N"; None: where the module's parameters are (the CPU for an
     ONNX file). Inputs on another device are moved to it, and results come back to theirs.
-    amp: "off", "bf16" or "f16" (mixed precision, f32 master weights).
+    amp: "off", "bf16", "f16" or "fp8" (mixed precision, f32 master weights; "fp8" is bf16 with the
+        linear layers' products in FP8 with per-tensor scales, sm_89 or newer on CUDA).
     memory_budget: bytes (or "2GiB") the step's activations may take (rematerialization).
     shard: None (this process alone), or "dp", "zero1", "zero2", "zero3", "auto" (as kiln train
         --shard): data parallelism over the ranks of a job launched by torchrun or kiln launch.
@@ -449,8 +450,8 @@ def compile(model, example_inputs, loss=None, optimizer=None, device=None, amp="
     if from_torch and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
         raise _kiln.Error(f"optimizer is a {type(optimizer).__name__}: expected kiln.AdamW(...), kiln.SGD(...), "
                           "kiln.Lion(...), kiln.Adafactor(...) or a torch.optim optimizer of the module's parameters")
-    if amp not in ("off", "bf16", "f16"):
-        raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16' or 'f16'")
+    if amp not in ("off", "bf16", "f16", "fp8"):
+        raise _kiln.Error(f"amp '{amp}': expected 'off', 'bf16', 'f16' or 'fp8'")
     if capture not in ("auto", "export", "onnx"):
         raise _kiln.Error(f"capture '{capture}': expected 'auto', 'export' or 'onnx'")
     torch = torch_module()

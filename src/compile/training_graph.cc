@@ -8,6 +8,7 @@
 #include "ops/collective.h"
 #include "ops/optimizer/optimizers.h"
 #include "passes/autodiff.h"
+#include "passes/fp8_linear.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -78,8 +79,8 @@ void validate(const OptimizerConfig& c) {
   KILN_CHECK(c.grad_clip >= 0, "gradient clip must be >= 0 (0 = off), got {}", c.grad_clip);
   KILN_CHECK(c.warmup_steps >= 0 && c.decay_steps >= 0, "warmup and decay steps must be >= 0");
   KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
-  KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16", "unknown amp mode '{}' (expected off, bf16 or f16)",
-             c.amp);
+  KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16" || c.amp == "fp8",
+             "unknown amp mode '{}' (expected off, bf16, f16 or fp8)", c.amp);
   if (c.amp == "f16") validate(c.loss_scale);
 }
 
@@ -107,6 +108,7 @@ void apply_mixed_precision(Graph& forward, const OptimizerConfig& config) {
   options.low = config.amp == "f16" ? DType::kF16 : DType::kBF16;
   options.policy = config.amp_policy;
   MixedPrecisionPass(options).run(forward);
+  if (config.amp == "fp8") Fp8Linear().run(forward);  // bf16, and the linear layers in fp8
   verify(forward);
 }
 

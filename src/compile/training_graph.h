@@ -18,7 +18,8 @@
 // params (master weights), gradients and optimizer state stay f32. "f16" adds dynamic loss
 // scaling (compile/loss_scaling.h): the loss is scaled before autodiff, gradients are unscaled
 // before clipping and the update, and a step whose gradients overflow updates nothing but the
-// scale. "bf16" needs no scaling (f32's exponent range).
+// scale. "bf16" needs no scaling (f32's exponent range). "fp8" is "bf16" with the linear layers'
+// products in fp8 (passes/fp8_linear.h, ops/fp8.h: per-tensor scales, no loss scaling).
 #pragma once
 
 #include <map>
@@ -56,7 +57,7 @@ struct OptimizerConfig {
   int64_t warmup_steps = 0;    // linear warmup from lr/warmup to lr
   int64_t decay_steps = 0;     // cosine decay to min_lr_ratio * lr by this step; 0 = constant
   double min_lr_ratio = 0.1;
-  std::string amp = "off";     // "off", "bf16" or "f16" (see above)
+  std::string amp = "off";     // "off", "bf16", "f16" or "fp8" (see above)
   PrecisionPolicy amp_policy = default_precision_policy();  // per-op precision under amp
   LossScaleOptions loss_scale;  // f16 only
   // The step's outputs: false (default) only the loss; true every output of the forward graph

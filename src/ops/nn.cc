@@ -72,6 +72,7 @@
 
 #include "ir/builder.h"
 #include "ops/common.h"
+#include "ops/fp8.h"
 #include "ops/gradient.h"
 
 namespace kiln::ops {
@@ -504,21 +505,54 @@ void check_norm_grad_inputs(std::span<const TensorType> in) {
 
 // ---- gradient rules ----
 
+// fp8_a and fp8_b: both or neither, each a format ops/fp8.h knows, not both e5m2.
+void check_matmul_fp8(const Attributes& attrs) {
+  const MatmulFp8 f = matmul_fp8(attrs);
+  KILN_CHECK((f.a == Fp8Format::kNone) == (f.b == Fp8Format::kNone),
+             "fp8_a is '{}' and fp8_b is '{}': an fp8 matmul sets both (e4m3 or e5m2) or neither",
+             fp8_name(f.a), fp8_name(f.b));
+  KILN_CHECK(!(f.a == Fp8Format::kE5M2 && f.b == Fp8Format::kE5M2),
+             "fp8_a and fp8_b are both e5m2: one operand must be e4m3 (FP8 tensor cores multiply "
+             "no two e5m2 operands)");
+}
+
+// The values a matmul reads from `t`: its own, or (format set) its fp8 quantization, whose
+// inverse scale is multiplied into `scale` (ops/fp8.h states the arithmetic).
+std::vector<double> matmul_operand(const Tensor& t, Fp8Format format, double& scale) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = t.get(static_cast<int64_t>(i));
+  if (format != Fp8Format::kNone) scale *= static_cast<double>(fp8_quantize(v.data(), v.size(), format));
+  return v;
+}
+
 std::vector<Expr> matmul_gradient(const GradContext& c) {
   const Expr &a = c.x(0), &b = c.x(1), &dc = c.dy();
   const bool ta = c.attrs().b("transpose_a"), tb = c.attrs().b("transpose_b");
   // C = op(A) op(B). dop(A) = dC op(B)^T and dop(B) = op(A)^T dC; a transposed operand's stored
   // gradient is the transpose of that, which the flags express without transpose nodes.
-  Expr da = !ta ? matmul(dc, b, false, !tb) : matmul(b, dc, tb, true);
+  // An fp8 product's gradient products are fp8 too: the incoming gradient in e5m2 (its range),
+  // the other operand in its forward format.
+  const MatmulFp8 fp8 = matmul_fp8(c.attrs());
+  const Fp8Format fa = fp8.a, fb = fp8.b, fdc = Fp8Format::kE5M2;
+  auto product = [&](Expr x, Expr y, bool tx, bool ty, Fp8Format fx, Fp8Format fy) {
+    Attributes attrs{{"transpose_a", tx}, {"transpose_b", ty}};
+    if (fp8.on()) {
+      attrs.set("fp8_a", std::string(fp8_name(fx)));
+      attrs.set("fp8_b", std::string(fp8_name(fy)));
+    }
+    return c.builder.apply1(Op::kMatmul, {x, y}, attrs);
+  };
+  Expr da = !ta ? product(dc, b, false, !tb, fdc, fb) : product(b, dc, tb, true, fb, fdc);
   Expr db;
   if (b.rank() == 2 && a.rank() > 2 && !ta) {
     // A weight shared over the batch (x (B, T, C) @ w (C, D)): one (B*T)-row matmul instead of
     // B matmuls whose (B, C, D) result is then summed.
     const int64_t k = a.dim(-1), n = dc.dim(-1);
     Expr a_rows = reshape(a, {-1, k}), dc_rows = reshape(dc, {-1, n});
-    db = !tb ? matmul(a_rows, dc_rows, true, false) : matmul(dc_rows, a_rows, true, false);
+    db = !tb ? product(a_rows, dc_rows, true, false, fa, fdc)
+             : product(dc_rows, a_rows, true, false, fdc, fa);
   } else {
-    db = !tb ? matmul(a, dc, !ta, false) : matmul(dc, a, true, ta);
+    db = !tb ? product(a, dc, !ta, false, fa, fdc) : product(dc, a, true, ta, fdc, fa);
   }
   // Batch dims that broadcast in the forward pass are summed back.
   return {reduce_to_shape(da, a.shape()), reduce_to_shape(db, b.shape())};
@@ -821,9 +855,11 @@ std::vector<Expr> rotary_gradient(const GradContext& c) {
 
 void define_nn_ops(OpRegistry& registry) {
   registry.define(Op::kMatmul, OpDef{
-      {with_default("transpose_a", false), with_default("transpose_b", false)},
+      {with_default("transpose_a", false), with_default("transpose_b", false),
+       optional("fp8_a", AttrKind::kString), optional("fp8_b", AttrKind::kString)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
         MatmulDims d = matmul_dims(in[0], in[1], attrs);
+        check_matmul_fp8(attrs);
         Shape out = d.batch;
         out.push_back(d.m);
         out.push_back(d.n);
@@ -835,6 +871,10 @@ void define_nn_ops(OpRegistry& registry) {
         const bool ta = args.attrs.b("transpose_a"), tb = args.attrs.b("transpose_b");
         MatmulDims d = matmul_dims(a.type(), b.type(), args.attrs);
         const int64_t m = d.m, n = d.n, kk = d.k;
+        const MatmulFp8 fp8 = matmul_fp8(args.attrs);
+        double scale = 1.0;  // the product of the operands' inverse scales (ops/fp8.h)
+        const std::vector<double> av = matmul_operand(a, fp8.a, scale);
+        const std::vector<double> bv = matmul_operand(b, fp8.b, scale);
         // Offsets from for_each_broadcast count whole matrices of a and b.
         for_each_broadcast(d.batch, {d.a_batch, d.b_batch},
                            [&](int64_t batch, std::span<const int64_t> offsets) {
@@ -842,12 +882,9 @@ void define_nn_ops(OpRegistry& registry) {
           for (int64_t i = 0; i < m; ++i)
             for (int64_t j = 0; j < n; ++j) {
               double sum = 0.0;
-              for (int64_t p = 0; p < kk; ++p) {
-                double av = a.get(a0 + (ta ? p * m + i : i * kk + p));
-                double bv = b.get(b0 + (tb ? j * kk + p : p * n + j));
-                sum += av * bv;
-              }
-              c.set(c0 + i * n + j, sum);
+              for (int64_t p = 0; p < kk; ++p)
+                sum += av[a0 + (ta ? p * m + i : i * kk + p)] * bv[b0 + (tb ? j * kk + p : p * n + j)];
+              c.set(c0 + i * n + j, sum * scale);
             }
         });
       },

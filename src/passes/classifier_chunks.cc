@@ -6,6 +6,7 @@
 #include <set>
 #include <vector>
 
+#include "ops/fp8.h"
 #include "ops/fused/classifier.h"
 #include "ops/fused/kind.h"
 #include "passes/fusion/fusion.h"
@@ -83,7 +84,9 @@ std::optional<Head> match_head(const Graph& graph, const Uses& uses, int c) {
   h.producer = uses.producer[static_cast<size_t>(logits)];
   if (h.producer < 0 || !uses.single(logits)) return std::nullopt;
   const Node& mm = graph.nodes[static_cast<size_t>(h.producer)];
-  if (mm.op != Op::kMatmul || transposed(mm, "transpose_a")) return std::nullopt;
+  // An fp8 product's scale is its whole operand's: chunks would each scale their own.
+  if (mm.op != Op::kMatmul || transposed(mm, "transpose_a") || matmul_fp8(mm.attrs).on())
+    return std::nullopt;
   h.x = mm.inputs[0];
   h.w = mm.inputs[1];
   const TensorType& xt = graph.type(h.x);
@@ -98,7 +101,7 @@ std::optional<Head> match_head(const Graph& graph, const Uses& uses, int c) {
   // A reader of G (or of one of its flat views `gv`).
   auto take = [&](int r, ValueId gv) {
     const Node& n = graph.nodes[static_cast<size_t>(r)];
-    if (n.op != Op::kMatmul || n.inputs[0] == n.inputs[1]) return false;
+    if (n.op != Op::kMatmul || n.inputs[0] == n.inputs[1] || matmul_fp8(n.attrs).on()) return false;
     if (!transposed(n, "transpose_a")) {
       if (n.inputs[0] != gv || !defined_before_classifier(n.inputs[1]) ||
           graph.type(n.inputs[1]).rank() != 2)

@@ -54,10 +54,12 @@ double device_peak_flops(const std::string& name, const std::string& amp, std::s
       {"H100", "H100 SXM", 989e12, 494.7e12},     {"H200", "H200 (H100 SXM compute)", 989e12, 494.7e12},
       {"A100", "A100", 312e12, 156e12},
   };
-  const bool half = amp == "bf16" || amp == "f16";
+  // fp8 runs are measured against the bf16 peak, so that their MFU compares with bf16 runs'.
+  const bool half = amp == "bf16" || amp == "f16" || amp == "fp8";
+  const std::string rate = amp == "fp8" ? "bf16 (fp8 counted against it)" : half ? amp : "tf32";
   for (const Peak& p : kPeaks) {
     if (name.find(p.match) == std::string::npos) continue;
-    if (note) *note = fmt::format("{} dense {} peak {:.1f} TFLOP/s", p.label, half ? amp : "tf32", (half ? p.half : p.tf32) / 1e12);
+    if (note) *note = fmt::format("{} dense {} peak {:.1f} TFLOP/s", p.label, rate, (half ? p.half : p.tf32) / 1e12);
     return half ? p.half : p.tf32;
   }
   if (note) *note = "peak unknown for this device (give --peak-tflops)";

@@ -16,8 +16,8 @@ namespace kiln::train {
 DeviceChoice choose_device(const std::string& device, const std::string& amp, const DeviceAvailability& cuda) {
   KILN_CHECK(device == "auto" || device == "cpu" || device == "cuda", "unknown device '{}' (expected auto, cpu or cuda)",
              device);
-  KILN_CHECK(amp == "auto" || amp == "off" || amp == "bf16" || amp == "f16",
-             "unknown amp mode '{}' (expected auto, off, bf16 or f16)", amp);
+  KILN_CHECK(amp == "auto" || amp == "off" || amp == "bf16" || amp == "f16" || amp == "fp8",
+             "unknown amp mode '{}' (expected auto, off, bf16, f16 or fp8)", amp);
   DeviceChoice c;
   std::string device_why = "as asked", amp_why = "as asked";
   c.device = device;
@@ -39,6 +39,10 @@ DeviceChoice choose_device(const std::string& device, const std::string& amp, co
                          : cc > 0 ? fmt::format("auto: sm_{} has no bf16 (it needs sm_80)", cc) : "auto: no CUDA device";
     }
   }
+  // cuBLASLt's FP8 GEMMs need Ada or Hopper tensor cores; the CPU emulates them (ops/fp8.h).
+  KILN_CHECK(c.amp != "fp8" || c.device != "cuda" || cuda.compute_capability == 0 || cuda.compute_capability >= 89,
+             "--amp fp8 needs a GPU of compute capability 8.9 or more (Ada, Hopper); this one is sm_{}: use --amp bf16",
+             cuda.compute_capability);
   c.note = fmt::format("device {} ({}), amp {} ({})", c.device, device_why, c.amp, amp_why);
   return c;
 }

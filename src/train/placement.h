@@ -24,7 +24,7 @@ class Trainer;
 // `--device` and `--amp` with "auto" resolved, and one line saying which and why.
 struct DeviceChoice {
   std::string device;  // "cpu" or "cuda"
-  std::string amp;     // "off", "bf16" or "f16"
+  std::string amp;     // "off", "bf16", "f16" or "fp8"
   std::string note;    // "device cuda (auto: NVIDIA H100 ..., sm_90, 79.1 GiB), amp bf16 (auto: ...)"
 };
 // device "auto": CUDA when the build has it and a GPU is present, else the CPU. amp "auto": bf16

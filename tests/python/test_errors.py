@@ -59,8 +59,8 @@ def test_missing_and_garbage_onnx(tmp_path):
 def test_bad_options():
     model = torch.nn.Linear(3, 2)
     x = (torch.randn(2, 3), torch.randint(0, 2, (2,)))
-    with pytest.raises(kiln.Error, match="amp 'fp8'"):
-        kiln.compile(model, x, loss="cross_entropy", amp="fp8")
+    with pytest.raises(kiln.Error, match="amp 'fp4'"):
+        kiln.compile(model, x, loss="cross_entropy", amp="fp4")
     with pytest.raises(kiln.Error, match="device 'tpu'"):
         kiln.compile(model, x, loss="cross_entropy", device="tpu")
     with pytest.raises(kiln.Error, match="model is a int"):

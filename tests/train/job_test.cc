@@ -235,7 +235,14 @@ TEST(TrainDevice, AutoPicksTheGpuWhenThereIsOneAndBf16FromSm80) {
   c = choose_device("cpu", "bf16", no_backend);
   EXPECT_EQ(c.amp, "bf16");
   EXPECT_THROW(choose_device("tpu", "auto", h100), Error);
-  EXPECT_THROW(choose_device("auto", "fp8", h100), Error);
+  EXPECT_THROW(choose_device("auto", "fp4", h100), Error);
+  // fp8 needs FP8 tensor cores (sm_89+): refused by name on an older GPU, taken on the CPU
+  // (emulated) and on an H100.
+  DeviceAvailability a100 = h100;
+  a100.compute_capability = 80;
+  EXPECT_KILN_ERROR(choose_device("cuda", "fp8", a100), "--amp fp8", "sm_80", "--amp bf16");
+  EXPECT_EQ(choose_device("cuda", "fp8", h100).amp, "fp8");
+  EXPECT_EQ(choose_device("cpu", "fp8", a100).amp, "fp8");
 }
 
 TEST(TrainJob, AutoDeviceRunsWhereTheMachineSays) {

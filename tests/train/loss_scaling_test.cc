@@ -64,12 +64,12 @@ TEST(LossScaling, ScaleRuleHalvesOnOverflowAndDoublesAfterTheInterval) {
 
 TEST(LossScaling, BadOptionsAreClearErrors) {
   OptimizerConfig c;
-  c.amp = "fp8";
+  c.amp = "fp4";
   try {
     validate(c);
     FAIL() << "expected kiln::Error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'fp8'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'fp4'"), std::string::npos) << e.what();
   }
   c.amp = "f16";
   c.loss_scale.growth_interval = 0;

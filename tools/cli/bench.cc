@@ -17,7 +17,7 @@ void add_bench_command(CLI::App& app) {
   add_shard_option(command, o->shard);
   add_model_size_options(command, o->sizes);
   add_optimizer_options(command, o->optimizer);
-  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | auto (bf16 where the device has it)",
+  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | fp8 (bf16, linear layers in FP8) | auto (bf16 where the device has it)",
                  /*with_auto=*/true);
   add_device_choice_option(command, o->device, "cuda | cpu | auto (cuda when present, else cpu)");
   command->add_option("--steps", o->steps, "Timed steps")->default_val(20);

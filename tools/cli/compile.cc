@@ -98,7 +98,7 @@ void add_compile_command(CLI::App& app) {
   command->add_flag("--loss-only", o->compile.loss_only,
                     "With --forward-only: the loss (the first output) alone, as the trainer's evaluation compiles it");
   add_optimizer_options(command, o->compile.optimizer);
-  add_amp_option(command, o->compile.optimizer.amp, "Mixed precision: off | bf16 | f16");
+  add_amp_option(command, o->compile.optimizer.amp, "Mixed precision: off | bf16 | f16 | fp8 (bf16, linear layers in FP8)");
   add_device_option(command, o->compile.executor.device,
                     "The device the pipeline prepares the step for: cpu | cuda (no GPU needed)", "--device,--target");
   add_pass_options(command, o->compile.passes);

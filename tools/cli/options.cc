@@ -123,7 +123,7 @@ void add_device_choice_option(CLI::App* command, std::string& device, const std:
 }
 
 void add_amp_option(CLI::App* command, std::string& amp, const std::string& help, bool with_auto) {
-  std::vector<std::string> modes{"off", "bf16", "f16"};
+  std::vector<std::string> modes{"off", "bf16", "f16", "fp8"};
   if (with_auto) modes.push_back("auto");
   command->add_option("--amp", amp, help)->check(CLI::IsMember(modes))->default_val(amp);
 }

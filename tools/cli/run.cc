@@ -50,7 +50,7 @@ void add_run_command(CLI::App& app) {
   command->add_option("--seed", o->seed, "Seed for the random inputs")->default_val(0);
   command->add_option("--int-high", o->int_high, "Integer inputs are drawn from [0, N)")->default_val(2);
   add_device_option(command, o->compile.executor.device, "cpu | cuda (cuda needs a build with the CUDA backend and a GPU)");
-  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16");
+  add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | fp8 (bf16, linear layers in FP8)");
   add_dialects_option(command, o->compile.executor.dialects);
   add_pass_options(command, o->compile.passes);
   command->callback([o] { run(*o); });

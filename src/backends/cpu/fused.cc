@@ -59,6 +59,7 @@
 #include "backends/cpu/cpu_kernels.h"
 #include "ir/graph.h"
 #include "ir/op_def.h"
+#include "ops/fp8.h"
 #include "support/parallel.h"
 #include "tensor/tensor.h"
 
@@ -282,6 +283,7 @@ std::optional<Plan> make_plan(const Graph& body, std::string& why) {
     if (node.op == Op::kFused) return refuse("a nested fused node");
     if (node.op == Op::kMatmul) {
       if (gemm_node >= 0) return refuse("more than one matmul");
+      if (matmul_fp8(node.attrs).on()) return refuse("an fp8 matmul (the matmul kernels quantize)");
       gemm_node = static_cast<int>(n);
       continue;
     }

@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "backends/cpu/cpu_kernels.h"
+#include "ops/fp8.h"
 #include "tensor/tensor.h"
 
 namespace kiln::cpu {
@@ -54,32 +57,12 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
               static_cast<blasint>(std::max<int64_t>(ldc, 1)));
 }
 
+// One GEMM per output batch (batch dims broadcast), each threaded by OpenBLAS.
 template <typename T>
-void matmul_kernel(const KernelArgs& args) {
-  const Tensor& a = args.inputs[0];
-  const Tensor& b = args.inputs[1];
-  Tensor& c = args.outputs[0];
-  const bool transpose_a = args.attrs.b("transpose_a");
-  const bool transpose_b = args.attrs.b("transpose_b");
-  const GemmShape g = gemm_shape(a.shape(), b.shape(), transpose_a, transpose_b);
-  if (c.numel() == 0) return;
-  T* c_data = c.data<T>();
-  if (g.k == 0) {  // an empty sum: zeros (BLAS would also do this, but its ld checks differ)
-    std::memset(c_data, 0, c.bytes());
-    return;
-  }
-  const Shape a_batch(a.shape().begin(), a.shape().end() - 2);
-  const Shape b_batch(b.shape().begin(), b.shape().end() - 2);
-  const Shape c_batch(c.shape().begin(), c.shape().end() - 2);
+void batched_gemm(const GemmShape& g, bool transpose_a, bool transpose_b, const T* a_data,
+                  const Shape& a_batch, const T* b_data, const Shape& b_batch, T* c_data,
+                  const Shape& c_batch) {
   const int64_t batches = numel(c_batch);
-  const T* a_data = a.data<T>();
-  const T* b_data = b.data<T>();
-
-  if (numel(b_batch) == 1 && !transpose_a && numel(a_batch) == batches &&
-      g.m * batches <= INT_MAX) {
-    gemm(false, transpose_b, g.m * batches, g.n, g.k, a_data, g.lda, b_data, g.ldb, c_data, g.n);
-    return;
-  }
 
   // Strides in whole matrices of a and b along the output's batch dims (0 where broadcast).
   const std::vector<int64_t> a_strides = broadcast_strides(a_batch, c_batch);
@@ -101,6 +84,49 @@ void matmul_kernel(const KernelArgs& args) {
       index[d] = 0;
     }
   }
+}
+
+template <typename T>
+void matmul_kernel(const KernelArgs& args) {
+  const Tensor& a = args.inputs[0];
+  const Tensor& b = args.inputs[1];
+  Tensor& c = args.outputs[0];
+  const bool transpose_a = args.attrs.b("transpose_a");
+  const bool transpose_b = args.attrs.b("transpose_b");
+  const GemmShape g = gemm_shape(a.shape(), b.shape(), transpose_a, transpose_b);
+  if (c.numel() == 0) return;
+  T* c_data = c.data<T>();
+  if (g.k == 0) {  // an empty sum: zeros (BLAS would also do this, but its ld checks differ)
+    std::memset(c_data, 0, c.bytes());
+    return;
+  }
+  const Shape a_batch(a.shape().begin(), a.shape().end() - 2);
+  const Shape b_batch(b.shape().begin(), b.shape().end() - 2);
+  const Shape c_batch(c.shape().begin(), c.shape().end() - 2);
+  const int64_t batches = numel(c_batch);
+  const T* a_data = a.data<T>();
+  const T* b_data = b.data<T>();
+  // An fp8 matmul (ops/fp8.h) multiplies quantized copies and scales the product.
+  const MatmulFp8 fp8 = matmul_fp8(args.attrs);
+  std::vector<T> a_fp8, b_fp8;
+  T scale = 1;
+  if (fp8.on()) {
+    a_fp8.assign(a_data, a_data + a.numel());
+    b_fp8.assign(b_data, b_data + b.numel());
+    scale = static_cast<T>(static_cast<double>(fp8_quantize(a_fp8.data(), a_fp8.size(), fp8.a)) *
+                           fp8_quantize(b_fp8.data(), b_fp8.size(), fp8.b));
+    a_data = a_fp8.data();
+    b_data = b_fp8.data();
+  }
+
+  if (numel(b_batch) == 1 && !transpose_a && numel(a_batch) == batches &&
+      g.m * batches <= INT_MAX) {
+    gemm(false, transpose_b, g.m * batches, g.n, g.k, a_data, g.lda, b_data, g.ldb, c_data, g.n);
+  } else {
+    batched_gemm(g, transpose_a, transpose_b, a_data, a_batch, b_data, b_batch, c_data, c_batch);
+  }
+  if (fp8.on())
+    for (T& v : std::span<T>(c_data, static_cast<size_t>(c.numel()))) v *= scale;
 }
 
 // Same dtype (f32 or f64) everywhere, and every BLAS dimension fits BLAS's int.

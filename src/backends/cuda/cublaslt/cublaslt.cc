@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "backends/cuda/common/cuda_check.h"
+#include "backends/cuda/cublaslt/fp8.cuh"
 #include "backends/cuda/movement/movement.cuh"
 #include "backends/cuda/registration.h"
 #include "backends/cuda/common/scratch.cuh"
@@ -104,6 +105,12 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
+// An operand's type as cuBLASLt reads it: its fp8 format when quantized, else `t`.
+cudaDataType_t operand_type(Fp8Format f, DType t) {
+  return f == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : f == Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : cuda_type(t);
+}
+size_t operand_size(Fp8Format f, DType t) { return f == Fp8Format::kNone ? dtype_size(t) : 1; }
+
 bool supported_types(DType a, DType d) {
   switch (a) {
     case DType::kF32: return d == DType::kF32;
@@ -178,6 +185,7 @@ struct PlanKeyHash {
     mix((static_cast<uint64_t>(g.a_type) << 16) | (static_cast<uint64_t>(g.d_type) << 8) |
         static_cast<uint64_t>(g.epilogue));
     mix(g.bias_type ? static_cast<uint64_t>(*g.bias_type) + 1 : 0);
+    mix((static_cast<uint64_t>(g.fp8_a) << 8) | static_cast<uint64_t>(g.fp8_b));
     mix(static_cast<uint64_t>(k.device));
     for (uint32_t v : {k.align_a, k.align_b, k.align_c, k.align_d, k.align_bias, k.align_aux})
       mix(v);
@@ -220,10 +228,10 @@ void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
   KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
 }
 
-cublasLtMatrixLayout_t make_layout(DType type, int64_t rows, int64_t cols, int64_t ld,
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
                                    int64_t batch, int64_t stride) {
   cublasLtMatrixLayout_t layout = nullptr;
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, cuda_type(type),
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type,
                                                static_cast<uint64_t>(rows),
                                                static_cast<uint64_t>(cols), ld));
   if (batch > 1) {
@@ -305,6 +313,7 @@ std::string Gemm::to_string() const {
   std::string s = fmt::format("gemm (m {}, n {}, k {}){}{} {}->{}{}", m, n, k,
                               transpose_a ? " transpose_a" : "", transpose_b ? " transpose_b" : "",
                               dtype_name(a_type), dtype_name(d_type), tf32 ? " tf32" : "");
+  if (fp8()) s += fmt::format(" fp8 (a {}, b {})", fp8_name(fp8_a), fp8_name(fp8_b));
   if (epilogue != Epilogue::kNone) s += fmt::format(" epilogue {}", epilogue_name(epilogue));
   if (bias_dtype() != d_type) s += fmt::format(" ({} bias)", dtype_name(bias_dtype()));
   if (lda || ldb || ldc || ldd || ld_aux)
@@ -345,7 +354,9 @@ struct GemmPlanAccess {
   static std::unique_ptr<GemmPlan> build(const Gemm& g, const GemmOperands& ops,
                                          DeviceState& device,
                                          std::vector<cublasLtMatmulHeuristicResult_t>& results);
-  static void set_pointers(GemmPlan& plan, const Gemm& g, const void* bias, const void* aux);
+  static void set_pointers(GemmPlan& plan, const Gemm& g, const GemmOperands& ops);
+  // An fp8 description given a_type operands: quantizes them, then runs the FP8 product.
+  static void run_fp8(const Gemm& g, const GemmOperands& ops, cudaStream_t stream);
   static cublasStatus_t enqueue(GemmPlan& plan, const Gemm& g, const GemmOperands& ops,
                                 const cublasLtMatmulAlgo_t& algo, DeviceState& device,
                                 cudaStream_t stream);
@@ -392,6 +403,16 @@ void GemmPlanAccess::check(const Gemm& g, const GemmOperands& ops) {
              "{}: epilogue bgrad_a needs A stored (k, m) (transpose_a true); cuBLASLt reduces "
              "the bias gradient over no other layout",
              g.to_string());
+  if (g.fp8()) {
+    KILN_CHECK(g.fp8_b != Fp8Format::kNone && !(g.fp8_a == Fp8Format::kE5M2 && g.fp8_b == Fp8Format::kE5M2),
+               "{}: fp8 formats a {} and b {}: set both, not both e5m2", g.to_string(), fp8_name(g.fp8_a),
+               fp8_name(g.fp8_b));
+    KILN_CHECK(g.a_type != DType::kF64 && !g.tf32, "{}: fp8 operands come from f32, bf16 or f16", g.to_string());
+    KILN_CHECK(g.epilogue == Epilogue::kNone || g.epilogue == Epilogue::kBias,
+               "{}: an fp8 product takes epilogue none or bias, got {}", g.to_string(), epilogue_name(g.epilogue));
+    KILN_CHECK(ops.scale_a && ops.scale_b && !g.transpose_a && g.transpose_b,
+               "{}: the quantized product needs both scales and A (m, k), B (n, k)", g.to_string());
+  }
   KILN_CHECK(g.batch <= INT32_MAX, "{}: batch {} exceeds cuBLASLt's int32 batch count",
              g.to_string(), g.batch);
   const Resolved r = resolve(g);
@@ -450,23 +471,25 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
       set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, r.stride_aux);
   }
   // The heuristic reads the bias and aux pointers' alignment: set them now (run() sets its own).
-  set_pointers(*plan, g, epilogue_reads_bias(e) ? ops.bias : ops.bias_grad, ops.aux);
+  set_pointers(*plan, g, ops);
+  if (g.fp8_a == Fp8Format::kE4M3 && g.fp8_b == Fp8Format::kE4M3)
+    set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1});
 
   // Layouts describe the matrices as stored, column-major: a row-major (R, C) matrix with row
   // stride ld is the column-major (C, R) matrix with leading dimension ld.
   const int64_t b_rows = g.transpose_b ? g.n : g.k, b_cols = g.transpose_b ? g.k : g.n;
   const int64_t a_rows = g.transpose_a ? g.k : g.m, a_cols = g.transpose_a ? g.m : g.k;
-  plan->layout_a_ = make_layout(g.a_type, b_cols, b_rows, r.ldb, g.batch, g.stride_b);
-  plan->layout_b_ = make_layout(g.a_type, a_cols, a_rows, r.lda, g.batch, g.stride_a);
-  plan->layout_c_ = make_layout(g.d_type, g.n, g.m, r.ldc, g.batch, r.stride_c);
-  plan->layout_d_ = make_layout(g.d_type, g.n, g.m, r.ldd, g.batch, r.stride_d);
+  plan->layout_a_ = make_layout(operand_type(g.fp8_b, g.a_type), b_cols, b_rows, r.ldb, g.batch, g.stride_b);
+  plan->layout_b_ = make_layout(operand_type(g.fp8_a, g.a_type), a_cols, a_rows, r.lda, g.batch, g.stride_a);
+  plan->layout_c_ = make_layout(cuda_type(g.d_type), g.n, g.m, r.ldc, g.batch, r.stride_c);
+  plan->layout_d_ = make_layout(cuda_type(g.d_type), g.n, g.m, r.ldd, g.batch, r.stride_d);
 
   cublasLtMatmulPreference_t pref = nullptr;
   KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const size_t in_size = dtype_size(g.a_type), out_size = dtype_size(g.d_type);
+  const size_t out_size = dtype_size(g.d_type);
   const void* c = ops.c ? ops.c : ops.d;
-  const uint32_t align_a = alignment_of(ops.b, g.stride_b, in_size, g.batch);
-  const uint32_t align_b = alignment_of(ops.a, g.stride_a, in_size, g.batch);
+  const uint32_t align_a = alignment_of(ops.b, g.stride_b, operand_size(g.fp8_b, g.a_type), g.batch);
+  const uint32_t align_b = alignment_of(ops.a, g.stride_a, operand_size(g.fp8_a, g.a_type), g.batch);
   const uint32_t align_c = alignment_of(c, r.stride_c, out_size, g.batch);
   const uint32_t align_d = alignment_of(ops.d, r.stride_d, out_size, g.batch);
   const uint64_t workspace = kGemmWorkspaceBytes;
@@ -522,20 +545,24 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
   return plan;
 }
 
-void GemmPlanAccess::set_pointers(GemmPlan& plan, const Gemm& g, const void* bias,
-                                  const void* aux) {
+void GemmPlanAccess::set_pointers(GemmPlan& plan, const Gemm& g, const GemmOperands& ops) {
   const Epilogue e = g.epilogue;
   if (epilogue_reads_bias(e) || epilogue_writes_bias(e))
-    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+             epilogue_reads_bias(e) ? ops.bias : static_cast<const void*>(ops.bias_grad));
   if (epilogue_reads_aux(e) || epilogue_writes_aux(e))
-    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(ops.aux));
+  if (g.fp8()) {  // column-major: cuBLASLt's A is our B
+    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(ops.scale_b));
+    set_desc(plan.desc_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(ops.scale_a));
+  }
 }
 
 // Enqueues with the plan's descriptor; the caller holds plan.mutex_.
 cublasStatus_t GemmPlanAccess::enqueue(GemmPlan& plan, const Gemm& g, const GemmOperands& ops,
                                        const cublasLtMatmulAlgo_t& algo, DeviceState& device,
                                        cudaStream_t stream) {
-  set_pointers(plan, g, epilogue_reads_bias(g.epilogue) ? ops.bias : ops.bias_grad, ops.aux);
+  set_pointers(plan, g, ops);
   const bool f64 = g.a_type == DType::kF64;
   const Scalars s = scalars_of(ops);
   const void* c = ops.c ? ops.c : ops.d;
@@ -634,10 +661,10 @@ std::pair<GemmPlan*, DeviceState*> GemmPlanAccess::find(const Gemm& g, const Gem
   int device = 0;
   KILN_CUDA_CHECK(cudaGetDevice(&device));
   const Resolved r = resolve(g);
-  const size_t in_size = dtype_size(g.a_type), out_size = dtype_size(g.d_type);
+  const size_t out_size = dtype_size(g.d_type);
   PlanKey key{g, device};
-  key.align_a = alignment_of(ops.a, g.stride_a, in_size, g.batch);
-  key.align_b = alignment_of(ops.b, g.stride_b, in_size, g.batch);
+  key.align_a = alignment_of(ops.a, g.stride_a, operand_size(g.fp8_a, g.a_type), g.batch);
+  key.align_b = alignment_of(ops.b, g.stride_b, operand_size(g.fp8_b, g.a_type), g.batch);
   key.align_c = alignment_of(ops.c ? ops.c : ops.d, r.stride_c, out_size, g.batch);
   key.align_d = alignment_of(ops.d, r.stride_d, out_size, g.batch);
   if (epilogue_reads_bias(g.epilogue))
@@ -692,8 +719,41 @@ const GemmPlan& Gemm::plan(const GemmOperands& operands, cudaStream_t stream) co
   return *GemmPlanAccess::find(*this, operands, stream).first;
 }
 
+void GemmPlanAccess::run_fp8(const Gemm& g, const GemmOperands& ops, cudaStream_t stream) {
+  const Resolved r = resolve(g);
+  KILN_CHECK(g.batch == 1 && r.lda == (g.transpose_a ? g.m : g.k) && r.ldb == (g.transpose_b ? g.k : g.n),
+             "{}: an fp8 product needs batch 1 and packed A and B (its scales are per tensor)", g.to_string());
+  KILN_CHECK(g.k % 16 == 0, "{}: an fp8 product needs k % 16 == 0 (FP8 rows of 16-byte multiples)",
+             g.to_string());
+  // Four f32 scalars, 16 bytes apart: the amax of A and B (zeroed: an atomic max accumulates
+  // them), then the inverse scales the product reads.
+  Scratch scalars(16 * sizeof(float), stream);
+  float* const amax_a = scalars.as<float>();
+  float *const amax_b = amax_a + 4, *const inverse_a = amax_a + 8, *const inverse_b = amax_a + 12;
+  Scratch qa(static_cast<size_t>(g.m * g.k), stream), qb(static_cast<size_t>(g.n * g.k), stream);
+  KILN_CUDA_CHECK(cudaMemsetAsync(amax_a, 0, 8 * sizeof(float), stream));
+  fp8::amax(g.a_type, ops.a, g.m * g.k, amax_a, stream);
+  fp8::amax(g.a_type, ops.b, g.n * g.k, amax_b, stream);
+  // K-major: A as (m, k) (stored (k, m) under transpose_a), B as (n, k) (stored (k, n) without).
+  fp8::quantize(g.a_type, g.fp8_a, ops.a, g.transpose_a ? g.k : g.m, g.transpose_a ? g.m : g.k,
+                g.transpose_a, amax_a, qa.as<uint8_t>(), inverse_a, stream);
+  fp8::quantize(g.a_type, g.fp8_b, ops.b, g.transpose_b ? g.n : g.k, g.transpose_b ? g.k : g.n,
+                !g.transpose_b, amax_b, qb.as<uint8_t>(), inverse_b, stream);
+  Gemm quantized = g;
+  quantized.transpose_a = false;
+  quantized.transpose_b = true;
+  quantized.lda = quantized.ldb = 0;
+  GemmOperands q = ops;
+  q.a = qa.as<void>();
+  q.b = qb.as<void>();
+  q.scale_a = inverse_a;
+  q.scale_b = inverse_b;
+  quantized.run(q, stream);
+}
+
 void Gemm::run(const GemmOperands& operands, cudaStream_t stream) const {
   if (m == 0 || n == 0 || batch == 0) return;
+  if (fp8() && operands.scale_a == nullptr) return GemmPlanAccess::run_fp8(*this, operands, stream);
   auto [plan, device] = GemmPlanAccess::find(*this, operands, stream);
   std::optional<Scratch> wide;  // freed on the stream after the product
   const GemmOperands ops = GemmPlanAccess::widened(*plan, *this, operands, stream, wide);
@@ -742,6 +802,18 @@ bool matmul_dtype(DType d) {
   return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64;
 }
 
+// The node's GEMM with its fp8 formats (ops/fp8.h); nullopt where the strided batch cannot
+// express it, or where an fp8 product's layout rules (Gemm::fp8_a) do not hold.
+std::optional<Gemm> node_gemm(const Shape& a, const Shape& b, const Attributes& attrs, DType dtype) {
+  std::optional<Gemm> g = matmul_gemm(a, b, attrs.b("transpose_a"), attrs.b("transpose_b"), dtype);
+  const MatmulFp8 fp8 = matmul_fp8(attrs);
+  if (!g || !fp8.on()) return g;
+  if (g->batch != 1 || g->k % 16 != 0 || dtype == DType::kF64) return std::nullopt;
+  g->fp8_a = fp8.a;
+  g->fp8_b = fp8.b;
+  return g;
+}
+
 void matmul_kernel(const KernelArgs& args) {
   const Tensor &a = args.inputs[0], &b = args.inputs[1];
   Tensor& c = args.outputs[0];
@@ -749,10 +821,10 @@ void matmul_kernel(const KernelArgs& args) {
                  c.device() == Device::kCuda,
              "cublaslt matmul: tensors on {}, {} -> {}, expected cuda", device_name(a.device()),
              device_name(b.device()), device_name(c.device()));
-  std::optional<Gemm> g = matmul_gemm(a.shape(), b.shape(), args.attrs.b("transpose_a"),
-                                      args.attrs.b("transpose_b"), a.dtype());
+  std::optional<Gemm> g = node_gemm(a.shape(), b.shape(), args.attrs, a.dtype());
   KILN_CHECK(g.has_value(),
-             "cublaslt matmul: a {} and b {} have batch dims no strided batch can express",
+             "cublaslt matmul: a {} and b {} have batch dims no strided batch can express, or break "
+             "an fp8 product's rules (batch 1, k % 16 == 0)",
              to_string(a.shape()), to_string(b.shape()));
   auto stream = static_cast<cudaStream_t>(args.stream);
   if (c.numel() == 0) return;
@@ -760,7 +832,7 @@ void matmul_kernel(const KernelArgs& args) {
     KILN_CUDA_CHECK(cudaMemsetAsync(c.raw(), 0, c.bytes(), stream));
     return;
   }
-  g->tf32 = a.dtype() == DType::kF32 && matmul_allow_tf32();
+  g->tf32 = a.dtype() == DType::kF32 && matmul_allow_tf32() && !g->fp8();
   g->run(GemmOperands{a.raw(), b.raw(), nullptr, c.raw()}, stream);
 }
 
@@ -773,9 +845,7 @@ void register_cublaslt_kernels(KernelRegistry& registry) {
                             if (node.input_types.size() != 2) return false;
                             const TensorType &a = node.input_types[0], &b = node.input_types[1];
                             if (!matmul_dtype(a.dtype) || b.dtype != a.dtype) return false;
-                            return matmul_gemm(a.shape, b.shape, node.node.attrs.b("transpose_a"),
-                                               node.node.attrs.b("transpose_b"), a.dtype)
-                                .has_value();
+                            return node_gemm(a.shape, b.shape, node.node.attrs, a.dtype).has_value();
                           },
                           matmul_kernel});
 }

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "ir/dtype.h"
+#include "ops/fp8.h"
 #include "support/error.h"
 
 namespace kiln::cuda {
@@ -87,6 +88,10 @@ struct GemmOperands {
   const void* bias = nullptr;  // epilogue_reads_bias: input, dtype Gemm::bias_dtype()
   void* bias_grad = nullptr;   // epilogue_writes_bias: output, dtype d_type
   void* aux = nullptr;         // GELU aux: output (forward) or input (DGELU), dtype d_type
+  // An fp8 product's quantized operands' inverse scales (device f32 scalars). Left null by
+  // callers: run() quantizes an fp8 description's a_type operands and sets them itself.
+  const float* scale_a = nullptr;
+  const float* scale_b = nullptr;
 };
 
 class GemmPlan;
@@ -119,10 +124,17 @@ struct Gemm {
   int64_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_c = 0, stride_d = 0, stride_aux = 0;
   int64_t stride_bias = 0;  // between the bias (or bias_grad) vectors of the batch; 0: shared
+  // An fp8 product (ops/fp8.h): A and B, given in a_type (f32, bf16 or f16), are quantized by
+  // run() into stream-ordered scratch, K-major (cuBLASLt's FP8 kernels read A transposed and B
+  // not), each with its per-tensor scale computed on the device, and multiplied by an FP8 GEMM
+  // (fast accumulation when both are e4m3, the forward's, as torchao does). Needs batch 1, packed
+  // A and B, k % 16 == 0, and an epilogue of none or bias. Both set or neither.
+  Fp8Format fp8_a = Fp8Format::kNone, fp8_b = Fp8Format::kNone;
 
   bool operator==(const Gemm&) const = default;
   std::string to_string() const;
   DType bias_dtype() const { return bias_type.value_or(d_type); }
+  bool fp8() const { return fp8_a != Fp8Format::kNone; }
 
   // Checks the description and the operands (throws kiln::Error naming what is wrong), finds or
   // builds the cached plan, and enqueues the product on `stream`. Never synchronizes, except

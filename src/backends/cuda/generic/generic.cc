@@ -18,6 +18,7 @@
 #include "backends/cuda/registration.h"
 #include "device/communicator.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/optimizer/optimizers.h"
 #include "support/philox.h"
 
@@ -451,7 +452,7 @@ void register_nn(KernelRegistry& registry) {
     fill_strides(L.b_batch_strides, broadcast_strides(b_batch, batch));
     L.batch = numel(batch);
     generic::launch_matmul(x.dtype(), x.raw(), w.raw(), a.outputs[0].raw(), L, stream_of(a));
-  });
+  }, [](const NodeView& node) { return !matmul_fp8(node.node.attrs).on(); });  // fp8: cuBLASLt
 
   for (bool log : {false, true}) {
     add(registry, log ? Op::kLogSoftmax : Op::kSoftmax, [log](const KernelArgs& a) {

@@ -381,6 +381,13 @@ GemmCore gemm_core(const Graph& body) {
   gemm.a_type = gemm.d_type = dtype;
   gemm.tf32 = dtype == DType::kF32 && matmul_allow_tf32();
   if (gemm.k == 0) no_match("k is 0 (an empty product)");
+  if (const MatmulFp8 fp8 = matmul_fp8(matmul.attrs); fp8.on()) {
+    if (core.a_slice >= 0) no_match("an fp8 product reads A through a slice (it needs A packed)");
+    if (gemm.k % 16 != 0) no_match("an fp8 product with k % 16 != 0");
+    gemm.fp8_a = fp8.a;
+    gemm.fp8_b = fp8.b;
+    gemm.tf32 = false;
+  }
   return core;
 }
 
@@ -577,6 +584,8 @@ GemmBinding match_gemm(const Graph& body) {
   if (gemm.d_type != gemm.a_type && epilogue != Epilogue::kNone && epilogue != Epilogue::kBias)
     no_match(fmt::format("epilogue {} on a product cast to f32 is not mapped (none and bias are)",
                          epilogue_name(epilogue)));
+  if (gemm.fp8() && epilogue != Epilogue::kNone && epilogue != Epilogue::kBias)
+    no_match(fmt::format("epilogue {} on an fp8 product (none and bias are mapped)", epilogue_name(epilogue)));
   gemm.epilogue = epilogue;
   return g;
 }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One call on an FP8 GPU (H100/H200): `--amp fp8` built and checked, then measured against bf16
+# and against torch.compile (bf16, and with torchao's float8 training) on the same models.
+#   1. build kiln-cli and the GPU tests; run the fp8 and cuBLASLt GPU tests;
+#   2. kiln bench, bf16 then fp8, for each of FP8_MODELS ("name:batch:seq", default llama-1b:4:2048);
+#   3. PyTorch: bench/torch_float8.py, compile and float8 modes, the same models (torchao from a
+#      wheel carried in .carry/wheels; the model files from .carry: ../shared/bench's);
+#   4. FP8_LOSS=1: the loss of FP8_LOSS_STEPS (300) steps of kiln train on .carry/text.txt, bf16
+#      and fp8, GPT-2 and llama-160m, compared per 30-step window;
+#   5. FP8_PROFILE=1: kiln bench --profile of the first model in fp8 (the per-kernel table).
+# FP8_TORCH=0 skips step 3.
+# Prints a short table last.
+set -uo pipefail
+source "$(dirname "$0")/gpu-env.sh"
+t0=$(date +%s)
+since() { echo "$(( $(date +%s) - t0 )) s"; }
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DKILN_BUILD_TESTS=ON "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
+  cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests >>"$out/build.log" 2>&1
+rc=$?; echo "build rc=$rc at $(since)"
+[ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; }
+timeout ${FP8_TEST_T:-240} ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 --gtest_filter="${FP8_TESTS:-Fp8Gpu*:CublasLt*}" >"$out/gpu_tests.log" 2>&1
+echo "gpu tests rc=$? at $(since)"
+grep -E "Failure|Expected|Which is|^\[  FAILED|^\[  PASSED|error" "$out/gpu_tests.log" | head -30
+K=./build-gpu/kiln
+: > "$out/rows.txt"
+for m in ${FP8_MODELS:-llama-1b:4:2048}; do IFS=: read -r name batch seq <<<"$m"
+  for amp in bf16 fp8; do
+    line=$($K bench --model $name --batch $batch --seq $seq --amp $amp --steps ${FP8_STEPS:-25} --json 2>>"$out/bench.err" | tail -1)
+    echo "kiln $name B=$batch $amp $(echo "$line" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["ms_per_step"], "ms", r["peak_gib"], "GiB")' 2>&1 | tail -1)" | tee -a "$out/rows.txt"
+  done
+done
+echo "kiln benches at $(since)"; tail -5 "$out/bench.err"
+if [ "${FP8_PROFILE:-0}" = 1 ]; then IFS=: read -r name batch seq <<<"${FP8_MODELS%% *}"
+  $K bench --model $name --batch $batch --seq $seq --amp fp8 --steps 10 --profile "$out/fp8-profile.json" > "$out/fp8-profile.txt" 2>&1
+  grep -v "^ *$" "$out/fp8-profile.txt" | head -45
+fi
+if [ "${FP8_LOSS:-0}" = 1 ]; then
+  for m in "gpt2 8 1024" "llama-160m 8 1024"; do set -- $m
+    for amp in bf16 fp8; do
+      $K train --model $1 --batch $2 --seq $3 --steps ${FP8_LOSS_STEPS:-300} --log-every 100 --eval-every 0 --amp $amp --lr 6e-4 \
+        --data .carry/text.txt --metrics "$out/loss-$1-$amp.jsonl" > "$out/train-$1-$amp.log" 2>&1 || tail -3 "$out/train-$1-$amp.log"
+    done
+    python3 - "$out/loss-$1-bf16.jsonl" "$out/loss-$1-fp8.jsonl" "$1" <<'EOF' | tee -a "$out/rows.txt"
+import json, sys
+def losses(p): return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
+b, f = losses(sys.argv[1]), losses(sys.argv[2])
+worst = 0.0
+for w in range(0, min(len(b), len(f)) // 30):
+    mb, mf = sum(b[30*w:30*w+30]) / 30, sum(f[30*w:30*w+30]) / 30
+    worst = max(worst, abs(mf - mb) / mb)
+    print(f"loss {sys.argv[3]} steps {30*w+1}-{30*w+30}: bf16 {mb:.4f} fp8 {mf:.4f} ({100*(mf-mb)/mb:+.2f}%)")
+print(f"loss {sys.argv[3]}: worst 30-step window {100*worst:.2f}% over {min(len(b), len(f))} steps")
+EOF
+  done
+  echo "loss curves at $(since)"
+fi
+[ "${FP8_TORCH:-1}" = 0 ] && { echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader)"; cat "$out/rows.txt"; exit 0; }
+ao=/tmp/ao; rm -rf $ao
+for w in .carry/wheels/torchao-*.whl; do
+  pip install --quiet --no-deps --target $ao "$w" >/dev/null 2>&1 &&
+    PYTHONPATH=$ao python3 -c "from torchao.float8 import convert_to_float8_training" 2>/dev/null && { echo "torchao: $w"; break; }
+  rm -rf $ao
+done
+runs=""; for m in ${FP8_TORCH_MODELS:-${FP8_MODELS:-llama-1b:4:2048}}; do IFS=: read -r name batch seq <<<"$m"
+  runs="$runs $name:compile:$batch:$seq $name:float8:$batch:$seq"; done
+PYTHONPATH=$ao timeout ${FP8_TORCH_T:-300} python3 bench/torch_float8.py --models .carry $runs > "$out/torch.jsonl" 2>"$out/torch.err"
+echo "torch at $(since)"; tail -3 "$out/torch.err"
+python3 - "$out/torch.jsonl" <<'EOF' | tee -a "$out/rows.txt"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    print(f"torch {r['cfg']} B={r['B']} {r['mode']}", r.get("ms", r.get("error", "oom")), "ms", r.get("peak_gib", ""), "GiB")
+EOF
+echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader)"; cat "$out/rows.txt"

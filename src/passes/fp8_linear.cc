@@ -1,0 +1,75 @@
+#include "passes/fp8_linear.h"
+
+#include <string>
+
+#include "ops/fp8.h"
+#include "passes/uses.h"
+#include "support/error.h"
+
+namespace kiln {
+namespace {
+
+constexpr int64_t kFp8Multiple = 16;
+
+// `id` with the casts in front of it peeled off.
+ValueId through_casts(const Graph& graph, const Uses& uses, ValueId id) {
+  for (int p = uses.producer[static_cast<size_t>(id)]; p >= 0 && graph.nodes[p].op == Op::kCast;
+       p = uses.producer[static_cast<size_t>(id)])
+    id = graph.nodes[p].inputs[0];
+  return id;
+}
+
+bool is_param(const Graph& graph, ValueId id) {
+  for (const GraphInput& in : graph.inputs)
+    if (in.value == id) return in.role == Role::kParam;
+  return false;
+}
+
+// Whether `id` reaches a cross_entropy through casts and reshapes: the classifier's logits.
+bool feeds_loss(const Graph& graph, const Uses& uses, ValueId id) {
+  for (int r : uses.readers[static_cast<size_t>(id)]) {
+    const Node& n = graph.nodes[static_cast<size_t>(r)];
+    if (n.op == Op::kCrossEntropy) return true;
+    if ((n.op == Op::kCast || n.op == Op::kReshape) && feeds_loss(graph, uses, n.outputs[0]))
+      return true;
+  }
+  return false;
+}
+
+bool linear_layer(const Graph& graph, const Uses& uses, const Node& n) {
+  if (n.op != Op::kMatmul || matmul_fp8(n.attrs).on()) return false;
+  const ValueId w = through_casts(graph, uses, n.inputs[1]);
+  const TensorType &xt = graph.type(n.inputs[0]), &wt = graph.type(n.inputs[1]);
+  if (!is_param(graph, w) || wt.rank() != 2 || xt.rank() < 2 || !is_float(xt.dtype)) return false;
+  if (n.attrs.b("transpose_a") && xt.rank() > 2) return false;
+  const int64_t k = n.attrs.b("transpose_a") ? xt.shape[xt.rank() - 2] : xt.shape.back();
+  const int64_t rows = k == 0 ? 0 : numel(xt.shape) / k;
+  for (int64_t d : {rows, k, wt.shape[0], wt.shape[1]})
+    if (d == 0 || d % kFp8Multiple != 0) return false;
+  return !feeds_loss(graph, uses, n.outputs[0]);
+}
+
+}  // namespace
+
+bool Fp8Linear::run(Graph& graph) {
+  const Uses uses(graph);
+  marked_ = skipped_ = 0;
+  for (Node& n : graph.nodes) {
+    if (n.op != Op::kMatmul) continue;
+    if (!linear_layer(graph, uses, n)) {
+      ++skipped_;
+      continue;
+    }
+    n.attrs.set("fp8_a", std::string("e4m3"));
+    n.attrs.set("fp8_b", std::string("e4m3"));
+    ++marked_;
+  }
+  return marked_ > 0;
+}
+
+std::vector<std::string> Fp8Linear::notes() const {
+  return {fmt::format("{} linear product{} in fp8, {} matmul{} kept in 16 bits", marked_,
+                      marked_ == 1 ? "" : "s", skipped_, skipped_ == 1 ? "" : "s")};
+}
+
+}  // namespace kiln
