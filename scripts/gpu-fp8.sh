@@ -2,11 +2,14 @@
 # One call on an FP8 GPU (H100/H200): `--amp fp8` built and checked, then measured against bf16
 # and against torch.compile (bf16, and with torchao's float8 training) on the same models.
 #   1. build kiln-cli and the GPU tests; run the fp8 and cuBLASLt GPU tests;
-#   2. kiln bench, bf16 then fp8, for each of FP8_MODELS ("name:batch:seq", default llama-1b:4:2048);
+#   2. the fp8 products against bf16 at LLaMA-1B's and GPT-2's layers (bench/gpu_gemm_bench fp8;
+#      FP8_GEMMS=0 skips), then kiln bench in bf16, fp8 and fp8 on every linear layer, for each of
+#      FP8_MODELS ("name:batch:seq", default llama-1b:4:2048);
 #   3. PyTorch: bench/torch_float8.py, compile and float8 modes, the same models (torchao from a
 #      wheel carried in .carry/wheels; the model files from .carry: ../shared/bench's);
-#   4. FP8_LOSS=1: the loss of FP8_LOSS_STEPS (300) steps of kiln train on .carry/text.txt, bf16
-#      and fp8, GPT-2 and llama-160m, compared per 30-step window;
+#   4. FP8_LOSS=1: the loss of FP8_LOSS_STEPS (300) steps of kiln train on real text (Python's
+#      standard library sources), bf16
+#      and fp8 on every linear layer, GPT-2 and llama-160m, compared per 30-step window;
 #   5. FP8_PROFILE=1: kiln bench --profile of the first model in fp8 (the per-kernel table).
 # FP8_TORCH=0 skips step 3.
 # Prints a short table last.
@@ -14,17 +17,20 @@ set -uo pipefail
 source "$(dirname "$0")/gpu-env.sh"
 t0=$(date +%s)
 since() { echo "$(( $(date +%s) - t0 )) s"; }
-cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF -DKILN_BUILD_TESTS=ON "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
-  cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests >>"$out/build.log" 2>&1
+cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=ON -DKILN_BUILD_TESTS=ON "${onnx_flags[@]}" >"$out/build.log" 2>&1 &&
+  cmake --build build-gpu -j16 --target kiln-cli kiln_gpu_tests gpu_gemm_bench >>"$out/build.log" 2>&1
 rc=$?; echo "build rc=$rc at $(since)"
 [ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; }
 timeout ${FP8_TEST_T:-240} ./build-gpu/tests/kiln_gpu_tests --gtest_brief=1 --gtest_filter="${FP8_TESTS:-Fp8Gpu*:CublasLt*}" >"$out/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? at $(since)"
 grep -E "Failure|Expected|Which is|^\[  FAILED|^\[  PASSED|error" "$out/gpu_tests.log" | head -30
+if [ "${FP8_GEMMS:-1}" = 1 ]; then
+  timeout 120 ./build-gpu/bench/gpu_gemm_bench fp8 2>&1 | tee "$out/gemm-fp8.txt" | grep -v "^ *$"
+fi
 K=./build-gpu/kiln
 : > "$out/rows.txt"
 for m in ${FP8_MODELS:-llama-1b:4:2048}; do IFS=: read -r name batch seq <<<"$m"
-  for amp in bf16 fp8; do
+  for amp in bf16 fp8 "fp8 --fp8-every-linear"; do
     line=$($K bench --model $name --batch $batch --seq $seq --amp $amp --steps ${FP8_STEPS:-25} --json 2>>"$out/bench.err" | tail -1)
     echo "kiln $name B=$batch $amp $(echo "$line" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["ms_per_step"], "ms", r["peak_gib"], "GiB")' 2>&1 | tail -1)" | tee -a "$out/rows.txt"
   done
@@ -35,10 +41,23 @@ if [ "${FP8_PROFILE:-0}" = 1 ]; then IFS=: read -r name batch seq <<<"${FP8_MODE
   grep -v "^ *$" "$out/fp8-profile.txt" | head -45
 fi
 if [ "${FP8_LOSS:-0}" = 1 ]; then
+  # Real text, more of it than .carry/text.txt's 36 KB: the Python standard library's sources
+  # (~6 MB), the same corpus for every run.
+  corpus=/tmp/corpus.txt
+  python3 - "$corpus" <<'EOF2'
+import pathlib, sys, sysconfig
+out, total = open(sys.argv[1], "w", encoding="utf-8"), 0
+for p in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+    if total > 6_000_000: break
+    try: text = p.read_text(encoding="utf-8")
+    except Exception: continue
+    out.write(text); total += len(text)
+EOF2
+  ls -la $corpus
   for m in "gpt2 8 1024" "llama-160m 8 1024"; do set -- $m
     for amp in bf16 fp8; do
-      $K train --model $1 --batch $2 --seq $3 --steps ${FP8_LOSS_STEPS:-300} --log-every 100 --eval-every 0 --amp $amp --lr 6e-4 \
-        --data .carry/text.txt --metrics "$out/loss-$1-$amp.jsonl" > "$out/train-$1-$amp.log" 2>&1 || tail -3 "$out/train-$1-$amp.log"
+      $K train --model $1 --batch $2 --seq $3 --steps ${FP8_LOSS_STEPS:-300} --log-every 100 --eval-every 0 --amp $amp $([ $amp = fp8 ] && echo --fp8-every-linear) --lr 6e-4 \
+        --data $corpus --metrics "$out/loss-$1-$amp.jsonl" > "$out/train-$1-$amp.log" 2>&1 || tail -3 "$out/train-$1-$amp.log"
     done
     python3 - "$out/loss-$1-bf16.jsonl" "$out/loss-$1-fp8.jsonl" "$1" <<'EOF' | tee -a "$out/rows.txt"
 import json, sys

@@ -35,6 +35,8 @@ struct CostModel {
   // Device rates of the roofline (defaults: an H100's dense bf16 at the ~60% kiln's GEMMs reach,
   // its HBM at ~80%; a CPU's a few cores' worth).
   double flops_per_s = 600e12;
+  // FP8 products (ops/fp8.h): an H100's dense FP8 rate at the share cuBLASLt's FP8 GEMMs reach.
+  double fp8_flops_per_s = 1000e12;
   double bytes_per_s = 2.6e12;
   double launch_s = 4e-6;
   CollectiveFit all_gather, reduce_scatter, all_reduce;

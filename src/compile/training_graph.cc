@@ -108,7 +108,11 @@ void apply_mixed_precision(Graph& forward, const OptimizerConfig& config) {
   options.low = config.amp == "f16" ? DType::kF16 : DType::kBF16;
   options.policy = config.amp_policy;
   MixedPrecisionPass(options).run(forward);
-  if (config.amp == "fp8") Fp8Linear().run(forward);  // bf16, and the linear layers in fp8
+  if (config.amp == "fp8") {  // bf16, and the linear layers in fp8 where that is faster
+    Fp8LinearOptions fp8;
+    fp8.every_linear = config.fp8_every_linear;
+    Fp8Linear(fp8).run(forward);
+  }
   verify(forward);
 }
 

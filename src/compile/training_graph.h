@@ -59,6 +59,9 @@ struct OptimizerConfig {
   double min_lr_ratio = 0.1;
   std::string amp = "off";     // "off", "bf16", "f16" or "fp8" (see above)
   PrecisionPolicy amp_policy = default_precision_policy();  // per-op precision under amp
+  // fp8: every linear layer the FP8 rules allow, not only those the cost model finds faster
+  // (passes/fp8_linear.h): for tests on small models and for measurements.
+  bool fp8_every_linear = false;
   LossScaleOptions loss_scale;  // f16 only
   // The step's outputs: false (default) only the loss; true every output of the forward graph
   // (loss first). An extra output such as GPT-2's logits is kept in its own buffer each step and

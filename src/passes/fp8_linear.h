@@ -9,24 +9,47 @@
 //   * the classifier: a product whose result reaches a cross_entropy through casts and reshapes
 //     (the logits feed the loss directly, and torchao's recipes leave the head in bf16 too);
 //   * attention's products and every other matmul of two activations (no param operand).
+// And, unless every_linear is set, only where the cost model says fp8 is faster: a layer's three
+// products (forward, dx, dw) at the FP8 rate plus their quantization (each operand read for its
+// amax, read again and written as bytes: 5 bytes an element, and 4 launches a product) against
+// the same products in bf16. The quantization grows with k (m + n) and the saving with m n k, so
+// wide layers gain and narrow ones lose: llama-1b's SwiGLU products are faster in fp8, GPT-2's
+// 768-wide layers slower (bench/gpu_gemm_bench fp8). torchao filters its layers by size likewise.
 // Runs after the mixed-precision pass (compile/training_graph.cc), on the graph autodiff sees.
 //
 // Expects: a verified graph. Guarantees: the same graph with fp8_a = fp8_b = "e4m3" set on the
 // matched matmuls; nothing else changes.
 #pragma once
 
+#include <utility>
+
+#include "analysis/cost_model.h"
 #include "passes/pass.h"
 
 namespace kiln {
 
+struct Fp8LinearOptions {
+  bool every_linear = false;  // mark every layer the rules allow, faster or not (tests, studies)
+  CostModel model = CostModel::defaults(Device::kCuda);
+};
+
+// A linear layer of `rows` tokens from `in` to `out` features: its three products' seconds in
+// bf16 and in fp8 (quantization included), by the model's rates.
+struct Fp8Estimate {
+  double bf16_s = 0, fp8_s = 0;
+};
+Fp8Estimate fp8_estimate(const CostModel& model, int64_t rows, int64_t in, int64_t out);
+
 class Fp8Linear : public Pass {
  public:
+  explicit Fp8Linear(Fp8LinearOptions options = {}) : options_(std::move(options)) {}
   std::string name() const override { return "fp8-linear"; }
   bool run(Graph& graph) override;
   std::vector<std::string> notes() const override;
 
  private:
-  int marked_ = 0, skipped_ = 0;
+  Fp8LinearOptions options_;
+  int marked_ = 0, skipped_ = 0, slower_ = 0;
 };
 
 }  // namespace kiln

@@ -128,6 +128,12 @@ void add_amp_option(CLI::App* command, std::string& amp, const std::string& help
   command->add_option("--amp", amp, help)->check(CLI::IsMember(modes))->default_val(amp);
 }
 
+void add_fp8_option(CLI::App* command, bool& every_linear) {
+  command->add_flag("--fp8-every-linear", every_linear,
+                    "With --amp fp8: every linear layer in FP8, not only those the cost model finds faster "
+                    "(passes/fp8_linear.h); for studies of FP8's speed and loss");
+}
+
 void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects) {
   command->add_option("--dialects", dialects, "Kernel dialects to choose from, e.g. reference,cpu,openblas (default: all)")
       ->delimiter(',')
