@@ -1,7 +1,9 @@
 // The conformance table (tests/conformance.h): every op of the op table, with the dtypes,
 // shapes and attributes its kernels take and the input ranges its math needs. Sections:
+//   0. generated from the op table: a generic case per elementwise math op (its arity and dtype
+//      domain from ops/elementwise_math.h), so a new one is covered without writing its case;
 //   1. every op at every dtype it accepts (small shapes, both sides of each broadcast, the
-//      warp/block boundary of long rows);
+//      warp/block boundary of long rows), where the generic case does not serve;
 //   2. the CPU fast paths' geometry: odd sizes (not multiples of the vector width), sizes that
 //      parallel_for splits, each binary layout, suffix and prefix reductions, checked at the
 //      tolerance those kernels always held (f32 against an f64 reference rounded to f32);
@@ -23,6 +25,7 @@
 #include "ir/text.h"
 #include "passes/classifier.h"
 #include "passes/fusion/fusion.h"
+#include "ops/elementwise.h"
 #include "passes/multi_tensor.h"
 
 namespace kiln::testing::conformance {
@@ -126,29 +129,110 @@ Shape output_shape(Op op, std::vector<TensorType> inputs, Attributes attrs) {
   return infer(op, inputs, std::move(attrs)).at(0).shape;
 }
 
+// ---- 0. generated from the op table ------------------------------------------------------
+
+// The math table gives an elementwise op its arity and dtype domain but not the inputs where it
+// is defined. So a generic case draws on [-2, 2) (integers [-20, 20)) and moves the draw into
+// the first narrower range on which the reference kernel stays in the op's domain (no
+// non-finite output, no data error): log and sqrt get (0.25, 3), acos (0.25, 0.95), integer
+// division nonzero divisors.
+struct DrawRange {
+  double lo, hi, ilo, ihi;
+};
+constexpr DrawRange kWide{-2, 2, -20, 20};
+constexpr std::array<DrawRange, 3> kDomainRanges = {kWide, DrawRange{0.25, 3, 1, 20},
+                                                    DrawRange{0.25, 0.95, 1, 20}};
+
+// x drawn by uniform(shape) at kWide, moved affinely into `to` (bools stay: every op takes them).
+Tensor moved_into(const Tensor& x, const DrawRange& to) {
+  Tensor y = x.clone();
+  const DType t = x.dtype();
+  if (t == DType::kBool) return y;
+  const bool integer = !is_float(t);
+  const double lo = integer ? (t == DType::kU8 ? 0.0 : kWide.ilo) : kWide.lo;
+  const double hi = integer ? kWide.ihi : kWide.hi;
+  const double to_lo = integer ? to.ilo : to.lo, to_hi = integer ? to.ihi : to.hi;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double v = to_lo + (x.get(i) - lo) / (hi - lo) * (to_hi - to_lo);
+    y.set(i, integer ? std::floor(v) : v);
+  }
+  return y;
+}
+
+// Whether the reference kernel of `op` gives finite outputs on `inputs` without a data error.
+bool in_domain(Op op, const std::vector<Tensor>& inputs, const Attributes& attrs) {
+  const Instance instance = instance_of(op, inputs, attrs);
+  std::vector<Tensor> outputs;
+  for (const TensorType& t : instance.output_types) outputs.emplace_back(t);
+  try {
+    op_def(op).reference(KernelArgs{instance.node().attrs, instance.inputs, outputs});
+  } catch (const Error&) {
+    return false;
+  }
+  for (const Tensor& out : outputs)
+    if (is_float(out.dtype()))
+      for (int64_t i = 0; i < out.numel(); ++i)
+        if (!std::isfinite(out.get(i))) return false;
+  return true;
+}
+
+// One case per op of the math table (gelu and gelu_grad in their default form): unary on
+// (3, 70), binary on (4, 1, 5) and (3, 1) where the op broadcasts, else on two (3, 70); the
+// dtypes its domain takes.
+void add_generated_from_table(std::vector<Case>& c) {
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (!ops::is_math_op(op)) continue;
+    const Attributes attrs = normalize_attributes(op, {});
+    int arity = 0;
+    math::Domain domain = math::Domain::kFloat;
+    math::visit(*ops::elementwise_fn(op, attrs), [&](auto line) {
+      arity = decltype(line)::arity();
+      domain = decltype(line)::domain();
+    });
+    const std::vector<DType>& dtypes = domain == math::Domain::kFloat        ? kFloats
+                                       : domain == math::Domain::kArithmetic ? kArith
+                                                                             : kAll;
+    std::vector<Shape> shapes = {{3, 70}};
+    if (arity == 2) {
+      shapes = {{4, 1, 5}, {3, 1}};
+      try {
+        infer_types(op, std::vector<TensorType>{{dtypes[0], shapes[0]}, {dtypes[0], shapes[1]}},
+                    attrs);
+      } catch (const Error&) {
+        shapes = {{3, 70}, {3, 70}};  // no broadcast (gelu_grad: dy has x's type)
+      }
+    }
+    Case generic{std::string(op_name(op)) + "_generic", op, dtypes};
+    for (const Shape& shape : shapes) generic.inputs.push_back(uniform(shape));
+    generic.derive = [op](std::vector<Tensor>& inputs, const Attributes& node_attrs) {
+      const std::vector<Tensor> wide = inputs;
+      for (const DrawRange& range : kDomainRanges) {
+        for (size_t k = 0; k < wide.size(); ++k) inputs[k] = moved_into(wide[k], range);
+        if (in_domain(op, inputs, node_attrs)) return;
+      }
+      fail("{}: no draw range of the generic case is in its domain: give it a case of its own",
+           op_name(op));
+    };
+    c.push_back(std::move(generic));
+  }
+}
+
 // ---- 1. every op at every dtype ------------------------------------------------------------
 
 void add_every_op(std::vector<Case>& c) {
   const Shape s{3, 70};
-  // Unary.
-  for (auto [name, op] : {std::pair{"erf", Op::kErf}, {"exp", Op::kExp}, {"sigmoid", Op::kSigmoid},
-                          {"silu", Op::kSilu}, {"tanh", Op::kTanh}, {"sin", Op::kSin}, {"cos", Op::kCos}})
-    c.push_back({name, op, kFloats, {uniform(s)}});
-  for (auto [name, op] : {std::pair{"log", Op::kLog}, {"sqrt", Op::kSqrt}, {"rsqrt", Op::kRsqrt},
-                          {"reciprocal", Op::kReciprocal}})
-    c.push_back({name, op, kFloats, {positive(s)}});
-  for (auto [name, op] : {std::pair{"abs", Op::kAbs}, {"neg", Op::kNeg}, {"relu", Op::kRelu},
-                          {"square", Op::kSquare}, {"stop_gradient", Op::kStopGradient}})
-    c.push_back({name, op, kArith, {uniform(s)}});
+  // Unary: the generic cases (section 0) serve erf, exp, sigmoid, silu, tanh, sin, cos, log,
+  // sqrt, rsqrt, reciprocal, abs, neg, relu, square and stop_gradient; these need ranges of their
+  // own.
   c.push_back({"gelu", Op::kGelu, kFloats, {uniform(s, -4, 4)}});
   c.push_back({"gelu_tanh", Op::kGelu, kFloats, {uniform(s, -4, 4)}, {{"approximate", std::string("tanh")}}});
   c.push_back({"gelu_grad", Op::kGeluGrad, kFloats, {uniform(s, -4, 4), uniform(s)}});
   c.push_back({"gelu_grad_tanh", Op::kGeluGrad, kFloats, {uniform(s, -4, 4), uniform(s)},
                {{"approximate", std::string("tanh")}}});
-  // Binary, broadcasting and not.
+  // Binary, broadcasting (the generic cases) and not.
   for (auto [name, op] : {std::pair{"add", Op::kAdd}, {"sub", Op::kSub}, {"mul", Op::kMul},
                           {"maximum", Op::kMaximum}, {"minimum", Op::kMinimum}}) {
-    c.push_back({std::string(name) + "_bcast", op, kArith, {uniform({4, 1, 5}), uniform({3, 1})}});
     c.push_back({std::string(name) + "_same", op, kArith, {uniform({2, 33}), uniform({2, 33})}});
     // Broadcast over leading dims (collapsed to rows), either side.
     c.push_back({std::string(name) + "_rows", op, kArith, {uniform({3, 4, 70}), uniform({4, 70})}});
@@ -1222,6 +1306,7 @@ void add_fused(std::vector<Case>& c) {
 
 std::vector<Case> build_cases() {
   std::vector<Case> c;
+  add_generated_from_table(c);
   add_every_op(c);
   add_fast_path_geometry(c);
   add_training_kernels(c);

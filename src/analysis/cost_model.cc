@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "ir/op_def.h"
 #include "support/error.h"
 
 namespace kiln {
@@ -19,49 +20,11 @@ double node_flops(const Graph& g, const Node& node) {
     for (const Node& inner : node.body->nodes) flops += node_flops(*node.body, inner);
     return flops;
   }
+  if (const auto& flops = op_def(node.op).traits.flops) return flops(g, node);
   double out_numel = 0;
   for (ValueId o : node.outputs) out_numel += numel_of(g, o);
   double in_numel = 0;
   for (ValueId i : node.inputs) in_numel += numel_of(g, i);
-  switch (node.op) {
-    case Op::kMatmul: {
-      const Shape& a = g.type(node.inputs[0]).shape;
-      const size_t r = a.size();
-      const double k = static_cast<double>(node.attrs.b("transpose_a") ? a[r - 2] : a[r - 1]);
-      return 2.0 * out_numel * k;
-    }
-    case Op::kAttention:
-    case Op::kAttentionGrad: {
-      const Shape& q = g.type(node.inputs[0]).shape;
-      const Shape& v = g.type(node.inputs[2]).shape;
-      const size_t r = q.size();
-      const bool bthd = node.attrs.s("layout") == "bthd";
-      const double keys = static_cast<double>(g.type(node.inputs[1]).shape[r - (bthd ? 3 : 2)]);
-      const double rows = numel_of(g, node.inputs[0]) / static_cast<double>(q[r - 1]);  // B*H*T
-      const double forward = 2.0 * rows * keys * static_cast<double>(q[r - 1] + v[r - 1]);
-      return node.op == Op::kAttention ? forward : 2.5 * forward;
-    }
-    case Op::kAttentionQkv:
-    case Op::kAttentionQkvGrad: {
-      const Shape& qkv = g.type(node.inputs[0]).shape;  // (..., T, 3, H, D)
-      const size_t r = qkv.size();
-      const double d = static_cast<double>(qkv[r - 1]);
-      const double rows = numel_of(g, node.inputs[0]) / (3.0 * d);  // B*T*H
-      const double forward = 2.0 * rows * static_cast<double>(qkv[r - 4]) * 2.0 * d;
-      return node.op == Op::kAttentionQkv ? forward : 2.5 * forward;
-    }
-    case Op::kConv2d:
-    case Op::kConv2dGradInput:
-    case Op::kConv2dGradWeight: {
-      // The 4-d weight: conv2d's and conv2d_grad_input's second input, grad_weight's output.
-      const ValueId w = node.op == Op::kConv2dGradWeight ? node.outputs[0] : node.inputs[1];
-      const Shape& ws = g.type(w).shape;
-      const double per_output = numel_of(g, w) / static_cast<double>(ws[0]);  // C/groups*KH*KW
-      return 2.0 * std::max(out_numel, in_numel) * per_output;
-    }
-    default:
-      break;
-  }
   if (has_flag(node.op, kElementwise) || has_flag(node.op, kShape) || has_flag(node.op, kSource))
     return out_numel;
   return 5.0 * in_numel;  // reductions, normalizations, gathers: a few passes over the input

@@ -19,9 +19,10 @@
 
 namespace kiln {
 
-// Estimated FLOPs of one node: 2MNK for matmul, 4BHTSD for attention (about twice that for its
-// gradient), 2 * out * C*KH*KW for convolutions, ~5 per input element for reductions and
-// normalizations, one per output element otherwise; a fused node's, its body's sum.
+// Estimated FLOPs of one node: its op's OpTraits::flops where it has one (2MNK for matmul,
+// 4BHTSD for attention and about twice that for its gradient, 2 * out * C*KH*KW for
+// convolutions), else ~5 per input element for reductions and normalizations and one per output
+// element for elementwise, shape and source ops; a fused node's, its body's sum.
 double node_flops(const Graph& graph, const Node& node);
 
 // t(bytes) = latency_s + bytes / bytes_per_s.

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "analysis/memory_plan.h"
+#include "ir/op_def.h"
 #include "ops/fused/kind.h"
 #include "ops/transfer.h"
 #include "passes/fusion/fusion.h"
@@ -114,15 +115,7 @@ std::string compile_report(const std::string& what, const std::string& source, c
     for (const Node& node : g.nodes) {
       if (node.op == Op::kFused) ++fused_nodes;
       if (node.body) count(*node.body);
-      switch (node.op) {
-        case Op::kAttention: case Op::kAttentionGrad: case Op::kAttentionQkv: case Op::kAttentionQkvGrad:
-        case Op::kLayerNorm: case Op::kLayerNormGrad: case Op::kRmsNorm: case Op::kRmsNormGrad:
-        case Op::kGelu: case Op::kGeluGrad: case Op::kSilu: case Op::kRotaryEmbedding:
-          ++composite[std::string(op_name(node.op))];
-          break;
-        default:
-          break;
-      }
+      if (op_def(node.op).traits.composite) ++composite[std::string(op_name(node.op))];
     }
   };
   count(graph);

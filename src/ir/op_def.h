@@ -1,7 +1,8 @@
 // What each op is, beyond its op-table line: its attribute schema, its shape/dtype inference
-// (which is also its verifier: it throws kiln::Error on anything it cannot accept) and its CPU
-// reference kernel. Definitions live in src/ops/, one file per family of ops, and are collected
-// by ops/registry.cc. The IR uses the schema and inference; backends use the reference kernel.
+// (which is also its verifier: it throws kiln::Error on anything it cannot accept), its CPU
+// reference kernel, and its traits: the facts passes and analyses read about it (OpTraits).
+// Definitions live in src/ops/, one file per family of ops, and are collected by
+// ops/registry.cc. The IR uses the schema and inference; backends use the reference kernel.
 #pragma once
 
 #include <functional>
@@ -20,6 +21,7 @@ class Tensor;
 class Communicator;  // device/communicator.h
 class Expr;
 class Graph;
+struct Node;
 struct GradContext;  // ops/gradient.h
 
 struct AttrSpec {
@@ -60,6 +62,43 @@ using BodyInferFn = std::function<std::vector<TensorType>(
 // gradient). Rules are written with the builder API; see ops/gradient.h.
 using GradFn = std::function<std::vector<Expr>(const GradContext& context)>;
 
+// How the mixed-precision pass runs an op (passes/mixed_precision.h): float inputs cast to the
+// 16-bit dtype (kLow), 16-bit inputs cast up to f32 (kF32), or in its inputs' dtype (kFollow).
+enum class Precision { kLow, kF32, kFollow };
+
+// The part a node plays in a fusion group; ops/fused/group.h states each kind's contract.
+enum class GroupRole : uint8_t { kElementwise, kRowOp, kColumnReduction, kGemm, kOther };
+
+// What rematerialization (passes/remat.h) may do with a node: compute it again freely, only as
+// a last resort (a GEMM, attention or convolution costs real time to run twice), or never (a
+// collective is a round every rank makes in the same order; an update changes state).
+enum class Recompute : uint8_t { kCheap, kHeavy, kNever };
+
+// The facts about an op that passes and analyses read, stated once with the op instead of in a
+// switch per pass. tests/op_table_test.cc checks them against the op table's flags.
+struct OpTraits {
+  // Works along the last axis with rows independent (softmax, the norms, cross_entropy, sum,
+  // mean, max and their gradients) for the attributes fusion_role says: a generated rows
+  // kernel computes it one row at a time.
+  bool row_op = false;
+  // Mixed precision's default (passes/mixed_precision.h); a user's policy may say otherwise.
+  // kLow: the ops tensor cores serve; kF32: statistics over many elements and the loss.
+  Precision precision = Precision::kFollow;
+  // The node's role in a fusion group, for its attributes and input types (nullptr: an
+  // elementwise op is kElementwise unless it is random (dropout's counter-based mask is indexed
+  // by an element's global position: left to its own kernel), a row op kRowOp, others kOther).
+  std::function<GroupRole(const Graph& graph, const Node& node)> fusion_role = nullptr;
+  Recompute recompute = Recompute::kCheap;
+  // The node's FLOPs for the cost model (analysis/cost_model.h); nullptr: one per output
+  // element for elementwise, shape and source ops, five per input element otherwise. Its bytes
+  // are its inputs' and outputs' for every op.
+  std::function<double(const Graph& graph, const Node& node)> flops = nullptr;
+  // One of kiln's composite kernels (attention, the norms, gelu, silu, rotary embedding): what
+  // an export decomposes and the front ends or the recognize pass keep whole; the compile
+  // report counts them.
+  bool composite = false;
+};
+
 struct OpDef {
   std::vector<AttrSpec> attrs;
   InferFn infer;
@@ -79,6 +118,7 @@ struct OpDef {
   // Completes attributes whose defaults depend on another attribute, after the schema's own
   // defaults (optimizer_update: the hyperparameters of the optimizer it names).
   std::function<void(Attributes&)> normalize = nullptr;
+  OpTraits traits = {};
 };
 
 // The definition of `op`. Throws kiln::Error if the op has none (a half-added op).

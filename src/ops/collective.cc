@@ -81,7 +81,8 @@ void define_collective_ops(OpRegistry& registry) {
         KILN_CHECK(reduce != ReduceOp::kMax, "all_reduce(max) has no gradient");
         // d(sum_r x_r)/dx_q = 1 on every rank: each rank's x gets the sum of every rank's dy.
         return std::vector<Expr>{all_reduce(c.dy(), world_of(c.attrs()), reduce)};
-      }});
+      }})
+      .traits = {.recompute = Recompute::kNever};
 
   registry.define(Op::kAllGather, OpDef{
       {required("world_size", AttrKind::kInt)},
@@ -94,7 +95,8 @@ void define_collective_ops(OpRegistry& registry) {
         // Every rank's output holds this rank's shard: its gradient is the sum over ranks of
         // their dy's slice at this rank's place.
         return std::vector<Expr>{reduce_scatter(c.dy(), world_of(c.attrs()), ReduceOp::kSum)};
-      }});
+      }})
+      .traits = {.recompute = Recompute::kNever};
 
   registry.define(Op::kReduceScatter, OpDef{
       {required("world_size", AttrKind::kInt), with_default("reduce", std::string("sum"))},
@@ -113,7 +115,8 @@ void define_collective_ops(OpRegistry& registry) {
         Expr dx = all_gather(c.dy(), world);
         if (reduce == ReduceOp::kAvg) dx = dx * (1.0 / world);
         return std::vector<Expr>{dx};
-      }});
+      }})
+      .traits = {.recompute = Recompute::kNever};
 
   registry.define(Op::kCollectiveWait, OpDef{
       {},
@@ -124,7 +127,8 @@ void define_collective_ops(OpRegistry& registry) {
         if (k.inputs[0].raw() == k.outputs[0].raw()) return;
         for (int64_t i = 0; i < k.outputs[0].numel(); ++i) k.outputs[0].copy_element(i, k.inputs[0], i);
       },
-      [](const GradContext& c) { return std::vector<Expr>{c.dy()}; }});
+      [](const GradContext& c) { return std::vector<Expr>{c.dy()}; }})
+      .traits = {.recompute = Recompute::kNever};
 
   registry.define(Op::kLocalShard, OpDef{
       {required("world_size", AttrKind::kInt)},

@@ -22,6 +22,7 @@
 //     first position (row-major in its window) holding the window's max. Not differentiable.
 //   avg_pool2d_grad(dy) {kernel, stride, padding, input_shape} -> dx. Not differentiable.
 // Reference kernels are plain loops in double through Tensor::get/set: the test oracle.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -447,22 +448,38 @@ std::vector<AttrSpec> pool_attrs() {
           with_default("padding", Ints{0, 0})};
 }
 
+// 2 * the larger of the image and the output (per channel pair) * C/groups*KH*KW.
+double conv2d_flops(const Graph& g, const Node& node) {
+  double out_numel = 0, in_numel = 0;
+  for (ValueId o : node.outputs) out_numel += static_cast<double>(g.type(o).numel());
+  for (ValueId i : node.inputs) in_numel += static_cast<double>(g.type(i).numel());
+  // The 4-d weight: conv2d's and conv2d_grad_input's second input, grad_weight's output.
+  const ValueId w = node.op == Op::kConv2dGradWeight ? node.outputs[0] : node.inputs[1];
+  const Shape& ws = g.type(w).shape;
+  const double per_output = static_cast<double>(g.type(w).numel()) / static_cast<double>(ws[0]);
+  return 2.0 * std::max(out_numel, in_numel) * per_output;
+}
+
 }  // namespace
 
 void define_conv_ops(OpRegistry& registry) {
   registry.define(Op::kConv2d,
-                  OpDef{conv_attrs(), infer_conv2d, conv2d_reference, conv2d_gradient});
+                  OpDef{conv_attrs(), infer_conv2d, conv2d_reference, conv2d_gradient})
+      .traits = {.precision = Precision::kLow, .recompute = Recompute::kHeavy,
+                 .flops = conv2d_flops};
 
   std::vector<AttrSpec> grad_input_attrs = conv_attrs();
   grad_input_attrs.push_back(required("input_shape", AttrKind::kInts));
   registry.define(Op::kConv2dGradInput,
                   OpDef{grad_input_attrs, infer_conv2d_grad_input, conv2d_grad_input_reference,
-                        conv2d_grad_input_gradient});
+                        conv2d_grad_input_gradient})
+      .traits = {.recompute = Recompute::kHeavy, .flops = conv2d_flops};
 
   std::vector<AttrSpec> grad_weight_attrs = conv_attrs();
   grad_weight_attrs.push_back(required("weight_shape", AttrKind::kInts));
   registry.define(Op::kConv2dGradWeight, OpDef{grad_weight_attrs, infer_conv2d_grad_weight,
-                                               conv2d_grad_weight_reference, nullptr, false});
+                                               conv2d_grad_weight_reference, nullptr, false})
+      .traits = {.recompute = Recompute::kHeavy, .flops = conv2d_flops};
 
   registry.define(Op::kMaxPool2d,
                   OpDef{pool_attrs(), infer_pool, max_pool2d_reference, max_pool2d_gradient});

@@ -401,12 +401,15 @@ void define_line(OpRegistry& registry) {
       return std::vector<TensorType>{{dtype, binary_shape(in, F::domain())}};
     }
   };
+  OpDef def{{}, std::move(infer), line_reference<F>()};
   if constexpr (F::domain() == math::Domain::kCompare) {
-    registry.define(op, OpDef{{}, std::move(infer), line_reference<F>(), /*gradient=*/nullptr,
-                              /*differentiable=*/false});
+    def.differentiable = false;
   } else {
-    registry.define(op, OpDef{{}, std::move(infer), line_reference<F>(), gradient<op>});
+    def.gradient = gradient<op>;
   }
+  // SwiGLU's activation, which exports write as x * sigmoid(x): a composite kept whole.
+  def.traits.composite = op == Op::kSilu;
+  registry.define(op, std::move(def));
 }
 
 // ---- gelu, gelu_grad, cast, where ------------------------------------------------------------
@@ -471,7 +474,8 @@ void define_other_ops(OpRegistry& registry) {
               check_gelu(in[0], a);
               return std::vector<TensorType>{in[0]};
             },
-            form_reference(Op::kGelu), gelu_gradient});
+            form_reference(Op::kGelu), gelu_gradient})
+      .traits = {.composite = true};
 
   registry.define(
       Op::kGeluGrad,
@@ -482,7 +486,8 @@ void define_other_ops(OpRegistry& registry) {
                          to_string(in[1]));
               return std::vector<TensorType>{in[0]};
             },
-            form_reference(Op::kGeluGrad), /*gradient=*/nullptr, /*differentiable=*/false});
+            form_reference(Op::kGeluGrad), /*gradient=*/nullptr, /*differentiable=*/false})
+      .traits = {.composite = true};
 
   registry.define(Op::kCast, OpDef{{required("dtype", AttrKind::kDType)}, infer_cast,
                                    cast_reference, cast_gradient});

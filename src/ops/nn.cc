@@ -851,6 +851,63 @@ std::vector<Expr> rotary_gradient(const GradContext& c) {
   return {c.builder.apply1(Op::kRotaryEmbedding, {c.dy()}, attrs)};
 }
 
+
+// ---- traits: fusion roles and FLOPs (ir/op_def.h, OpTraits) ----
+
+double numel_of(const Graph& g, ValueId id) { return static_cast<double>(g.type(id).numel()); }
+
+// softmax, log_softmax and their gradients: a row op over the last axis only.
+GroupRole role_along_axis(const Graph& graph, const Node& node) {
+  const int rank = graph.type(node.inputs[0]).rank();
+  if (rank == 0) return GroupRole::kOther;
+  return normalize_axis(node.attrs.i("axis"), rank) == rank - 1 ? GroupRole::kRowOp
+                                                                : GroupRole::kOther;
+}
+
+// cross_entropy and its gradient: a row op when each row keeps its own loss.
+GroupRole role_per_row_loss(const Graph&, const Node& node) {
+  return node.attrs.s("reduction") == "none" ? GroupRole::kRowOp : GroupRole::kOther;
+}
+
+// A GEMM nucleus: B 2-D, A 2-D or rows (..., K) untransposed (a linear layer on a sequence).
+GroupRole matmul_role(const Graph& graph, const Node& node) {
+  const int a_rank = graph.type(node.inputs[0]).rank();
+  if (graph.type(node.inputs[1]).rank() != 2 || a_rank < 2) return GroupRole::kOther;
+  if (a_rank > 2 && node.attrs.b("transpose_a")) return GroupRole::kOther;
+  return GroupRole::kGemm;
+}
+
+// 2MNK.
+double matmul_flops(const Graph& g, const Node& node) {
+  double out_numel = 0;
+  for (ValueId o : node.outputs) out_numel += numel_of(g, o);
+  const Shape& a = g.type(node.inputs[0]).shape;
+  const size_t r = a.size();
+  const double k = static_cast<double>(node.attrs.b("transpose_a") ? a[r - 2] : a[r - 1]);
+  return 2.0 * out_numel * k;
+}
+
+// 2 * B*H*Tq * Tk * (D + Dv) forward (QK^T and PV); the gradient about 2.5 times that.
+double attention_flops(const Graph& g, const Node& node) {
+  const Shape& q = g.type(node.inputs[0]).shape;
+  const Shape& v = g.type(node.inputs[2]).shape;
+  const size_t r = q.size();
+  const bool bthd = node.attrs.s("layout") == "bthd";
+  const double keys = static_cast<double>(g.type(node.inputs[1]).shape[r - (bthd ? 3 : 2)]);
+  const double rows = numel_of(g, node.inputs[0]) / static_cast<double>(q[r - 1]);  // B*H*T
+  const double forward = 2.0 * rows * keys * static_cast<double>(q[r - 1] + v[r - 1]);
+  return node.op == Op::kAttention ? forward : 2.5 * forward;
+}
+
+double attention_qkv_flops(const Graph& g, const Node& node) {
+  const Shape& qkv = g.type(node.inputs[0]).shape;  // (..., T, 3, H, D)
+  const size_t r = qkv.size();
+  const double d = static_cast<double>(qkv[r - 1]);
+  const double rows = numel_of(g, node.inputs[0]) / (3.0 * d);  // B*T*H
+  const double forward = 2.0 * rows * static_cast<double>(qkv[r - 4]) * 2.0 * d;
+  return node.op == Op::kAttentionQkv ? forward : 2.5 * forward;
+}
+
 }  // namespace
 
 void define_nn_ops(OpRegistry& registry) {
@@ -888,16 +945,20 @@ void define_nn_ops(OpRegistry& registry) {
             }
         });
       },
-      matmul_gradient});
+      matmul_gradient})
+      .traits = {.precision = Precision::kLow, .fusion_role = matmul_role,
+                 .recompute = Recompute::kHeavy, .flops = matmul_flops};
 
   registry.define(Op::kSoftmax, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax,
-      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/false); }, softmax_gradient});
+      [](const KernelArgs& args) { softmax_kernel(args, /*log=*/false); }, softmax_gradient})
+      .traits = {.row_op = true, .precision = Precision::kF32, .fusion_role = role_along_axis};
 
   registry.define(Op::kLogSoftmax, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax,
       [](const KernelArgs& args) { softmax_kernel(args, /*log=*/true); },
-      log_softmax_gradient});
+      log_softmax_gradient})
+      .traits = {.row_op = true, .precision = Precision::kF32, .fusion_role = role_along_axis};
 
   registry.define(Op::kLayerNorm, OpDef{
       {with_default("epsilon", 1e-5)},
@@ -927,7 +988,8 @@ void define_nn_ops(OpRegistry& registry) {
             y.set(r * cols + c, (x.get(r * cols + c) - mean) * inv_std * gamma.get(c) + beta.get(c));
         }
       },
-      layer_norm_gradient});
+      layer_norm_gradient})
+      .traits = {.row_op = true, .precision = Precision::kF32, .composite = true};
 
   registry.define(Op::kRmsNorm, OpDef{
       {with_default("epsilon", 1e-6)},
@@ -950,7 +1012,8 @@ void define_nn_ops(OpRegistry& registry) {
             y.set(r * cols + c, x.get(r * cols + c) * inv_rms * gamma.get(c));
         }
       },
-      rms_norm_gradient});
+      rms_norm_gradient})
+      .traits = {.row_op = true, .precision = Precision::kF32, .composite = true};
 
   registry.define(Op::kCrossEntropy, OpDef{
       {with_default("ignore_index", int64_t{-100}), with_default("reduction", std::string("mean"))},
@@ -988,7 +1051,9 @@ void define_nn_ops(OpRegistry& registry) {
         if (reduction == Reduction::kMean)
           out.set(0, counted == 0 ? 0.0 : total / static_cast<double>(counted));
       },
-      cross_entropy_gradient});
+      cross_entropy_gradient})
+      .traits = {.row_op = true, .precision = Precision::kF32,
+                 .fusion_role = role_per_row_loss};
 
   registry.define(Op::kAttention, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat),
@@ -999,7 +1064,9 @@ void define_nn_ops(OpRegistry& registry) {
         return std::vector<TensorType>{out, attention_lse_type(in[0])};
       },
       attention_reference,
-      attention_gradient});
+      attention_gradient})
+      .traits = {.precision = Precision::kLow, .recompute = Recompute::kHeavy,
+                 .flops = attention_flops, .composite = true};
 
   registry.define(Op::kAttentionQkv, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
@@ -1009,22 +1076,27 @@ void define_nn_ops(OpRegistry& registry) {
         check_packed_key_bias(in, 1, attrs);
         return std::vector<TensorType>{part, attention_lse_type(part)};
       },
-      attention_qkv_reference, attention_qkv_gradient});
+      attention_qkv_reference, attention_qkv_gradient})
+      .traits = {.precision = Precision::kLow, .recompute = Recompute::kHeavy,
+                 .flops = attention_qkv_flops, .composite = true};
 
   registry.define(Op::kRotaryEmbedding, OpDef{
       {with_default("base", 10000.0), with_default("inverse", false),
        with_default("layout", std::string("bhtd"))},
-      infer_rotary, rotary_reference, rotary_gradient});
+      infer_rotary, rotary_reference, rotary_gradient})
+      .traits = {.composite = true};
 
   // ---- backward ops (not differentiable themselves) ----
 
   registry.define(Op::kSoftmaxGrad, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax_grad,
-      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/false); }, nullptr, false});
+      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/false); }, nullptr, false})
+      .traits = {.row_op = true, .fusion_role = role_along_axis};
 
   registry.define(Op::kLogSoftmaxGrad, OpDef{
       {with_default("axis", int64_t{-1})}, infer_softmax_grad,
-      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/true); }, nullptr, false});
+      [](const KernelArgs& args) { softmax_grad_kernel(args, /*log=*/true); }, nullptr, false})
+      .traits = {.row_op = true, .fusion_role = role_along_axis};
 
   registry.define(Op::kLayerNormGrad, OpDef{
       {with_default("epsilon", 1e-5)},
@@ -1074,7 +1146,8 @@ void define_nn_ops(OpRegistry& registry) {
           dbeta.set(c, dbeta_sum[c]);
         }
       },
-      nullptr, false, nullptr, /*column_outputs_from=*/1});
+      nullptr, false, nullptr, /*column_outputs_from=*/1})
+      .traits = {.row_op = true, .composite = true};
 
   registry.define(Op::kRmsNormGrad, OpDef{
       {with_default("epsilon", 1e-6)},
@@ -1108,7 +1181,8 @@ void define_nn_ops(OpRegistry& registry) {
         }
         for (int64_t c = 0; c < cols; ++c) dgamma.set(c, dgamma_sum[c]);
       },
-      nullptr, false, nullptr, /*column_outputs_from=*/1});
+      nullptr, false, nullptr, /*column_outputs_from=*/1})
+      .traits = {.row_op = true, .composite = true};
 
   registry.define(Op::kCrossEntropyGrad, OpDef{
       {with_default("ignore_index", int64_t{-100}), with_default("reduction", std::string("mean"))},
@@ -1156,7 +1230,8 @@ void define_nn_ops(OpRegistry& registry) {
           }
         }
       },
-      nullptr, false});
+      nullptr, false})
+      .traits = {.row_op = true, .fusion_role = role_per_row_loss};
 
   registry.define(Op::kAttentionGrad, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat),
@@ -1172,7 +1247,8 @@ void define_nn_ops(OpRegistry& registry) {
         return std::vector<TensorType>{in[0], in[1], in[2]};  // dq, dk, dv
       },
       attention_grad_reference,
-      nullptr, false});
+      nullptr, false})
+      .traits = {.recompute = Recompute::kHeavy, .flops = attention_flops, .composite = true};
 
   registry.define(Op::kAttentionQkvGrad, OpDef{
       {with_default("causal", false), optional("scale", AttrKind::kFloat)},
@@ -1187,7 +1263,9 @@ void define_nn_ops(OpRegistry& registry) {
         check_packed_key_bias(in, 4, attrs);
         return std::vector<TensorType>{in[0]};  // dqkv
       },
-      attention_qkv_grad_reference, nullptr, false});
+      attention_qkv_grad_reference, nullptr, false})
+      .traits = {.recompute = Recompute::kHeavy, .flops = attention_qkv_flops,
+                 .composite = true};
 }
 
 }  // namespace kiln::ops

@@ -94,6 +94,7 @@ void define_optimizer_ops(OpRegistry& registry) {
       }
     }
   };
+  update.traits.recompute = Recompute::kNever;  // an update changes state: run once
   registry.define(Op::kOptimizerUpdate, std::move(update));
 }
 

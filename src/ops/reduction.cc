@@ -14,6 +14,7 @@
 // others, computed without dividing by a zero: y / x where the line has no zero, the product of
 // the rest at a line's only zero (0 elsewhere on that line), 0 where a line has two zeros or
 // more. argmax has an integer output: not differentiable.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -197,6 +198,20 @@ GradFn reduce_gradient(Reduce kind) {
   return nullptr;
 }
 
+// A row op over exactly the last axis; sum and mean over every axis but the last (rank >= 2)
+// are column reductions: a bias gradient.
+GroupRole reduce_role(Reduce kind, const Graph& graph, const Node& node) {
+  const TensorType& x = graph.type(node.inputs[0]);
+  const size_t rank = static_cast<size_t>(x.rank());
+  if (rank == 0) return GroupRole::kOther;
+  const std::vector<bool> reduced = reduced_axes(x, node.attrs.ints("axes"));
+  const auto count = static_cast<size_t>(std::count(reduced.begin(), reduced.end(), true));
+  if (reduced.back() && count == 1) return GroupRole::kRowOp;
+  if (rank >= 2 && !reduced.back() && count == rank - 1 && kind != Reduce::kMax)
+    return GroupRole::kColumnReduction;
+  return GroupRole::kOther;
+}
+
 void define_reduce(OpRegistry& registry, Op op, Reduce kind) {
   InferFn infer = [kind](std::span<const TensorType> in, const Attributes& a) {
     return infer_reduce(kind, in[0], a);
@@ -206,7 +221,12 @@ void define_reduce(OpRegistry& registry, Op op, Reduce kind) {
       op, OpDef{{with_default("axes", std::vector<int64_t>{}), with_default("keepdims", false)},
                 std::move(infer),
                 std::move(kernel),
-                reduce_gradient(kind)});
+                reduce_gradient(kind)})
+      .traits = {.row_op = true,
+                 .precision = Precision::kF32,
+                 .fusion_role = [kind](const Graph& graph, const Node& node) {
+                   return reduce_role(kind, graph, node);
+                 }};
 }
 
 std::vector<TensorType> infer_argmax(std::span<const TensorType> in, const Attributes& a) {
@@ -253,7 +273,8 @@ void define_argmax(OpRegistry& registry) {
                         infer_argmax,
                         argmax_reference,
                         /*gradient=*/nullptr,
-                        /*differentiable=*/false});
+                        /*differentiable=*/false})
+      .traits = {.precision = Precision::kF32};
 }
 
 }  // namespace

@@ -8,10 +8,11 @@
 namespace kiln {
 namespace ops {
 
-void OpRegistry::define(Op op, OpDef def) {
+OpDef& OpRegistry::define(Op op, OpDef def) {
   auto& slot = defs_[static_cast<int>(op)];
   KILN_CHECK(!slot.has_value(), "op '{}' is defined twice", op_name(op));
   slot = std::move(def);
+  return *slot;
 }
 
 const OpDef* OpRegistry::find(Op op) const {

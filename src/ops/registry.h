@@ -11,8 +11,9 @@ namespace kiln::ops {
 
 class OpRegistry {
  public:
-  // Throws if `op` is defined twice.
-  void define(Op op, OpDef def);
+  // Throws if `op` is defined twice. Returns the stored definition, for its traits:
+  // `define(op, OpDef{...}).traits = {.row_op = true, ...}`.
+  OpDef& define(Op op, OpDef def);
   const OpDef* find(Op op) const;
 
  private:

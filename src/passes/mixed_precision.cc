@@ -173,11 +173,11 @@ class Rewriter {
 
 PrecisionPolicy default_precision_policy() {
   PrecisionPolicy p;
-  for (Op op : {Op::kMatmul, Op::kAttention, Op::kAttentionQkv, Op::kConv2d})
-    p[op] = Precision::kLow;
-  for (Op op : {Op::kSum, Op::kMean, Op::kMax, Op::kArgmax, Op::kSoftmax, Op::kLogSoftmax,
-                Op::kLayerNorm, Op::kRmsNorm, Op::kCrossEntropy})
-    p[op] = Precision::kF32;
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    const Precision precision = op_def(op).traits.precision;
+    if (precision != Precision::kFollow) p[op] = precision;
+  }
   return p;
 }
 

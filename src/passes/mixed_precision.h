@@ -9,7 +9,8 @@
 // training graph (where the optimizer state must stay f32 and the casts already exist).
 //
 // A policy table says, per op, how it runs (std::map<Op, Precision>; an op not in the table
-// follows its inputs; users can override any entry):
+// follows its inputs; users can override any entry). The default comes from the op table
+// (OpTraits::precision, ir/op_def.h):
 //   kLow:    float inputs are cast to the low dtype; the output is low. Default: matmul,
 //            attention, conv2d (the ops tensor cores serve, where almost all the FLOPs are).
 //   kF32:    16-bit float inputs are cast up to f32. Default: reductions (sum, mean, max,
@@ -34,16 +35,14 @@
 #include <string>
 
 #include "ir/dtype.h"
-#include "ir/op.h"
+#include "ir/op_def.h"
 #include "passes/pass.h"
 
 namespace kiln {
 
-enum class Precision { kLow, kF32, kFollow };
-
 using PrecisionPolicy = std::map<Op, Precision>;
 
-// The default table described above.
+// The default table described above: each op's OpTraits::precision other than kFollow.
 PrecisionPolicy default_precision_policy();
 
 struct MixedPrecisionOptions {

@@ -9,6 +9,7 @@
 
 #include "analysis/cost_model.h"
 #include "analysis/memory_plan.h"
+#include "ir/op_def.h"
 #include "passes/schedule.h"
 #include "support/error.h"
 
@@ -23,9 +24,9 @@ constexpr size_t kMaxTriesPerRound = 48;
 // Nodes, by live bytes, whose live-across values a round considers.
 constexpr size_t kPeakNodesPerRound = 4;
 
-// A collective is a round of communication every rank must make in the same order: the sharding
-// pass, not remat, decides when one is repeated.
-bool recomputable(Op op) { return !has_flag(op, kOptimizer) && !has_flag(op, kCollective) && op != Op::kCollectiveWait; }
+// Collectives and updates never are (OpTraits::recompute): every rank makes a collective's round
+// in the same order, and the sharding pass, not remat, decides when one is repeated.
+bool recomputable(Op op) { return op_def(op).traits.recompute != Recompute::kNever; }
 
 // Which improvement counts: the arena first; then the live peak and the live bytes summed over
 // nodes, so choices that lower one of several equal peaks are still progress.
@@ -188,21 +189,7 @@ Graph apply(const Graph& g, const Liveness& l, int p, const Candidate& c) {
 
 }  // namespace
 
-bool is_heavy_op(Op op) {
-  switch (op) {
-    case Op::kMatmul:
-    case Op::kAttention:
-    case Op::kAttentionGrad:
-    case Op::kAttentionQkv:
-    case Op::kAttentionQkvGrad:
-    case Op::kConv2d:
-    case Op::kConv2dGradInput:
-    case Op::kConv2dGradWeight:
-      return true;
-    default:
-      return false;
-  }
-}
+bool is_heavy_op(Op op) { return op_def(op).traits.recompute == Recompute::kHeavy; }
 
 size_t planned_peak_bytes(const Graph& graph, bool schedule_after) {
   return std::get<0>(evaluate(graph, schedule_after).key);

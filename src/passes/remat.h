@@ -86,7 +86,8 @@ class Rematerialize : public Pass {
 // the graph after the schedule pass (or in its own order when `schedule_after` is false).
 size_t planned_peak_bytes(const Graph& graph, bool schedule_after = true);
 
-// GEMMs, attention and convolutions (and their gradients): recomputed only as a last resort.
+// GEMMs, attention and convolutions (and their gradients): recomputed only as a last resort
+// (OpTraits::recompute kHeavy).
 bool is_heavy_op(Op op);
 
 // "512MiB", "2GiB", "1.5GB", "100KiB", "4096" (bytes): binary (KiB MiB GiB TiB) and decimal (kB MB

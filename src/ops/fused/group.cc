@@ -9,21 +9,6 @@
 namespace kiln {
 namespace {
 
-bool is_last_axis(const Graph& graph, const Node& node) {
-  const int rank = graph.type(node.inputs[0]).rank();
-  if (rank == 0) return false;
-  return normalize_axis(node.attrs.i("axis"), rank) == rank - 1;
-}
-
-// The axes a sum/mean/max reduces, as a mask over the input's dimensions.
-std::vector<bool> reduced_mask(const Graph& graph, const Node& node) {
-  const int rank = graph.type(node.inputs[0]).rank();
-  const std::vector<int64_t>& axes = node.attrs.ints("axes");
-  std::vector<bool> reduced(static_cast<size_t>(rank), axes.empty());
-  for (int64_t a : axes) reduced[static_cast<size_t>(normalize_axis(a, rank))] = true;
-  return reduced;
-}
-
 std::optional<GroupBody> refuse(std::string* why, std::string reason) {
   if (why) *why = std::move(reason);
   return std::nullopt;
@@ -32,44 +17,11 @@ std::optional<GroupBody> refuse(std::string* why, std::string reason) {
 }  // namespace
 
 GroupRole group_role(const Graph& graph, const Node& node) {
-  const Op op = node.op;
-  if (has_flag(op, kElementwise))
-    return op == Op::kDropout ? GroupRole::kOther : GroupRole::kElementwise;
-  switch (op) {
-    case Op::kSoftmax:
-    case Op::kLogSoftmax:
-    case Op::kSoftmaxGrad:
-    case Op::kLogSoftmaxGrad:
-      return is_last_axis(graph, node) ? GroupRole::kRowOp : GroupRole::kOther;
-    case Op::kLayerNorm:
-    case Op::kRmsNorm:
-    case Op::kLayerNormGrad:
-    case Op::kRmsNormGrad:
-      return GroupRole::kRowOp;
-    case Op::kCrossEntropy:
-    case Op::kCrossEntropyGrad:
-      return node.attrs.s("reduction") == "none" ? GroupRole::kRowOp : GroupRole::kOther;
-    case Op::kSum:
-    case Op::kMean:
-    case Op::kMax: {
-      const size_t rank = static_cast<size_t>(graph.type(node.inputs[0]).rank());
-      if (rank == 0) return GroupRole::kOther;
-      const std::vector<bool> reduced = reduced_mask(graph, node);
-      const auto count = static_cast<size_t>(std::count(reduced.begin(), reduced.end(), true));
-      if (reduced.back() && count == 1) return GroupRole::kRowOp;
-      if (rank >= 2 && !reduced.back() && count == rank - 1 && op != Op::kMax)
-        return GroupRole::kColumnReduction;
-      return GroupRole::kOther;
-    }
-    case Op::kMatmul: {
-      const int a_rank = graph.type(node.inputs[0]).rank();
-      if (graph.type(node.inputs[1]).rank() != 2 || a_rank < 2) return GroupRole::kOther;
-      if (a_rank > 2 && node.attrs.b("transpose_a")) return GroupRole::kOther;
-      return GroupRole::kGemm;
-    }
-    default:
-      return GroupRole::kOther;
-  }
+  const OpTraits& traits = op_def(node.op).traits;
+  if (traits.fusion_role) return traits.fusion_role(graph, node);
+  if (has_flag(node.op, kElementwise))
+    return has_flag(node.op, kRandom) ? GroupRole::kOther : GroupRole::kElementwise;
+  return traits.row_op ? GroupRole::kRowOp : GroupRole::kOther;
 }
 
 std::optional<GroupBody> match_group_body(FusedKind kind, const Graph& body, std::string* why) {

@@ -2,7 +2,8 @@
 // (passes/fusion/fusion.h makes them; passes/ones_column.h pads and slices them), and the role
 // each node plays in such a body, which the fusion pass's node classification is built on.
 //
-// Roles (group_role), by op and attributes (fusion adds its dtype and broadcast rules on top):
+// Roles (group_role: the op's OpTraits::fusion_role, ir/op_def.h), by op and attributes (fusion
+// adds its dtype and broadcast rules on top):
 //   kElementwise      an elementwise op of the op table, except dropout (its counter-based mask
 //                     is indexed by the element's global position: left to its own kernel)
 //   kRowOp            along the last axis, rows independent: softmax, log_softmax and their
@@ -36,11 +37,11 @@
 #include <string>
 
 #include "ir/graph.h"
+#include "ir/op_def.h"
 #include "ops/fused/kind.h"
 
 namespace kiln {
 
-enum class GroupRole : uint8_t { kElementwise, kRowOp, kColumnReduction, kGemm, kOther };
 GroupRole group_role(const Graph& graph, const Node& node);
 
 // What a fusion group's body holds, for the kernels and passes that read it.

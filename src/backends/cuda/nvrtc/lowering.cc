@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ir/op_def.h"
 #include "ops/elementwise.h"
 
 namespace kiln::cuda::codegen {
@@ -270,18 +271,6 @@ void Ctx::require_last_axis(int64_t axis, int rank) {
 
 namespace {
 
-bool is_row_op(Op op) {
-  switch (op) {
-    case Op::kSum: case Op::kMean: case Op::kMax: case Op::kSoftmax: case Op::kLogSoftmax:
-    case Op::kSoftmaxGrad: case Op::kLogSoftmaxGrad: case Op::kLayerNorm: case Op::kRmsNorm:
-    case Op::kLayerNormGrad: case Op::kRmsNormGrad:
-    case Op::kCrossEntropy: case Op::kCrossEntropyGrad:
-      return true;
-    default:
-      return false;
-  }
-}
-
 bool is_column_reduction(const Graph& body, const Node& node) {
   return (node.op == Op::kSum || node.op == Op::kMean) && !node.inputs.empty() &&
          column_axes(node.attrs.ints("axes"), body.type(node.inputs[0]).rank());
@@ -292,7 +281,7 @@ bool is_column_reduction(const Graph& body, const Node& node) {
 Shape iteration_space(const Graph& body, bool rows) {
   if (rows) {
     for (const Node& node : body.nodes)
-      if (is_row_op(node.op) && !is_column_reduction(body, node))
+      if (op_def(node.op).traits.row_op && !is_column_reduction(body, node))
         return body.type(node.inputs[0]).shape;
   }
   Shape best;
