@@ -102,7 +102,7 @@ std::vector<Tensor> init_language_model(const Graph& graph, const std::string& n
 const std::vector<std::string>& model_names() {
   static const std::vector<std::string> names = {"mlp",        "cnn",        "gpt2-tiny",  "gpt2",
                                                  "gpt2-medium", "gpt2-large", "gpt2-xl",   "llama-tiny",
-                                                 "llama-160m", "llama-1b"};
+                                                 "llama-160m", "llama-1b",  "llama-8b"};
   return names;
 }
 

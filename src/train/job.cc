@@ -29,11 +29,14 @@ void init_params_from(Model& model, const std::string& path, const std::string& 
 }
 
 // What a checkpoint records besides the tensors: the model, the seed, and for a LLaMA what its
-// params' shapes do not say (kiln export-hf reads them).
+// params' shapes do not say: heads, positions, rotary base, norm epsilon (kiln export-hf reads them).
 std::map<std::string, std::string> checkpoint_metadata(const JobOptions& o) {
   std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
   if (o.model.rfind("llama", 0) == 0) {
-    metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : models::llama_config(o.model).heads);
+    const models::LlamaConfig config = models::llama_config(o.model);
+    metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : config.heads);
+    metadata["kiln.rope_theta"] = fmt::format("{}", config.rope_base);
+    metadata["kiln.rms_eps"] = fmt::format("{}", config.norm_epsilon);
     metadata["kiln.seq"] = std::to_string(models::language_model_info(o.model, sizes_of(o.sizes, o.seq)).seq);
   }
   return metadata;

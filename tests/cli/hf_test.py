@@ -3,10 +3,11 @@
 checkpoint (one process; 2 ranks' consolidated file, and their rank files) exported to a LlamaForCausalLM directory
 and imported back gives the checkpoint's params bit for bit; `kiln train --init` starts from
 them; transformers loads the directory (when a Python with transformers is found); what cannot
-be exported is refused in one line. (tests/train/hf_llama_test.cc compares the logits.)
+be exported is refused in one line; llama-8b cut down by the size flags exports Llama 3's rope_theta. (tests/train/hf_llama_test.cc compares the logits.)
 
   python3 tests/cli/hf_test.py PATH/TO/kiln      (ctest: cli/hf)
 """
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,23 @@ def check_transformers_loads(directory):
     assert result.stdout.split()[0] == str(2 * 256 * 64 + 64 + 2 * per_layer), result.stdout
 
 
+def check_llama_8b_sizes(d):
+    """llama-8b (Llama 3 8B's sizes and rotary base) cut down by the size flags, under kiln launch
+    with zero3, as scripts/gpu-scale.sh runs it whole: its checkpoint exports with Llama 3's
+    rope_theta and the flags' sizes."""
+    sizes = ["--layers", "1", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--hidden", "96", "--vocab", "200"]
+    train = [a if a != "llama-tiny" else "llama-8b" for a in TRAIN]
+    kiln("launch", "-n", "2", "--", *train, *sizes, "--shard", "zero3", "--checkpoint-dir", os.path.join(d, "ck"))
+    kiln("export-hf", os.path.join(d, "ck"), os.path.join(d, "hf8b"))
+    with open(os.path.join(d, "hf8b", "config.json")) as f:
+        config = json.load(f)
+    want = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=200, rope_theta=500000.0, rms_norm_eps=1e-5)
+    got = {k: config[k] for k in want}
+    assert got == want, got
+    assert config["rope_parameters"]["rope_theta"] == 500000.0, config
+
+
 def main():
     global KILN
     KILN = os.path.abspath(sys.argv[1])
@@ -97,6 +115,9 @@ def main():
         assert result.returncode != 0 and "'emb.weight' is f32[8192], model llama-tiny needs f32[256,64]" in \
             result.stderr, result.stderr
         print("ok  2 ranks (zero3), rank files; one rank's file alone refused in one line (export-hf, train --init)")
+    with tempfile.TemporaryDirectory() as d:
+        check_llama_8b_sizes(d)
+        print("ok  llama-8b cut to 1 layer of 64 by the size flags: 2 ranks (zero3), exported with rope_theta 500000")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,12 @@ TEST(LlamaModel, ParamCountsAreTorchLlamas) {
   };
   EXPECT_EQ(param_count(models::by_name("llama-160m", 1, 16)), expected(12, 768, 12, 4, 2048, 32000));
   EXPECT_EQ(param_count(models::by_name("llama-1b", 1, 16)), expected(16, 2048, 32, 8, 8192, 32000));
+  // Llama 3 8B's published count.
+  EXPECT_EQ(param_count(models::by_name("llama-8b", 1, 16)), 8030261248);
+  EXPECT_EQ(models::llama_config("llama-8b").rope_base, 500000.0);
+  models::ModelSizes two;
+  two.layers = 2;
+  EXPECT_EQ(param_count(models::by_name("llama-8b", 1, two)), expected(2, 4096, 32, 8, 14336, 128256));
 }
 
 TEST(LlamaModel, SizesOverrideTheConfigAndBadOnesAreClearErrors) {

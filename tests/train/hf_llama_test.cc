@@ -62,9 +62,17 @@ class HfLlama : public ::testing::Test {
   testing::TempDir dir_;
 };
 
-TEST_F(HfLlama, ExportedModelGivesKilnsLogitsInTransformers) {
+// llama-tiny, and llama-tiny with llama-8b's (Llama 3's) rotary base and another norm epsilon:
+// transformers reads both from the exported config.json.
+class HfLlamaExport : public HfLlama, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HfLlamaExport, ExportedModelGivesKilnsLogitsInTransformers) {
   models::LlamaConfig config = models::llama_config("llama-tiny");
   config.seq = 16;
+  if (GetParam()) {
+    config.rope_base = models::llama_config("llama-8b").rope_base;
+    config.norm_epsilon = 1e-6;
+  }
   const Graph g = models::llama(config);
   // Random weights, norm gains too (init_params makes them 1).
   LlamaWeights weights{config, {}};
@@ -88,9 +96,13 @@ TEST_F(HfLlama, ExportedModelGivesKilnsLogitsInTransformers) {
   const LlamaWeights back = import_hf_llama(model_dir);
   EXPECT_EQ(back.config.heads, config.heads);
   EXPECT_EQ(back.config.kv_heads, config.kv_heads);
+  EXPECT_EQ(back.config.rope_base, config.rope_base);
+  EXPECT_EQ(back.config.norm_epsilon, config.norm_epsilon);
   for (const auto& [name, tensor] : weights.params)
     EXPECT_EQ(max_scaled_error(back.params.at(name), tensor, 0, 0), 0.0) << name;
 }
+INSTANTIATE_TEST_SUITE_P(RopeBase, HfLlamaExport, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Llama3" : "Default"; });
 
 TEST_F(HfLlama, ImportedModelGivesTransformersLogitsInKiln) {
   const std::string model_dir = dir_.file("made");

@@ -41,6 +41,11 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t he
   if (seq == 0) seq = metadata_int(saved.metadata, "kiln.seq");
   train::LlamaWeights weights;
   weights.config = train::llama_config_of(saved.tensors, heads, seq);
+  // Checkpoints written before these were recorded come from configs with the defaults.
+  if (auto it = saved.metadata.find("kiln.rope_theta"); it != saved.metadata.end())
+    weights.config.rope_base = std::stod(it->second);
+  if (auto it = saved.metadata.find("kiln.rms_eps"); it != saved.metadata.end())
+    weights.config.norm_epsilon = std::stod(it->second);
   weights.params = std::move(saved.tensors);
   train::export_hf_llama(weights, out);
   const models::LlamaConfig& c = weights.config;
