@@ -1,6 +1,7 @@
 // The LLaMA family: pre-RMSNorm decoder blocks, rotary position embeddings (rotate-half, base
-// 10000), causal grouped-query attention, a SwiGLU MLP, no biases, an untied LM head. The same
-// model as ../shared/bench/torch_llama.py (tests/reference/ checks llama-tiny against it).
+// 10000; Llama 3's 500000 for llama-8b), causal grouped-query attention, a SwiGLU MLP, no biases,
+// an untied LM head. The same model as ../shared/bench/torch_llama.py (tests/reference/ checks
+// llama-tiny against it) and bench/torch_fsdp_llama.py.
 //
 // Layout: q, k, v stay (B, T, heads, D) from their projections' reshapes: rotary_embedding and
 // attention take that layout ("bthd"), so the graph holds no transposes. SwiGLU is
@@ -16,7 +17,10 @@ LlamaConfig llama_config(const std::string& name) {
   if (name == "llama-tiny") return LlamaConfig{4, 64, 256, 2, 4, 2, 64, 128};
   if (name == "llama-160m") return LlamaConfig{8, 2048, 32000, 12, 12, 4, 768, 2048};
   if (name == "llama-1b") return LlamaConfig{4, 2048, 32000, 16, 32, 8, 2048, 8192};
-  fail("unknown LLaMA config '{}' (expected llama-tiny, llama-160m or llama-1b)", name);
+  // Llama 3 8B's sizes and rotary base (its 8192 positions cut to 2048, as the others'); --layers
+  // picks how many of its blocks fit the devices at hand.
+  if (name == "llama-8b") return LlamaConfig{4, 2048, 128256, 32, 32, 8, 4096, 14336, 500000.0};
+  fail("unknown LLaMA config '{}' (expected llama-tiny, llama-160m, llama-1b or llama-8b)", name);
 }
 
 Graph llama(const LlamaConfig& c) {

@@ -58,13 +58,19 @@ struct LlamaConfig {
 // targets (B, T) i64 data. Params h{l}.{n1,q,k,v,o,n2,w1,w3,w2}.weight, emb.weight,
 // norm.weight, head.weight; matrices (in, out).
 Graph llama(const LlamaConfig& config);
-// Named configs: llama-tiny (CPU tests), llama-160m and llama-1b (torch_llama.py's).
+// Named configs: llama-tiny (CPU tests), llama-160m and llama-1b (torch_llama.py's), llama-8b
+// (Llama 3 8B's sizes and rotary base 500000, seq 2048).
 LlamaConfig llama_config(const std::string& name);
 
-// Sizes that override a named config's (0: the config's), e.g. from the CLI's --layers flags.
+// Sizes that override a named config's (0: the config's), e.g. from the CLI's --layers flags;
+// for llama* also the rotary base and RMSNorm epsilon (--rope-theta, --rms-eps: an imported
+// Llama 3's 500000 and its epsilon).
 struct ModelSizes {
   int64_t layers = 0, d_model = 0, heads = 0, kv_heads = 0, hidden = 0, vocab = 0, seq = 0;
+  double rope_base = 0, norm_epsilon = 0;
 };
+// A named LLaMA config with `sizes` applied (as by_name builds it).
+LlamaConfig llama_config(const std::string& name, const ModelSizes& sizes);
 
 // What a trainer or benchmark needs to know of a language model of the zoo.
 struct LanguageModelInfo {
@@ -110,9 +116,9 @@ Graph cnn(const CnnConfig& config);
 std::vector<Tensor> init_params_fan_in(const Graph& graph, uint64_t seed);
 
 // The model zoo by name, as the CLI knows it (model_names(): mlp (784-256-10), cnn, gpt2-tiny,
-// gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny, llama-160m, llama-1b); seq > 0 overrides
-// a language model's sequence length, `sizes` any of its sizes (an error for a size the model
-// does not have: GPT-2 has no kv_heads or hidden, mlp and cnn take none).
+// gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny, llama-160m, llama-1b, llama-8b); seq > 0
+// overrides a language model's sequence length, `sizes` any of its sizes (an error for a size the
+// model does not have: GPT-2 has no kv_heads, hidden, rotary base or RMSNorm, mlp and cnn take none).
 Graph by_name(const std::string& name, int64_t batch, int64_t seq = 0);
 Graph by_name(const std::string& name, int64_t batch, const ModelSizes& sizes);
 const std::vector<std::string>& model_names();

@@ -13,10 +13,12 @@ bool is_gpt(const std::string& name) { return name.rfind("gpt2", 0) == 0 && know
 bool is_llama(const std::string& name) { return name.rfind("llama", 0) == 0 && known(name); }
 
 bool any_size(const ModelSizes& s) {
-  return s.layers || s.d_model || s.heads || s.kv_heads || s.hidden || s.vocab || s.seq;
+  return s.layers || s.d_model || s.heads || s.kv_heads || s.hidden || s.vocab || s.seq || s.rope_base ||
+         s.norm_epsilon;
 }
 
-void apply(int64_t& field, int64_t value, const char* flag) {
+template <class T>
+void apply(T& field, T value, const char* flag) {
   KILN_CHECK(value >= 0, "{} must be > 0 (or 0: the config's), got {}", flag, value);
   if (value > 0) field = value;
 }
@@ -36,6 +38,8 @@ GptConfig gpt_sized(const std::string& name, const ModelSizes& s) {
   KILN_CHECK(s.kv_heads == 0 && s.hidden == 0,
              "{} has no kv_heads or hidden size (GPT-2: one key/value head per head, MLP 4 x "
              "d_model)", name);
+  KILN_CHECK(s.rope_base == 0 && s.norm_epsilon == 0,
+             "{} has no rotary base or RMSNorm epsilon (GPT-2: learned positions, LayerNorm)", name);
   return with_common_sizes(gpt_config(name), s);
 }
 
@@ -43,6 +47,8 @@ LlamaConfig llama_sized(const std::string& name, const ModelSizes& s) {
   LlamaConfig c = with_common_sizes(llama_config(name), s);
   apply(c.kv_heads, s.kv_heads, "kv_heads");
   apply(c.hidden, s.hidden, "hidden");
+  apply(c.rope_base, s.rope_base, "rope_theta");
+  apply(c.norm_epsilon, s.norm_epsilon, "rms_eps");
   return c;
 }
 
@@ -82,6 +88,8 @@ Graph by_name(const std::string& name, int64_t batch, const ModelSizes& sizes) {
 
 bool is_language_model(const std::string& name) { return is_gpt(name) || is_llama(name); }
 
+LlamaConfig llama_config(const std::string& name, const ModelSizes& sizes) { return llama_sized(name, sizes); }
+
 LanguageModelInfo language_model_info(const std::string& name, const ModelSizes& sizes) {
   if (is_gpt(name)) {
     const GptConfig c = gpt_sized(name, sizes);
@@ -102,7 +110,7 @@ std::vector<Tensor> init_language_model(const Graph& graph, const std::string& n
 const std::vector<std::string>& model_names() {
   static const std::vector<std::string> names = {"mlp",        "cnn",        "gpt2-tiny",  "gpt2",
                                                  "gpt2-medium", "gpt2-large", "gpt2-xl",   "llama-tiny",
-                                                 "llama-160m", "llama-1b"};
+                                                 "llama-160m", "llama-1b",  "llama-8b"};
   return names;
 }
 

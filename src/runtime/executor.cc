@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <thread>
 
 #include "ir/verifier.h"
@@ -226,11 +228,15 @@ void Executor::setup() {
     if (node.op == Op::kCollectiveWait) waited_collective_[n] = producer[node.inputs[0]];
   }
   setup_update_stream();
-  // A step with offloaded state (host-resident inputs) runs uncaptured: replayed, it trained
-  // differently from the second replay on (tests/cuda/train_test.cc; the direct
-  // launches are exact). Not understood yet; its copies dominate such a step anyway.
+  // A step with offloaded state (host-resident inputs) is captured only with
+  // KILN_CAPTURE_OFFLOAD=1 until a GPU run confirms it exact (tests/cuda/train_test.cc): its
+  // replays once diverged in a test stepping two trainers at once, when the trainers shared one
+  // GEMM and attention workspace per device (now one per stream); the offload's copies do not
+  // depend on the replay (pinned inputs at fixed addresses, captured copies in stream order).
   const bool offloaded = std::find(host_input_.begin(), host_input_.end(), true) != host_input_.end();
-  if (options_.cuda_graphs && !options_.profile && !offloaded && runtime_->can_capture())
+  const char* capture_offload = std::getenv("KILN_CAPTURE_OFFLOAD");
+  const bool may_capture = !offloaded || (capture_offload != nullptr && std::string_view(capture_offload) == "1");
+  if (options_.cuda_graphs && !options_.profile && may_capture && runtime_->can_capture())
     captured_ = runtime_->create_graph();
   if (options_.profile)
     for (size_t i = 0; i < 2 * graph_.nodes.size(); ++i) timing_events_.push_back(runtime_->create_event(true));

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <tuple>
 
 #include "distributed/process_group.h"
 #include "support/error.h"
@@ -13,9 +14,21 @@ namespace kiln::train {
 namespace {
 
 // Params by name from `path` (kiln import-hf writes such a file; any checkpoint's params do too)
-// in place of `model`'s.
-void init_params_from(Model& model, const std::string& path, const std::string& model_name) {
+// in place of `model`'s. A LLaMA's rotary base and norm epsilon are not in its tensors' shapes:
+// where the file records them, the model must compute with the same.
+void init_params_from(Model& model, const std::string& path, const JobOptions& o) {
   const SafetensorsFile file = load_safetensors(path);
+  const std::string& model_name = o.model;
+  if (o.model.rfind("llama", 0) == 0) {
+    const models::LlamaConfig c = models::llama_config(o.model, sizes_of(o.sizes, o.seq));
+    for (auto [key, flag, ours] : {std::tuple{"kiln.rope_theta", "--rope-theta", c.rope_base},
+                                   std::tuple{"kiln.rms_eps", "--rms-eps", c.norm_epsilon}}) {
+      auto it = file.metadata.find(key);
+      KILN_CHECK(it == file.metadata.end() || std::stod(it->second) == ours,
+                 "--init '{}' holds params of a llama with {} {}; model {} as given has {}: give {} {}", path, flag,
+                 it->second, model_name, ours, flag, it->second);
+    }
+  }
   size_t p = 0;
   for (const GraphInput& in : model.forward.inputs) {
     if (in.role != Role::kParam) continue;
@@ -29,12 +42,15 @@ void init_params_from(Model& model, const std::string& path, const std::string& 
 }
 
 // What a checkpoint records besides the tensors: the model, the seed, and for a LLaMA what its
-// params' shapes do not say (kiln export-hf reads them).
+// params' shapes do not say: heads, positions, rotary base, norm epsilon (kiln export-hf reads them).
 std::map<std::string, std::string> checkpoint_metadata(const JobOptions& o) {
   std::map<std::string, std::string> metadata = {{"kiln.model", o.model}, {"kiln.seed", std::to_string(o.seed)}};
   if (o.model.rfind("llama", 0) == 0) {
-    metadata["kiln.heads"] = std::to_string(o.sizes.heads > 0 ? o.sizes.heads : models::llama_config(o.model).heads);
-    metadata["kiln.seq"] = std::to_string(models::language_model_info(o.model, sizes_of(o.sizes, o.seq)).seq);
+    const models::LlamaConfig config = models::llama_config(o.model, sizes_of(o.sizes, o.seq));
+    metadata["kiln.heads"] = std::to_string(config.heads);
+    metadata["kiln.seq"] = std::to_string(config.seq);
+    metadata["kiln.rope_theta"] = fmt::format("{}", config.rope_base);
+    metadata["kiln.rms_eps"] = fmt::format("{}", config.norm_epsilon);
   }
   return metadata;
 }
@@ -54,7 +70,7 @@ JobResult run_job(JobOptions o, const DeviceChoice& choice, ProcessGroup* group,
   KILN_CHECK(o.steps > 0, "--steps must be > 0, got {}", o.steps);
   validate(o.optimizer);
   Task task = make_task(o, rank, world);
-  if (!o.init_from.empty()) init_params_from(task.model, o.init_from, o.model);
+  if (!o.init_from.empty()) init_params_from(task.model, o.init_from, o);
 
   SessionOptions session_options;
   session_options.device = o.device;

@@ -51,7 +51,8 @@ models::ModelSizes sizes_of(models::ModelSizes sizes, int64_t seq) {
 }
 
 std::string sizes_text(const models::ModelSizes& s) {
-  return fmt::format("{} {} {} {} {} {} {}", s.layers, s.d_model, s.heads, s.kv_heads, s.hidden, s.vocab, s.seq);
+  return fmt::format("{} {} {} {} {} {} {} {} {}", s.layers, s.d_model, s.heads, s.kv_heads, s.hidden, s.vocab, s.seq,
+                     s.rope_base, s.norm_epsilon);
 }
 
 Model import_onnx_model(const std::string& path, const onnx::ImportOptions& options) {
@@ -241,9 +242,10 @@ Evaluation mean_loss(const Trainer& trainer, int64_t count, const std::function<
 Task onnx_task(const TaskOptions& o, const Place& place) {
   KILN_CHECK(place.world == 1, "an ONNX model trains in one process (its batch is the file's): drop kiln launch");
   KILN_CHECK(o.seq == 0 && o.sizes.layers == 0 && o.sizes.d_model == 0 && o.sizes.heads == 0 &&
-                 o.sizes.kv_heads == 0 && o.sizes.hidden == 0 && o.sizes.vocab == 0 && o.sizes.seq == 0,
-             "an ONNX model's sizes are the file's: drop --seq, --layers, --d-model, --heads, --kv-heads, --hidden "
-             "and --vocab");
+                 o.sizes.kv_heads == 0 && o.sizes.hidden == 0 && o.sizes.vocab == 0 && o.sizes.seq == 0 &&
+                 o.sizes.rope_base == 0 && o.sizes.norm_epsilon == 0,
+             "an ONNX model's sizes are the file's: drop --seq, --layers, --d-model, --heads, --kv-heads, --hidden, "
+             "--vocab, --rope-theta and --rms-eps");
   Task t;
   t.model = import_onnx_model(o.model, o.onnx);
   const Graph& g = t.model.forward;

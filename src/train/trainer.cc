@@ -119,7 +119,10 @@ Tensor Trainer::placed(size_t i, const Tensor& host) const {
 }
 
 Tensor Trainer::host_copy(const Tensor& t) const {
-  return t.device() == Device::kCpu ? t.clone() : runtime_->to_host(t);
+  if (t.device() != Device::kCpu) return runtime_->to_host(t);
+  // Offloaded state: the step's copies into its pinned memory may still be in flight.
+  if (device() != Device::kCpu) stream_->synchronize();
+  return t.clone();
 }
 
 Tensor Trainer::loss_slot(int64_t k) const { return loss_slots_.viewed(loss_type_, static_cast<size_t>(8 * k)); }

@@ -129,6 +129,53 @@ TEST(CudaTrainer, OffloadedAdamwStateTrainsAsOnTheDevice) {
   }
 }
 
+// Offloaded AdamW moments in a step captured into a CUDA graph (KILN_CAPTURE_OFFLOAD=1,
+// runtime/executor.cc) train as the same step launched kernel by kernel, bit for bit, after every
+// step: the reload and offload copies, captured, read and write the pinned state at each replay.
+// The two trainers step at once on their own streams, as in the test above, where such replays
+// once diverged from the second replay on.
+TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncaptured) {
+  KILN_REQUIRE_GPU();
+  models::GptConfig c = tiny();
+  c.batch = 4;
+  c.seq = 32;
+  Graph forward = models::gpt(c);
+  std::vector<Tensor> init = models::init_params(forward, 11, c.layers);
+  OptimizerConfig adamw;
+  adamw.name = "adamw";
+  adamw.lr = 1e-2;
+  ExecutorOptions options = cuda_options();
+  options.tune_gemms = false;  // the heuristic's algorithms in both, not timed winners
+  PassOptions offload;
+  offload.offload = OffloadMode::kAll;
+  ::setenv("KILN_CAPTURE_OFFLOAD", "1", 1);
+  Trainer captured(forward, adamw, init, options, offload);
+  ::unsetenv("KILN_CAPTURE_OFFLOAD");
+  Trainer direct(forward, adamw, init, options, offload);
+  for (int s = 0; s < 8; ++s) {
+    captured.step(batch(c, 40 * s));
+    direct.step(batch(c, 40 * s));
+    captured.synchronize();
+    direct.synchronize();
+    const auto want = direct.host_tensors(), got = captured.host_tensors();
+    int differ = 0;
+    for (const auto& [name, t] : want) {
+      const Tensor& g = got.at(name);
+      differ += g.bytes() != t.bytes() || std::memcmp(g.raw(), t.raw(), t.bytes()) != 0;
+    }
+    EXPECT_EQ(differ, 0) << differ << " of " << want.size() << " tensors differ after step " << s;
+  }
+  // The first step ran directly, the second was captured, the rest replayed it.
+  EXPECT_EQ(captured.step_executor().graph_captures(), 1);
+  EXPECT_GE(captured.step_executor().graph_replays(), 6);
+  EXPECT_EQ(direct.step_executor().graph_replays(), 0);
+  EXPECT_EQ(captured.take_losses(), direct.take_losses());
+  int on_host = 0;
+  for (const auto& [name, t] : captured.named_tensors())
+    on_host += (name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0) && t.device() == Device::kCpu;
+  EXPECT_GT(on_host, 0);
+}
+
 // The optimizer's updates on the update stream, beside the backward pass
 // (passes/overlap_updates.h): in chunks small enough that gpt2-tiny has several, forked where
 // their gradients are ready and joined at the end of the step, replayed from a CUDA graph. The

@@ -12,7 +12,8 @@
             as Slurm's srun starts tasks (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...; no
             torchrun variables): the same losses and params, bit for bit.
   restart   kiln launch --max-restarts 1 with a rank killed mid-run: the group restarts from its
-            last checkpoint and ends with the params of a run never interrupted, bit for bit; with
+            last checkpoint and ends with the params of a run never interrupted, bit for bit (on
+            GPUs within --tolerance, reported as such, where the bits differ); with
             --min-nproc 1 (the killed rank's slot left out, the run goes on alone) those of 2
             ranks to the checkpoint's step and one process from there.
 
@@ -308,8 +309,35 @@ def rank_pid(launcher, rank):
     return None
 
 
-def check_restart(kiln, device):
-    model, steps, batch = "llama-tiny", 120, 4
+def same_params(want, got, device):
+    """(ok, text): bit for bit; on GPUs within TOLERANCE also passes, and says so (a restarted
+    process may pick other kernels' algorithms, e.g. cuDNN's, than the run it replaces)."""
+    if all(np.array_equal(want[k], got[k]) for k in want):
+        return True, "bit for bit"
+    worst = max_scaled_error(want, got)
+    if device == "cuda" and worst <= 1.0:
+        return True, f"within tolerance (max scaled error {worst:.3f}), not bit for bit"
+    return False, f"DIFFER (max scaled error {worst:.3f})"
+
+
+def show_log(name, output):
+    """The launcher's and the ranks' lines, but only every 20th step line and those next to a restart."""
+    lines = output.splitlines()
+    keep = set()
+    for i, line in enumerate(lines):
+        step = re.search(r"step +(\d+)/", line)
+        if not step or int(step.group(1)) % 20 == 0:
+            keep.add(i)
+        if "kiln launch" in line or "restart" in line:
+            keep.update(range(max(0, i - 2), min(len(lines), i + 3)))
+    print(f"---- log: {name} ----")
+    for i in sorted(keep):
+        print(lines[i])
+    print("---- end of log ----")
+
+
+def check_restart(kiln, device, steps=120, log=False):
+    model, batch = "llama-tiny", 4
     failures = 0
     with tempfile.TemporaryDirectory() as whole_dir:
         # The schedule's length fixed, so that a run of fewer --steps reaches a step on the same lr.
@@ -344,6 +372,8 @@ def check_restart(kiln, device):
                 name = f"rank 1 killed, --max-restarts 1{' --min-nproc 1' if shrink else ''}"
                 resumed = re.search(r"restart 1: resumed from .* at step (\d+)", output)
                 restarted = "restarting the group (1 of at most 1)" in output
+                if log:
+                    show_log(name, output)
                 if launcher.returncode != 0 or victim is None or not resumed or not restarted:
                     print(output[-4000:])
                     print(f"FAIL: {name}: exit {launcher.returncode}, killed {victim}, restarted {restarted}, "
@@ -368,14 +398,12 @@ def check_restart(kiln, device):
                         if p1.returncode != 0 or p2.returncode != 0:
                             print(p1.stdout[-2000:], p1.stderr[-2000:], p2.stdout[-2000:], p2.stderr[-2000:])
                         want_here = load_file(os.path.join(ref, "consolidated.safetensors"))
-                    same = all(np.array_equal(want_here[k], got[k]) for k in want_here)
+                    same, how = same_params(want_here, got, device)
                     ok = same and "on 1 process" in output
-                    detail = (f"params bit for bit as 2 ranks to step {step} then one process uninterrupted"
-                              if same else "params DIFFER")
+                    detail = f"params {how} as 2 ranks to step {step} then one process uninterrupted"
                 else:
-                    same = all(np.array_equal(want[k], got[k]) for k in want)
-                    ok = same
-                    detail = "params bit for bit as uninterrupted" if same else "params DIFFER"
+                    ok, how = same_params(want, got, device)
+                    detail = f"params {how} as uninterrupted"
                 print(f"{'ok  ' if ok else 'FAIL'} {name}: resumed at step {resumed.group(1)} of {steps}, {detail}")
                 failures += 0 if ok else 1
     return failures
@@ -393,6 +421,10 @@ def main():
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
                     help="params: |got - want| <= tol + 1e-5 |want| (losses, printed to 4 places: within 2e-4)")
     ap.add_argument("--amp", default=AMP)
+    ap.add_argument("--restart-steps", type=int, default=120,
+                    help="restart: the run's steps (a checkpoint every 10; more where steps are fast, e.g. on GPUs, "
+                         "so that the rank is killed mid-run)")
+    ap.add_argument("--show-log", action="store_true", help="restart: print the restarted runs' logs")
     a = ap.parse_args()
     TOLERANCE, AMP = a.tolerance, a.amp
     failures = 0
@@ -408,7 +440,7 @@ def main():
     if "launchers" in checks:
         failures += check_launchers(a.kiln, a.device)
     if "restart" in checks:
-        failures += check_restart(a.kiln, a.device)
+        failures += check_restart(a.kiln, a.device, a.restart_steps, a.show_log)
     print("all passed" if failures == 0 else f"{failures} FAILED")
     sys.exit(1 if failures else 0)
 

@@ -62,6 +62,12 @@ TEST(LlamaModel, ParamCountsAreTorchLlamas) {
   };
   EXPECT_EQ(param_count(models::by_name("llama-160m", 1, 16)), expected(12, 768, 12, 4, 2048, 32000));
   EXPECT_EQ(param_count(models::by_name("llama-1b", 1, 16)), expected(16, 2048, 32, 8, 8192, 32000));
+  // Llama 3 8B's published count.
+  EXPECT_EQ(param_count(models::by_name("llama-8b", 1, 16)), 8030261248);
+  EXPECT_EQ(models::llama_config("llama-8b").rope_base, 500000.0);
+  models::ModelSizes two;
+  two.layers = 2;
+  EXPECT_EQ(param_count(models::by_name("llama-8b", 1, two)), expected(2, 4096, 32, 8, 14336, 128256));
 }
 
 TEST(LlamaModel, SizesOverrideTheConfigAndBadOnesAreClearErrors) {
@@ -86,6 +92,16 @@ TEST(LlamaModel, SizesOverrideTheConfigAndBadOnesAreClearErrors) {
   models::ModelSizes gpt;
   gpt.kv_heads = 2;
   EXPECT_KILN_ERROR(models::by_name("gpt2-tiny", 2, gpt), "gpt2-tiny has no kv_heads");
+  models::ModelSizes rope;
+  rope.rope_base = 500000;
+  rope.norm_epsilon = 1e-6;
+  const models::LlamaConfig c = models::llama_config("llama-tiny", rope);
+  EXPECT_EQ(c.rope_base, 500000);
+  EXPECT_EQ(c.norm_epsilon, 1e-6);
+  EXPECT_EQ(c.d_model, models::llama_config("llama-tiny").d_model);
+  EXPECT_KILN_ERROR(models::by_name("gpt2-tiny", 2, rope), "gpt2-tiny has no rotary base");
+  rope.rope_base = -1;
+  EXPECT_KILN_ERROR(models::by_name("llama-tiny", 2, rope), "rope_theta must be > 0");
   models::ModelSizes mlp;
   mlp.layers = 3;
   EXPECT_KILN_ERROR(models::by_name("mlp", 2, mlp), "mlp takes no size flags");

@@ -30,9 +30,9 @@ std::optional<std::string> python_with_transformers() {
 }
 
 void run_check(const std::string& python, const std::string& mode, const std::string& dir, const std::string& idx,
-               const std::string& out) {
-  const std::string command = fmt::format("{} {}/tests/train/hf_llama_check.py {} {} {} {} 2>&1", python, KILN_SOURCE_DIR,
-                                          mode, dir, idx, out);
+               const std::string& out, const std::string& extra = "") {
+  const std::string command = fmt::format("{} {}/tests/train/hf_llama_check.py {} {} {} {} {} 2>&1", python,
+                                          KILN_SOURCE_DIR, mode, dir, idx, out, extra);
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
 }
 
@@ -62,9 +62,17 @@ class HfLlama : public ::testing::Test {
   testing::TempDir dir_;
 };
 
-TEST_F(HfLlama, ExportedModelGivesKilnsLogitsInTransformers) {
+// llama-tiny, and llama-tiny with llama-8b's (Llama 3's) rotary base and another norm epsilon:
+// transformers reads both from the exported config.json.
+class HfLlamaExport : public HfLlama, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HfLlamaExport, ExportedModelGivesKilnsLogitsInTransformers) {
   models::LlamaConfig config = models::llama_config("llama-tiny");
   config.seq = 16;
+  if (GetParam()) {
+    config.rope_base = models::llama_config("llama-8b").rope_base;
+    config.norm_epsilon = 1e-6;
+  }
   const Graph g = models::llama(config);
   // Random weights, norm gains too (init_params makes them 1).
   LlamaWeights weights{config, {}};
@@ -88,24 +96,38 @@ TEST_F(HfLlama, ExportedModelGivesKilnsLogitsInTransformers) {
   const LlamaWeights back = import_hf_llama(model_dir);
   EXPECT_EQ(back.config.heads, config.heads);
   EXPECT_EQ(back.config.kv_heads, config.kv_heads);
+  EXPECT_EQ(back.config.rope_base, config.rope_base);
+  EXPECT_EQ(back.config.norm_epsilon, config.norm_epsilon);
   for (const auto& [name, tensor] : weights.params)
     EXPECT_EQ(max_scaled_error(back.params.at(name), tensor, 0, 0), 0.0) << name;
 }
+INSTANTIATE_TEST_SUITE_P(RopeBase, HfLlamaExport, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Llama3" : "Default"; });
 
-TEST_F(HfLlama, ImportedModelGivesTransformersLogitsInKiln) {
+// A LlamaForCausalLM made by transformers with the default rotary base and norm epsilon, and
+// with Llama 3's base and another epsilon: kiln reads both from its config.json.
+class HfLlamaImport : public HfLlama, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HfLlamaImport, ImportedModelGivesTransformersLogitsInKiln) {
   const std::string model_dir = dir_.file("made");
   const Tensor idx = token_ids(96, 8);  // the script's vocab
   save_safetensors(dir_.file("idx.safetensors"), {{"idx", idx}});
-  run_check(*python_, "make", model_dir, dir_.file("idx.safetensors"), dir_.file("logits.safetensors"));
+  const double rope_base = GetParam() ? 500000.0 : 10000.0, norm_epsilon = GetParam() ? 1e-6 : 1e-5;
+  run_check(*python_, "make", model_dir, dir_.file("idx.safetensors"), dir_.file("logits.safetensors"),
+            fmt::format("{} {}", rope_base, norm_epsilon));
   const LlamaWeights weights = import_hf_llama(model_dir);
   EXPECT_EQ(weights.config.heads, 6);
   EXPECT_EQ(weights.config.kv_heads, 2);
   EXPECT_EQ(weights.config.layers, 2);
+  EXPECT_EQ(weights.config.rope_base, rope_base);
+  EXPECT_EQ(weights.config.norm_epsilon, norm_epsilon);
   const Tensor theirs = load_safetensors(dir_.file("logits.safetensors")).tensors.at("logits");
   const Tensor ours = kiln_logits(weights.config, weights.params, idx);
   ASSERT_EQ(theirs.shape(), ours.shape());
   EXPECT_LE(max_scaled_error(ours, theirs, 1e-4, 1e-4), 1.0);
 }
+INSTANTIATE_TEST_SUITE_P(RopeBase, HfLlamaImport, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Llama3" : "Default"; });
 
 TEST(HfLlamaConfig, RoundTripsAndRefusesWhatKilnsLlamaDoesNotCompute) {
   models::LlamaConfig c = models::llama_config("llama-1b");
@@ -124,6 +146,10 @@ TEST(HfLlamaConfig, RoundTripsAndRefusesWhatKilnsLlamaDoesNotCompute) {
                     "c.json: tie_word_embeddings is true");
   EXPECT_KILN_ERROR(llama_config_from_hf_json("{" + base + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8}})", "c.json"),
                     "rope type 'llama3'");
+  EXPECT_KILN_ERROR(llama_config_from_hf_json("{" + base + R"(, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})", "c.json"),
+                    "rope type 'yarn'");
+  EXPECT_KILN_ERROR(llama_config_from_hf_json("{" + base + R"(, "rope_scaling": {"type": "linear", "factor": 2}})", "c.json"),
+                    "rope type 'linear'");
   EXPECT_KILN_ERROR(llama_config_from_hf_json("{" + base + R"(, "model_type": "mistral"})", "c.json"),
                     "model_type is \"mistral\", expected \"llama\"");
   EXPECT_KILN_ERROR(llama_config_from_hf_json(R"({"vocab_size": 8})", "c.json"), "'hidden_size' must be a positive integer");

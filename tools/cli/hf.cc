@@ -41,6 +41,11 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t he
   if (seq == 0) seq = metadata_int(saved.metadata, "kiln.seq");
   train::LlamaWeights weights;
   weights.config = train::llama_config_of(saved.tensors, heads, seq);
+  // Checkpoints written before these were recorded come from configs with the defaults.
+  if (auto it = saved.metadata.find("kiln.rope_theta"); it != saved.metadata.end())
+    weights.config.rope_base = std::stod(it->second);
+  if (auto it = saved.metadata.find("kiln.rms_eps"); it != saved.metadata.end())
+    weights.config.norm_epsilon = std::stod(it->second);
   weights.params = std::move(saved.tensors);
   train::export_hf_llama(weights, out);
   const models::LlamaConfig& c = weights.config;
@@ -52,15 +57,16 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t he
 void import_hf(const std::string& dir, const std::string& out) {
   const train::LlamaWeights weights = train::import_hf_llama(dir);
   const models::LlamaConfig& c = weights.config;
-  const models::LlamaConfig ours;  // kiln's llama: the rotary base and norm epsilon are fixed
-  KILN_CHECK(c.rope_base == ours.rope_base && c.norm_epsilon == ours.norm_epsilon,
-             "import-hf: '{}' has rope_theta {} and rms_norm_eps {}; kiln's llama zoo trains with {} and {} (not yet "
-             "options)", dir, c.rope_base, c.norm_epsilon, ours.rope_base, ours.norm_epsilon);
   train::save_safetensors(out, weights.params,
-                          {{"kiln.model", "llama"}, {"kiln.heads", std::to_string(c.heads)}, {"kiln.seq", std::to_string(c.seq)}});
+                          {{"kiln.model", "llama"},
+                           {"kiln.heads", std::to_string(c.heads)},
+                           {"kiln.seq", std::to_string(c.seq)},
+                           {"kiln.rope_theta", fmt::format("{}", c.rope_base)},
+                           {"kiln.rms_eps", fmt::format("{}", c.norm_epsilon)}});
   fmt::print("{} -> {}; train it with:\n  kiln train --model llama-tiny --layers {} --d-model {} --heads {} --kv-heads {} "
-             "--hidden {} --vocab {} --seq {} --init {}\n",
-             dir, out, c.layers, c.d_model, c.heads, c.kv_heads, c.hidden, c.vocab, c.seq, out);
+             "--hidden {} --vocab {} --seq {} --rope-theta {} --rms-eps {} --init {}\n",
+             dir, out, c.layers, c.d_model, c.heads, c.kv_heads, c.hidden, c.vocab, c.seq, c.rope_base, c.norm_epsilon,
+             out);
 }
 
 }  // namespace

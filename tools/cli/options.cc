@@ -43,6 +43,8 @@ void add_model_size_options(CLI::App* command, models::ModelSizes& sizes) {
   group->add_option("--kv-heads", sizes.kv_heads, "Key/value heads, dividing --heads (llama*: grouped-query attention)");
   group->add_option("--hidden", sizes.hidden, "MLP hidden size (llama*: SwiGLU's)");
   group->add_option("--vocab", sizes.vocab, "Vocabulary size");
+  group->add_option("--rope-theta", sizes.rope_base, "Rotary embeddings' base (llama*; Llama 3: 500000)");
+  group->add_option("--rms-eps", sizes.norm_epsilon, "RMSNorm's epsilon (llama*)");
 }
 
 void add_batch_options(CLI::App* command, int64_t& batch, int64_t default_batch, int64_t& seq) {

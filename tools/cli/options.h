@@ -38,8 +38,9 @@ struct ExitCode {
 
 // --model NAME: the model zoo's models (models/models.h).
 void add_model_option(CLI::App* command, std::string& model, const std::string& default_model);
-// --layers, --d-model, --heads, --kv-heads, --hidden, --vocab: a language model's sizes
-// overriding its named config's (models::ModelSizes; --seq is each command's own).
+// --layers, --d-model, --heads, --kv-heads, --hidden, --vocab (and llama*'s --rope-theta,
+// --rms-eps): a language model's sizes overriding its named config's (models::ModelSizes; --seq
+// is each command's own).
 void add_model_size_options(CLI::App* command, models::ModelSizes& sizes);
 // --batch (default `default_batch`) and --seq: the batch size (under kiln launch: the global
 // batch) and a language model's sequence length (0: its config's).
