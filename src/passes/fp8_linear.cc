@@ -96,6 +96,24 @@ bool Fp8Linear::run(Graph& graph) {
   return marked_ > 0;
 }
 
+std::string fp8_summary(const Graph& step) {
+  int fp8 = 0, all = 0;
+  auto count = [&](const Graph& g, const auto& self) -> void {
+    for (const Node& n : g.nodes) {
+      if (n.op == Op::kMatmul) {
+        ++all;
+        fp8 += matmul_fp8(n.attrs).on();
+      }
+      if (n.body) self(*n.body, self);
+    }
+  };
+  count(step, count);
+  if (fp8 == 0)
+    return fmt::format("fp8: none of the {} matmul products: no linear layer is wide enough for fp8 to be faster "
+                       "(--fp8-every-linear takes every layer the FP8 rules allow)", all);
+  return fmt::format("fp8: {} of the {} matmul products (linear layers and their gradients; the rest in bf16)", fp8, all);
+}
+
 std::vector<std::string> Fp8Linear::notes() const {
   return {fmt::format("{} linear product{} in fp8, {} kept in 16 bits where fp8 would be slower, {} other "
                       "matmul{}", marked_, marked_ == 1 ? "" : "s", slower_, skipped_, skipped_ == 1 ? "" : "s")};

@@ -40,6 +40,11 @@ struct Fp8Estimate {
 };
 Fp8Estimate fp8_estimate(const CostModel& model, int64_t rows, int64_t in, int64_t out);
 
+// One line for a user: how many of a compiled step's matmul products (fused bodies included)
+// run in fp8, so that `--amp fp8` on layers too narrow to gain says so instead of silently
+// training in bf16.
+std::string fp8_summary(const Graph& step);
+
 class Fp8Linear : public Pass {
  public:
   explicit Fp8Linear(Fp8LinearOptions options = {}) : options_(std::move(options)) {}

@@ -13,6 +13,7 @@
 #include "distributed/process_group.h"
 #include "support/bytes.h"
 #include "support/error.h"
+#include "passes/fp8_linear.h"
 #include "train/checkpoint/reshard.h"
 #include "train/data/loader.h"
 #include "train/placement.h"
@@ -163,6 +164,7 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
   if (on_cuda)
     fmt::print(out, "  {}: params and state {}, step arena and outputs {}\n", runtime_->name(),
                format_bytes(trainer.param_and_state_bytes()), format_bytes(trainer.step_executor().device_bytes()));
+  if (options_.optimizer.amp == "fp8") fmt::print(out, "  {}\n", fp8_summary(trainer.step_executor().graph()));
   std::fflush(out);
 
   const int64_t first = trainer.steps_done();

@@ -4,6 +4,9 @@
 // formats, the fp8-linear pass's choice of layers, and training under --amp fp8.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <vector>
@@ -251,28 +254,45 @@ TEST(Fp8Linear, TheCostModelTakesFp8WhereItIsFaster) {
   EXPECT_EQ(marked("llama-tiny", 2, 32).first, 0);
 }
 
-TEST(Fp8Training, TinyLlamaLearnsAsInBf16) {
-  auto run = [](const std::string& amp) {
-    train::JobOptions o;
-    o.model = "llama-tiny";
-    o.data = "";  // the default text
-    o.batch = 2;
-    o.seq = 32;
-    o.steps = 30;
-    o.eval_every = 0;
-    o.eval_batches = 1;
-    o.optimizer.lr = 3e-3;
-    o.optimizer.amp = amp;
-    o.optimizer.fp8_every_linear = true;  // llama-tiny's layers are too small to gain
-    o.out = std::fopen("/dev/null", "w");
-    train::JobResult r = train::run_training_job(o);
-    std::fclose(o.out);
-    return r.final_loss;
-  };
-  const double bf16 = run("bf16"), fp8 = run("fp8");
+// The run's log, and its final loss.
+std::pair<std::string, double> train_llama_tiny(const std::string& amp, bool every_linear) {
+  train::JobOptions o;
+  o.model = "llama-tiny";
+  o.data = "";  // the default text
+  o.batch = 2;
+  o.seq = 32;
+  o.steps = 30;
+  o.eval_every = 0;
+  o.eval_batches = 1;
+  o.optimizer.lr = 3e-3;
+  o.optimizer.amp = amp;
+  o.optimizer.fp8_every_linear = every_linear;
+  const std::string log = (std::filesystem::temp_directory_path() / "kiln_fp8_train_log.txt").string();
+  o.out = std::fopen(log.c_str(), "w");
+  const train::JobResult r = train::run_training_job(o);
+  std::fclose(o.out);
+  std::ifstream in(log);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(log);
+  return {text, r.final_loss};
+}
+
+TEST(Fp8Training, TinyLlamaLearnsAsInBf16AndTheLogSaysWhatRanInFp8) {
+  const auto [bf16_log, bf16] = train_llama_tiny("bf16", false);
+  // llama-tiny's layers are too small to gain: every one is forced.
+  const auto [fp8_log, fp8] = train_llama_tiny("fp8", true);
   EXPECT_LT(fp8, 5.2);  // ln(256) = 5.55 at the start
   EXPECT_NEAR(fp8, bf16, 0.03 * bf16);
   EXPECT_NE(fp8, bf16);  // the fp8 products ran: the losses differ in their low bits
+  EXPECT_EQ(bf16_log.find("fp8:"), std::string::npos) << bf16_log;
+  // Each forward product the pass marks has two gradient products.
+  int marked = 0;
+  for (const Node& n : fp8_forward().nodes) marked += n.op == Op::kMatmul && matmul_fp8(n.attrs).on();
+  EXPECT_NE(fp8_log.find(fmt::format("fp8: {} of the ", 3 * marked)), std::string::npos) << fp8_log;
+  // Left to the cost model, none is fp8, and the log says so rather than training bf16 silently.
+  const auto [gated_log, gated] = train_llama_tiny("fp8", false);
+  EXPECT_NE(gated_log.find("fp8: none of the"), std::string::npos) << gated_log;
+  EXPECT_EQ(gated, bf16);
 }
 
 }  // namespace
