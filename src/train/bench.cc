@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "distributed/process_group.h"
+#include "passes/fp8_linear.h"
 #include "runtime/profile.h"
 #include "support/bytes.h"
 #include "support/error.h"
@@ -223,6 +224,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
                                    : "no peak rate for the CPU (give --peak-tflops for an MFU)";
   }
   r.kernels_per_step = static_cast<int64_t>(trainer.step_executor().graph().nodes.size());
+  if (o.amp == "fp8") r.fp8_note = fp8_summary(trainer.step_executor().graph());
   r.updates = trainer.step_executor().graph().updates.size();
   // Per GPU: each does 1/world of the global step's FLOPs.
   r.mfu = r.peak_flops > 0 ? r.flops_per_step / world / (r.median_ms / 1e3) / r.peak_flops : 0;
@@ -294,6 +296,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     if (on_cuda && r.host_state_tensors > 0)
       fmt::print(o.out, "  offloaded        {} optimizer state tensors, {} in pinned host memory{}\n", r.host_state_tensors,
                  format_bytes(r.host_state_bytes), world > 1 ? " on rank 0" : "");
+    if (!r.fp8_note.empty()) fmt::print(o.out, "  {}\n", r.fp8_note);
     if (o.passes.memory_budget)
       fmt::print(o.out, "  memory budget    {} for the step's planned arena (rematerialization)\n",
                  format_bytes(*o.passes.memory_budget));

@@ -85,6 +85,7 @@ struct BenchResult {
   size_t device_used_delta_bytes = 0;
   int64_t graph_replays = 0;
   int64_t kernels_per_step = 0;   // nodes of the step graph (one kernel launch each, captured)
+  std::string fp8_note;           // amp fp8: how many products run in fp8 (passes/fp8_linear.h)
   size_t updates_in_place = 0, updates = 0;  // updates written by their node / all updates
 };
 

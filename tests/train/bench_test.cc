@@ -82,6 +82,26 @@ TEST(BenchCpu, GptFlopsCountAttention) {
   EXPECT_NEAR(r.mfu, r.flops_per_step / (r.median_ms / 1e3) / 1e12, 1e-9);
 }
 
+// Under --amp fp8 the bench says how many products ran in fp8; none without it.
+TEST(BenchCpu, Fp8SaysWhatRanInFp8) {
+  BenchOptions o;
+  o.model = "llama-tiny";
+  o.batch = 2;
+  o.seq = 32;
+  o.device = "cpu";
+  o.steps = 1;
+  o.untimed_steps = 1;
+  o.out = nullptr;
+  o.amp = "bf16";
+  EXPECT_EQ(run_benchmark(o).fp8_note, "");
+  o.amp = "fp8";
+  EXPECT_EQ(run_benchmark(o).fp8_note.rfind("fp8: none of the ", 0), 0u);
+  o.optimizer.fp8_every_linear = true;
+  const std::string forced = run_benchmark(o).fp8_note;
+  EXPECT_EQ(forced.rfind("fp8: ", 0), 0u) << forced;
+  EXPECT_EQ(forced.find("none"), std::string::npos) << forced;
+}
+
 TEST(BenchCpu, PeakRatesOfKnownDevices) {
   std::string note;
   EXPECT_EQ(device_peak_flops("NVIDIA H100 80GB HBM3", "bf16", &note), 989e12);
