@@ -761,6 +761,16 @@ void Gemm::run(const GemmOperands& operands, cudaStream_t stream) const {
   KILN_CUBLAS_CHECK(GemmPlanAccess::enqueue(*plan, *this, ops, plan->algo_, *device, stream));
 }
 
+bool set_fp8(Gemm& g, const Attributes& matmul_attrs) {
+  const MatmulFp8 fp8 = matmul_fp8(matmul_attrs);
+  if (!fp8.on()) return true;
+  if (g.batch != 1 || g.lda != 0 || g.ldb != 0 || g.k % 16 != 0 || g.a_type == DType::kF64) return false;
+  g.fp8_a = fp8.a;
+  g.fp8_b = fp8.b;
+  g.tf32 = false;
+  return true;
+}
+
 // ---- the matmul dialect ----
 
 namespace {
@@ -803,14 +813,10 @@ bool matmul_dtype(DType d) {
 }
 
 // The node's GEMM with its fp8 formats (ops/fp8.h); nullopt where the strided batch cannot
-// express it, or where an fp8 product's layout rules (Gemm::fp8_a) do not hold.
+// express it, or where an fp8 product's rules (set_fp8) do not hold.
 std::optional<Gemm> node_gemm(const Shape& a, const Shape& b, const Attributes& attrs, DType dtype) {
   std::optional<Gemm> g = matmul_gemm(a, b, attrs.b("transpose_a"), attrs.b("transpose_b"), dtype);
-  const MatmulFp8 fp8 = matmul_fp8(attrs);
-  if (!g || !fp8.on()) return g;
-  if (g->batch != 1 || g->k % 16 != 0 || dtype == DType::kF64) return std::nullopt;
-  g->fp8_a = fp8.a;
-  g->fp8_b = fp8.b;
+  if (!g || !set_fp8(*g, attrs)) return std::nullopt;
   return g;
 }
 

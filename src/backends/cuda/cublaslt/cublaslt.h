@@ -182,6 +182,12 @@ class GemmPlan {
   std::mutex mutex_;
 };
 
+// Sets g's fp8 formats from a matmul node's attributes (ops/fp8.h), once its shape, dtype and
+// strides are set. False for an fp8 node whose description breaks the fp8 rules (Gemm::fp8_a:
+// batch 1, packed A and B, k % 16 == 0, not f64): the caller then has no fp8 binding for it.
+// Both the matmul dialect and the fused GEMM groups (nvrtc) decide through it.
+bool set_fp8(Gemm& g, const Attributes& matmul_attrs);
+
 // Algorithm choice by timing the heuristic's top candidates (once per description, cached).
 // Default: the environment variable KILN_GEMM_AUTOTUNE=1; this overrides it. True on a thread
 // holding a GemmTuningScope (device.h) whatever the setting.

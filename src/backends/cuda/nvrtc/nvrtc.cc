@@ -381,13 +381,8 @@ GemmCore gemm_core(const Graph& body) {
   gemm.a_type = gemm.d_type = dtype;
   gemm.tf32 = dtype == DType::kF32 && matmul_allow_tf32();
   if (gemm.k == 0) no_match("k is 0 (an empty product)");
-  if (const MatmulFp8 fp8 = matmul_fp8(matmul.attrs); fp8.on()) {
-    if (core.a_slice >= 0) no_match("an fp8 product reads A through a slice (it needs A packed)");
-    if (gemm.k % 16 != 0) no_match("an fp8 product with k % 16 != 0");
-    gemm.fp8_a = fp8.a;
-    gemm.fp8_b = fp8.b;
-    gemm.tf32 = false;
-  }
+  if (!set_fp8(gemm, matmul.attrs))
+    no_match("an fp8 product off the fp8 rules (A read through a slice, or k % 16 != 0)");
   return core;
 }
 
