@@ -5,7 +5,11 @@
 # stays in bf16 (torchao's recipes filter it out; kiln's fp8-linear pass does the same), and so does
 # any layer whose dims are not multiples of 16.
 # Prints one JSON line per run, like the scripts it imports: ms/step, tokens/s, peak memory.
-# Usage: python3 torch_float8.py --models DIR CONFIG:MODE:BATCH[:T] ...  MODE: compile | float8
+# With --data FILE --loss-steps N, a run instead trains N steps on the file's bytes (consecutive
+# B x T windows, tokens = bytes, lr 6e-4) and prints its per-step losses: torchao's own fp8-vs-bf16
+# loss gap, the yardstick for kiln's (scripts/gpu-fp8.sh, FP8_LOSS=1).
+# Usage: python3 torch_float8.py --models DIR [--data FILE --loss-steps N] CONFIG:MODE:BATCH[:T] ...
+#        MODE: compile | float8
 import argparse, json, sys, time
 
 import torch
@@ -21,7 +25,7 @@ def build(models_dir, cfg, T):
     return m.GPT(T=T, **m.CFG[cfg]).cuda(), 50257
 
 
-def run(models_dir, cfg, mode, B, T, steps=20, warm=5):
+def run(models_dir, cfg, mode, B, T, steps=20, warm=5, data=None, loss_steps=0):
     torch.manual_seed(0)
     model, vocab = build(models_dir, cfg, T)
     if mode == "float8":
@@ -31,19 +35,29 @@ def run(models_dir, cfg, mode, B, T, steps=20, warm=5):
             return "head" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
         convert_to_float8_training(model, module_filter_fn=keep)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4 if loss_steps else 1e-4, fused=True)
     step_fn = torch.compile(model)
     idx = torch.randint(0, vocab, (B, T), device="cuda")
     tgt = torch.randint(0, vocab, (B, T), device="cuda")
     torch.cuda.reset_peak_memory_stats()
 
-    def step():
+    def step(idx=idx, tgt=tgt):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step_fn(idx, tgt)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
+    if loss_steps:  # the same byte windows, in order, for every mode
+        text = torch.frombuffer(bytearray(open(data, "rb").read()), dtype=torch.uint8).long()
+        per = B * T + 1
+        losses = []
+        for s in range(loss_steps):
+            start = (s * B * T) % (text.numel() - per)
+            w = text[start:start + per].cuda()
+            losses.append(step(w[:-1].view(B, T), w[1:].view(B, T)).item())
+        return dict(cfg=cfg, mode=mode, B=B, T=T, losses=[round(x, 5) for x in losses])
 
     t0 = time.time()
     for _ in range(warm):
@@ -65,13 +79,15 @@ def run(models_dir, cfg, mode, B, T, steps=20, warm=5):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True, help="folder holding torch_llama.py and torch_gpt2.py")
+    ap.add_argument("--data", help="a text file: train on its bytes and print the losses (with --loss-steps)")
+    ap.add_argument("--loss-steps", type=int, default=0)
     ap.add_argument("runs", nargs="+")
     a = ap.parse_args()
     for p in (r.split(":") for r in a.runs):
         cfg, mode, B = p[:3]
         T = int(p[3]) if len(p) > 3 else (1024 if cfg.startswith("gpt2") else 2048)
         try:
-            r = run(a.models, cfg, mode, int(B), T)
+            r = run(a.models, cfg, mode, int(B), T, data=a.data, loss_steps=a.loss_steps)
         except torch.OutOfMemoryError:
             r = dict(cfg=cfg, mode=mode, B=int(B), T=T, oom=True)
         except Exception as e:  # a missing or incompatible torchao: say so, keep the other runs

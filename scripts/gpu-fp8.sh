@@ -8,8 +8,8 @@
 #   3. PyTorch: bench/torch_float8.py, compile and float8 modes, the same models (torchao from a
 #      wheel carried in .carry/wheels; the model files from .carry: ../shared/bench's);
 #   4. FP8_LOSS=1: the loss of FP8_LOSS_STEPS (300) steps of kiln train on real text (Python's
-#      standard library sources), bf16
-#      and fp8 on every linear layer, GPT-2 and llama-160m, compared per 30-step window;
+#      standard library sources), bf16 and fp8 on every linear layer with each gradient format
+#      of FP8_LOSS_GRADS ("e4m3 e5m2"), GPT-2 and llama-160m, compared per 30-step window;
 #   5. FP8_PROFILE=1: kiln bench --profile of the first model in fp8 (the per-kernel table).
 # FP8_TORCH=0 skips step 3.
 # Prints a short table last.
@@ -55,11 +55,13 @@ for p in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
 EOF2
   ls -la $corpus
   for m in "gpt2 8 1024" "llama-160m 8 1024"; do set -- $m
-    for amp in bf16 fp8; do
-      $K train --model $1 --batch $2 --seq $3 --steps ${FP8_LOSS_STEPS:-300} --log-every 100 --eval-every 0 --amp $amp $([ $amp = fp8 ] && echo --fp8-every-linear) --lr 6e-4 \
+    for amp in bf16 ${FP8_LOSS_GRADS:-e4m3 e5m2}; do  # bf16, then fp8 with each gradient format
+      if [ $amp = bf16 ]; then flags="--amp bf16"; else flags="--amp fp8 --fp8-every-linear --fp8-grad $amp"; fi
+      $K train --model $1 --batch $2 --seq $3 --steps ${FP8_LOSS_STEPS:-300} --log-every 100 --eval-every 0 $flags --lr 6e-4 \
         --data $corpus --metrics "$out/loss-$1-$amp.jsonl" > "$out/train-$1-$amp.log" 2>&1 || tail -3 "$out/train-$1-$amp.log"
     done
-    python3 - "$out/loss-$1-bf16.jsonl" "$out/loss-$1-fp8.jsonl" "$1" <<'EOF' | tee -a "$out/rows.txt"
+    for grad in ${FP8_LOSS_GRADS:-e4m3 e5m2}; do
+    python3 - "$out/loss-$1-bf16.jsonl" "$out/loss-$1-$grad.jsonl" "$1 fp8 (grad $grad)" <<'EOF' | tee -a "$out/rows.txt"
 import json, sys
 def losses(p): return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
 b, f = losses(sys.argv[1]), losses(sys.argv[2])
@@ -70,6 +72,7 @@ for w in range(0, min(len(b), len(f)) // 30):
     print(f"loss {sys.argv[3]} steps {30*w+1}-{30*w+30}: bf16 {mb:.4f} fp8 {mf:.4f} ({100*(mf-mb)/mb:+.2f}%)")
 print(f"loss {sys.argv[3]}: worst 30-step window {100*worst:.2f}% over {min(len(b), len(f))} steps")
 EOF
+    done
   done
   echo "loss curves at $(since)"
 fi
@@ -84,6 +87,21 @@ runs=""; for m in ${FP8_TORCH_MODELS:-${FP8_MODELS:-llama-1b:4:2048}}; do IFS=: 
   runs="$runs $name:compile:$batch:$seq $name:float8:$batch:$seq"; done
 PYTHONPATH=$ao timeout ${FP8_TORCH_T:-300} python3 bench/torch_float8.py --models .carry $runs > "$out/torch.jsonl" 2>"$out/torch.err"
 echo "torch at $(since)"; tail -3 "$out/torch.err"
+if [ "${FP8_LOSS:-0}" = 1 ]; then  # torchao's own fp8-vs-bf16 loss gap on the same text (bytes as tokens)
+  PYTHONPATH=$ao timeout ${FP8_TORCH_LOSS_T:-300} python3 bench/torch_float8.py --models .carry --data /tmp/corpus.txt \
+    --loss-steps ${FP8_LOSS_STEPS:-300} gpt2:compile:8:1024 gpt2:float8:8:1024 llama-160m:compile:8:1024 \
+    llama-160m:float8:8:1024 > "$out/torch-loss.jsonl" 2>>"$out/torch.err"
+  python3 - "$out/torch-loss.jsonl" <<'EOF' | tee -a "$out/rows.txt"
+import json, sys
+runs = {(r["cfg"], r["mode"]): r.get("losses") for r in map(json.loads, open(sys.argv[1]))}
+for cfg in ("gpt2", "llama-160m"):
+    b, f = runs.get((cfg, "compile")), runs.get((cfg, "float8"))
+    if not b or not f: print(f"torch loss {cfg}: missing"); continue
+    gaps = [(sum(f[i:i+30]) - sum(b[i:i+30])) / sum(b[i:i+30]) for i in range(0, min(len(b), len(f)) - 29, 30)]
+    print(f"torch loss {cfg} float8 vs bf16: windows " + " ".join(f"{100*g:+.2f}%" for g in gaps) +
+          f"; worst {100*max(map(abs, gaps)):.2f}%")
+EOF
+fi
 python3 - "$out/torch.jsonl" <<'EOF' | tee -a "$out/rows.txt"
 import json, sys
 for l in open(sys.argv[1]):

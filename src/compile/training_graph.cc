@@ -81,6 +81,8 @@ void validate(const OptimizerConfig& c) {
   KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
   KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16" || c.amp == "fp8",
              "unknown amp mode '{}' (expected off, bf16, f16 or fp8)", c.amp);
+  KILN_CHECK(c.fp8_grad == "e4m3" || c.fp8_grad == "e5m2", "unknown fp8 gradient format '{}' (expected e4m3 or e5m2)",
+             c.fp8_grad);
   if (c.amp == "f16") validate(c.loss_scale);
 }
 
@@ -111,6 +113,7 @@ void apply_mixed_precision(Graph& forward, const OptimizerConfig& config) {
   if (config.amp == "fp8") {  // bf16, and the linear layers in fp8 where that is faster
     Fp8LinearOptions fp8;
     fp8.every_linear = config.fp8_every_linear;
+    fp8.grad = fp8_format(config.fp8_grad);
     Fp8Linear(fp8).run(forward);
   }
   verify(forward);

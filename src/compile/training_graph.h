@@ -62,6 +62,9 @@ struct OptimizerConfig {
   // fp8: every linear layer the FP8 rules allow, not only those the cost model finds faster
   // (passes/fp8_linear.h): for tests on small models and for measurements.
   bool fp8_every_linear = false;
+  // fp8: the incoming gradient's format in the backward products, "e4m3" (torchao's tensorwise
+  // recipe) or "e5m2" (more range, less precision).
+  std::string fp8_grad = "e4m3";
   LossScaleOptions loss_scale;  // f16 only
   // The step's outputs: false (default) only the loss; true every output of the forward graph
   // (loss first). An extra output such as GPT-2's logits is kept in its own buffer each step and

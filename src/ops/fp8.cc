@@ -46,6 +46,8 @@ MatmulFp8 matmul_fp8(const Attributes& attrs) {
   MatmulFp8 m;
   if (attrs.has("fp8_a")) m.a = fp8_format(attrs.s("fp8_a"));
   if (attrs.has("fp8_b")) m.b = fp8_format(attrs.s("fp8_b"));
+  if (attrs.has("fp8_grad")) m.grad = fp8_format(attrs.s("fp8_grad"));
+  else if (m.on()) m.grad = kFp8GradDefault;
   return m;
 }
 

@@ -13,8 +13,10 @@
 // Why an attribute and not an fp8 dtype: the quantized operands live only inside the GEMM that
 // reads them (the kernel quantizes into scratch), so no other op, pass or memory plan needs to
 // know fp8 exists; the graph stays in bf16, and an fp8 matmul is a matmul that rounds its
-// operands harder. E4M3 (more mantissa) serves activations and weights, E5M2 (more range) the
-// gradients, the usual split (the backward's matmuls take e5m2 for the incoming gradient).
+// operands harder. E4M3 (more mantissa) serves activations and weights; the incoming gradient of
+// the backward's matmuls takes the node's fp8_grad format (MatmulFp8::grad): e4m3 by default, as
+// torchao's tensorwise recipe (a per-tensor dynamic scale already gives the range), or E5M2 (more
+// range, one mantissa bit less), the older split.
 //
 // Included by CUDA files: C++17, and fp8_scale is callable on the device.
 #pragma once
@@ -77,10 +79,14 @@ float fp8_quantize(T* values, size_t n, Fp8Format f) {
 }
 
 // The two operands' formats of a matmul node (kNone, kNone when it is not an fp8 matmul).
+// `grad` is the format of the incoming gradient in the node's two gradient products (attribute
+// fp8_grad, only on an fp8 matmul): e4m3 unless given, as torchao's tensorwise recipe (with a
+// per-tensor dynamic scale the gradient needs e4m3's precision more than e5m2's range).
 struct MatmulFp8 {
-  Fp8Format a = Fp8Format::kNone, b = Fp8Format::kNone;
+  Fp8Format a = Fp8Format::kNone, b = Fp8Format::kNone, grad = Fp8Format::kNone;
   bool on() const { return a != Fp8Format::kNone; }
 };
+inline constexpr Fp8Format kFp8GradDefault = Fp8Format::kE4M3;
 MatmulFp8 matmul_fp8(const Attributes& attrs);
 
 }  // namespace kiln

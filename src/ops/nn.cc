@@ -505,9 +505,14 @@ void check_norm_grad_inputs(std::span<const TensorType> in) {
 
 // ---- gradient rules ----
 
-// fp8_a and fp8_b: both or neither, each a format ops/fp8.h knows, not both e5m2.
+// fp8_a and fp8_b: both or neither, each a format ops/fp8.h knows, not both e5m2; fp8_grad only
+// on an fp8 matmul, and never e5m2 against an e5m2 operand (its gradient products).
 void check_matmul_fp8(const Attributes& attrs) {
   const MatmulFp8 f = matmul_fp8(attrs);
+  KILN_CHECK(f.on() || !attrs.has("fp8_grad"), "fp8_grad is '{}' on a matmul without fp8_a and fp8_b",
+             attrs.s("fp8_grad"));
+  KILN_CHECK(!(f.grad == Fp8Format::kE5M2 && (f.a == Fp8Format::kE5M2 || f.b == Fp8Format::kE5M2)),
+             "fp8_grad e5m2 with an e5m2 operand: its gradient products would multiply two e5m2 operands");
   KILN_CHECK((f.a == Fp8Format::kNone) == (f.b == Fp8Format::kNone),
              "fp8_a is '{}' and fp8_b is '{}': an fp8 matmul sets both (e4m3 or e5m2) or neither",
              fp8_name(f.a), fp8_name(f.b));
@@ -530,10 +535,10 @@ std::vector<Expr> matmul_gradient(const GradContext& c) {
   const bool ta = c.attrs().b("transpose_a"), tb = c.attrs().b("transpose_b");
   // C = op(A) op(B). dop(A) = dC op(B)^T and dop(B) = op(A)^T dC; a transposed operand's stored
   // gradient is the transpose of that, which the flags express without transpose nodes.
-  // An fp8 product's gradient products are fp8 too: the incoming gradient in e5m2 (its range),
+  // An fp8 product's gradient products are fp8 too: the incoming gradient in fp8_grad's format,
   // the other operand in its forward format.
   const MatmulFp8 fp8 = matmul_fp8(c.attrs());
-  const Fp8Format fa = fp8.a, fb = fp8.b, fdc = Fp8Format::kE5M2;
+  const Fp8Format fa = fp8.a, fb = fp8.b, fdc = fp8.grad;
   auto product = [&](Expr x, Expr y, bool tx, bool ty, Fp8Format fx, Fp8Format fy) {
     Attributes attrs{{"transpose_a", tx}, {"transpose_b", ty}};
     if (fp8.on()) {
@@ -913,7 +918,8 @@ double attention_qkv_flops(const Graph& g, const Node& node) {
 void define_nn_ops(OpRegistry& registry) {
   registry.define(Op::kMatmul, OpDef{
       {with_default("transpose_a", false), with_default("transpose_b", false),
-       optional("fp8_a", AttrKind::kString), optional("fp8_b", AttrKind::kString)},
+       optional("fp8_a", AttrKind::kString), optional("fp8_b", AttrKind::kString),
+       optional("fp8_grad", AttrKind::kString)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
         MatmulDims d = matmul_dims(in[0], in[1], attrs);
         check_matmul_fp8(attrs);

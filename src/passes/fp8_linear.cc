@@ -91,6 +91,7 @@ bool Fp8Linear::run(Graph& graph) {
     }
     n.attrs.set("fp8_a", std::string("e4m3"));
     n.attrs.set("fp8_b", std::string("e4m3"));
+    n.attrs.set("fp8_grad", std::string(fp8_name(options_.grad)));
     ++marked_;
   }
   return marked_ > 0;

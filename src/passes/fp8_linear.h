@@ -1,6 +1,6 @@
 // Pass "fp8-linear": marks a FORWARD graph's linear layers as fp8 matmuls (ops/fp8.h), the
 // `--amp fp8` recipe: the layer's product takes e4m3 operands with per-tensor scales, and autodiff
-// then makes its two gradient products fp8 too (e5m2 for the incoming gradient).
+// then makes its two gradient products fp8 too (the incoming gradient in e4m3, or e5m2 if asked).
 //
 // A linear layer here is matmul(x, w) (either transpose flag on w, x of any rank, not transposed
 // when batched) whose w is a 2-D param, read directly or through casts (mixed precision's cast to
@@ -17,19 +17,21 @@
 // 768-wide layers slower (bench/gpu_gemm_bench fp8). torchao filters its layers by size likewise.
 // Runs after the mixed-precision pass (compile/training_graph.cc), on the graph autodiff sees.
 //
-// Expects: a verified graph. Guarantees: the same graph with fp8_a = fp8_b = "e4m3" set on the
-// matched matmuls; nothing else changes.
+// Expects: a verified graph. Guarantees: the same graph with fp8_a = fp8_b = "e4m3" and fp8_grad
+// (options.grad) set on the matched matmuls; nothing else changes.
 #pragma once
 
 #include <utility>
 
 #include "analysis/cost_model.h"
+#include "ops/fp8.h"
 #include "passes/pass.h"
 
 namespace kiln {
 
 struct Fp8LinearOptions {
   bool every_linear = false;  // mark every layer the rules allow, faster or not (tests, studies)
+  Fp8Format grad = kFp8GradDefault;  // the incoming gradient's format in the backward products
   CostModel model = CostModel::defaults(Device::kCuda);
 };
 

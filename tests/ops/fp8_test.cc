@@ -156,6 +156,17 @@ TEST(MatmulFp8, BadFormatsAreOneClearError) {
                     "both e5m2");
   EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, fp8_attrs(false, false, "e3m4", "e4m3")),
                     "'e3m4'", "e4m3 or e5m2");
+  // fp8_grad: only on an fp8 matmul, a known format, never e5m2 against an e5m2 operand.
+  Attributes grad_alone = fp8_attrs(false, false, "", "");
+  grad_alone.set("fp8_grad", std::string("e4m3"));
+  EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, grad_alone), "fp8_grad is 'e4m3'",
+                    "without fp8_a");
+  Attributes two_e5m2 = fp8_attrs(false, false, "e5m2", "e4m3");
+  two_e5m2.set("fp8_grad", std::string("e5m2"));
+  EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, two_e5m2), "two e5m2");
+  Attributes unknown = fp8_attrs(false, false, "e4m3", "e4m3");
+  unknown.set("fp8_grad", std::string("f8"));
+  EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, unknown), "'f8'");
 }
 
 // llama-tiny's forward under bf16, then the fp8-linear pass.
@@ -213,22 +224,40 @@ TEST(Fp8Linear, MarksTheBlocksLinearLayersNotTheHeadNorAttention) {
   EXPECT_LE(marked, 7 * c.layers);
 }
 
-TEST(Fp8Linear, GradientProductsAreFp8WithE5m2ForTheIncomingGradient) {
-  OptimizerConfig config;
-  config.amp = "fp8";
-  config.fp8_every_linear = true;
-  const Graph g = build_training_graph(models::by_name("llama-tiny", 2, 32), config).graph;
-  int forward = 0, e5m2_a = 0, e5m2_b = 0;
-  for (const Node& n : g.nodes) {
-    if (n.op != Op::kMatmul) continue;
-    const MatmulFp8 f = matmul_fp8(n.attrs);
-    forward += f.a == Fp8Format::kE4M3 && f.b == Fp8Format::kE4M3;
-    e5m2_a += f.a == Fp8Format::kE5M2;
-    e5m2_b += f.b == Fp8Format::kE5M2;
+// The backward's products are fp8 too: per forward product two (dx and dW), each with the
+// incoming gradient in --fp8-grad's format and the other operand e4m3.
+TEST(Fp8Linear, GradientProductsAreFp8WithTheGradientInTheAskedFormat) {
+  for (const char* grad : {"e4m3", "e5m2"}) {
+    SCOPED_TRACE(grad);
+    OptimizerConfig config;
+    config.amp = "fp8";
+    config.fp8_every_linear = true;
+    config.fp8_grad = grad;
+    const Graph g = build_training_graph(models::by_name("llama-tiny", 2, 32), config).graph;
+    int forward = 0, backward = 0, e5m2 = 0;
+    for (const Node& n : g.nodes) {
+      if (n.op != Op::kMatmul || !matmul_fp8(n.attrs).on()) continue;
+      const MatmulFp8 f = matmul_fp8(n.attrs);
+      if (n.attrs.has("fp8_grad")) {  // the pass marks the forward products, autodiff makes the rest
+        ++forward;
+        EXPECT_EQ(n.attrs.s("fp8_grad"), grad);
+        EXPECT_EQ(f.a, Fp8Format::kE4M3);
+        EXPECT_EQ(f.b, Fp8Format::kE4M3);
+        continue;
+      }
+      ++backward;
+      const int e5m2_operands = (f.a == Fp8Format::kE5M2) + (f.b == Fp8Format::kE5M2);
+      EXPECT_EQ(e5m2_operands, std::string(grad) == "e5m2" ? 1 : 0);
+      e5m2 += e5m2_operands;
+    }
+    ASSERT_GT(forward, 0);
+    EXPECT_EQ(backward, 2 * forward);
+    EXPECT_EQ(e5m2, std::string(grad) == "e5m2" ? backward : 0);
   }
-  ASSERT_GT(forward, 0);
-  // Each forward product has two gradient products (dx and dW), one operand e5m2 in each.
-  EXPECT_EQ(e5m2_a + e5m2_b, 2 * forward);
+  OptimizerConfig bad;
+  bad.amp = "fp8";
+  bad.fp8_grad = "e3m4";
+  EXPECT_KILN_ERROR(build_training_graph(models::by_name("llama-tiny", 2, 32), bad), "'e3m4'", "e4m3 or e5m2");
 }
 
 // The cost model's choice: wide layers gain from fp8, narrow ones lose (their quantization, which

@@ -19,7 +19,7 @@ void add_bench_command(CLI::App& app) {
   add_optimizer_options(command, o->optimizer);
   add_amp_option(command, o->amp, "Mixed precision: off | bf16 | f16 | fp8 (bf16, linear layers in FP8) | auto (bf16 where the device has it)",
                  /*with_auto=*/true);
-  add_fp8_option(command, o->optimizer.fp8_every_linear);
+  add_fp8_options(command, o->optimizer);
   add_device_choice_option(command, o->device, "cuda | cpu | auto (cuda when present, else cpu)");
   command->add_option("--steps", o->steps, "Timed steps")->default_val(20);
   command->add_option("--untimed-steps", o->untimed_steps,

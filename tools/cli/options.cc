@@ -130,10 +130,15 @@ void add_amp_option(CLI::App* command, std::string& amp, const std::string& help
   command->add_option("--amp", amp, help)->check(CLI::IsMember(modes))->default_val(amp);
 }
 
-void add_fp8_option(CLI::App* command, bool& every_linear) {
-  command->add_flag("--fp8-every-linear", every_linear,
+void add_fp8_options(CLI::App* command, OptimizerConfig& optimizer) {
+  command->add_flag("--fp8-every-linear", optimizer.fp8_every_linear,
                     "With --amp fp8: every linear layer in FP8, not only those the cost model finds faster "
                     "(passes/fp8_linear.h); for studies of FP8's speed and loss");
+  command->add_option("--fp8-grad", optimizer.fp8_grad,
+                      "With --amp fp8: the gradients' FP8 format in the backward products (e4m3: torchao's "
+                      "tensorwise recipe; e5m2: more range, less precision)")
+      ->check(CLI::IsMember({"e4m3", "e5m2"}))
+      ->default_val(optimizer.fp8_grad);
 }
 
 void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects) {

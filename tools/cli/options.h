@@ -61,8 +61,9 @@ void add_device_option(CLI::App* command, Device& device, const std::string& hel
 void add_device_choice_option(CLI::App* command, std::string& device, const std::string& help);
 // --amp off|bf16|f16, and auto (bf16 where the device has it) where `with_auto`.
 void add_amp_option(CLI::App* command, std::string& amp, const std::string& help, bool with_auto = false);
-// --fp8-every-linear: under --amp fp8, every linear layer in FP8, not only where it is faster.
-void add_fp8_option(CLI::App* command, bool& every_linear);
+// --fp8-every-linear (every linear layer in FP8, not only where it is faster) and --fp8-grad (the
+// gradients' format), both meaning something under --amp fp8 only.
+void add_fp8_options(CLI::App* command, OptimizerConfig& optimizer);
 // --dialects a,b: the kernel dialects kernel selection may choose from.
 void add_dialects_option(CLI::App* command, std::vector<std::string>& dialects);
 // The pipeline's options, as one group: --disable-pass, --print-after, --memory-budget,

@@ -35,7 +35,7 @@ void add_train_command(CLI::App& app) {
                  "Mixed precision: auto (bf16 on a GPU that has it, sm_80 on; off on the CPU) | off | bf16 | f16 (f16 "
                  "with dynamic loss scaling) | fp8 (bf16 with the linear layers' GEMMs in FP8, per-tensor scales; sm_89 or newer)",
                  /*with_auto=*/true);
-  add_fp8_option(command, job->optimizer.fp8_every_linear);
+  add_fp8_options(command, job->optimizer);
   command->add_option("--seed", job->seed, "Seed for init and data order")->default_val(0);
   job->device = "auto";
   add_device_choice_option(command, job->device,
