@@ -11,7 +11,7 @@
 #      standard library sources), bf16 and fp8 on every linear layer with each gradient format
 #      of FP8_LOSS_GRADS ("e4m3 e5m2"), GPT-2 and llama-160m, compared per 30-step window;
 #   5. FP8_PROFILE=1: kiln bench --profile of the first model in fp8 (the per-kernel table).
-# FP8_TORCH=0 skips step 3.
+# FP8_TORCH=0 skips step 3; FP8_TORCH_BENCH=0 its speed runs only (the loss runs stay).
 # Prints a short table last.
 set -uo pipefail
 source "$(dirname "$0")/gpu-env.sh"
@@ -85,7 +85,9 @@ for w in .carry/wheels/torchao-*.whl; do
 done
 runs=""; for m in ${FP8_TORCH_MODELS:-${FP8_MODELS:-llama-1b:4:2048}}; do IFS=: read -r name batch seq <<<"$m"
   runs="$runs $name:compile:$batch:$seq $name:float8:$batch:$seq"; done
-PYTHONPATH=$ao timeout ${FP8_TORCH_T:-300} python3 bench/torch_float8.py --models .carry $runs > "$out/torch.jsonl" 2>"$out/torch.err"
+: > "$out/torch.jsonl"
+[ "${FP8_TORCH_BENCH:-1}" = 1 ] &&
+  PYTHONPATH=$ao timeout ${FP8_TORCH_T:-300} python3 bench/torch_float8.py --models .carry $runs > "$out/torch.jsonl" 2>"$out/torch.err"
 echo "torch at $(since)"; tail -3 "$out/torch.err"
 if [ "${FP8_LOSS:-0}" = 1 ]; then  # torchao's own fp8-vs-bf16 loss gap on the same text (bytes as tokens)
   PYTHONPATH=$ao timeout ${FP8_TORCH_LOSS_T:-300} python3 bench/torch_float8.py --models .carry --data /tmp/corpus.txt \
