@@ -48,6 +48,7 @@ MatmulFp8 matmul_fp8(const Attributes& attrs) {
   if (attrs.has("fp8_b")) m.b = fp8_format(attrs.s("fp8_b"));
   if (attrs.has("fp8_grad")) m.grad = fp8_format(attrs.s("fp8_grad"));
   else if (m.on()) m.grad = kFp8GradDefault;
+  m.fast_accum = attrs.has("fp8_fast_accum") && attrs.b("fp8_fast_accum");
   return m;
 }
 

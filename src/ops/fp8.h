@@ -82,8 +82,13 @@ float fp8_quantize(T* values, size_t n, Fp8Format f) {
 // `grad` is the format of the incoming gradient in the node's two gradient products (attribute
 // fp8_grad, only on an fp8 matmul): e4m3 unless given, as torchao's tensorwise recipe (with a
 // per-tensor dynamic scale the gradient needs e4m3's precision more than e5m2's range).
+// `fast_accum` (attribute fp8_fast_accum, only on an fp8 matmul) lets a kernel sum in its fast,
+// reduced-precision mode (cuBLASLt's FP8 fast accumulation); the reference sums exactly either way.
+// The fp8-linear pass sets it on the forward products only, as torchao: over the backward's long
+// sums (dW's k is the token count) it costs loss.
 struct MatmulFp8 {
   Fp8Format a = Fp8Format::kNone, b = Fp8Format::kNone, grad = Fp8Format::kNone;
+  bool fast_accum = false;
   bool on() const { return a != Fp8Format::kNone; }
 };
 inline constexpr Fp8Format kFp8GradDefault = Fp8Format::kE4M3;

@@ -511,6 +511,7 @@ void check_matmul_fp8(const Attributes& attrs) {
   const MatmulFp8 f = matmul_fp8(attrs);
   KILN_CHECK(f.on() || !attrs.has("fp8_grad"), "fp8_grad is '{}' on a matmul without fp8_a and fp8_b",
              attrs.s("fp8_grad"));
+  KILN_CHECK(f.on() || !f.fast_accum, "fp8_fast_accum on a matmul without fp8_a and fp8_b");
   KILN_CHECK(!(f.grad == Fp8Format::kE5M2 && (f.a == Fp8Format::kE5M2 || f.b == Fp8Format::kE5M2)),
              "fp8_grad e5m2 with an e5m2 operand: its gradient products would multiply two e5m2 operands");
   KILN_CHECK((f.a == Fp8Format::kNone) == (f.b == Fp8Format::kNone),
@@ -536,7 +537,7 @@ std::vector<Expr> matmul_gradient(const GradContext& c) {
   // C = op(A) op(B). dop(A) = dC op(B)^T and dop(B) = op(A)^T dC; a transposed operand's stored
   // gradient is the transpose of that, which the flags express without transpose nodes.
   // An fp8 product's gradient products are fp8 too: the incoming gradient in fp8_grad's format,
-  // the other operand in its forward format.
+  // the other operand in its forward format, summed exactly (no fp8_fast_accum: ops/fp8.h).
   const MatmulFp8 fp8 = matmul_fp8(c.attrs());
   const Fp8Format fa = fp8.a, fb = fp8.b, fdc = fp8.grad;
   auto product = [&](Expr x, Expr y, bool tx, bool ty, Fp8Format fx, Fp8Format fy) {
@@ -919,7 +920,7 @@ void define_nn_ops(OpRegistry& registry) {
   registry.define(Op::kMatmul, OpDef{
       {with_default("transpose_a", false), with_default("transpose_b", false),
        optional("fp8_a", AttrKind::kString), optional("fp8_b", AttrKind::kString),
-       optional("fp8_grad", AttrKind::kString)},
+       optional("fp8_grad", AttrKind::kString), optional("fp8_fast_accum", AttrKind::kBool)},
       [](std::span<const TensorType> in, const Attributes& attrs) {
         MatmulDims d = matmul_dims(in[0], in[1], attrs);
         check_matmul_fp8(attrs);

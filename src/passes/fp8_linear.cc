@@ -92,6 +92,7 @@ bool Fp8Linear::run(Graph& graph) {
     n.attrs.set("fp8_a", std::string("e4m3"));
     n.attrs.set("fp8_b", std::string("e4m3"));
     n.attrs.set("fp8_grad", std::string(fp8_name(options_.grad)));
+    n.attrs.set("fp8_fast_accum", true);  // the forward's only (ops/fp8.h)
     ++marked_;
   }
   return marked_ > 0;

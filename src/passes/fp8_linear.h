@@ -17,8 +17,8 @@
 // 768-wide layers slower (bench/gpu_gemm_bench fp8). torchao filters its layers by size likewise.
 // Runs after the mixed-precision pass (compile/training_graph.cc), on the graph autodiff sees.
 //
-// Expects: a verified graph. Guarantees: the same graph with fp8_a = fp8_b = "e4m3" and fp8_grad
-// (options.grad) set on the matched matmuls; nothing else changes.
+// Expects: a verified graph. Guarantees: the same graph with fp8_a = fp8_b = "e4m3", fp8_grad
+// (options.grad) and fp8_fast_accum set on the matched matmuls; nothing else changes.
 #pragma once
 
 #include <utility>

@@ -164,6 +164,10 @@ TEST(MatmulFp8, BadFormatsAreOneClearError) {
   Attributes two_e5m2 = fp8_attrs(false, false, "e5m2", "e4m3");
   two_e5m2.set("fp8_grad", std::string("e5m2"));
   EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, two_e5m2), "two e5m2");
+  Attributes fast_alone = fp8_attrs(false, false, "", "");
+  fast_alone.set("fp8_fast_accum", true);
+  EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, fast_alone), "fp8_fast_accum",
+                    "without fp8_a");
   Attributes unknown = fp8_attrs(false, false, "e4m3", "e4m3");
   unknown.set("fp8_grad", std::string("f8"));
   EXPECT_KILN_ERROR(testing::infer(Op::kMatmul, {a.type(), b.type()}, unknown), "'f8'");
@@ -225,8 +229,9 @@ TEST(Fp8Linear, MarksTheBlocksLinearLayersNotTheHeadNorAttention) {
 }
 
 // The backward's products are fp8 too: per forward product two (dx and dW), each with the
-// incoming gradient in --fp8-grad's format and the other operand e4m3.
-TEST(Fp8Linear, GradientProductsAreFp8WithTheGradientInTheAskedFormat) {
+// incoming gradient in --fp8-grad's format and the other operand e4m3; only the forward's may use
+// fast accumulation.
+TEST(Fp8Linear, GradientProductsAreFp8WithTheGradientInTheAskedFormatSummedExactly) {
   for (const char* grad : {"e4m3", "e5m2"}) {
     SCOPED_TRACE(grad);
     OptimizerConfig config;
@@ -241,11 +246,13 @@ TEST(Fp8Linear, GradientProductsAreFp8WithTheGradientInTheAskedFormat) {
       if (n.attrs.has("fp8_grad")) {  // the pass marks the forward products, autodiff makes the rest
         ++forward;
         EXPECT_EQ(n.attrs.s("fp8_grad"), grad);
+        EXPECT_TRUE(f.fast_accum) << "the forward's products may sum fast, as torchao's";
         EXPECT_EQ(f.a, Fp8Format::kE4M3);
         EXPECT_EQ(f.b, Fp8Format::kE4M3);
         continue;
       }
       ++backward;
+      EXPECT_FALSE(f.fast_accum) << "the backward's long sums stay exact";
       const int e5m2_operands = (f.a == Fp8Format::kE5M2) + (f.b == Fp8Format::kE5M2);
       EXPECT_EQ(e5m2_operands, std::string(grad) == "e5m2" ? 1 : 0);
       e5m2 += e5m2_operands;

@@ -185,7 +185,7 @@ struct PlanKeyHash {
     mix((static_cast<uint64_t>(g.a_type) << 16) | (static_cast<uint64_t>(g.d_type) << 8) |
         static_cast<uint64_t>(g.epilogue));
     mix(g.bias_type ? static_cast<uint64_t>(*g.bias_type) + 1 : 0);
-    mix((static_cast<uint64_t>(g.fp8_a) << 8) | static_cast<uint64_t>(g.fp8_b));
+    mix((uint64_t{g.fp8_fast_accum} << 16) | (static_cast<uint64_t>(g.fp8_a) << 8) | static_cast<uint64_t>(g.fp8_b));
     mix(static_cast<uint64_t>(k.device));
     for (uint32_t v : {k.align_a, k.align_b, k.align_c, k.align_d, k.align_bias, k.align_aux})
       mix(v);
@@ -313,7 +313,7 @@ std::string Gemm::to_string() const {
   std::string s = fmt::format("gemm (m {}, n {}, k {}){}{} {}->{}{}", m, n, k,
                               transpose_a ? " transpose_a" : "", transpose_b ? " transpose_b" : "",
                               dtype_name(a_type), dtype_name(d_type), tf32 ? " tf32" : "");
-  if (fp8()) s += fmt::format(" fp8 (a {}, b {})", fp8_name(fp8_a), fp8_name(fp8_b));
+  if (fp8()) s += fmt::format(" fp8 (a {}, b {}{})", fp8_name(fp8_a), fp8_name(fp8_b), fp8_fast_accum ? ", fast accumulation" : "");
   if (epilogue != Epilogue::kNone) s += fmt::format(" epilogue {}", epilogue_name(epilogue));
   if (bias_dtype() != d_type) s += fmt::format(" ({} bias)", dtype_name(bias_dtype()));
   if (lda || ldb || ldc || ldd || ld_aux)
@@ -472,8 +472,7 @@ std::unique_ptr<GemmPlan> GemmPlanAccess::build(
   }
   // The heuristic reads the bias and aux pointers' alignment: set them now (run() sets its own).
   set_pointers(*plan, g, ops);
-  if (g.fp8_a == Fp8Format::kE4M3 && g.fp8_b == Fp8Format::kE4M3)
-    set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1});
+  if (g.fp8() && g.fp8_fast_accum) set_desc(plan->desc_, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1});
 
   // Layouts describe the matrices as stored, column-major: a row-major (R, C) matrix with row
   // stride ld is the column-major (C, R) matrix with leading dimension ld.
@@ -767,6 +766,7 @@ bool set_fp8(Gemm& g, const Attributes& matmul_attrs) {
   if (g.batch != 1 || g.lda != 0 || g.ldb != 0 || g.k % 16 != 0 || g.a_type == DType::kF64) return false;
   g.fp8_a = fp8.a;
   g.fp8_b = fp8.b;
+  g.fp8_fast_accum = fp8.fast_accum;
   g.tf32 = false;
   return true;
 }

@@ -127,9 +127,10 @@ struct Gemm {
   // An fp8 product (ops/fp8.h): A and B, given in a_type (f32, bf16 or f16), are quantized by
   // run() into stream-ordered scratch, K-major (cuBLASLt's FP8 kernels read A transposed and B
   // not), each with its per-tensor scale computed on the device, and multiplied by an FP8 GEMM
-  // (fast accumulation when both are e4m3, the forward's, as torchao does). Needs batch 1, packed
-  // A and B, k % 16 == 0, and an epilogue of none or bias. Both set or neither.
+  // (with fast accumulation where fp8_fast_accum: ops/fp8.h). Needs batch 1, packed A and B,
+  // k % 16 == 0, and an epilogue of none or bias. Both set or neither.
   Fp8Format fp8_a = Fp8Format::kNone, fp8_b = Fp8Format::kNone;
+  bool fp8_fast_accum = false;
 
   bool operator==(const Gemm&) const = default;
   std::string to_string() const;
