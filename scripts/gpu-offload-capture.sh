@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One GPU: does a step with offloaded optimizer state train the same captured into a CUDA graph
+# (KILN_CAPTURE_OFFLOAD=1) as launched kernel by kernel? The GPU tests (tests/cuda/train_test.cc,
+# CudaTrainer.Offload*: bit for bit in one process, the bench's pattern included), then
+# `kiln bench` on llama-1b (4 x 2048, bf16, 10 + 4 steps) in separate processes:
+#   1. no offload (captured)
+#   2. --offload all, uncaptured
+#   3. --offload all, captured (KILN_CAPTURE_OFFLOAD=1)
+#   4. --offload all, uncaptured again (the run-to-run noise that is left)
+#   5. no offload, --no-cuda-graphs
+# with KILN_GEMM_CANDIDATES=1 (the heuristic's GEMM algorithms, not timed winners: the same in
+# every process) and KILN_CUDNN_DETERMINISTIC=1 (cuDNN's attention backward without atomics), so
+# that runs 1-5 may agree bit for bit; a final loss apart from the others is the bug. Prints one
+# table last. Run from the repository root (logs in $OUT, else ./gpu-out):
+#
+#   bash scripts/gpu-offload-capture.sh
+#
+# ~100 s of build on 16 cores, then ~4 minutes at most (runs 4 and 5 are skipped when the
+# budget, BUDGET seconds for the whole script (330), runs short).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+out="${OUT:-gpu-out}"; mkdir -p "$out"
+start=$(date +%s)
+budget=${BUDGET:-330}
+elapsed() { echo $(( $(date +%s) - start )); }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$out/gpu.txt"
+
+frontend=()
+[ -f .carry/cudnn_frontend_include/cudnn_frontend.h ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
+{ cmake -S . -B build-gpu -G Ninja -DKILN_CUDA=ON -DKILN_BUILD_BENCH=OFF "${frontend[@]}" &&
+  cmake --build build-gpu -j"$(nproc)" --target kiln-cli kiln_gpu_tests; } >"$out/build.log" 2>&1
+rc=$?
+echo "build: rc=$rc in $(elapsed) s"
+[ $rc -ne 0 ] && { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+kiln=./build-gpu/kiln
+
+timeout 120 ./build-gpu/tests/kiln_gpu_tests --gtest_filter='CudaTrainer.Offload*' >"$out/offload_tests.log" 2>&1
+echo "gpu tests (rc=$?) at $(elapsed) s:"
+grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|differ|step [0-9]+:" "$out/offload_tests.log" | head -40
+
+# bench NAME ENV... -- FLAGS...: one llama-1b bench, its output in $out/bench_NAME.log.
+: >"$out/runs.txt"
+bench() {
+  local name=$1; shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  local left=$(( budget - $(elapsed) ))
+  if [ "$left" -lt 45 ]; then echo "bench $name: skipped (budget)"; return; fi
+  env KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1 "${envs[@]}" timeout $(( left < 100 ? left : 100 )) \
+    $kiln bench --model llama-1b --batch 4 --seq 2048 --amp bf16 --steps 10 --untimed-steps 4 --json "$@" \
+    >"$out/bench_$name.log" 2>&1
+  echo "bench $name (rc=$?) at $(elapsed) s"
+  echo "$name" >>"$out/runs.txt"
+}
+bench no-offload KILN_CAPTURE_OFFLOAD=0 --
+bench offload-uncaptured KILN_CAPTURE_OFFLOAD=0 -- --offload all
+bench offload-captured KILN_CAPTURE_OFFLOAD=1 -- --offload all
+bench offload-uncaptured-again KILN_CAPTURE_OFFLOAD=0 -- --offload all
+bench no-offload-no-graphs KILN_CAPTURE_OFFLOAD=0 -- --no-cuda-graphs
+
+echo
+echo "GPU: $(cat "$out/gpu.txt"); $(elapsed) s in all"
+echo "gpu tests: $(grep -E '^\[  (PASSED|FAILED) ' "$out/offload_tests.log" | tr '\n' ' ')"
+python3 - "$out" <<'EOF'
+import json, os, re, sys
+out = sys.argv[1]
+print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back), KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1")
+print(f"{'run':28} {'final loss':>12} {'replays':>8} {'ms/step':>8} {'host GiB':>8} {'peak GiB':>8}")
+for name in open(os.path.join(out, "runs.txt")).read().split():
+    text = open(os.path.join(out, f"bench_{name}.log")).read()
+    lines = [l for l in text.splitlines() if l.startswith("{")]
+    replays = re.search(r"(\d+) CUDA graph replays", text)
+    if not lines:
+        last = text.strip().splitlines()[-1:] or ["no output"]
+        print(f"{name:28} failed: {last[0][:100]}")
+        continue
+    r = json.loads(lines[-1])
+    print(f"{name:28} {r['final_loss']:12.6f} {replays.group(1) if replays else '?':>8} {r['ms_per_step']:8.1f} "
+          f"{r['host_state_gib']:8.2f} {r['peak_gib']:8.2f}")
+EOF
