@@ -2,27 +2,29 @@
 # One GPU: does a step with offloaded optimizer state train the same captured into a CUDA graph
 # (KILN_CAPTURE_OFFLOAD=1) as launched kernel by kernel? The GPU tests (tests/cuda/train_test.cc,
 # CudaTrainer.Offload*: bit for bit in one process, the bench's pattern included), then
-# `kiln bench` on llama-1b (4 x 2048, bf16, 10 + 4 steps) in separate processes:
-#   1. no offload (captured)
-#   2. --offload all, uncaptured
-#   3. --offload all, captured (KILN_CAPTURE_OFFLOAD=1)
-#   4. --offload all, uncaptured again (the run-to-run noise that is left)
-#   5. no offload, --no-cuda-graphs
-# with KILN_GEMM_CANDIDATES=1 (the heuristic's GEMM algorithms, not timed winners: the same in
-# every process) and KILN_CUDNN_DETERMINISTIC=1 (cuDNN's attention backward without atomics), so
-# that runs 1-5 may agree bit for bit; a final loss apart from the others is the bug. Prints one
-# table last. Run from the repository root (logs in $OUT, else ./gpu-out):
+# `kiln bench` on llama-1b (4 x 2048, bf16, 10 + 4 steps: 24 steps, the last 10 back to back) in
+# separate processes, with KILN_GEMM_CANDIDATES=1 (the heuristic's GEMM algorithms, not timed
+# winners: the same in every process) and KILN_CUDNN_DETERMINISTIC=1 (cuDNN's attention backward
+# without atomics), so that they may agree bit for bit:
+#   no-offload                  captured
+#   offload-uncaptured          --offload all
+#   offload-captured            --offload all, KILN_CAPTURE_OFFLOAD=1
+#   offload-uncaptured-again    the run-to-run noise left
+# A final loss apart from the others is the bug. Then, as the bench runs by default (GEMMs tuned by
+# timing in each process, cuDNN's atomics), --offload all uncaptured twice: how far two processes
+# of the same run drift apart in 24 steps. Prints one table last. Run from the repository root
+# (logs in $OUT, else ./gpu-out):
 #
 #   bash scripts/gpu-offload-capture.sh
 #
-# ~100 s of build on 16 cores, then ~4 minutes at most (runs 4 and 5 are skipped when the
-# budget, BUDGET seconds for the whole script (330), runs short).
+# ~100 s of build on 16 cores, then ~4 minutes at most: a run that would start with less than
+# 45 s of the budget left (BUDGET seconds for the whole script, 340) is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 start=$(date +%s)
-budget=${BUDGET:-330}
+budget=${BUDGET:-340}
 elapsed() { echo $(( $(date +%s) - start )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$out/gpu.txt"
 
@@ -39,8 +41,10 @@ timeout 120 ./build-gpu/tests/kiln_gpu_tests --gtest_filter='CudaTrainer.Offload
 echo "gpu tests (rc=$?) at $(elapsed) s:"
 grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|differ|step [0-9]+:" "$out/offload_tests.log" | head -40
 
-# bench NAME ENV... -- FLAGS...: one llama-1b bench, its output in $out/bench_NAME.log.
+# bench NAME ENV... -- FLAGS...: one llama-1b bench (ENV: variables set for it), its output in
+# $out/bench_NAME.log.
 : >"$out/runs.txt"
+deterministic=(KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1)
 bench() {
   local name=$1; shift
   local envs=()
@@ -48,17 +52,18 @@ bench() {
   shift
   local left=$(( budget - $(elapsed) ))
   if [ "$left" -lt 45 ]; then echo "bench $name: skipped (budget)"; return; fi
-  env KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1 "${envs[@]}" timeout $(( left < 100 ? left : 100 )) \
+  env "${envs[@]}" timeout $(( left < 100 ? left : 100 )) \
     $kiln bench --model llama-1b --batch 4 --seq 2048 --amp bf16 --steps 10 --untimed-steps 4 --json "$@" \
     >"$out/bench_$name.log" 2>&1
   echo "bench $name (rc=$?) at $(elapsed) s"
   echo "$name" >>"$out/runs.txt"
 }
-bench no-offload KILN_CAPTURE_OFFLOAD=0 --
-bench offload-uncaptured KILN_CAPTURE_OFFLOAD=0 -- --offload all
-bench offload-captured KILN_CAPTURE_OFFLOAD=1 -- --offload all
-bench offload-uncaptured-again KILN_CAPTURE_OFFLOAD=0 -- --offload all
-bench no-offload-no-graphs KILN_CAPTURE_OFFLOAD=0 -- --no-cuda-graphs
+bench no-offload "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=0 --
+bench offload-uncaptured "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=0 -- --offload all
+bench offload-captured "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=1 -- --offload all
+bench offload-uncaptured-again "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=0 -- --offload all
+bench tuned-offload-uncaptured KILN_CAPTURE_OFFLOAD=0 -- --offload all
+bench tuned-offload-uncaptured-again KILN_CAPTURE_OFFLOAD=0 -- --offload all
 
 echo
 echo "GPU: $(cat "$out/gpu.txt"); $(elapsed) s in all"
@@ -66,17 +71,18 @@ echo "gpu tests: $(grep -E '^\[  (PASSED|FAILED) ' "$out/offload_tests.log" | tr
 python3 - "$out" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
-print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back), KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1")
-print(f"{'run':28} {'final loss':>12} {'replays':>8} {'ms/step':>8} {'host GiB':>8} {'peak GiB':>8}")
+print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back); the first four runs with KILN_GEMM_CANDIDATES=1 "
+      "KILN_CUDNN_DETERMINISTIC=1, tuned-*: GEMMs tuned by timing, cuDNN's atomics (the bench's defaults)")
+print(f"{'run':32} {'final loss':>12} {'replays':>8} {'ms/step':>8} {'host GiB':>8} {'peak GiB':>8}")
 for name in open(os.path.join(out, "runs.txt")).read().split():
     text = open(os.path.join(out, f"bench_{name}.log")).read()
     lines = [l for l in text.splitlines() if l.startswith("{")]
     replays = re.search(r"(\d+) CUDA graph replays", text)
     if not lines:
         last = text.strip().splitlines()[-1:] or ["no output"]
-        print(f"{name:28} failed: {last[0][:100]}")
+        print(f"{name:32} failed: {last[0][:100]}")
         continue
     r = json.loads(lines[-1])
-    print(f"{name:28} {r['final_loss']:12.6f} {replays.group(1) if replays else '?':>8} {r['ms_per_step']:8.1f} "
+    print(f"{name:32} {r['final_loss']:12.6f} {replays.group(1) if replays else '?':>8} {r['ms_per_step']:8.1f} "
           f"{r['host_state_gib']:8.2f} {r['peak_gib']:8.2f}")
 EOF
