@@ -12,7 +12,9 @@
 #   offload-uncaptured-again    the run-to-run noise left
 # A final loss apart from the others is the bug. Then, as the bench runs by default (GEMMs tuned by
 # timing in each process, cuDNN's atomics), --offload all uncaptured twice: how far two processes
-# of the same run drift apart in 24 steps. Prints one table last. Run from the repository root
+# of the same run drift apart in 24 steps. Prints each run's loss per step (kiln bench --json's
+# "losses"), then one table last: final losses, replays, and how many leading steps each run
+# shares bit for bit with the reference runs. Run from the repository root
 # (logs in $OUT, else ./gpu-out):
 #
 #   bash scripts/gpu-offload-capture.sh
@@ -71,18 +73,31 @@ echo "gpu tests: $(grep -E '^\[  (PASSED|FAILED) ' "$out/offload_tests.log" | tr
 python3 - "$out" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
-print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back); the first four runs with KILN_GEMM_CANDIDATES=1 "
-      "KILN_CUDNN_DETERMINISTIC=1, tuned-*: GEMMs tuned by timing, cuDNN's atomics (the bench's defaults)")
-print(f"{'run':32} {'final loss':>12} {'replays':>8} {'ms/step':>8} {'host GiB':>8} {'peak GiB':>8}")
+runs = {}
 for name in open(os.path.join(out, "runs.txt")).read().split():
     text = open(os.path.join(out, f"bench_{name}.log")).read()
     lines = [l for l in text.splitlines() if l.startswith("{")]
     replays = re.search(r"(\d+) CUDA graph replays", text)
-    if not lines:
-        last = text.strip().splitlines()[-1:] or ["no output"]
-        print(f"{name:32} failed: {last[0][:100]}")
+    runs[name] = (json.loads(lines[-1]) if lines else None, replays.group(1) if replays else "?",
+                  (text.strip().splitlines() or ["no output"])[-1])
+def same_until(a, b):  # how many leading steps have the same loss, bit for bit
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]: n += 1
+    return n
+print("losses per step:")
+for name, (r, _, _) in runs.items():
+    if r: print(f"  {name:32} " + " ".join(f"{x:.4f}" for x in r["losses"]))
+print()
+print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back); the first four runs with KILN_GEMM_CANDIDATES=1 "
+      "KILN_CUDNN_DETERMINISTIC=1, tuned-*: GEMMs tuned by timing, cuDNN's atomics (the bench's defaults); "
+      "'same as': leading steps whose loss equals that run's bit for bit")
+ref = ["no-offload", "offload-uncaptured", "tuned-offload-uncaptured"]
+print(f"{'run':32} {'final loss':>10} {'replays':>7} {'ms/step':>7} {'host GiB':>8}  same as " + " / ".join(ref))
+for name, (r, replays, last) in runs.items():
+    if not r:
+        print(f"{name:32} failed: {last[:100]}")
         continue
-    r = json.loads(lines[-1])
-    print(f"{name:32} {r['final_loss']:12.6f} {replays.group(1) if replays else '?':>8} {r['ms_per_step']:8.1f} "
-          f"{r['host_state_gib']:8.2f} {r['peak_gib']:8.2f}")
+    same = [str(same_until(r["losses"], runs[k][0]["losses"])) if runs.get(k) and runs[k][0] else "-" for k in ref]
+    print(f"{name:32} {r['final_loss']:10.4f} {replays:>7} {r['ms_per_step']:7.1f} {r['host_state_gib']:8.2f}  "
+          + " / ".join(f"{x:>2}" for x in same) + f" of {len(r['losses'])}")
 EOF
