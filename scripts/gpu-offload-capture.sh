@@ -20,15 +20,17 @@
 #   bash scripts/gpu-offload-capture.sh
 #
 # ~100 s of build on 16 cores, then ~4 minutes at most: a run that would start with less than
-# 45 s of the budget left (BUDGET seconds for the whole script, 340) is skipped.
+# 60 s of the budget left (BUDGET seconds for the whole script, 350) is skipped, and a run is cut
+# at the budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 out="${OUT:-gpu-out}"; mkdir -p "$out"
+work=$(mktemp -d)  # one log per bench run; $out gets them in one file (a device call returns 8 files)
 start=$(date +%s)
-budget=${BUDGET:-340}
+budget=${BUDGET:-350}
 elapsed() { echo $(( $(date +%s) - start )); }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$out/gpu.txt"
+gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1); echo "$gpu"
 
 frontend=()
 [ -f .carry/cudnn_frontend_include/cudnn_frontend.h ] && frontend=(-DKILN_CUDNN_FRONTEND_DIR="$PWD/.carry/cudnn_frontend_include")
@@ -44,8 +46,8 @@ echo "gpu tests (rc=$?) at $(elapsed) s:"
 grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|differ|step [0-9]+:" "$out/offload_tests.log" | head -40
 
 # bench NAME ENV... -- FLAGS...: one llama-1b bench (ENV: variables set for it), its output in
-# $out/bench_NAME.log.
-: >"$out/runs.txt"
+# $work/bench_NAME.log, and appended to $out/benches.log.
+: >"$work/runs.txt"; : >"$out/benches.log"
 deterministic=(KILN_GEMM_CANDIDATES=1 KILN_CUDNN_DETERMINISTIC=1)
 bench() {
   local name=$1; shift
@@ -53,12 +55,13 @@ bench() {
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
   local left=$(( budget - $(elapsed) ))
-  if [ "$left" -lt 45 ]; then echo "bench $name: skipped (budget)"; return; fi
+  if [ "$left" -lt 60 ]; then echo "bench $name: skipped (budget)"; return; fi
   env "${envs[@]}" timeout $(( left < 100 ? left : 100 )) \
     $kiln bench --model llama-1b --batch 4 --seq 2048 --amp bf16 --steps 10 --untimed-steps 4 --json "$@" \
-    >"$out/bench_$name.log" 2>&1
+    >"$work/bench_$name.log" 2>&1
   echo "bench $name (rc=$?) at $(elapsed) s"
-  echo "$name" >>"$out/runs.txt"
+  echo "$name" >>"$work/runs.txt"
+  { echo "==== $name: ${envs[*]} kiln bench ... $*"; cat "$work/bench_$name.log"; } >>"$out/benches.log"
 }
 bench no-offload "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=0 --
 bench offload-uncaptured "${deterministic[@]}" KILN_CAPTURE_OFFLOAD=0 -- --offload all
@@ -68,14 +71,14 @@ bench tuned-offload-uncaptured KILN_CAPTURE_OFFLOAD=0 -- --offload all
 bench tuned-offload-uncaptured-again KILN_CAPTURE_OFFLOAD=0 -- --offload all
 
 echo
-echo "GPU: $(cat "$out/gpu.txt"); $(elapsed) s in all"
+echo "GPU: $gpu; $(elapsed) s in all"
 echo "gpu tests: $(grep -E '^\[  (PASSED|FAILED) ' "$out/offload_tests.log" | tr '\n' ' ')"
-python3 - "$out" <<'EOF'
+python3 - "$work" <<'EOF' | tee "$out/summary.txt"
 import json, os, re, sys
-out = sys.argv[1]
+work = sys.argv[1]
 runs = {}
-for name in open(os.path.join(out, "runs.txt")).read().split():
-    text = open(os.path.join(out, f"bench_{name}.log")).read()
+for name in open(os.path.join(work, "runs.txt")).read().split():
+    text = open(os.path.join(work, f"bench_{name}.log")).read()
     lines = [l for l in text.splitlines() if l.startswith("{")]
     replays = re.search(r"(\d+) CUDA graph replays", text)
     runs[name] = (json.loads(lines[-1]) if lines else None, replays.group(1) if replays else "?",
@@ -101,3 +104,4 @@ for name, (r, replays, last) in runs.items():
     print(f"{name:32} {r['final_loss']:10.4f} {replays:>7} {r['ms_per_step']:7.1f} {r['host_state_gib']:8.2f}  "
           + " / ".join(f"{x:>2}" for x in same) + f" of {len(r['losses'])}")
 EOF
+rm -rf "$work"
