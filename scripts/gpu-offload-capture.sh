@@ -89,7 +89,7 @@ def same_until(a, b):  # how many leading steps have the same loss, bit for bit
     return n
 print("losses per step:")
 for name, (r, _, _) in runs.items():
-    if r: print(f"  {name:32} " + " ".join(f"{x:.4f}" for x in r["losses"]))
+    if r: print(f"  {name:32} " + " ".join("nan" if x is None else f"{x:.4f}" for x in r["losses"]))
 print()
 print("llama-1b 4 x 2048 bf16, 24 steps (the last 10 back to back); the first four runs with KILN_GEMM_CANDIDATES=1 "
       "KILN_CUDNN_DETERMINISTIC=1, tuned-*: GEMMs tuned by timing, cuDNN's atomics (the bench's defaults); "
@@ -101,7 +101,7 @@ for name, (r, replays, last) in runs.items():
         print(f"{name:32} failed: {last[:100]}")
         continue
     same = [str(same_until(r["losses"], runs[k][0]["losses"])) if runs.get(k) and runs[k][0] else "-" for k in ref]
-    print(f"{name:32} {r['final_loss']:10.4f} {replays:>7} {r['ms_per_step']:7.1f} {r['host_state_gib']:8.2f}  "
+    print(f"{name:32} {r['final_loss'] if r['final_loss'] is not None else float('nan'):10.4f} {replays:>7} {r['ms_per_step']:7.1f} {r['host_state_gib']:8.2f}  "
           + " / ".join(f"{x:>2}" for x in same) + f" of {len(r['losses'])}")
 EOF
 rm -rf "$work"
