@@ -10,7 +10,9 @@
 #   offload-uncaptured          --offload all
 #   offload-captured            --offload all, KILN_CAPTURE_OFFLOAD=1
 #   offload-uncaptured-again    the run-to-run noise left
-# A final loss apart from the others is the bug. Then, as the bench runs by default (GEMMs tuned by
+# offload-captured parting from offload-uncaptured while offload-uncaptured-again does not is the
+# bug (no-offload may part from both without one: its own memory plan puts products at other
+# alignments, which may get other algorithms). Then, as the bench runs by default (GEMMs tuned by
 # timing in each process, cuDNN's atomics), --offload all uncaptured twice: how far two processes
 # of the same run drift apart in 24 steps. Prints each run's loss per step (kiln bench --json's
 # "losses"), then one table last: final losses, replays, and how many leading steps each run
