@@ -217,9 +217,9 @@ std::vector<std::string> deterministic_dialects() {
 }
 
 // Trains `forward` with AdamW (bench's defaults: lr 1e-3, here under bf16) in bench's pattern,
-// three trainers side by side, each on its own stream: the optimizer state offloaded and the step
-// captured (KILN_CAPTURE_OFFLOAD=1) and replayed; offloaded, launched kernel by kernel; and not
-// offloaded, captured. GEMM tuning as the bench has it (tune_gemms on): the tuned algorithms are
+// three trainers side by side (or one after the other), each on its own stream: the optimizer
+// state offloaded and the step captured (KILN_CAPTURE_OFFLOAD=1) and replayed; offloaded,
+// launched kernel by kernel; and not offloaded, captured. GEMM tuning as the bench has it (tune_gemms on): the tuned algorithms are
 // cached per process and product, so the first trainer's tuning run picks them and the others'
 // find them, and all three run the same algorithms at every step (across processes, as in two
 // bench runs, timing may pick others). With `bitwise` (deterministic kernels: no cudnn) the
@@ -229,7 +229,7 @@ std::vector<std::string> deterministic_dialects() {
 void expect_offloaded_capture_trains_as_uncaptured(const Graph& forward, const std::vector<Tensor>& init,
                                                    const std::vector<std::vector<Tensor>>& batches,
                                                    const std::vector<std::string>& dialects, int min_chunks,
-                                                   bool bitwise, double tolerance) {
+                                                   bool bitwise, double tolerance, bool side_by_side = true) {
   OptimizerConfig adamw;
   adamw.name = "adamw";
   adamw.lr = 1e-3;
@@ -258,7 +258,11 @@ void expect_offloaded_capture_trains_as_uncaptured(const Graph& forward, const s
   EXPECT_EQ(reloads, host_inputs);
   EXPECT_EQ(offloads, host_inputs);
 
-  step_like_bench({&captured, &direct, &plain}, batches);
+  if (side_by_side) {
+    step_like_bench({&captured, &direct, &plain}, batches);
+  } else {  // as in separate bench runs, one trainer's steps at a time
+    for (Trainer* t : {&captured, &direct, &plain}) step_like_bench({t}, batches);
+  }
   EXPECT_EQ(captured.step_executor().graph_captures(), 1);
   EXPECT_EQ(captured.step_executor().graph_replays(), kBenchSteps - 3);
   EXPECT_EQ(direct.step_executor().graph_replays(), 0);
@@ -310,7 +314,8 @@ models::LlamaConfig llama_like_1b() {
 
 // Offloaded AdamW state, the step captured and replayed (KILN_CAPTURE_OFFLOAD=1), trains as the
 // same step launched kernel by kernel, bit for bit, in the bench's pattern (back-to-back steps,
-// alternating batches, tuned GEMMs, bf16): llama-tiny shaped like llama-1b's offloaded step;
+// alternating batches, tuned GEMMs, bf16): llama-tiny shaped like llama-1b's offloaded step, the
+// trainers stepped side by side and one at a time (as separate bench runs);
 // llama-tiny with 4 MiB state tensors (embedding and head, 8192 x 128 f32: the pass then leaves
 // every update alone, one kernel each, most reloads hoisted to the update phase's start); and
 // gpt2-tiny (seven chunks interleaved with the backward pass).
@@ -323,6 +328,14 @@ TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncapturedInTheBenchPattern) {
     expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 13, c.layers),
                                                   two_batches(c.batch, c.seq, c.vocab, 1000), deterministic_dialects(),
                                                   /*min_chunks=*/2, /*bitwise=*/true, 1e-3);
+  }
+  {
+    SCOPED_TRACE("llama-tiny as llama-1b, one trainer at a time");
+    const models::LlamaConfig c = llama_like_1b();
+    const Graph forward = models::llama(c);
+    expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 14, c.layers),
+                                                  two_batches(c.batch, c.seq, c.vocab, 1200), deterministic_dialects(),
+                                                  /*min_chunks=*/2, /*bitwise=*/true, 1e-3, /*side_by_side=*/false);
   }
   {
     SCOPED_TRACE("llama-tiny, large state tensors");
