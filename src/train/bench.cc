@@ -198,6 +198,7 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   std::vector<double> losses = trainer.take_losses();  // waits for the last step
   r.pipelined_ms = 1e3 * back_to_back.seconds() / static_cast<double>(o.steps);
   r.final_loss = losses.empty() ? NAN : losses.back();
+  r.losses = losses;
   r.median_ms = median_of(ms);
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.median_ms / 1e3);
   if (on_cuda) {
@@ -325,7 +326,8 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
                        {"first_step_s", std::round(r.first_step_s * 100) / 100},
                        {"compile_s", std::round(r.compile_s * 100) / 100},
                        {"setup_s", std::round(r.setup_s * 100) / 100},
-                       {"first_run_s", std::round(r.first_run_s * 100) / 100}, {"final_loss", r.final_loss}};
+                       {"first_run_s", std::round(r.first_run_s * 100) / 100}, {"final_loss", r.final_loss},
+                       {"losses", r.losses}};
       fmt::print(o.out, "{}\n", j.dump());
     }
   }

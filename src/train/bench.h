@@ -73,6 +73,9 @@ struct BenchResult {
   // benchmark: loading, the CLI), "model and params", "CUDA context"; then Trainer::build_seconds.
   std::vector<std::pair<std::string, double>> setup_parts, build_parts;
   double final_loss = 0;
+  // Every step's loss, in order (the first step, the untimed, timed and back-to-back ones; the
+  // last is final_loss): where two runs part shows in them.
+  std::vector<double> losses;
   // CUDA memory: what kiln allocated (params + state, the step's arena and outputs, anything
   // else through DeviceRuntime::allocate such as kernel workspaces), its peak, and the growth of
   // the device's used bytes (DeviceRuntime::memory_info) from before the trainer to after the

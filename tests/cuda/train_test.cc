@@ -12,9 +12,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backends/backend.h"
 #include "backends/cuda/runtime/memory.h"
 #include "gpu_test_util.h"
 #include "models/models.h"
+#include "ops/fused/kind.h"
 #include "passes/autodiff.h"
 #include "runtime/executor.h"
 #include "train/bench.h"
@@ -174,6 +176,201 @@ TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncaptured) {
   for (const auto& [name, t] : captured.named_tensors())
     on_host += (name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0) && t.device() == Device::kCpu;
   EXPECT_GT(on_host, 0);
+}
+
+// `kiln bench --offload all`'s pattern (src/train/bench.cc), for trainers stepped side by side:
+// one step waited for, 3 more, 10 each waited for, then 10 issued back to back (the host runs
+// ahead of the device, writing the next batch and learning rate while replays still run),
+// alternating between two batches. 24 steps: the executor runs the first directly, tunes the
+// products in the second, captures the third and replays the other 21.
+constexpr int kBenchSteps = 24;
+void step_like_bench(const std::vector<Trainer*>& trainers, const std::vector<std::vector<Tensor>>& batches) {
+  auto step_all = [&](int64_t i, bool wait) {
+    for (Trainer* t : trainers) t->step(batches[static_cast<size_t>(i % 2)]);
+    if (wait)
+      for (Trainer* t : trainers) t->synchronize();
+  };
+  step_all(0, true);
+  for (int64_t i = 1; i < 4; ++i) step_all(i, false);
+  for (Trainer* t : trainers) t->synchronize();
+  for (int64_t i = 0; i < 10; ++i) step_all(i, true);
+  for (int64_t i = 0; i < 10; ++i) step_all(i, false);
+}
+
+// Tensors (params and optimizer state, by name) of `got` whose bytes differ from `want`'s.
+int bytes_differ(const std::map<std::string, Tensor>& want, const std::map<std::string, Tensor>& got) {
+  int differ = 0;
+  for (const auto& [name, t] : want) {
+    const Tensor& g = got.at(name);
+    differ += g.bytes() != t.bytes() || std::memcmp(g.raw(), t.raw(), t.bytes()) != 0;
+  }
+  return differ;
+}
+
+// Every dialect but cudnn: cuDNN's attention backward adds dq with atomics, so two runs of the
+// same kernels differ in the last bits (cudnn_attention.cc); cuda-attention's is deterministic.
+std::vector<std::string> deterministic_dialects() {
+  std::vector<std::string> out;
+  for (const std::string& d : kernel_registry().dialect_names())
+    if (d != "cudnn") out.push_back(d);
+  return out;
+}
+
+// Trains `forward` with AdamW (bench's defaults: lr 1e-3, here under bf16) in bench's pattern,
+// three trainers side by side (or one after the other), each on its own stream: the optimizer
+// state offloaded and the step captured (KILN_CAPTURE_OFFLOAD=1) and replayed; offloaded,
+// launched kernel by kernel; and not offloaded, captured. GEMM tuning as the bench has it (tune_gemms on): the tuned algorithms are
+// cached per process and product, so the first trainer's tuning run picks them and the others'
+// find them, and all three run the same algorithms at every step (across processes, as in two
+// bench runs, timing may pick others). With `bitwise` (deterministic kernels: no cudnn) the
+// captured and uncaptured offloaded runs agree bit for bit, losses, params and state; without it,
+// losses within `tolerance` (relative). The step without offload agrees within 5e-3: the same
+// kernels, but its own memory plan, so its products may differ in alignment and algorithm.
+void expect_offloaded_capture_trains_as_uncaptured(const Graph& forward, const std::vector<Tensor>& init,
+                                                   const std::vector<std::vector<Tensor>>& batches,
+                                                   const std::vector<std::string>& dialects, int min_chunks,
+                                                   bool bitwise, double tolerance, bool side_by_side = true) {
+  OptimizerConfig adamw;
+  adamw.name = "adamw";
+  adamw.lr = 1e-3;
+  adamw.amp = "bf16";
+  ExecutorOptions options = cuda_options();
+  options.dialects = dialects;
+  PassOptions offload;
+  offload.offload = OffloadMode::kAll;
+  ::setenv("KILN_CAPTURE_OFFLOAD", "1", 1);
+  Trainer captured(forward, adamw, init, options, offload);
+  ::unsetenv("KILN_CAPTURE_OFFLOAD");
+  Trainer direct(forward, adamw, init, options, offload), plain(forward, adamw, init, options);
+
+  // The step's shape: multi-tensor chunks (each between its reloads and offloads; llama-1b has
+  // four), every state tensor reloaded and offloaded once.
+  const Graph& g = captured.step_executor().graph();
+  int chunks = 0, reloads = 0, offloads = 0, host_inputs = 0;
+  for (const Node& node : g.nodes) {
+    chunks += is_fused(node, FusedKind::kMultiTensorUpdate);
+    reloads += node.op == Op::kReload;
+    offloads += node.op == Op::kOffload;
+  }
+  for (size_t i = 0; i < g.inputs.size(); ++i) host_inputs += captured.step_executor().input_on_host(i);
+  EXPECT_GE(chunks, min_chunks);
+  EXPECT_GT(host_inputs, 0);
+  EXPECT_EQ(reloads, host_inputs);
+  EXPECT_EQ(offloads, host_inputs);
+
+  if (side_by_side) {
+    step_like_bench({&captured, &direct, &plain}, batches);
+  } else {  // as in separate bench runs, one trainer's steps at a time
+    for (Trainer* t : {&captured, &direct, &plain}) step_like_bench({t}, batches);
+  }
+  EXPECT_EQ(captured.step_executor().graph_captures(), 1);
+  EXPECT_EQ(captured.step_executor().graph_replays(), kBenchSteps - 3);
+  EXPECT_EQ(direct.step_executor().graph_replays(), 0);
+  EXPECT_EQ(plain.step_executor().graph_replays(), kBenchSteps - 3);
+  const std::vector<double> a = captured.take_losses(), b = direct.take_losses(), c = plain.take_losses();
+  ASSERT_EQ(a.size(), static_cast<size_t>(kBenchSteps));
+  ASSERT_EQ(b.size(), a.size());
+  ASSERT_EQ(c.size(), a.size());
+  EXPECT_LT(b.back(), b[1]);  // it trains (both on the second batch)
+  for (size_t s = 0; s < a.size(); ++s) {
+    if (bitwise) {
+      EXPECT_EQ(a[s], b[s]) << "step " << s << ": captured " << a[s] << ", uncaptured " << b[s];
+    } else {
+      EXPECT_NEAR(a[s], b[s], tolerance * std::abs(b[s])) << "step " << s;
+    }
+    EXPECT_NEAR(b[s], c[s], 5e-3 * std::abs(c[s])) << "step " << s << ": offloaded " << b[s] << ", on the device "
+                                                        << c[s];
+  }
+  if (bitwise) {
+    const int differ = bytes_differ(direct.host_tensors(), captured.host_tensors());
+    EXPECT_EQ(differ, 0) << differ << " of " << direct.named_tensors().size() << " tensors differ after "
+                         << kBenchSteps << " steps";
+  }
+}
+
+std::vector<std::vector<Tensor>> two_batches(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
+  std::vector<std::vector<Tensor>> out;
+  const TensorType type{DType::kI64, {batch, seq}};
+  for (uint64_t k = 0; k < 2; ++k)
+    out.push_back({random_tensor(type, seed + 2 * k, 0, static_cast<double>(vocab)),
+                   random_tensor(type, seed + 2 * k + 1, 0, static_cast<double>(vocab))});
+  return out;
+}
+
+// llama-tiny widened so that its step has llama-1b's shape under --offload all (kiln compile
+// --model llama-1b --batch 4 --seq 2048 --amp bf16 --offload all: four multi-tensor chunks after
+// the backward pass, each between its reloads and offloads, then the head's own update): 4
+// layers, d_model 64, SwiGLU 128, vocab 256, 4 x 64 tokens.
+models::LlamaConfig llama_like_1b() {
+  models::LlamaConfig c = models::llama_config("llama-tiny");
+  c.batch = 4;
+  c.seq = 64;
+  c.layers = 4;
+  c.d_model = 64;
+  c.hidden = 128;
+  c.vocab = 256;
+  return c;
+}
+
+// Offloaded AdamW state, the step captured and replayed (KILN_CAPTURE_OFFLOAD=1), trains as the
+// same step launched kernel by kernel, bit for bit, in the bench's pattern (back-to-back steps,
+// alternating batches, tuned GEMMs, bf16): llama-tiny shaped like llama-1b's offloaded step, the
+// trainers stepped side by side and one at a time (as separate bench runs);
+// llama-tiny with 4 MiB state tensors (embedding and head, 8192 x 128 f32: the pass then leaves
+// every update alone, one kernel each, most reloads hoisted to the update phase's start); and
+// gpt2-tiny (seven chunks interleaved with the backward pass).
+TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncapturedInTheBenchPattern) {
+  KILN_REQUIRE_GPU();
+  {
+    SCOPED_TRACE("llama-tiny as llama-1b");
+    const models::LlamaConfig c = llama_like_1b();
+    const Graph forward = models::llama(c);
+    expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 13, c.layers),
+                                                  two_batches(c.batch, c.seq, c.vocab, 1000), deterministic_dialects(),
+                                                  /*min_chunks=*/2, /*bitwise=*/true, 1e-3);
+  }
+  {
+    SCOPED_TRACE("llama-tiny as llama-1b, one trainer at a time");
+    const models::LlamaConfig c = llama_like_1b();
+    const Graph forward = models::llama(c);
+    expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 14, c.layers),
+                                                  two_batches(c.batch, c.seq, c.vocab, 1200), deterministic_dialects(),
+                                                  /*min_chunks=*/2, /*bitwise=*/true, 1e-3, /*side_by_side=*/false);
+  }
+  {
+    SCOPED_TRACE("llama-tiny, large state tensors");
+    models::LlamaConfig c = llama_like_1b();
+    c.d_model = 128;
+    c.hidden = 256;
+    c.vocab = 8192;
+    const Graph forward = models::llama(c);
+    expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 15, c.layers),
+                                                  two_batches(c.batch, c.seq, c.vocab, 1500), deterministic_dialects(),
+                                                  /*min_chunks=*/0, /*bitwise=*/true, 1e-3);
+  }
+  {
+    SCOPED_TRACE("gpt2-tiny");
+    models::GptConfig c = tiny();
+    c.batch = 4;
+    c.seq = 32;
+    const Graph forward = models::gpt(c);
+    expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 17, c.layers),
+                                                  two_batches(c.batch, c.seq, c.vocab, 2000), deterministic_dialects(),
+                                                  /*min_chunks=*/2, /*bitwise=*/true, 1e-3);
+  }
+}
+
+// The same with every dialect, as the bench runs (cuDNN's attention where it takes the shapes):
+// its backward's atomics let the runs drift apart in the last bits, so the losses agree within a
+// tolerance, far below what a replay that lost or repeated an update, or read stale state, moves
+// them.
+TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncapturedWithCudnn) {
+  KILN_REQUIRE_GPU();
+  const models::LlamaConfig c = llama_like_1b();
+  const Graph forward = models::llama(c);
+  expect_offloaded_capture_trains_as_uncaptured(forward, models::init_params(forward, 19, c.layers),
+                                                two_batches(c.batch, c.seq, c.vocab, 3000), {}, /*min_chunks=*/2,
+                                                /*bitwise=*/false, 2e-3);
 }
 
 // The optimizer's updates on the update stream, beside the backward pass

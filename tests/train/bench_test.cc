@@ -60,6 +60,9 @@ TEST(BenchCpu, MlpStepsAreTimedAndCounted) {
   EXPECT_EQ(r.mfu, 0);
   EXPECT_GT(r.first_step_s, 0);
   EXPECT_TRUE(std::isfinite(r.final_loss));
+  // The first step, 3 timed, 3 back to back: every loss, the last the final one.
+  ASSERT_EQ(r.losses.size(), 7u);
+  EXPECT_EQ(r.losses.back(), r.final_loss);
 }
 
 TEST(BenchCpu, GptFlopsCountAttention) {

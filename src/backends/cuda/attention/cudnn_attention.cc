@@ -28,7 +28,8 @@
 // its node runs the cuda-attention launchers: the dialect never fails where cuda-attention works.
 //
 // Non-determinism: cuDNN's backward may accumulate dq with atomics, so dq can differ in the last
-// bits from run to run (cuda-attention's backward is deterministic).
+// bits from run to run (cuda-attention's backward is deterministic); KILN_CUDNN_DETERMINISTIC=1
+// asks cuDNN for a deterministic backward.
 #include "backends/cuda/attention/cudnn_attention.h"
 
 #include "backends/cuda/registration.h"
@@ -240,6 +241,11 @@ std::string build_graph(const Problem& p, bool packed_stats, cudnnHandle_t handl
     auto stats = g->tensor(stats_attrs(stats_desc));
     auto options = fe::graph::SDPA_backward_attributes().set_name("attention_grad")
                        .set_attn_scale(scale);
+    // KILN_CUDNN_DETERMINISTIC=1: a backward without dq atomics, for runs compared bit for bit
+    // (a cuDNN without such a plan refuses the problem: cuda-attention's backward, also
+    // deterministic, runs it).
+    const char* deterministic = std::getenv("KILN_CUDNN_DETERMINISTIC");
+    if (deterministic && std::string(deterministic) == "1") options.set_deterministic_algorithm(true);
     if (p.causal)
       options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
           .set_diagonal_band_right_bound(0);
