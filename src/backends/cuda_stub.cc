@@ -41,7 +41,7 @@ Tensor to_host(const Tensor&) { no_cuda(); }
 void copy_async(const Tensor&, const Tensor&, void*) { no_cuda(); }
 void fill_bytes_async(const Tensor&, uint8_t, void*) { no_cuda(); }
 
-Stream::Stream() { no_cuda(); }
+Stream::Stream(bool) { no_cuda(); }
 Stream::~Stream() = default;
 void Stream::synchronize() const { no_cuda(); }
 void synchronize(void*) { no_cuda(); }
