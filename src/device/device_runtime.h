@@ -103,9 +103,9 @@ class DeviceGraph {
 };
 
 // Host -> device copies of host tensors in ordinary (pageable) memory that do not make the host
-// wait for the device: on CUDA each upload packs its tensors into one of `slots` page-locked
-// buffers used in turn (the host waits only for the copies that last used a buffer, `slots`
-// uploads ago); on the CPU it copies at once.
+// wait for the device: on CUDA each upload packs its tensors into `slots` page-locked buffers
+// used in turn, 64 MiB at most each (the host waits only for the copies that last used a
+// buffer); on the CPU it copies at once.
 class DeviceUploader {
  public:
   virtual ~DeviceUploader() = default;

@@ -1,10 +1,12 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "models/models.h"
 #include "support/parallel.h"
 #include "support/philox.h"
 #include "support/error.h"
+#include "tensor/host_memory.h"
 
 namespace kiln::models {
 
@@ -107,13 +109,16 @@ void fill_normal(Tensor& out, int64_t begin, uint64_t seed, double std) {
 }
 
 // Elements [begin, begin + out.numel()) of param `v`'s initial value (the `index`-th param);
-// past the param's end (a shard's padding), zeros.
+// past the param's end (a shard's padding), zeros. Writes every element of `out`, which may
+// hold anything before.
 void init_param(const Value& v, uint64_t seed, uint64_t index, int64_t layers, int64_t begin, Tensor& out) {
   auto ends_with = [&](const char* suffix) {
     std::string s(suffix);
     return v.name.size() >= s.size() && v.name.compare(v.name.size() - s.size(), s.size(), s) == 0;
   };
   const int64_t n = std::clamp<int64_t>(v.type.numel() - begin, 0, out.numel());  // the rest is padding
+  const size_t element = dtype_size(out.dtype());
+  std::memset(out.raw() + static_cast<size_t>(n) * element, 0, static_cast<size_t>(out.numel() - n) * element);
   if (n == 0) return;
   Tensor head = out.viewed(TensorType{out.dtype(), {n}}, 0);
   if (v.type.rank() == 1) {
@@ -131,6 +136,10 @@ void init_param(const Value& v, uint64_t seed, uint64_t index, int64_t layers, i
   }
 }
 
+// A tensor for init_param to write whole. Not zero-filled first: the draw's parallel loop is
+// then the first to touch its pages, and each is written once rather than twice.
+Tensor unfilled_tensor(const TensorType& type) { return Tensor(type, allocate_host(type.bytes(), false), 0); }
+
 }  // namespace
 
 std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layers) {
@@ -139,7 +148,7 @@ std::vector<Tensor> init_params(const Graph& graph, uint64_t seed, int64_t layer
   for (const GraphInput& in : graph.inputs) {
     if (in.role != Role::kParam) continue;
     const Value& v = graph.value(in.value);
-    Tensor t(v.type);
+    Tensor t = unfilled_tensor(v.type);
     Tensor flat = t.reshaped({v.type.numel()});
     init_param(v, seed, index++, layers, 0, flat);
     out.push_back(std::move(t));
@@ -154,7 +163,7 @@ std::vector<Tensor> init_param_shards(const Graph& graph, uint64_t seed, int64_t
     if (in.role != Role::kParam) continue;
     const Value& v = graph.value(in.value);
     const int64_t k = (v.type.numel() + world - 1) / world;  // passes/sharding.h's param_shard
-    Tensor t(TensorType{v.type.dtype, {k}});  // zero-filled: the padding stays 0
+    Tensor t = unfilled_tensor(TensorType{v.type.dtype, {k}});
     init_param(v, seed, index++, layers, k * rank, t);
     out.push_back(std::move(t));
   }

@@ -6,28 +6,37 @@
 #include <random>
 
 #include "support/parallel.h"
+#include "tensor/host_memory.h"
 
 namespace kiln {
 
-Tensor::Tensor(TensorType type) : type_(std::move(type)) {
-  size_t n = std::max<size_t>(type_.bytes(), 1);
-  size_t rounded = (n + 63) / 64 * 64;
-  // Large tensors start on a 2 MiB boundary, so that transparent huge pages can back them (one
-  // page fault per 2 MiB instead of per 4 KiB on first touch).
+std::shared_ptr<std::byte[]> allocate_host(size_t bytes, bool zero) {
+  size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   constexpr size_t kHugePage = size_t{2} << 20;
-  const size_t alignment = rounded >= 8 * kHugePage ? kHugePage : 64;
-  if (alignment == kHugePage) rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+  const bool large = rounded >= 8 * kHugePage;
+  const size_t alignment = large ? kHugePage : 64;
+  if (large) rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
   std::byte* p = static_cast<std::byte*>(std::aligned_alloc(alignment, rounded));
-  if (!p) fail("out of host memory allocating {} bytes for {}", rounded, to_string(type_));
-  // Large tensors are zeroed by all threads: the first touch of fresh pages is most of the cost
+  if (!p) fail("out of host memory allocating {} bytes", rounded);
+  // No madvise(MADV_HUGEPAGE): on a 2-core VM (THP "madvise") it made drawing llama-8b's
+  // shards into fresh memory spend more system time (6.9 ns a value against 2.7), not less.
+  // Large blocks are zeroed by all threads: the first touch of fresh pages is most of the cost
   // (llama-1b's 4.4 GB of params spent ~4 s of a GPU machine's setup here on one thread).
-  if (alignment == kHugePage)
+  if (zero && large)
     parallel_for(0, static_cast<int64_t>(rounded / kHugePage), 4, [&](int64_t b, int64_t e) {
       std::memset(p + static_cast<size_t>(b) * kHugePage, 0, static_cast<size_t>(e - b) * kHugePage);
     });
-  else
+  else if (zero)
     std::memset(p, 0, rounded);
-  storage_ = std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
+  return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { std::free(q); });
+}
+
+Tensor::Tensor(TensorType type) : type_(std::move(type)) {
+  try {
+    storage_ = allocate_host(type_.bytes());
+  } catch (const Error& e) {
+    fail("{} for {}", e.what(), to_string(type_));
+  }
 }
 
 Tensor::Tensor(TensorType type, std::shared_ptr<std::byte[]> storage, size_t offset,

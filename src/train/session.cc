@@ -54,8 +54,12 @@ TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGro
   ExecutorOptions executor = options_.executor;
   executor.device = runtime_->device();
   executor.communicator = group_ ? group_->communicator().get() : nullptr;
-  trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
-                                       passes_for(options_.passes, group_, *runtime_), sharding);
+  PassOptions passes = passes_for(options_.passes, group_, *runtime_);
+  trainer_ = model.params_later.valid()
+                 ? std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params_later), executor,
+                                             std::move(passes), sharding)
+                 : std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
+                                             std::move(passes), sharding);
   for (const auto& [name, value] : model.initial_state) trainer_->set_initial_value(name, value);
   // Every rank compiled the same step (same model, batch, options and build), or none goes on.
   if (group_)

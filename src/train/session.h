@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,6 +38,9 @@ struct Model {
   Graph forward;
   std::vector<Tensor> params;                   // the forward's params, in graph order
   std::map<std::string, Tensor> initial_state;  // state starting elsewhere than 0 (BatchNorm's)
+  // Instead of `params`, where they are still being made on another thread (kiln bench draws
+  // them while the step compiles): the trainer takes them when it uploads them.
+  std::shared_future<std::vector<Tensor>> params_later;
 };
 // A model whose params and state start from `values` by graph-input name (an ONNX file's
 // initializers, a captured module's tensors); a param `values` lacks starts at zeros (a program

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -45,6 +46,12 @@ class Trainer {
   // same on every rank), of which a zero3 trainer keeps its shard. The data are this rank's
   // slice of the global batch.
   Trainer(const Graph& forward, OptimizerConfig config, std::vector<Tensor> params,
+          ExecutorOptions executor_options = {}, PassOptions pass_options = {},
+          ShardingOptions sharding = {});
+  // The same with the params still being made on another thread (kiln bench draws a large
+  // model's beside the compile): the step is compiled first, then `params` waited for (its
+  // error rethrown) and uploaded. build_seconds() names the wait "params wait".
+  Trainer(const Graph& forward, OptimizerConfig config, std::shared_future<std::vector<Tensor>> params,
           ExecutorOptions executor_options = {}, PassOptions pass_options = {},
           ShardingOptions sharding = {});
   ~Trainer();

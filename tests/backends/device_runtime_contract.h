@@ -107,6 +107,22 @@ inline void runtime_uploads(const DeviceRuntime& runtime) {
     for (size_t i = 0; i < devices.size(); ++i)
       EXPECT_TRUE(same_bytes(runtime.to_host(devices[i]), want[i])) << "upload " << k << " tensor " << i;
   }
+  // An upload larger than a slot (a model's params) goes through the slots in pieces: here two
+  // pieces of one tensor, then a tensor that starts in one slot and ends in the next.
+  std::vector<Tensor> large = {Tensor({DType::kU8, {(int64_t{70} << 20) + 13}}), random_tensor({DType::kF32, {1000}}, 61),
+                               Tensor({DType::kU8, {(int64_t{64} << 20) - 5}})};
+  uint32_t state = 2463534242u;  // xorshift32: every byte differs from a copy shifted by any piece
+  for (const Tensor* t : {&large[0], &large[2]})
+    for (int64_t i = 0; i < t->numel(); ++i) {
+      state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+      t->data<uint8_t>()[i] = static_cast<uint8_t>(state);
+    }
+  std::vector<Tensor> large_devices;
+  for (const Tensor& t : large) large_devices.push_back(runtime.device_tensor(t.type(), /*zero=*/false));
+  uploader->upload(large, large_devices, *stream);
+  stream->synchronize();
+  for (size_t i = 0; i < large.size(); ++i)
+    EXPECT_TRUE(same_bytes(runtime.to_host(large_devices[i]), large[i])) << "large upload, tensor " << i;
   // A mismatched pair names the tensor.
   std::vector<Tensor> wrong = {random_tensor({DType::kF32, {3}}, 1)};
   EXPECT_THROW(uploader->upload(wrong, std::span<const Tensor>(devices.data(), 1), *stream), Error);

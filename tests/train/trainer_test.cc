@@ -1,7 +1,10 @@
 // The training program and the Trainer: schedule, one step against hand-computed updates,
 // clipping, learning, exact resume, and checkpoint errors.
+#include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <future>
+#include <thread>
 
 #include "ir/builder.h"
 #include "models/models.h"
@@ -66,6 +69,30 @@ TEST(TrainStep, SgdStepMatchesHandComputedUpdate) {
   Tensor w1 = trainer.params()[0];
   for (int i = 0; i < 5; ++i) EXPECT_NEAR(w1.get(i), w.get(i) - 0.5 * x.get(i), 1e-6);
   EXPECT_EQ(trainer.steps_done(), 1);
+}
+
+// Params still being made on another thread (kiln bench draws them beside the compile): the
+// trainer waits for them, so its first step starts from them; an error making them is its own.
+TEST(TrainStep, ParamsMadeOnAnotherThreadAreWaitedFor) {
+  OptimizerConfig c;
+  c.name = "sgd";
+  c.hyper["momentum"] = 0.0;
+  c.lr = 0.5;
+  const Tensor w = testing::rand(DType::kF32, {5}, 3);
+  std::promise<std::vector<Tensor>> made;
+  std::thread maker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // most likely after the compile
+    made.set_value({w.clone()});
+  });
+  Trainer trainer(linear_loss(5), c, made.get_future().share());
+  maker.join();
+  const Tensor x = testing::rand(DType::kF32, {5}, 4);
+  trainer.step({x});
+  const Tensor w1 = trainer.params()[0];
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(w1.get(i), w.get(i) - 0.5 * x.get(i), 1e-6);
+  std::promise<std::vector<Tensor>> failed;
+  failed.set_exception(std::make_exception_ptr(Error("drawing the params failed")));
+  EXPECT_THROW(Trainer(linear_loss(5), c, failed.get_future().share()), Error);
 }
 
 TEST(TrainStep, GradientClippingBoundsTheUpdate) {

@@ -92,7 +92,8 @@ void step(StepOptions o) {
   }
 
   // The update: a training session's step, from the given params and state.
-  train::Model start{forward, {}, {}};
+  train::Model start;
+  start.forward = forward;
   std::vector<Tensor> data;
   for (size_t i = 0; i < forward.inputs.size(); ++i) {
     const GraphInput& in = forward.inputs[i];

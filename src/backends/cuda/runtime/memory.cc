@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "backends/cuda/common/cuda_check.h"
+#include "support/parallel.h"
 #include "device/device_runtime.h"
 #include "backends/cuda/runtime/device.h"
 
@@ -173,23 +174,43 @@ void UploadStaging::upload(std::span<const Tensor> hosts, std::span<const Tensor
                to_string(hosts[i].type()), to_string(devices[i].type()));
     total += (hosts[i].bytes() + 255) / 256 * 256;
   }
-  Slot& slot = slots_[next_];
-  next_ = (next_ + 1) % slots_.size();
-  if (slot.pending) KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(slot.event)));
-  slot.pending = false;
-  if (!slot.buffer.defined() || slot.buffer.bytes() < total)
-    slot.buffer = pinned_tensor(TensorType{DType::kU8, {static_cast<int64_t>(std::max<size_t>(total, 256))}});
-  size_t offset = 0;
+  // A batch fits one slot. A larger upload (a model's params: 16 GB a rank for an 8B model under
+  // zero3) goes through the slots in turn, kSlotBytes at a time, so that pinned memory stays
+  // small and packing one piece overlaps the device's copy of the one before.
+  constexpr size_t kSlotBytes = size_t{64} << 20;
+  const size_t capacity = std::max<size_t>(std::min(total, kSlotBytes), 256);
+  Slot* slot = nullptr;
+  size_t offset = capacity;  // full: the first piece takes a slot
+  auto finish = [&] {
+    KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(slot->event), as_stream(stream)));
+    slot->pending = true;
+  };
   for (size_t i = 0; i < hosts.size(); ++i) {
-    std::byte* staged = slot.buffer.raw() + offset;
-    std::memcpy(staged, hosts[i].raw(), hosts[i].bytes());
-    if (hosts[i].bytes() > 0)
-      KILN_CUDA_CHECK(cudaMemcpyAsync(devices[i].raw(), staged, hosts[i].bytes(), cudaMemcpyHostToDevice,
-                                      as_stream(stream)));
-    offset += (hosts[i].bytes() + 255) / 256 * 256;
+    const size_t bytes = hosts[i].bytes();
+    for (size_t done = 0; done < bytes;) {
+      if (offset == capacity) {
+        if (slot) finish();
+        slot = &slots_[next_];
+        next_ = (next_ + 1) % slots_.size();
+        if (slot->pending) KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(slot->event)));
+        slot->pending = false;
+        if (!slot->buffer.defined() || slot->buffer.bytes() < capacity)
+          slot->buffer = pinned_tensor(TensorType{DType::kU8, {static_cast<int64_t>(capacity)}});
+        offset = 0;
+      }
+      const size_t piece = std::min(bytes - done, capacity - offset);
+      std::byte* staged = slot->buffer.raw() + offset;
+      const std::byte* from = hosts[i].raw() + done;
+      // One thread copies ~10 GB/s, less than the link takes: large pieces are split over them.
+      parallel_for(0, static_cast<int64_t>(piece), int64_t{1} << 20, [&](int64_t b, int64_t e) {
+        std::memcpy(staged + b, from + b, static_cast<size_t>(e - b));
+      });
+      KILN_CUDA_CHECK(cudaMemcpyAsync(devices[i].raw() + done, staged, piece, cudaMemcpyHostToDevice, as_stream(stream)));
+      done += piece;
+      offset = std::min(capacity, (offset + piece + 255) / 256 * 256);
+    }
   }
-  KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(slot.event), as_stream(stream)));
-  slot.pending = true;
+  if (slot) finish();
 }
 
 // ---- events ----

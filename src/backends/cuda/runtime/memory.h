@@ -89,10 +89,10 @@ void synchronize(void* stream);
 // ---- pinned staging ----
 
 // Host -> device copies of pageable host tensors without blocking the host on the device:
-// each upload() packs its tensors into one page-locked slot (a plain memcpy) and enqueues the
-// slot -> device copies on the stream. Slots are used in turn; before reusing one, the host
-// waits only for the copies that last used it (`slots` uploads ago), so the host runs at most
-// `slots` uploads ahead of the device.
+// each upload() packs its tensors into a page-locked slot and enqueues the slot -> device
+// copies on the stream; one larger than 64 MiB fills the slots in turn, a piece each. Before
+// reusing a slot the host waits only for the copies that last used it, so the host runs at
+// most `slots` slots' worth of copies ahead of the device.
 class UploadStaging {
  public:
   explicit UploadStaging(int slots = 2);
