@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU: does a step with offloaded optimizer state train the same captured into a CUDA graph
-# (KILN_CAPTURE_OFFLOAD=1) as launched kernel by kernel? The GPU tests (tests/cuda/train_test.cc,
+# (the default; KILN_CAPTURE_OFFLOAD=0 turns it off) as launched kernel by kernel? The GPU tests (tests/cuda/train_test.cc,
 # CudaTrainer.Offload*: bit for bit in one process, the bench's pattern included), then
 # `kiln bench` on llama-1b (4 x 2048, bf16, 10 + 4 steps: 24 steps, the last 10 back to back) in
 # separate processes, with KILN_GEMM_CANDIDATES=1 (the heuristic's GEMM algorithms, not timed
@@ -8,7 +8,7 @@
 # without atomics), so that they may agree bit for bit:
 #   no-offload                  captured
 #   offload-uncaptured          --offload all
-#   offload-captured            --offload all, KILN_CAPTURE_OFFLOAD=1
+#   offload-captured            --offload all, KILN_CAPTURE_OFFLOAD=1 (the default)
 #   offload-uncaptured-again    the run-to-run noise left
 # offload-captured parting from offload-uncaptured while offload-uncaptured-again does not is the
 # bug (no-offload may part from both without one: its own memory plan puts products at other

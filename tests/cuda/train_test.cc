@@ -131,7 +131,7 @@ TEST(CudaTrainer, OffloadedAdamwStateTrainsAsOnTheDevice) {
   }
 }
 
-// Offloaded AdamW moments in a step captured into a CUDA graph (KILN_CAPTURE_OFFLOAD=1,
+// Offloaded AdamW moments in a step captured into a CUDA graph (the default,
 // runtime/executor.cc) train as the same step launched kernel by kernel, bit for bit, after every
 // step: the reload and offload copies, captured, read and write the pinned state at each replay.
 // The two trainers step at once on their own streams, as in the test above, where such replays
@@ -150,10 +150,10 @@ TEST(CudaTrainer, OffloadedStepCapturedTrainsAsUncaptured) {
   options.tune_gemms = false;  // the heuristic's algorithms in both, not timed winners
   PassOptions offload;
   offload.offload = OffloadMode::kAll;
-  ::setenv("KILN_CAPTURE_OFFLOAD", "1", 1);
   Trainer captured(forward, adamw, init, options, offload);
-  ::unsetenv("KILN_CAPTURE_OFFLOAD");
+  ::setenv("KILN_CAPTURE_OFFLOAD", "0", 1);
   Trainer direct(forward, adamw, init, options, offload);
+  ::unsetenv("KILN_CAPTURE_OFFLOAD");
   for (int s = 0; s < 8; ++s) {
     captured.step(batch(c, 40 * s));
     direct.step(batch(c, 40 * s));
@@ -218,8 +218,9 @@ std::vector<std::string> deterministic_dialects() {
 
 // Trains `forward` with AdamW (bench's defaults: lr 1e-3, here under bf16) in bench's pattern,
 // three trainers side by side (or one after the other), each on its own stream: the optimizer
-// state offloaded and the step captured (KILN_CAPTURE_OFFLOAD=1) and replayed; offloaded,
-// launched kernel by kernel; and not offloaded, captured. GEMM tuning as the bench has it (tune_gemms on): the tuned algorithms are
+// state offloaded and the step captured (the default) and replayed; offloaded,
+// launched kernel by kernel (KILN_CAPTURE_OFFLOAD=0); and not offloaded, captured. GEMM tuning as
+// the bench has it (tune_gemms on): the tuned algorithms are
 // cached per process and product, so the first trainer's tuning run picks them and the others'
 // find them, and all three run the same algorithms at every step (across processes, as in two
 // bench runs, timing may pick others). With `bitwise` (deterministic kernels: no cudnn) the
@@ -238,10 +239,11 @@ void expect_offloaded_capture_trains_as_uncaptured(const Graph& forward, const s
   options.dialects = dialects;
   PassOptions offload;
   offload.offload = OffloadMode::kAll;
-  ::setenv("KILN_CAPTURE_OFFLOAD", "1", 1);
   Trainer captured(forward, adamw, init, options, offload);
+  ::setenv("KILN_CAPTURE_OFFLOAD", "0", 1);
+  Trainer direct(forward, adamw, init, options, offload);
   ::unsetenv("KILN_CAPTURE_OFFLOAD");
-  Trainer direct(forward, adamw, init, options, offload), plain(forward, adamw, init, options);
+  Trainer plain(forward, adamw, init, options);
 
   // The step's shape: multi-tensor chunks (each between its reloads and offloads; llama-1b has
   // four), every state tensor reloaded and offloaded once.
@@ -312,7 +314,7 @@ models::LlamaConfig llama_like_1b() {
   return c;
 }
 
-// Offloaded AdamW state, the step captured and replayed (KILN_CAPTURE_OFFLOAD=1), trains as the
+// Offloaded AdamW state, the step captured and replayed (the default), trains as the
 // same step launched kernel by kernel, bit for bit, in the bench's pattern (back-to-back steps,
 // alternating batches, tuned GEMMs, bf16): llama-tiny shaped like llama-1b's offloaded step, the
 // trainers stepped side by side and one at a time (as separate bench runs);
