@@ -8,6 +8,7 @@
 #include "ops/collective.h"
 #include "ops/optimizer/optimizers.h"
 #include "passes/autodiff.h"
+#include "ops/fp8.h"
 #include "passes/fp8_linear.h"
 #include "support/error.h"
 
@@ -81,8 +82,7 @@ void validate(const OptimizerConfig& c) {
   KILN_CHECK(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "min lr ratio must be in [0, 1], got {}", c.min_lr_ratio);
   KILN_CHECK(c.amp == "off" || c.amp == "bf16" || c.amp == "f16" || c.amp == "fp8",
              "unknown amp mode '{}' (expected off, bf16, f16 or fp8)", c.amp);
-  KILN_CHECK(c.fp8_grad == "e4m3" || c.fp8_grad == "e5m2", "unknown fp8 gradient format '{}' (expected e4m3 or e5m2)",
-             c.fp8_grad);
+  KILN_CHECK(fp8_format(c.fp8_grad) != Fp8Format::kNone, "the fp8 gradient format is empty (expected e4m3 or e5m2)");
   if (c.amp == "f16") validate(c.loss_scale);
 }
 
