@@ -6,8 +6,8 @@
   disagree  ranks given different batches stop at start-up with one clear error, no hang;
   fault     a rank killed mid-run: the launcher exits non-zero within 60 s naming the lost rank,
             and the last checkpoint stays whole.
-  nodes     2 nodes x 2 processes (two kiln launch --nnodes 2 --node-rank R on this machine) end
-            with the losses and params of 4 processes of one node.
+  nodes     2 nodes x P processes (two kiln launch --nnodes 2 --node-rank R on this machine; P is
+            --per-node, 2 by default) end with the losses and params of 2P processes of one node.
   launchers the same run started by kiln launch, by torchrun (--no-python; skipped without it) and
             as Slurm's srun starts tasks (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...; no
             torchrun variables): the same losses and params, bit for bit.
@@ -23,6 +23,7 @@ and 4 GPUs. Needs numpy and safetensors (scripts/install-deps.sh installs them);
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,46 +189,51 @@ def max_scaled_error(want, got):
     return worst
 
 
-def node_env(device, node):
-    """On GPUs the two "nodes" share one machine: node R takes GPUs 2R and 2R+1 (LOCAL_RANK 0, 1)."""
-    return dict(os.environ, CUDA_VISIBLE_DEVICES=f"{2 * node},{2 * node + 1}") if device == "cuda" else None
+def node_env(device, node, per_node):
+    """On GPUs the two "nodes" share one machine: node R takes GPUs P R .. P R + P - 1 (LOCAL_RANK 0 ..
+    P - 1), so that no GPU has two ranks (NCCL refuses that)."""
+    if device != "cuda":
+        return None
+    return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(per_node * node + i) for i in range(per_node)))
 
 
-def check_nodes(kiln, device):
+def check_nodes(kiln, device, per_node):
     model, steps, batch = "llama-tiny", 6, 8
+    world = 2 * per_node
     with tempfile.TemporaryDirectory() as one_node, tempfile.TemporaryDirectory() as two_nodes:
-        p, _ = run([kiln, "launch", "-n", "4", "--"] +
+        p, _ = run([kiln, "launch", "-n", str(world), "--"] +
                    train_args(model, steps, batch, device, ["--shard", "zero3", "--checkpoint-dir", one_node,
                                                             "--consolidate"]))
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-3000:])
-            print("FAIL: 4 processes of one node")
+            print(f"FAIL: {world} processes of one node")
             return 1
         want_losses = losses_of(p.stdout)
         port = str(free_port())
         nodes = [subprocess.Popen([kiln, "launch", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
-                                   "127.0.0.1", "--master-port", port, "-n", "2", "--"] +
+                                   "127.0.0.1", "--master-port", port, "-n", str(per_node), "--"] +
                                   train_args(model, steps, batch, device, ["--shard", "zero3", "--checkpoint-dir",
                                                                            two_nodes, "--consolidate"]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=node_env(device, node)) for node in (0, 1)]
+                                  env=node_env(device, node, per_node)) for node in (0, 1)]
         outputs = [n.communicate(timeout=300) for n in nodes]
         if any(n.returncode != 0 for n in nodes):
             for out, err in outputs:
                 print(out[-2000:], err[-2000:])
-            print("FAIL: 2 nodes x 2 processes: exit", [n.returncode for n in nodes])
+            print(f"FAIL: 2 nodes x {per_node} processes: exit", [n.returncode for n in nodes])
             return 1
         got_losses = losses_of(outputs[0][0])
         worst = max_scaled_error(load_file(os.path.join(one_node, "consolidated.safetensors")),
                                  load_file(os.path.join(two_nodes, "consolidated.safetensors")))
-        ok = got_losses == want_losses and len(got_losses) > 0 and worst <= 1.0 and "4 ranks" in outputs[0][0]
-        print(f"{'ok  ' if ok else 'FAIL'} 2 nodes x 2 processes vs 4 of one node ({model}, zero3): "
+        ok = got_losses == want_losses and len(got_losses) > 0 and worst <= 1.0 and f"{world} ranks" in outputs[0][0]
+        print(f"{'ok  ' if ok else 'FAIL'} 2 nodes x {per_node} processes vs {world} of one node ({model}, zero3): "
               f"losses {'equal' if got_losses == want_losses else 'DIFFER'} over {len(got_losses)} lines, "
               f"params max scaled error {worst:.3f}")
         return 0 if ok else 1
 
 
-TORCHRUN = "/opt/kiln-venv/bin/torchrun"
+# The venv's torchrun (scripts/install-deps.sh), else the one on PATH (a GPU machine's PyTorch).
+TORCHRUN = "/opt/kiln-venv/bin/torchrun" if os.path.exists("/opt/kiln-venv/bin/torchrun") else shutil.which("torchrun")
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT")
 
@@ -255,8 +261,8 @@ def check_launchers(kiln, device):
     for name in ("torchrun", "srun"):
         with tempfile.TemporaryDirectory() as d:
             if name == "torchrun":
-                if not os.path.exists(TORCHRUN):
-                    print(f"skip torchrun: no {TORCHRUN}")
+                if not TORCHRUN:
+                    print("skip torchrun: none installed")
                     continue
                 p, _ = run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", kiln] +
                            args(d), env=clean)
@@ -282,11 +288,11 @@ def check_launchers(kiln, device):
                 failures += 1
                 continue
             got = load_file(os.path.join(d, "consolidated.safetensors"))
-            same = all(np.array_equal(want[k], got[k]) for k in want)
+            same, how = same_params(want, got, device)
             losses = losses_of(output)
             ok = same and losses == want_losses and "2 ranks" in output
             print(f"{'ok  ' if ok else 'FAIL'} {name}: losses {'equal' if losses == want_losses else 'DIFFER'}, params "
-                  f"{'bit for bit' if same else 'DIFFER'} as kiln launch -n 2")
+                  f"{how} as kiln launch -n 2")
             failures += 0 if ok else 1
     return failures
 
@@ -425,6 +431,8 @@ def main():
                     help="restart: the run's steps (a checkpoint every 10; more where steps are fast, e.g. on GPUs, "
                          "so that the rank is killed mid-run)")
     ap.add_argument("--show-log", action="store_true", help="restart: print the restarted runs' logs")
+    ap.add_argument("--per-node", type=int, default=2,
+                    help="nodes: processes a node (on GPUs: half the GPUs, one each)")
     a = ap.parse_args()
     TOLERANCE, AMP = a.tolerance, a.amp
     failures = 0
@@ -436,7 +444,7 @@ def main():
     if "fault" in checks:
         failures += check_fault(a.kiln, a.device)
     if "nodes" in checks:
-        failures += check_nodes(a.kiln, a.device)
+        failures += check_nodes(a.kiln, a.device, a.per_node)
     if "launchers" in checks:
         failures += check_launchers(a.kiln, a.device)
     if "restart" in checks:

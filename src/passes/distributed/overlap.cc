@@ -16,8 +16,9 @@ namespace {
 using distributed::Collective;
 
 // Key offsets within the gap before a node index: a moved param-only chain, then a start, then
-// a wait (so a wait placed at its start's own index still follows it).
-constexpr double kChainKey = -0.8, kStartKey = -0.6, kWaitKey = -0.4;
+// a wait (so a wait placed at its start's own index still follows it), then the readers that
+// follow a wait (sink_readers).
+constexpr double kChainKey = -0.8, kStartKey = -0.6, kWaitKey = -0.4, kSinkKey = -0.3;
 
 // The last index p <= `limit` with t[limit] - t[p] >= lead (0 if none).
 int latest_with_lead(const std::vector<double>& t, int limit, double lead) {
@@ -44,7 +45,11 @@ class Planner {
   Planner(const Graph& graph, const CostModel& costs)
       : graph_(graph), costs_(costs), uses_(graph),
         collectives_(distributed::find_collectives(graph, uses_, costs)),
-        t_(distributed::compute_start_times(graph, costs)) {}
+        t_(distributed::compute_start_times(graph, costs)) {
+    sinks_.resize(collectives_.size());
+    for (size_t i = 0; i < collectives_.size(); ++i)
+      if (!gathers(collectives_[i])) sinks_[i] = sink_readers(collectives_[i]);
+  }
 
   bool empty() const { return collectives_.empty(); }
 
@@ -91,14 +96,20 @@ class Planner {
         const double begin = std::max(free, t_[static_cast<size_t>(at)]);
         free = begin + c.seconds;
         if (c.first_reader < 0) continue;
-        const bool gather = graph_.nodes[static_cast<size_t>(c.start)].op == Op::kAllGather;
         int wait_at;
-        if (gather) {
+        if (gathers(c)) {
           wait_at = c.first_reader;
           extra[c.start] += std::max(0.0, free - t_[static_cast<size_t>(c.first_reader)]);
         } else {
           const double done = t_[static_cast<size_t>(at)] + scale * (free - t_[static_cast<size_t>(at)]);
-          wait_at = first_reaching(t_, at, c.first_reader, done);
+          // Readers that nothing else reads (the gradient's optimizer update) follow the wait
+          // wherever it goes; other readers bound it.
+          const std::vector<int>& sinks = sinks_[i];
+          const int limit = sinks.empty() ? c.first_reader : static_cast<int>(graph_.nodes.size());
+          wait_at = first_reaching(t_, at, limit, done);
+          for (int r : sinks)
+            keys[static_cast<size_t>(r)] =
+                std::max(keys[static_cast<size_t>(r)], std::max(wait_at, at) + kSinkKey + 1e-7 * r);
         }
         keys[static_cast<size_t>(c.wait)] = std::max(wait_at, at) + kWaitKey;
       }
@@ -115,11 +126,40 @@ class Planner {
   size_t collectives() const { return collectives_.size(); }
 
  private:
+  bool gathers(const Collective& c) const { return graph_.nodes[static_cast<size_t>(c.start)].op == Op::kAllGather; }
+
+  // The nodes reading a reduction's result, and theirs in turn, when none of them feeds anything
+  // outside that set (their outputs escape or go unread) and none is a collective: such a set
+  // (an optimizer update, or a cast and an update) may run any time after the wait. Without it
+  // the wait stops at the first reader, which the memory-ordered schedule puts right after the
+  // reduction, and the compute stream idles through every gradient's reduce-scatter. Empty when
+  // the readers feed other work (a gradient norm for clipping) or the set grows past a few nodes.
+  std::vector<int> sink_readers(const Collective& c) const {
+    if (c.first_reader < 0) return {};
+    constexpr size_t kMaxSinks = 8;
+    std::vector<int> set;
+    std::vector<ValueId> values{graph_.nodes[static_cast<size_t>(c.wait)].outputs[0]};
+    while (!values.empty()) {
+      const ValueId v = values.back();
+      values.pop_back();
+      for (int r : uses_.readers[static_cast<size_t>(v)]) {
+        if (std::find(set.begin(), set.end(), r) != set.end()) continue;
+        const Node& node = graph_.nodes[static_cast<size_t>(r)];
+        if (has_flag(node.op, kCollective) || node.op == Op::kCollectiveWait || set.size() == kMaxSinks) return {};
+        set.push_back(r);
+        for (ValueId out : node.outputs) values.push_back(out);
+      }
+    }
+    std::sort(set.begin(), set.end());
+    return set;
+  }
+
   const Graph& graph_;
   const CostModel& costs_;
   Uses uses_;
   std::vector<Collective> collectives_;
   std::vector<double> t_;
+  std::vector<std::vector<int>> sinks_;  // per collective: sink_readers (reductions only)
 };
 
 
