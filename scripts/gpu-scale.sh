@@ -2,7 +2,8 @@
 # One call on a multi-GPU machine, every visible GPU: LLaMA 8B-class sharded (kiln zero3 against
 # PyTorch FSDP2 + per-block torch.compile on the same model, alternating), and checks: an
 # offloaded step captured into a CUDA graph equal to one run uncaptured, a restart after a killed
-# rank, llama-tiny on N GPUs equal to one (NCCL, every --shard mode), llama-1b's offloaded step
+# rank, llama-tiny on N GPUs equal to one (NCCL, every --shard mode), 2 nodes x N/2 GPUs equal to
+# one node of N (and torchrun's and Slurm's starts equal to kiln launch's), llama-1b's offloaded step
 # time uncaptured and captured. Prints one table last.
 # Logs go to $OUT (or ./gpu-out). Run from the repository root:
 #
@@ -123,7 +124,13 @@ elif [ $checks = 1 ]; then
   run_for 120 python3 tests/distributed/train_ranks_test.py --kiln $kiln --device cuda --ranks "$gpus" \
     --models llama-tiny --checks match --amp off --tolerance 3e-4 >"$out/match.log" 2>&1
   echo "== llama-tiny, $gpus GPUs against one (NCCL) at $(elapsed) s =="; grep -E "^(ok|FAIL)|passed|FAILED|SKIP" "$out/match.log"
-  check_summary="restart: $(tail -1 "$out/restart.log"); match: $(tail -1 "$out/match.log")"
+  # 2 nodes of half the GPUs each (kiln launch --nnodes 2 twice on this machine) against one node
+  # of all; the same run started by torchrun and as Slurm starts tasks (deterministic GEMMs: the
+  # launchers' runs are compared bit for bit).
+  run_for 150 env KILN_GEMM_CANDIDATES=1 python3 tests/distributed/train_ranks_test.py --kiln $kiln --device cuda \
+    --checks nodes,launchers --per-node $(( gpus / 2 )) --amp off --tolerance 3e-4 >"$out/nodes.log" 2>&1
+  echo "== 2 nodes x $(( gpus / 2 )) GPUs, torchrun, srun at $(elapsed) s =="; grep -E "^(ok|FAIL|skip)|passed|FAILED|SKIP" "$out/nodes.log"
+  check_summary="restart: $(tail -1 "$out/restart.log"); match: $(tail -1 "$out/match.log"); nodes: $(tail -1 "$out/nodes.log")"
 fi
 
 # llama-1b's step with offloaded state, uncaptured and captured: its time both ways.
