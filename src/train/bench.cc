@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <functional>
-#include <future>
 #include <memory>
 #include <sstream>
 
@@ -99,10 +97,6 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   const models::ModelSizes sizes = sizes_of(o.sizes, o.seq);
   Model model;
   Graph& forward = model.forward;
-  // A language model's params are drawn while the step compiles (below): the draw is the
-  // Box-Muller math, ~20 ns a value on a core, so llama-8b's 4e9 values a rank under zero3 took
-  // 9 s of 16 cores, and the compile needs no param values.
-  std::function<std::vector<Tensor>()> draw_params;
   int64_t int_high = 10, layers = 0, seq = 1, d_model = 0;
   std::vector<int64_t> index_bounds;  // per data input: integers are drawn from [0, bound)
   if (from_onnx) {
@@ -118,23 +112,12 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
     layers = config.layers;
     seq = config.seq;
     d_model = config.d_model;
-    // zero3 (and auto choosing it): each rank draws only its shards (6 s of GPT-2 XL's start on
-    // 16 cores drawn whole).
-    int64_t params = 0;
-    for (const GraphInput& in : forward.inputs)
-      if (in.role == Role::kParam) params += forward.type(in.value).numel();
-    const std::string mode =
-        choose_shard_mode(o.shard, world, params, o.optimizer.name, shard_budget_bytes(*runtime), nullptr);
-    auto draw = [graph = forward, seed = o.seed, layers = config.layers, world, rank, zero3 = mode == "zero3"] {
-      return zero3 ? models::init_param_shards(graph, seed, layers, world, rank) : models::init_params(graph, seed, layers);
-    };
-    // --profile and --timeline copy the params (`again` below): those are drawn here.
-    if (o.profile_path.empty() && o.timeline_path.empty()) draw_params = std::move(draw);
-    else model.params = draw();
+    // Drawn by the session while the step compiles (zero3: each rank only its shards).
+    model.draw_params = zoo_param_draw(forward, o.model, o.seed, sizes);
     r.tokens_per_step = o.batch * config.seq;
   } else {
     forward = models::by_name(o.model, o.batch / world, o.seq);
-    model.params = models::init_params_fan_in(forward, o.seed);
+    model.draw_params = zoo_param_draw(forward, o.model, o.seed);
     r.tokens_per_step = o.batch;
   }
   const double params_s = seconds_since_process_start();
@@ -162,8 +145,9 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   session_options.executor.cuda_graphs = o.cuda_graphs;
   session_options.executor.tune_gemms = o.tune_gemms;
   session_options.agreement = fmt::format("{} {} {} {}", o.model, o.batch, o.seq, sizes_text(o.sizes));
-  // The profiling and tracing sessions (--profile, --timeline) need the model again: the first
-  // session is gone by then (two step arenas at once may not fit).
+  // The profiling and tracing sessions (--profile, --timeline) need the model again (a zoo
+  // model's draw draws the same params again): the first session is gone by then (two step
+  // arenas at once may not fit).
   Model again;
   if (!o.profile_path.empty() || !o.timeline_path.empty()) {
     again = model;
@@ -176,15 +160,12 @@ BenchResult run_bench(BenchOptions o, ProcessGroup* group, double entered_s) {
   r.setup_parts = {{"start", entered_s}};
   if (group) r.setup_parts.emplace_back("process group", group_joined_s - entered_s);
   r.setup_parts.emplace_back("runtime", runtime_s - group_joined_s);
-  r.setup_parts.emplace_back(draw_params ? "model" : "model and params", params_s - runtime_s);
+  r.setup_parts.emplace_back(model.draw_params ? "model" : "model and params", params_s - runtime_s);
   r.setup_parts.emplace_back("data", context_from_s - params_s);
   if (on_cuda) r.setup_parts.emplace_back("CUDA context", r.setup_s - context_from_s);
   Stopwatch phase;
   // Once: every rank measures the group's collectives together, and the later sessions reuse it.
   session_options.passes = passes_for(o.passes, group, *runtime);
-  // Started after the group's collectives are measured (above), which the draw's threads would
-  // disturb.
-  if (draw_params) model.params_later = std::async(std::launch::async, std::move(draw_params)).share();
   auto session = std::make_unique<TrainingSession>(std::move(model), session_options, group);
   Trainer& trainer = session->trainer();
   r.shard = session->shard();

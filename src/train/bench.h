@@ -70,7 +70,9 @@ struct BenchResult {
   double setup_s = 0;             // process start to the trainer's construction (model, init)
   double first_run_s = 0;         // the first step itself: kernel compiles, capture, the step
   // Where setup_s and compile_s went, in order (seconds): setup's "start" (process start to the
-  // benchmark: loading, the CLI), "model and params", "CUDA context"; then Trainer::build_seconds.
+  // benchmark: loading, the CLI), "model" (a zoo model's params are drawn beside the compile:
+  // Trainer::build_seconds' "params wait") or "model and params" (an ONNX file's), "CUDA
+  // context"; then Trainer::build_seconds.
   std::vector<std::pair<std::string, double>> setup_parts, build_parts;
   double final_loss = 0;
   // Every step's loss, in order (the first step, the untimed, timed and back-to-back ones; the

@@ -14,8 +14,8 @@ namespace kiln::train {
 namespace {
 
 // Params by name from `path` (kiln import-hf writes such a file; any checkpoint's params do too)
-// in place of `model`'s. A LLaMA's rotary base and norm epsilon are not in its tensors' shapes:
-// where the file records them, the model must compute with the same.
+// in place of `model`'s, which are then not drawn. A LLaMA's rotary base and norm epsilon are not
+// in its tensors' shapes: where the file records them, the model must compute with the same.
 void init_params_from(Model& model, const std::string& path, const JobOptions& o) {
   const SafetensorsFile file = load_safetensors(path);
   const std::string& model_name = o.model;
@@ -29,7 +29,8 @@ void init_params_from(Model& model, const std::string& path, const JobOptions& o
                  it->second, model_name, ours, flag, it->second);
     }
   }
-  size_t p = 0;
+  model.params.clear();
+  model.draw_params = nullptr;
   for (const GraphInput& in : model.forward.inputs) {
     if (in.role != Role::kParam) continue;
     const Value& v = model.forward.value(in.value);
@@ -37,7 +38,7 @@ void init_params_from(Model& model, const std::string& path, const JobOptions& o
     KILN_CHECK(it != file.tensors.end(), "--init '{}' has no param '{}' of model {}", path, v.name, model_name);
     KILN_CHECK(it->second.type() == v.type, "--init '{}': '{}' is {}, model {} needs {}", path, v.name,
                to_string(it->second.type()), model_name, to_string(v.type));
-    model.params.at(p++) = it->second;
+    model.params.push_back(it->second);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -55,11 +56,24 @@ TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGro
   executor.device = runtime_->device();
   executor.communicator = group_ ? group_->communicator().get() : nullptr;
   PassOptions passes = passes_for(options_.passes, group_, *runtime_);
-  trainer_ = model.params_later.valid()
-                 ? std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params_later), executor,
-                                             std::move(passes), sharding)
-                 : std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
-                                             std::move(passes), sharding);
+  if (model.draw_params) {
+    // Drawn while the step compiles, which needs no param values: the draw is Box-Muller math,
+    // ~20 ns a value on a core (llama-8b's 4e9 values a zero3 rank took 9 s of 16 cores). Started
+    // after passes_for, whose measurement of the group's collectives the draw's threads would
+    // disturb. A zero3 rank draws only its shards.
+    const bool zero3 = sharding.mode == ShardMode::kZero3;
+    const int shards = zero3 ? world : 1, rank = zero3 ? group_->rank() : 0;
+    std::shared_future<std::vector<Tensor>> params =
+        std::async(std::launch::async, std::move(model.draw_params), shards, rank).share();
+    trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(params), executor,
+                                         std::move(passes), sharding);
+    params_drawn_ = true;
+    for (const auto& [phase, seconds] : trainer_->build_seconds())
+      if (phase == "params wait") params_wait_seconds_ = seconds;
+  } else {
+    trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
+                                         std::move(passes), sharding);
+  }
   for (const auto& [name, value] : model.initial_state) trainer_->set_initial_value(name, value);
   // Every rank compiled the same step (same model, batch, options and build), or none goes on.
   if (group_)
@@ -146,6 +160,10 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
     }
   }
   result.compile_seconds = build_seconds_ + resuming.seconds();
+  result.params_wait_seconds = params_wait_seconds_;
+  // Where the params were drawn beside the compile, the compile's time includes its wait for them.
+  const std::string params_wait =
+      params_drawn_ ? fmt::format(" incl. params wait {:.2f} s", params_wait_seconds_) : "";
   // Wall time since the run started: the face's setup, then the session's.
   auto run_seconds = [&] { return loop.setup_seconds + since_made_.seconds(); };
   std::ofstream metrics;
@@ -205,8 +223,9 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
     if (done == first + 1) {
       // take_losses() waited for it: the step has run.
       result.first_step_seconds = run_seconds();
-      fmt::print(out, "  first step done {:.2f} s after start (setup {:.2f} s, compile {:.2f} s, the step {:.2f} s)\n",
-                 result.first_step_seconds, result.setup_seconds, result.compile_seconds, loop_time.seconds());
+      fmt::print(out, "  first step done {:.2f} s after start (setup {:.2f} s, compile {:.2f} s{}, the step {:.2f} s)\n",
+                 result.first_step_seconds, result.setup_seconds, result.compile_seconds, params_wait,
+                 loop_time.seconds());
     }
     const double elapsed = loop_time.seconds();
     const double now = step_time();
@@ -277,9 +296,9 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
                                                           : fmt::format("{:.2f}", result.eval_metric),
                            result.eval_seconds));
   fmt::print(out,
-             "  wall time {:.2f} s: setup {:.2f} s, compile {:.2f} s, steps {:.2f} s ({:.1f} ms/step{}), evaluation "
+             "  wall time {:.2f} s: setup {:.2f} s, compile {:.2f} s{}, steps {:.2f} s ({:.1f} ms/step{}), evaluation "
              "{:.2f} s ({} x {} batches, compile {:.2f} s), checkpoints {:.2f} s\n",
-             result.seconds, result.setup_seconds, result.compile_seconds, result.step_seconds,
+             result.seconds, result.setup_seconds, result.compile_seconds, params_wait, result.step_seconds,
              1e3 * result.step_seconds / static_cast<double>(loop.steps - first), steady, result.eval_seconds, result.evaluations,
              result.eval_batches, trainer.eval_compile_seconds(), result.checkpoint_seconds);
   if (!checkpoint.empty())

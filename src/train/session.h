@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -32,15 +31,20 @@ namespace kiln::train {
 
 class Trainer;
 
+// Draws a model's initial params, in graph order: whole, or with world > 1 (a zero3 rank) only
+// rank `rank`'s shards (models::init_param_shards' layout). A draw that cannot shard returns
+// them whole: the trainer takes a zero3 param either way.
+using ParamDraw = std::function<std::vector<Tensor>(int world, int rank)>;
+
 // A model to train: its forward graph (loss first among the outputs) and where its params and
 // state start.
 struct Model {
   Graph forward;
   std::vector<Tensor> params;                   // the forward's params, in graph order
   std::map<std::string, Tensor> initial_state;  // state starting elsewhere than 0 (BatchNorm's)
-  // Instead of `params`, where they are still being made on another thread (kiln bench draws
-  // them while the step compiles): the trainer takes them when it uploads them.
-  std::shared_future<std::vector<Tensor>> params_later;
+  // Instead of `params`, where they are drawn fresh (a zoo model from its seed): the session
+  // draws them on another thread while the step compiles (tasks.h's zoo_param_draw).
+  ParamDraw draw_params;
 };
 // A model whose params and state start from `values` by graph-input name (an ONNX file's
 // initializers, a captured module's tensors); a param `values` lacks starts at zeros (a program
@@ -123,6 +127,9 @@ struct TrainResult {
   double seconds = 0;
   double setup_seconds = 0, compile_seconds = 0, first_step_seconds = 0;
   double step_seconds = 0, eval_seconds = 0, checkpoint_seconds = 0;
+  // Of compile_seconds, the time the compiled step waited for params drawn beside it (0 when the
+  // draw finished first, or the params were given).
+  double params_wait_seconds = 0;
   // Seconds per step after the warm-up (from the first progress point after the first steps, on
   // CUDA three: direct, GEMM tuning, capture); 0 when no progress point came after it.
   double steady_step_seconds = 0;
@@ -164,6 +171,8 @@ class TrainingSession {
   std::unique_ptr<DeviceRuntime> runtime_;
   std::unique_ptr<Trainer> trainer_;
   double build_seconds_ = 0;
+  bool params_drawn_ = false;  // by Model::draw_params, beside the compile
+  double params_wait_seconds_ = 0;
 };
 
 // "1m05s", "2h03m", "42s"; "?" for a negative or non-finite time.

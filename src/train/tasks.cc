@@ -45,6 +45,15 @@ std::vector<int64_t> data_index_bounds(const Graph& forward) {
   return bounds;
 }
 
+ParamDraw zoo_param_draw(const Graph& forward, const std::string& name, uint64_t seed, const models::ModelSizes& sizes) {
+  if (!models::is_language_model(name)) return [forward, seed](int, int) { return models::init_params_fan_in(forward, seed); };
+  const int64_t layers = models::language_model_info(name, sizes).layers;
+  return [forward, seed, layers](int world, int rank) {
+    return world > 1 ? models::init_param_shards(forward, seed, layers, world, rank)
+                     : models::init_params(forward, seed, layers);
+  };
+}
+
 models::ModelSizes sizes_of(models::ModelSizes sizes, int64_t seq) {
   if (seq > 0) sizes.seq = seq;
   return sizes;
@@ -90,7 +99,7 @@ Task classification_task(const TaskOptions& o, const Place& place) {
   FashionMnist fm = load_fashion_mnist(o.data_dir.empty() ? kFashionMnistDir : o.data_dir);
   Task t;
   t.model.forward = models::by_name(o.model, o.batch / place.world);  // this rank's slice of the batch
-  t.model.params = models::init_params_fan_in(t.model.forward, o.seed);
+  t.model.draw_params = zoo_param_draw(t.model.forward, o.model, o.seed);
   if (o.model == "cnn") {
     fm.train = fm.train.with_sample_shape(kFashionMnistImageShape);
     fm.test = fm.test.with_sample_shape(kFashionMnistImageShape);
@@ -196,7 +205,7 @@ Task language_model_task(const TaskOptions& o, const Place& place) {
   const TextData text = load_text(o.data.empty() ? kDefaultTextPath : o.data, config.vocab, o.batch, config.seq);
   Task t;
   t.model.forward = models::by_name(o.model, o.batch / place.world, sizes);
-  t.model.params = models::init_language_model(t.model.forward, o.model, o.seed, sizes);
+  t.model.draw_params = zoo_param_draw(t.model.forward, o.model, o.seed, sizes);
   uint64_t seed = o.seed;
   auto train_tokens = text.train;
   t.data.batch = [train_tokens, seed, place](int64_t step) {

@@ -46,6 +46,12 @@ Task make_task(const TaskOptions& options, int rank = 0, int world = 1);
 bool is_onnx_model(const std::string& model);
 // An ONNX file's forward graph with its initializers as the starting values.
 Model import_onnx_model(const std::string& path, const onnx::ImportOptions& options);
+// How zoo model `name`'s params are drawn fresh from `seed` (`forward`: its graph, built with
+// `sizes`): a language model's init_params, by shards on a zero3 rank (init_param_shards: the
+// same values); a classifier's init_params_fan_in, whole. `kiln train` and `kiln bench` both draw
+// through it.
+ParamDraw zoo_param_draw(const Graph& forward, const std::string& name, uint64_t seed,
+                         const models::ModelSizes& sizes = {});
 // The options' model sizes with --seq among them.
 models::ModelSizes sizes_of(models::ModelSizes sizes, int64_t seq);
 // The sizes as the ranks' agreement check compares them.

@@ -160,6 +160,12 @@ TEST(TrainJob, TinyGptTrainsOnText) {
   const std::string text = read_file(log);
   EXPECT_EQ(text.rfind("kiln train: device cpu (as asked), amp off (as asked)\n", 0), 0u) << text;
   EXPECT_NE(text.find("first step done"), std::string::npos) << text;
+  // The params are drawn beside the compile: its time includes the wait for them.
+  EXPECT_LE(r.params_wait_seconds, r.compile_seconds);
+  EXPECT_NE(text.find(fmt::format("compile {:.2f} s incl. params wait {:.2f} s", r.compile_seconds,
+                                  r.params_wait_seconds)),
+            std::string::npos)
+      << text;
   const size_t done = text.find("done: 30 steps");
   ASSERT_NE(done, std::string::npos) << text;
   const std::string summary = text.substr(done, text.find('\n', done) - done);

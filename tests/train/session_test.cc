@@ -1,9 +1,11 @@
 // The training session (train/session.h) behind every front door: `kiln train`'s job, the
 // session's own loop, and its trainer stepped by hand give one loss sequence for one model and
-// seed; a model given as IR text trains in the session as a float64 reference computes it, and
-// its checkpoint resumes where it stopped.
+// seed; params drawn while the step compiles are the seed's params drawn up front; a model given
+// as IR text trains in the session as a float64 reference computes it, and its checkpoint resumes
+// where it stopped.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -12,6 +14,7 @@
 
 #include "ir/text.h"
 #include "test_util.h"
+#include "train/checkpoint/safetensors.h"
 #include "train/job.h"
 #include "train/session.h"
 #include "train/tasks.h"
@@ -94,6 +97,55 @@ TEST(TrainingSession, JobLoopAndHandSteppedTrainerGiveOneLossSequence) {
     TrainingSession session(std::move(task.model), options);
     for (int64_t step = 0; step < 6; ++step) session.trainer().step(task.data.batch(step));
     EXPECT_EQ(session.trainer().take_losses(), job.losses);
+  }
+  std::fclose(o.out);
+  std::filesystem::remove_all(dir);
+}
+
+// `kiln train` draws a zoo model's params on another thread while the step compiles: its run
+// ends with the losses and the params (and optimizer state) of a session given the seed's params
+// drawn up front, so the overlapped draw is the same draw and the step waited for it.
+TEST(TrainingSession, ParamsDrawnWhileTheStepCompilesAreTheSeedsParams) {
+  const std::filesystem::path dir = temp_dir("drawn");
+  JobOptions o;
+  o.model = "llama-tiny";
+  o.data = write_text(dir);
+  o.steps = 3;
+  o.batch = 2;
+  o.seq = 16;
+  o.seed = 9;
+  o.eval_batches = 1;
+  o.optimizer.lr = 3e-3;
+  o.checkpoint_dir = (dir / "job").string();
+  o.out = null_out();
+  Task task = make_task(o);
+  ASSERT_TRUE(task.model.draw_params != nullptr);  // the job's params are drawn, not given
+  EXPECT_TRUE(task.model.params.empty());
+  const JobResult job = run_training_job(o);
+  ASSERT_EQ(job.losses.size(), 3u);
+  EXPECT_LE(job.params_wait_seconds, job.compile_seconds);
+
+  Model up_front;
+  up_front.forward = task.model.forward;
+  up_front.params = models::init_params(up_front.forward, o.seed, models::language_model_info(o.model).layers);
+  SessionOptions options;
+  options.optimizer = o.optimizer;
+  TrainingSession session(std::move(up_front), options);
+  LoopOptions loop;
+  loop.steps = 3;
+  loop.out = o.out;
+  loop.checkpoints.dir = (dir / "up_front").string();
+  const TrainResult r = session.train(task.data, loop);
+  EXPECT_EQ(r.losses, job.losses);
+  EXPECT_EQ(r.params_wait_seconds, 0);  // given, not drawn
+  const SafetensorsFile got = load_safetensors(o.checkpoint_dir + "/last.safetensors");
+  const SafetensorsFile want = load_safetensors(loop.checkpoints.dir + "/last.safetensors");
+  ASSERT_EQ(got.tensors.size(), want.tensors.size());
+  for (const auto& [name, t] : want.tensors) {
+    ASSERT_TRUE(got.tensors.count(name)) << name;
+    const Tensor& g = got.tensors.at(name);
+    ASSERT_EQ(g.type(), t.type()) << name;
+    EXPECT_EQ(std::memcmp(g.raw(), t.raw(), t.bytes()), 0) << name;
   }
   std::fclose(o.out);
   std::filesystem::remove_all(dir);
@@ -193,6 +245,32 @@ TEST(TrainingSession, IrModelTrainsAsTheFloat64ReferenceAndResumes) {
   EXPECT_KILN_ERROR(third.train(data, loop), "of model 'linear'", "not 'other'");
   std::fclose(loop.out);
   std::filesystem::remove_all(dir);
+}
+
+// Alone, a model's draw is asked for its params whole, and its error is the session's.
+TEST(TrainingSession, DrawnParamsAreWholeAloneAndTheirErrorIsTheSessions) {
+  const Tensor w = random_tensor(TensorType{DType::kF32, {kIn, kClasses}}, 21);
+  const Tensor b = random_tensor(TensorType{DType::kF32, {kClasses}}, 22);
+  Model model;
+  model.forward = parse(kLinearModel);
+  int asked_world = 0, asked_rank = -1;
+  model.draw_params = [&](int world, int rank) {
+    asked_world = world;
+    asked_rank = rank;
+    return std::vector<Tensor>{w.clone(), b.clone()};
+  };
+  TrainingSession session(std::move(model), SessionOptions{});
+  EXPECT_EQ(asked_world, 1);
+  EXPECT_EQ(asked_rank, 0);
+  const std::vector<Tensor> params = session.trainer().params();
+  ASSERT_EQ(params.size(), 2u);
+  EXPECT_EQ(values_of(params[0]), values_of(w));
+  EXPECT_EQ(values_of(params[1]), values_of(b));
+
+  Model failing;
+  failing.forward = parse(kLinearModel);
+  failing.draw_params = [](int, int) -> std::vector<Tensor> { fail("no memory for the params"); };
+  EXPECT_KILN_ERROR(TrainingSession(std::move(failing), SessionOptions{}), "no memory for the params");
 }
 
 TEST(TrainingSession, ShardModeNeedsAGroup) {
