@@ -7,6 +7,8 @@
 #include <fstream>
 #include <iterator>
 
+#include <unistd.h>
+
 #ifdef KILN_HAVE_ONNX
 #include <onnx/onnx_pb.h>
 #endif
@@ -21,8 +23,10 @@
 namespace kiln::train {
 namespace {
 
+// Per process: ctest runs the tests of this file in parallel processes, which must not rewrite
+// each other's files (an ONNX model read half-written is "the model has no graph").
 std::string temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("kiln_job_test_" + name);
+  auto dir = std::filesystem::temp_directory_path() / fmt::format("kiln_job_test_{}_{}", getpid(), name);
   std::filesystem::remove_all(dir);
   return dir.string();
 }
