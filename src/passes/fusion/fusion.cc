@@ -8,7 +8,6 @@
 #include <queue>
 #include <set>
 
-#include "analysis/memory_plan.h"
 #include "ir/op_def.h"
 #include "ops/fused/group.h"
 #include "passes/schedule.h"
@@ -361,8 +360,9 @@ namespace {
 size_t outlined_arena(const Graph& graph, const std::vector<int>& group_of) {
   Graph g = graph;
   outline(g, group_of);
-  SchedulePass().run(g);
-  return plan_step_memory(std::move(g)).arena_bytes;
+  size_t arena = 0;
+  memory_aware_order(g, &arena);  // the schedule pass's order, and the arena of g run in it
+  return arena;
 }
 
 // Per group of two or more items: the bytes times node positions (in the graph's order) by
