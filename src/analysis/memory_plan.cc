@@ -351,6 +351,16 @@ std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>&
   }
   std::vector<bool> is_output(values, false);
   for (ValueId id : graph.outputs) is_output[id] = true;
+  // Per update: whether the node making its value reads its target (itself or through a view).
+  // Found from the nodes' inputs once: a multi-tensor node makes thousands of update values and
+  // reads as many targets, and a walk over its inputs per update grew with their square.
+  std::vector<std::vector<size_t>> updates_of_target(values);
+  for (size_t u = 0; u < graph.updates.size(); ++u) updates_of_target[graph.updates[u].target].push_back(u);
+  std::vector<bool> reads_target(graph.updates.size(), false);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId in : graph.nodes[n].inputs)
+      for (size_t u : updates_of_target[view_root(views, in)])
+        reads_target[u] = reads_target[u] || live.def[graph.updates[u].value] == static_cast<int>(n);
   std::vector<bool> written(values, false);  // per value: written into a target already
   std::vector<bool> direct(graph.updates.size(), false);
   for (size_t u = 0; u < graph.updates.size(); ++u) {
@@ -360,9 +370,7 @@ std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>&
     if (written[update.value]) continue;  // one value, two targets: copy the second
     if (graph.type(update.value) != graph.type(update.target)) continue;
     if (last_read[update.target] > def) continue;  // a later node reads the old value
-    bool reads_target = false;
-    for (ValueId in : graph.nodes[static_cast<size_t>(def)].inputs) reads_target |= view_root(views, in) == update.target;
-    if (reads_target && !in_place_ok(static_cast<size_t>(def))) continue;
+    if (reads_target[u] && !in_place_ok(static_cast<size_t>(def))) continue;
     written[update.value] = true;
     direct[u] = true;
   }

@@ -285,6 +285,7 @@ int outline(Graph& graph, const std::vector<int>& group_of) {
     auto body = std::make_shared<Graph>();
     body->name = fmt::format("fused_{}", fused_count);
     std::map<ValueId, ValueId> to_body;
+    std::set<std::string> body_inputs;
     std::vector<ValueId> outer_inputs;
     int generated = 0;
     for (int m : group) {
@@ -296,7 +297,12 @@ int outline(Graph& graph, const std::vector<int>& group_of) {
           while (used.count(name));
           used.insert(name);
         }
-        to_body[id] = body->add_input(name, graph.type(id), Role::kData);
+        // What Graph::add_input does, less its walk over every value for a taken name (a
+        // multi-tensor group reads thousands of inputs): `body_inputs` holds the names taken.
+        KILN_CHECK(body_inputs.insert(name).second, "fusion: body input name '{}' is used twice", name);
+        to_body[id] = static_cast<ValueId>(body->values.size());
+        body->values.push_back(Value{name, graph.type(id)});
+        body->inputs.push_back(GraphInput{to_body[id], Role::kData});
         outer_inputs.push_back(id);
       }
     }
