@@ -18,9 +18,111 @@ struct Buffer {
   size_t offset = 0;
 };
 
-bool overlap_in_time(const Buffer& a, const Buffer& b) {
-  return a.start <= b.end && b.start <= a.end;
-}
+// Byte ranges as runs: disjoint, in order, each the union of the added ranges that overlap or
+// touch. (A sorted vector: a segment's runs are few, as placement packs buffers.)
+class ByteRuns {
+ public:
+  bool empty() const { return runs_.empty(); }
+  void add(size_t begin, size_t end) {
+    // The runs from the first that ends at or after `begin` to the last that starts at or before
+    // `end` merge with [begin, end).
+    auto first = std::lower_bound(runs_.begin(), runs_.end(), begin, [](const Run& r, size_t at) {
+      return r.second < at;
+    });
+    auto last = first;
+    for (; last != runs_.end() && last->first <= end; ++last) {
+      begin = std::min(begin, last->first);
+      end = std::max(end, last->second);
+    }
+    if (first == last) {
+      runs_.insert(first, Run{begin, end});
+    } else {
+      *first = Run{begin, end};
+      runs_.erase(first + 1, last);
+    }
+  }
+  // The end of the lowest run that holds a byte of [begin, end), or 0 if none does.
+  size_t end_of_run_within(size_t begin, size_t end) const {
+    auto at = std::upper_bound(runs_.begin(), runs_.end(), begin, [](size_t b, const Run& r) {
+      return b < r.second;
+    });  // the first run ending after `begin`
+    return at != runs_.end() && at->first < end ? at->second : 0;
+  }
+
+ private:
+  using Run = std::pair<size_t, size_t>;  // begin, end
+  std::vector<Run> runs_;
+};
+
+// The placed buffers, indexed by time and bytes, so that finding room for a buffer costs a few
+// logarithms per run of bytes in its way, where a walk over every placed buffer in offset order
+// grew with the square of the step's length (most of a deep model's compile time: the passes
+// plan many candidate orders). The buffers live somewhere in a span [first, last] are those live
+// at `first` and those starting after it, up to `last`. A segment tree over node positions holds
+// both: a buffer's bytes go to `throughout_` of the largest segments inside its span
+// (`for_span`), and to `starting_` of every segment holding its start (`for_path`); the buffers
+// live at a position are then in `throughout_` of the segments holding it, and those starting
+// in a span in `starting_` of the span's segments.
+class PlacedBuffers {
+ public:
+  explicit PlacedBuffers(int positions) {
+    while ((size_t{1} << levels_) < static_cast<size_t>(positions)) ++levels_;
+    throughout_.resize(2 * leaves());
+    starting_.resize(2 * leaves());
+  }
+
+  void add(const Buffer& b) {
+    const size_t end = b.offset + b.size;
+    for_span(b.start, b.end, [&](size_t segment) { throughout_[segment].add(b.offset, end); });
+    for_path(b.start, [&](size_t segment) { starting_[segment].add(b.offset, end); });
+  }
+
+  // The lowest offset at which `size` bytes overlap no placed buffer live somewhere in [start,
+  // end]: from 0, past each run of bytes in the way, until none is. (The walk over the placed
+  // buffers in offset order that this replaces found the same offset: the lowest that is free.)
+  size_t lowest_free_offset(int start, int end, size_t size) {
+    in_span_.clear();
+    // The largest segments first: the longest-lived buffers lie lowest in a stack of them, so
+    // the walk below meets the sets of runs in about the order they block it.
+    for_path(start, [&](size_t segment) {
+      if (!throughout_[segment].empty()) in_span_.push_back(&throughout_[segment]);
+    });
+    if (start < end)
+      for_span(start + 1, end, [&](size_t segment) {
+        if (!starting_[segment].empty()) in_span_.push_back(&starting_[segment]);
+      });
+    // Each set in turn moves the offset past its runs in the way; done when none has moved it
+    // for a whole round.
+    size_t offset = 0;
+    const size_t sets = in_span_.size();
+    for (size_t i = 0, quiet = 0; quiet < sets; i = i + 1 < sets ? i + 1 : 0) {
+      ++quiet;
+      for (size_t past; (past = in_span_[i]->end_of_run_within(offset, offset + size)) > 0; quiet = 1) offset = past;
+    }
+    return offset;
+  }
+
+ private:
+  size_t leaves() const { return size_t{1} << levels_; }
+  size_t leaf(int position) const { return leaves() + static_cast<size_t>(position); }
+  // Calls f on the largest segments inside [first, last] (bottom-up, as a segment tree does).
+  template <class F>
+  void for_span(int first, int last, F&& f) const {
+    for (size_t lo = leaf(first), hi = leaf(last) + 1; lo < hi; lo /= 2, hi /= 2) {
+      if (lo & 1) f(lo++);
+      if (hi & 1) f(--hi);
+    }
+  }
+  // Calls f on every segment holding `position`, the largest (the root) first.
+  template <class F>
+  void for_path(int position, F&& f) const {
+    for (size_t shift = levels_ + 1; shift-- > 0;) f(leaf(position) >> shift);
+  }
+
+  size_t levels_ = 0;  // below the root: 2^levels_ leaves
+  std::vector<ByteRuns> throughout_, starting_;
+  std::vector<const ByteRuns*> in_span_;  // lowest_free_offset's, kept to spare allocations
+};
 
 // Where a slice's output starts inside its input's bytes when it is one contiguous run of them
 // (memory_plan.h: every step 1; some axis a with every dim before it of output extent 1 and
@@ -222,24 +324,13 @@ MemoryPlan plan_memory(const Graph& graph, const InPlacePredicate& in_place_ok,
     if (buffers[a].start != buffers[b].start) return buffers[a].start < buffers[b].start;
     return a < b;
   });
-  // The placed buffers, kept in offset order: the ones live at the same time are then met in
-  // offset order without sorting them per buffer (that sort made planning GPT-2 XL's step take
-  // seconds, and the passes plan many times).
-  std::vector<size_t> placed;
+  PlacedBuffers placed(static_cast<int>(graph.nodes.size()) + 1);
   for (size_t b : order) {
     Buffer& buffer = buffers[b];
     if (buffer.size == 0) continue;  // offset 0; overlaps nothing
-    size_t offset = 0;
-    for (size_t p : placed) {
-      if (!overlap_in_time(buffers[p], buffer)) continue;
-      if (offset + buffer.size <= buffers[p].offset) break;  // fits in the gap below p
-      offset = std::max(offset, buffers[p].offset + buffers[p].size);
-    }
-    buffer.offset = offset;
-    plan.arena_bytes = std::max(plan.arena_bytes, offset + buffer.size);
-    placed.insert(std::upper_bound(placed.begin(), placed.end(), offset,
-                                   [&](size_t at, size_t p) { return at < buffers[p].offset; }),
-                  b);
+    buffer.offset = placed.lowest_free_offset(buffer.start, buffer.end, buffer.size);
+    plan.arena_bytes = std::max(plan.arena_bytes, buffer.offset + buffer.size);
+    placed.add(buffer);
   }
 
   for (size_t v = 0; v < num_values; ++v)
@@ -260,6 +351,16 @@ std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>&
   }
   std::vector<bool> is_output(values, false);
   for (ValueId id : graph.outputs) is_output[id] = true;
+  // Per update: whether the node making its value reads its target (itself or through a view).
+  // Found from the nodes' inputs once: a multi-tensor node makes thousands of update values and
+  // reads as many targets, and a walk over its inputs per update grew with their square.
+  std::vector<std::vector<size_t>> updates_of_target(values);
+  for (size_t u = 0; u < graph.updates.size(); ++u) updates_of_target[graph.updates[u].target].push_back(u);
+  std::vector<bool> reads_target(graph.updates.size(), false);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId in : graph.nodes[n].inputs)
+      for (size_t u : updates_of_target[view_root(views, in)])
+        reads_target[u] = reads_target[u] || live.def[graph.updates[u].value] == static_cast<int>(n);
   std::vector<bool> written(values, false);  // per value: written into a target already
   std::vector<bool> direct(graph.updates.size(), false);
   for (size_t u = 0; u < graph.updates.size(); ++u) {
@@ -269,9 +370,7 @@ std::vector<bool> direct_updates(const Graph& graph, const std::vector<ValueId>&
     if (written[update.value]) continue;  // one value, two targets: copy the second
     if (graph.type(update.value) != graph.type(update.target)) continue;
     if (last_read[update.target] > def) continue;  // a later node reads the old value
-    bool reads_target = false;
-    for (ValueId in : graph.nodes[static_cast<size_t>(def)].inputs) reads_target |= view_root(views, in) == update.target;
-    if (reads_target && !in_place_ok(static_cast<size_t>(def))) continue;
+    if (reads_target[u] && !in_place_ok(static_cast<size_t>(def))) continue;
     written[update.value] = true;
     direct[u] = true;
   }

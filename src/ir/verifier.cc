@@ -81,9 +81,14 @@ void verify(const Graph& graph) {
   for (const Update& u : graph.updates)
     KILN_CHECK(!graph.is_valid(u.value) || producer[u.value] < 0 || !has_flag(graph.nodes[producer[u.value]].op, kCollective),
                "update of {} is a collective's output: wait for it (collective_wait)", value_label(graph, u.target));
+  // Per value: its graph input's index (the first), or -1; one look-up per update, where
+  // input_index's walk per update grew with the square of the params.
+  std::vector<int> input_at(graph.values.size(), -1);
+  for (size_t i = graph.inputs.size(); i-- > 0;)
+    if (graph.is_valid(graph.inputs[i].value)) input_at[graph.inputs[i].value] = static_cast<int>(i);
   std::set<ValueId> updated;
   for (const Update& u : graph.updates) {
-    int index = graph.input_index(u.target);
+    const int index = graph.is_valid(u.target) ? input_at[u.target] : -1;
     KILN_CHECK(index >= 0 && graph.inputs[index].role != Role::kData,
                "update target {} is not a param or state input", value_label(graph, u.target));
     KILN_CHECK(updated.insert(u.target).second, "{} is updated twice", value_label(graph, u.target));

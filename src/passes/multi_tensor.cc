@@ -172,6 +172,10 @@ std::vector<std::vector<int>> find_norms(const Graph& graph) {
       tree[node.outputs[0]] = std::move(nodes);
     }
   }
+  // Per value: a node reading it (the only one of a value read once).
+  std::vector<int> reader(num_values, -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n)
+    for (ValueId id : graph.nodes[n].inputs) reader[id] = static_cast<int>(n);
   // Roots: add trees whose result is not itself an operand of a larger tree.
   std::vector<std::vector<int>> out;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
@@ -179,15 +183,10 @@ std::vector<std::vector<int>> find_norms(const Graph& graph) {
     if (node.op != Op::kAdd) continue;
     const ValueId y = node.outputs[0];
     if (tree[y].empty()) continue;
-    bool inner = false;
     if (uses.single(y)) {
-      for (const Node& reader : graph.nodes) {
-        if (reader.op != Op::kAdd || std::find(reader.inputs.begin(), reader.inputs.end(), y) == reader.inputs.end())
-          continue;
-        inner = !tree[reader.outputs[0]].empty();
-      }
+      const Node& next = graph.nodes[static_cast<size_t>(reader[y])];
+      if (next.op == Op::kAdd && !tree[next.outputs[0]].empty()) continue;  // inner
     }
-    if (inner) continue;
     std::vector<int> nodes = tree[y];
     std::sort(nodes.begin(), nodes.end());
     out.push_back(std::move(nodes));
@@ -257,16 +256,22 @@ bool same_key(const UpdateKey& a, const UpdateKey& b) {
   return same_values(a.attrs, b.attrs) && a.scalars == b.scalars && a.dtypes == b.dtypes;
 }
 
-// The peak of live bytes in the order the schedule pass would pick, with the updates the
+// The order the schedule pass would pick, and the peak of live bytes in it with the updates the
 // executor writes straight into their targets dropped (analysis/memory_plan.h: direct_updates;
 // their bytes still count from their node, all at once for a group), the others live to the end.
-size_t scheduled_peak(const Graph& graph) {
-  const std::vector<int> order = memory_aware_order(graph);
-  Graph ordered = in_order(graph, order);
+struct Scheduled {
+  std::vector<int> order;
+  size_t peak = 0;
+};
+Scheduled schedule_of(const Graph& graph) {
+  Scheduled s;
+  s.order = memory_aware_order(graph);
+  Graph ordered = in_order(graph, s.order);
   drop_direct_updates(ordered);
-  std::vector<int> identity(order.size());
+  std::vector<int> identity(s.order.size());
   std::iota(identity.begin(), identity.end(), 0);
-  return peak_live_bytes(ordered, identity);
+  s.peak = peak_live_bytes(ordered, identity);
+  return s;
 }
 
 // `graph` with each list of `groups` (node indices) outlined into one node of `kind`.
@@ -287,18 +292,18 @@ Graph outline_groups(const Graph& graph, const std::vector<std::vector<int>>& gr
 // Outlines each list of `whole` (node indices, two or more per list) into one node of `kind`
 // if the scheduled peak does not rise; otherwise into chunks of consecutive members of the
 // scheduled order under a cap on member_bytes (halved until it does not rise); otherwise
-// changes nothing. Returns whether it changed `graph`. `peaks`: scheduled_peak(graph) if
+// changes nothing. Returns whether it changed `graph`. `scheduled`: schedule_of(graph) if
 // known (each measure schedules the whole step), and so again on return.
-using Peaks = std::optional<size_t>;
+using Measured = std::optional<Scheduled>;
 bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, FusedKind kind,
-                      const std::function<size_t(int)>& member_bytes, Peaks& peaks) {
+                      const std::function<size_t(int)>& member_bytes, Measured& scheduled) {
   if (whole.empty()) return false;
-  if (!peaks) peaks = scheduled_peak(graph);
-  const size_t baseline = *peaks;
+  if (!scheduled) scheduled = schedule_of(graph);
+  const size_t baseline = scheduled->peak;
   auto fits = [&](const Graph& g) {
-    const size_t after = scheduled_peak(g);
-    if (after > baseline) return false;
-    peaks = after;
+    Scheduled after = schedule_of(g);
+    if (after.peak > baseline) return false;
+    scheduled = std::move(after);
     return true;
   };
   Graph grouped;
@@ -311,7 +316,7 @@ bool group_under_peak(Graph& graph, const std::vector<std::vector<int>>& whole, 
     graph = std::move(grouped);
     return true;
   }
-  const std::vector<int> order = memory_aware_order(graph);
+  const std::vector<int> order = scheduled->order;  // of `graph`, which no try has replaced
   std::vector<int> position(graph.nodes.size());
   for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
   size_t total = 0, largest = 0;
@@ -429,7 +434,7 @@ bool group_ready_chunks(Graph& graph, const std::vector<std::vector<int>>& by_ke
   return true;
 }
 
-bool group_updates(Graph& graph, Peaks& peaks, size_t overlap_chunk_bytes) {
+bool group_updates(Graph& graph, Measured& scheduled, size_t overlap_chunk_bytes) {
   // Candidates by key, in node order.
   std::vector<UpdateKey> keys;
   std::vector<std::vector<int>> by_key;
@@ -458,14 +463,14 @@ bool group_updates(Graph& graph, Peaks& peaks, size_t overlap_chunk_bytes) {
   std::vector<std::vector<int>> whole;
   for (auto& members : by_key)
     if (members.size() >= 2) whole.push_back(members);
-  return group_under_peak(graph, whole, FusedKind::kMultiTensorUpdate, operand_bytes, peaks);
+  return group_under_peak(graph, whole, FusedKind::kMultiTensorUpdate, operand_bytes, scheduled);
 }
 
 // ---- the casts of the params ----------------------------------------------------------------
 
 bool sixteen_bit_float(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
-bool group_param_casts(Graph& graph, Peaks& peaks) {
+bool group_param_casts(Graph& graph, Measured& scheduled) {
   std::vector<bool> is_param(graph.values.size(), false);
   for (const GraphInput& in : graph.inputs) is_param[in.value] = in.role == Role::kParam;
   std::vector<int> members;
@@ -482,7 +487,7 @@ bool group_param_casts(Graph& graph, Peaks& peaks) {
   // readers need it.
   return group_under_peak(graph, {members}, FusedKind::kMultiTensorCast, [&](int n) {
     return graph.type(graph.nodes[static_cast<size_t>(n)].outputs[0]).bytes();
-  }, peaks);
+  }, scheduled);
 }
 
 // ---- widening casts of gradients --------------------------------------------------------------
@@ -523,9 +528,9 @@ bool fold_gradient_casts(Graph& graph) {
 bool MultiTensorPass::run(Graph& graph) {
   bool changed = fold_gradient_casts(graph);
   changed = group_global_norms(graph) || changed;
-  Peaks peaks;  // of the graph as it is, once measured
-  changed = group_updates(graph, peaks, overlap_chunk_bytes_) || changed;
-  if (group_casts_) changed = group_param_casts(graph, peaks) || changed;
+  Measured scheduled;  // of the graph as it is, once measured
+  changed = group_updates(graph, scheduled, overlap_chunk_bytes_) || changed;
+  if (group_casts_) changed = group_param_casts(graph, scheduled) || changed;
   return changed;
 }
 

@@ -45,6 +45,8 @@ bool RecomputePass::run(Graph& graph) {
   std::vector<std::vector<int>> readers(value_count);
   for (size_t n = 0; n < node_count; ++n)
     for (ValueId in : graph.nodes[n].inputs) readers[static_cast<size_t>(in)].push_back(static_cast<int>(n));
+  std::vector<char> is_input(value_count, 0);
+  for (const GraphInput& input : graph.inputs) is_input[static_cast<size_t>(input.value)] = 1;
   std::vector<char> external(value_count, 0);
   for (ValueId o : graph.outputs) external[static_cast<size_t>(o)] = 1;
   for (const Update& u : graph.updates) external[static_cast<size_t>(u.value)] = 1;
@@ -80,7 +82,7 @@ bool RecomputePass::run(Graph& graph) {
     bool inputs_kept = true, all_inputs_are_graph_inputs = true;
     for (ValueId in : node.inputs) {
       const size_t i = static_cast<size_t>(in);
-      const bool graph_input = graph.input_index(in) >= 0;
+      const bool graph_input = is_input[i];
       all_inputs_are_graph_inputs &= graph_input;
       if (clone_of.count(in)) joins_a_kernel = true;  // the chain goes on in the clone's kernel
       const bool kept = graph_input || clone_of.count(in) || last_backward[i] >= first ||

@@ -150,7 +150,7 @@ size_t peak_live_bytes(const Graph& graph, const std::vector<int>& order) {
   return peak_of(graph, Dependencies(graph), order);
 }
 
-std::vector<int> memory_aware_order(const Graph& graph) {
+std::vector<int> memory_aware_order(const Graph& graph, size_t* arena_bytes) {
   const Dependencies deps(graph);
   std::vector<int> best(graph.nodes.size());
   std::iota(best.begin(), best.end(), 0);
@@ -170,6 +170,7 @@ std::vector<int> memory_aware_order(const Graph& graph) {
       best = std::move(order);
     }
   }
+  if (arena_bytes) *arena_bytes = best_key.first;
   return best;
 }
 

@@ -42,7 +42,9 @@ Graph in_order(const Graph& graph, const std::vector<int>& order);
 // The arena plan_step_memory (updates written straight into their targets where the executor
 // can, no other in-place reuse) gives `graph` with its nodes run in `order`.
 size_t planned_arena_bytes(const Graph& graph, const std::vector<int>& order);
-// The order SchedulePass picks (the identity when it finds nothing better).
-std::vector<int> memory_aware_order(const Graph& graph);
+// The order SchedulePass picks (the identity when it finds nothing better). `arena_bytes`, when
+// given, gets planned_arena_bytes of that order: the pass plans it to choose, so a caller that
+// wants the arena of the scheduled graph need not plan it again.
+std::vector<int> memory_aware_order(const Graph& graph, size_t* arena_bytes = nullptr);
 
 }  // namespace kiln

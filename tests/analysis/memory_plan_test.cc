@@ -614,6 +614,61 @@ TEST(MemoryPlan, TrainingGraphsNeverShareBytesBetweenLiveValues) {
   }
 }
 
+// The placement rule read directly: largest first (ties: the earlier start, then the order
+// made), each at the lowest offset where it overlaps no placed buffer live at the same time.
+// Copies only (no views, no in-place reuse), so that each arena value is one buffer, live from
+// its node to its last read. The graphs are long and their values varied in size and lifetime,
+// so that a placed buffer the plan's index misses (or finds where it is not live) moves a value.
+TEST(MemoryPlan, EachValueGoesToTheLowestFreeOffsetLargestFirst) {
+  struct Buffer {
+    ValueId value;
+    size_t size;
+    int start, end;
+    size_t offset = 0;
+  };
+  auto check = [](const Graph& g, const std::string& what) {
+    const MemoryPlan plan = plan_memory(g, {}, kNoViews);
+    std::vector<Buffer> buffers;  // in the order made: by node, then by output
+    for (const Node& node : g.nodes)
+      for (ValueId id : node.outputs)
+        if (plan.in_arena(id))
+          buffers.push_back({id, aligned_bytes(g.type(id).bytes()), plan.liveness.def[id], plan.liveness.last[id]});
+    std::stable_sort(buffers.begin(), buffers.end(), [](const Buffer& a, const Buffer& b) {
+      return a.size != b.size ? a.size > b.size : a.start < b.start;
+    });
+    std::vector<Buffer> placed;
+    size_t arena = 0, moved = 0;
+    for (Buffer b : buffers) {
+      std::vector<const Buffer*> live;  // placed buffers live at the same time
+      for (const Buffer& p : placed)
+        if (p.start <= b.end && b.start <= p.end) live.push_back(&p);
+      std::vector<size_t> candidates = {0};  // the lowest free offset is 0 or a live buffer's end
+      for (const Buffer* p : live) candidates.push_back(p->offset + p->size);
+      std::sort(candidates.begin(), candidates.end());
+      for (size_t c : candidates) {
+        if (std::all_of(live.begin(), live.end(),
+                        [&](const Buffer* p) { return p->offset >= c + b.size || p->offset + p->size <= c; })) {
+          b.offset = c;
+          break;
+        }
+      }
+      ASSERT_EQ(plan.offsets[b.value], static_cast<int64_t>(b.offset)) << what << ": value " << b.value;
+      moved += b.offset > 0 && b.offset < arena;  // placed in a gap below the top
+      arena = std::max(arena, b.offset + b.size);
+      placed.push_back(b);
+    }
+    EXPECT_EQ(plan.arena_bytes, arena) << what;
+    EXPECT_GT(moved, 0u) << what;  // the gaps below the top were used: the rule was exercised
+  };
+  for (uint64_t seed = 1; seed <= 20; ++seed) check(testing::random_graph(seed, 300, seed % 2 == 0), fmt::format("seed {}", seed));
+  for (const char* model : {"gpt2-tiny", "llama-tiny"}) {
+    Graph g = testing::training_graph(model, 4).graph;
+    check(g, model);
+    SchedulePass().run(g);
+    check(g, fmt::format("{} scheduled", model));
+  }
+}
+
 TEST(MemoryPlan, ArenaIsSmallerThanOneBufferPerValueOnGpt) {
   Graph g = testing::training_graph("gpt2-tiny", 4).graph;
   MemoryPlan plan = plan_memory(g);

@@ -255,6 +255,38 @@ TEST(MultiTensorPass, NormStopsAtAPartialSumReadElsewhere) {
   EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
 }
 
+TEST(MultiTensorPass, TwoNormsWithInterleavedTermsAreTwoNodes) {
+  // Two sums of squares built side by side, their terms and partial sums interleaved: each add
+  // tree ends where its sum is read by something other than an add of the same tree (a sqrt;
+  // an add with a scalar that is no term), whatever the order of the nodes around it.
+  const std::string text =
+      "graph @g(%ga: f32[4,3] data, %gb: f32[3] data, %gc: f32[6] data, %gd: f32[2] data, %one: f32[] data) {\n"
+      "  %0 = square(%ga) : f32[4,3]\n"
+      "  %1 = square(%gb) : f32[3]\n"
+      "  %2 = sum(%1) : f32[]\n"
+      "  %3 = sum(%0) : f32[]\n"
+      "  %4 = square(%gc) : f32[6]\n"
+      "  %5 = square(%gd) : f32[2]\n"
+      "  %6 = sum(%5) : f32[]\n"
+      "  %7 = sum(%4) : f32[]\n"
+      "  %8 = add(%6, %2) : f32[]\n"
+      "  %9 = add(%3, %7) : f32[]\n"
+      "  %10 = add(%8, %one) : f32[]\n"
+      "  %11 = sqrt(%9) : f32[]\n"
+      "  return %11, %10\n"
+      "}\n";
+  MultiTensorPass pass;
+  testing::PassOnText out = run_on_text(pass, text);
+  EXPECT_TRUE(out.changed);
+  EXPECT_EQ(count_of(out.text, "kind=\"global-norm\""), 2);
+  EXPECT_TRUE(contains(out.text, "= fused(%ga, %gc) {kind=\"global-norm\"}")) << out.text;
+  EXPECT_TRUE(contains(out.text, "= fused(%gb, %gd) {kind=\"global-norm\"}")) << out.text;
+  EXPECT_TRUE(contains(out.text, ", %one) : f32[]\n")) << out.text;  // the add with %one stays outside
+  const Graph before = parse(text), after = parse(out.text);
+  const std::vector<Tensor> inputs = random_inputs(before, 10, 0, 1);
+  EXPECT_TRUE(bitwise_equal(run_step(after, inputs), run_step(before, inputs)));
+}
+
 TEST(MultiTensorPass, NormInsideFusionGroupsIsTakenOut) {
   // Fusion makes "rows" groups of the 1-D terms and an "elementwise" group of the adds and what
   // follows them; the pass takes the pattern out of both and outlines the rest again.

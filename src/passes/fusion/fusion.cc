@@ -8,7 +8,6 @@
 #include <queue>
 #include <set>
 
-#include "analysis/memory_plan.h"
 #include "ir/op_def.h"
 #include "ops/fused/group.h"
 #include "passes/schedule.h"
@@ -286,6 +285,7 @@ int outline(Graph& graph, const std::vector<int>& group_of) {
     auto body = std::make_shared<Graph>();
     body->name = fmt::format("fused_{}", fused_count);
     std::map<ValueId, ValueId> to_body;
+    std::set<std::string> body_inputs;
     std::vector<ValueId> outer_inputs;
     int generated = 0;
     for (int m : group) {
@@ -297,7 +297,12 @@ int outline(Graph& graph, const std::vector<int>& group_of) {
           while (used.count(name));
           used.insert(name);
         }
-        to_body[id] = body->add_input(name, graph.type(id), Role::kData);
+        // What Graph::add_input does, less its walk over every value for a taken name (a
+        // multi-tensor group reads thousands of inputs): `body_inputs` holds the names taken.
+        KILN_CHECK(body_inputs.insert(name).second, "fusion: body input name '{}' is used twice", name);
+        to_body[id] = static_cast<ValueId>(body->values.size());
+        body->values.push_back(Value{name, graph.type(id)});
+        body->inputs.push_back(GraphInput{to_body[id], Role::kData});
         outer_inputs.push_back(id);
       }
     }
@@ -361,8 +366,9 @@ namespace {
 size_t outlined_arena(const Graph& graph, const std::vector<int>& group_of) {
   Graph g = graph;
   outline(g, group_of);
-  SchedulePass().run(g);
-  return plan_step_memory(std::move(g)).arena_bytes;
+  size_t arena = 0;
+  memory_aware_order(g, &arena);  // the schedule pass's order, and the arena of g run in it
+  return arena;
 }
 
 // Per group of two or more items: the bytes times node positions (in the graph's order) by
