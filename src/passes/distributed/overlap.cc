@@ -47,8 +47,12 @@ class Planner {
         collectives_(distributed::find_collectives(graph, uses_, costs)),
         t_(distributed::compute_start_times(graph, costs)) {
     sinks_.resize(collectives_.size());
+    // Reduce-scatters only: measured on 2 H200s in one call, deferring zero3's updates took
+    // GPT-2 medium from 87.7 to 86.7 ms and llama-8b from 769 to 744 ms, but dp's all-reduces
+    // from 82.9 to 84.1 ms (their transfers then slow more of the backward's GEMMs).
     for (size_t i = 0; i < collectives_.size(); ++i)
-      if (!gathers(collectives_[i])) sinks_[i] = sink_readers(collectives_[i]);
+      if (graph_.nodes[static_cast<size_t>(collectives_[i].start)].op == Op::kReduceScatter)
+        sinks_[i] = sink_readers(collectives_[i]);
   }
 
   bool empty() const { return collectives_.empty(); }
@@ -159,7 +163,7 @@ class Planner {
   Uses uses_;
   std::vector<Collective> collectives_;
   std::vector<double> t_;
-  std::vector<std::vector<int>> sinks_;  // per collective: sink_readers (reductions only)
+  std::vector<std::vector<int>> sinks_;  // per collective: sink_readers (reduce-scatters only)
 };
 
 

@@ -7,9 +7,10 @@
 //   - reductions (reduce_scatter, all_reduce of gradients): the start right after its input is
 //     made; the wait where the communication stream, running the collectives one after another
 //     in start order, is predicted to have finished it (no stall), or before its first reader.
-//     Readers that feed nothing else in the step (a gradient's optimizer update) move with the
-//     wait instead of bounding it: on LLaMA-8B zero3 (2 x H200) the reduce-scatters went from
-//     all exposed (54 ms of a 769 ms step) to mostly beside the backward (744-750 ms);
+//     A reduce-scatter's readers that feed nothing else in the step (a gradient's optimizer
+//     update) move with the wait instead of bounding it: on LLaMA-8B zero3 (2 x H200) the
+//     reduce-scatters went from all exposed (54 ms of a 769 ms step) to mostly beside the
+//     backward (744-750 ms). Not dp's all-reduces: GPT-2 medium's dp step was slower so;
 //   - gathers (all_gather of zero3's params): the prefetch. The start moves up, with the
 //     param-only work feeding it (the shard's cast, a bucket's copy-in), until the compute
 //     between it and its first reader covers its time and the collectives queued before it;
