@@ -68,8 +68,6 @@ TrainingSession::TrainingSession(Model model, SessionOptions options, ProcessGro
     trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(params), executor,
                                          std::move(passes), sharding);
     params_drawn_ = true;
-    for (const auto& [phase, seconds] : trainer_->build_seconds())
-      if (phase == "params wait") params_wait_seconds_ = seconds;
   } else {
     trainer_ = std::make_unique<Trainer>(model.forward, options_.optimizer, std::move(model.params), executor,
                                          std::move(passes), sharding);
@@ -160,10 +158,11 @@ TrainResult TrainingSession::train(const TrainingData& data, const LoopOptions& 
     }
   }
   result.compile_seconds = build_seconds_ + resuming.seconds();
-  result.params_wait_seconds = params_wait_seconds_;
+  for (const auto& [phase, seconds] : trainer.build_seconds())
+    if (phase == "params wait") result.params_wait_seconds = seconds;
   // Where the params were drawn beside the compile, the compile's time includes its wait for them.
   const std::string params_wait =
-      params_drawn_ ? fmt::format(" incl. params wait {:.2f} s", params_wait_seconds_) : "";
+      params_drawn_ ? fmt::format(" incl. params wait {:.2f} s", result.params_wait_seconds) : "";
   // Wall time since the run started: the face's setup, then the session's.
   auto run_seconds = [&] { return loop.setup_seconds + since_made_.seconds(); };
   std::ofstream metrics;

@@ -172,7 +172,6 @@ class TrainingSession {
   std::unique_ptr<Trainer> trainer_;
   double build_seconds_ = 0;
   bool params_drawn_ = false;  // by Model::draw_params, beside the compile
-  double params_wait_seconds_ = 0;
 };
 
 // "1m05s", "2h03m", "42s"; "?" for a negative or non-finite time.

@@ -44,19 +44,26 @@ std::string write_text(const std::filesystem::path& dir) {
   return path;
 }
 
-TEST(TrainingSession, JobLoopAndHandSteppedTrainerGiveOneLossSequence) {
-  const std::filesystem::path dir = temp_dir("faces");
+// A short language-model job on write_text's words, quiet.
+JobOptions text_job(const std::filesystem::path& dir, const std::string& model, int64_t steps, int64_t batch,
+                    uint64_t seed) {
   JobOptions o;
-  o.model = "gpt2-tiny";
+  o.model = model;
   o.data = write_text(dir);
-  o.steps = 6;
-  o.batch = 4;
+  o.steps = steps;
+  o.batch = batch;
   o.seq = 16;
-  o.seed = 5;
+  o.seed = seed;
   o.eval_batches = 1;
   o.optimizer.lr = 3e-3;
-  o.metrics_path = (dir / "metrics.jsonl").string();
   o.out = null_out();
+  return o;
+}
+
+TEST(TrainingSession, JobLoopAndHandSteppedTrainerGiveOneLossSequence) {
+  const std::filesystem::path dir = temp_dir("faces");
+  JobOptions o = text_job(dir, "gpt2-tiny", 6, 4, 5);
+  o.metrics_path = (dir / "metrics.jsonl").string();
   const JobResult job = run_training_job(o);
   ASSERT_EQ(job.losses.size(), 6u);
   std::vector<double> written;
@@ -107,17 +114,8 @@ TEST(TrainingSession, JobLoopAndHandSteppedTrainerGiveOneLossSequence) {
 // drawn up front, so the overlapped draw is the same draw and the step waited for it.
 TEST(TrainingSession, ParamsDrawnWhileTheStepCompilesAreTheSeedsParams) {
   const std::filesystem::path dir = temp_dir("drawn");
-  JobOptions o;
-  o.model = "llama-tiny";
-  o.data = write_text(dir);
-  o.steps = 3;
-  o.batch = 2;
-  o.seq = 16;
-  o.seed = 9;
-  o.eval_batches = 1;
-  o.optimizer.lr = 3e-3;
+  JobOptions o = text_job(dir, "llama-tiny", 3, 2, 9);
   o.checkpoint_dir = (dir / "job").string();
-  o.out = null_out();
   Task task = make_task(o);
   ASSERT_TRUE(task.model.draw_params != nullptr);  // the job's params are drawn, not given
   EXPECT_TRUE(task.model.params.empty());
